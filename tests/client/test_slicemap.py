@@ -1,0 +1,144 @@
+"""Property tests of the slice/block arithmetic against a plain bytearray model."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefs.client.slicemap import (
+    HOLE,
+    Slice,
+    WritePlan,
+    chunk_ranges,
+    overlay,
+    resolve,
+    runs_end,
+    segment_blocks,
+    slice_blocks,
+)
+from cachefs.ids import BlockKey
+
+CHUNK = 64
+BLOCK = 8
+
+slices_st = st.lists(
+    st.tuples(st.integers(0, CHUNK - 1), st.integers(1, CHUNK), st.integers(0, 20), st.booleans()),
+    max_size=12,
+)
+
+
+def _object_bytes(slice_id: int, size: int = 200) -> bytes:
+    return bytes((slice_id * 31 + i) % 251 + 1 for i in range(size))
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=slices_st, start=st.integers(0, CHUNK), length=st.integers(0, CHUNK))
+def test_resolve_matches_bytewise_model(raw, start, length) -> None:
+    end = min(CHUNK, start + length)
+    slices = []
+    model = bytearray(CHUNK)
+    for n, (pos, ln, off, hole) in enumerate(raw, start=1):
+        ln = min(ln, CHUNK - pos)
+        sid = HOLE if hole else n
+        slices.append(Slice(sid, pos, ln, off))
+        model[pos : pos + ln] = bytes(ln) if hole else _object_bytes(sid)[off : off + ln]
+    segs = resolve(slices, start, end)
+    # The segments tile [start, end) exactly, in order.
+    assert sum(s.length for s in segs) == max(0, end - start)
+    cursor = start
+    got = bytearray()
+    for seg in segs:
+        assert seg.pos == cursor and seg.length > 0
+        cursor = seg.end
+        if seg.slice_id == HOLE:
+            got += bytes(seg.length)
+            continue
+        # Build the bytes from blocks, as a reader would.
+        obj = _object_bytes(seg.slice_id)
+        piece = bytearray(seg.length)
+        for part in segment_blocks(seg, BLOCK):
+            block = obj[part.key.index * BLOCK : (part.key.index + 1) * BLOCK]
+            assert part.key.slice_id == seg.slice_id
+            assert 0 <= part.block_off and part.block_off + part.length <= BLOCK
+            piece[part.pos - seg.pos : part.pos - seg.pos + part.length] = block[
+                part.block_off : part.block_off + part.length
+            ]
+        got += piece
+    assert bytes(got) == bytes(model[start:end])
+
+
+def test_segment_blocks_names_only_needed_ranges() -> None:
+    # A 4 KiB read inside a 4 MiB block fetches 4 KiB, not the block.
+    (seg,) = resolve([Slice(7, 0, 8 << 20, 0)], 5 << 20, (5 << 20) + 4096)
+    (part,) = segment_blocks(seg, 4 << 20)
+    assert part.key == BlockKey(7, 1)
+    assert (part.block_off, part.length) == (1 << 20, 4096)
+
+
+@given(offset=st.integers(0, 1000), length=st.integers(0, 500))
+@settings(max_examples=100, deadline=None)
+def test_chunk_ranges_cover(offset, length) -> None:
+    pieces = list(chunk_ranges(offset, length, CHUNK))
+    assert sum(p[3] for p in pieces) == length
+    for chunk, pos, buf_off, n in pieces:
+        assert 0 <= pos and pos + n <= CHUNK and n > 0
+        assert chunk * CHUNK + pos == offset + buf_off
+
+
+def test_slice_blocks() -> None:
+    assert slice_blocks(20, 8) == [(0, 0, 8), (1, 8, 16), (2, 16, 20)]
+    assert slice_blocks(0, 8) == []
+
+
+writes_st = st.lists(
+    st.tuples(st.integers(0, 3 * CHUNK), st.binary(min_size=1, max_size=40), st.booleans()),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(writes=writes_st, max_run=st.integers(1, 48))
+def test_write_plan_commit_and_overlay_match_model(writes, max_run) -> None:
+    """Writes cut into runs, committed as slices, read back (with pending runs
+    overlaid) equal a bytearray that took the same writes."""
+    plan = WritePlan(max_run, CHUNK)
+    model = bytearray()
+    chunks: dict[int, list[Slice]] = {}
+    objects: dict[int, bytes] = {}
+    next_id = 1
+    for offset, data, flush in writes:
+        if len(model) < offset + len(data):
+            model.extend(bytes(offset + len(data) - len(model)))
+        model[offset : offset + len(data)] = data
+        sealed = plan.add(offset, data)
+        if flush:
+            sealed += plan.seal()
+        for run in sealed:
+            assert 0 < len(run.data) <= max_run and run.end <= CHUNK
+            objects[next_id] = bytes(run.data)
+            chunks.setdefault(run.chunk, []).append(Slice(next_id, run.pos, len(run.data), 0))
+            next_id += 1
+    pending = [plan.open] if plan.open is not None else []
+    committed_end = max(
+        (c * CHUNK + s.pos + s.length for c, sl in chunks.items() for s in sl), default=0
+    )
+    size = max(committed_end, runs_end(pending, CHUNK))
+    assert size == len(model)
+    buf = bytearray(size)
+    for chunk, pos, buf_off, n in chunk_ranges(0, size, CHUNK):
+        for seg in resolve(chunks.get(chunk, []), pos, pos + n):
+            if seg.slice_id != HOLE:
+                data = objects[seg.slice_id][seg.slice_off : seg.slice_off + seg.length]
+                buf[buf_off + seg.pos - pos : buf_off + seg.end - pos] = data
+    overlay(pending, 0, buf, CHUNK)
+    assert bytes(buf) == bytes(model)
+
+
+def test_small_random_write_is_a_small_slice() -> None:
+    plan = WritePlan(4 << 20)
+    assert plan.add(10 << 20, b"x" * 4096) == []
+    sealed = plan.add(0, b"y" * 4096)  # not touching the open run: seals it
+    assert [(r.chunk, r.pos, len(r.data)) for r in sealed] == [(0, 10 << 20, 4096)]
+    assert [len(r.data) for r in plan.seal()] == [4096]
+    assert plan.seal() == []
