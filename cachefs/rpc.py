@@ -1,0 +1,698 @@
+"""The RPC layer on trio: server, connections and a per-peer connection pool.
+
+The frame format and handshake live in :mod:`cachefs.wire` (sans-IO); this
+module owns sockets, tasks, deadlines and limits.
+
+Theory of operation
+-------------------
+A :class:`Connection` has one reader task, which receives straight into the
+decoder's buffers (``recv_into``: bulk payloads land in their final buffer),
+and one writer task, which drains an outbox: frames queued by many callers
+while the socket was busy go out in one ``sendmsg``. That coalescing is what
+lets 64 small calls in flight share syscalls.
+
+Client side, each call takes a slot (a call id and an event), queues its
+frame, and waits under ``trio.fail_after``. A reply finds its slot by id, in
+any order. A call that times out removes its slot, so its late reply finds
+nothing and is dropped.
+
+Server side, the reader spawns one task per request (bounded by
+``Limits.max_inflight``; above it the caller gets ``EBUSY`` at once), checks
+the arguments against the handler's annotations, runs the handler under the
+caller's deadline, and queues the reply. Malformed input closes only that
+connection, after an error frame; the server keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import os
+import time
+import types
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from cachefs import metrics, wire
+from cachefs.errors import (
+    AuthFailed,
+    Busy,
+    CacheFSError,
+    ConnectionLost,
+    FrameTooLarge,
+    InvalidArgument,
+    NoSuchMethod,
+    ProtocolError,
+    TimedOut,
+    Unavailable,
+    Unreachable,
+    error_from_wire,
+)
+
+log = logging.getLogger(__name__)
+
+IOV_BATCH = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-connection limits; the same object configures both ends."""
+
+    max_payload: int = wire.DEFAULT_MAX_PAYLOAD
+    max_header: int = wire.DEFAULT_MAX_HEADER
+    max_inflight: int = 1024
+    idle_timeout: float = 300.0
+    handshake_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    max_outbox_bytes: int = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a call returns: a msgpack-able result and optional bulk bytes."""
+
+    result: Any = None
+    payload: wire.Payload | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """Who is calling; handlers that want it declare a ``ctx`` parameter."""
+
+    peer: str
+    conn_id: int
+    deadline: float
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"address must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+# ---------------------------------------------------------------- methods
+
+def rpc_method(fn: Callable[..., Awaitable[Any]] | None = None, *, name: str | None = None) -> Any:
+    """Mark an async method of a service object as callable over RPC."""
+
+    def mark(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        f.__rpc_name__ = name or f.__name__  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+_SIMPLE = {int: (int,), float: (float, int), str: (str,), bytes: (bytes,), bool: (bool,),
+           list: (list,), dict: (dict,), type(None): (type(None),)}
+
+
+def _accepted_types(annotation: Any) -> tuple[type, ...] | None:
+    """The runtime types an annotation admits, or None for "anything"."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        out: list[type] = []
+        for arg in typing.get_args(annotation):
+            sub = _accepted_types(arg)
+            if sub is None:
+                return None
+            out.extend(sub)
+        return tuple(out)
+    if origin is not None:
+        annotation = origin
+    return _SIMPLE.get(annotation)
+
+
+@dataclass(frozen=True, slots=True)
+class _Param:
+    name: str
+    types: tuple[type, ...] | None
+    required: bool
+
+
+class Method:
+    """A handler with its argument checker, built once at registration."""
+
+    def __init__(self, name: str, fn: Callable[..., Awaitable[Any]]) -> None:
+        self.name = name
+        self.fn = fn
+        hints = typing.get_type_hints(fn)
+        sig = inspect.signature(fn)
+        self.wants_payload = "payload" in sig.parameters
+        self.wants_ctx = "ctx" in sig.parameters
+        self.params: dict[str, _Param] = {}
+        for p in sig.parameters.values():
+            if p.name in ("self", "payload", "ctx") or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            self.params[p.name] = _Param(p.name, _accepted_types(hints.get(p.name, Any)),
+                                         p.default is inspect.Parameter.empty)
+        self.required = [p.name for p in self.params.values() if p.required]
+
+    def check(self, args: dict[str, Any]) -> None:
+        for key, value in args.items():
+            param = self.params.get(key)
+            if param is None:
+                raise InvalidArgument(f"{self.name}: unexpected argument {key!r}")
+            if param.types is not None and (
+                not isinstance(value, param.types)
+                or (isinstance(value, bool) and bool not in param.types)
+            ):
+                raise InvalidArgument(
+                    f"{self.name}: argument {key!r} must be "
+                    f"{' or '.join(t.__name__ for t in param.types)}, got {type(value).__name__}"
+                )
+        for key in self.required:
+            if key not in args:
+                raise InvalidArgument(f"{self.name}: missing argument {key!r}")
+
+
+def collect_methods(*services: Any) -> dict[str, Method]:
+    """Every ``@rpc_method`` of the given service objects, by wire name."""
+    methods: dict[str, Method] = {}
+    for service in services:
+        for attr in dir(type(service)):
+            fn = getattr(service, attr, None)
+            name = getattr(fn, "__rpc_name__", None)
+            if name is None:
+                continue
+            if name in methods:
+                raise ValueError(f"RPC method {name!r} defined twice")
+            methods[name] = Method(name, fn)
+    return methods
+
+
+# ---------------------------------------------------------------- connection
+
+_conn_ids = itertools.count(1)
+
+
+class Connection:
+    """One authenticated stream, used by both the server and the client.
+
+    The caller runs :meth:`run` in a nursery; it returns when the stream
+    closes. ``on_event`` receives every frame after the handshake.
+    """
+
+    def __init__(self, stream: trio.SocketStream, peer: str, limits: Limits) -> None:
+        self.stream = stream
+        self.sock = stream.socket
+        self.peer = peer
+        self.limits = limits
+        self.conn_id = next(_conn_ids)
+        self.decoder = wire.FrameDecoder(max_header=limits.max_header, max_payload=limits.max_payload)
+        self._outbox: list[wire.Payload] = []
+        self._outbox_bytes = 0
+        self._wakeup = trio.Event()
+        self._drained = trio.Event()
+        self.closed = False
+        self.last_activity = time.monotonic()
+
+    # -- sending
+
+    def send(self, event: wire.Event) -> None:
+        """Queue a frame; the writer task sends it. Never blocks."""
+        if self.closed:
+            raise ConnectionLost(f"connection to {self.peer} is closed")
+        bufs = wire.encode(event)
+        self._outbox.extend(bufs)
+        self._outbox_bytes += sum(len(b) for b in bufs)
+        self._wakeup.set()
+
+    async def send_and_wait(self, event: wire.Event) -> None:
+        """Queue a frame, waiting first if the outbox is over its limit."""
+        while self._outbox_bytes > self.limits.max_outbox_bytes and not self.closed:
+            await self._drained.wait()
+        self.send(event)
+
+    async def writer(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            while self._outbox and not self.closed:
+                bufs, self._outbox, self._outbox_bytes = self._outbox, [], 0
+                await self._send_buffers(bufs)
+            self._drained.set()
+            self._drained = trio.Event()
+
+    async def _send_buffers(self, bufs: list[wire.Payload]) -> None:
+        views = [memoryview(b).cast("B") for b in bufs]
+        while views:
+            batch = views[:IOV_BATCH]
+            try:
+                sent = await self.sock.sendmsg(batch)
+            except OSError as exc:
+                # Reader and callers notice through ``closed`` and the socket.
+                log.debug("send to %s failed: %s", self.peer, exc)
+                self.closed = True
+                self.sock.close()
+                return
+            while sent:
+                first = views[0]
+                if sent >= len(first):
+                    sent -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[sent:]
+                    sent = 0
+
+    # -- receiving
+
+    async def receive_event(self) -> wire.Event:
+        """The next frame.
+
+        Raises:
+            ConnectionLost: the peer closed the stream.
+            ProtocolError, FrameTooLarge: the peer sent garbage.
+        """
+        decoder = self.decoder
+        while True:
+            event = decoder.next_event()
+            if event is not None:
+                self.last_activity = time.monotonic()
+                return event
+            buf = decoder.get_buffer()
+            try:
+                n = await self.sock.recv_into(buf)
+            except (OSError, trio.ClosedResourceError) as exc:
+                raise ConnectionLost(f"{self.peer}: {exc}") from None
+            if n == 0:
+                raise ConnectionLost(f"{self.peer} closed the connection")
+            decoder.buffer_updated(n)
+
+    async def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+        self._drained.set()
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            await self.stream.aclose()
+
+
+async def _flush_and_close(conn: Connection, event: wire.Event | None = None) -> None:
+    """Best effort: send a last frame (an error), then close."""
+    with trio.move_on_after(1):
+        if event is not None:
+            try:
+                for buf in wire.encode(event):
+                    await conn.stream.send_all(buf)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+    await conn.close()
+
+
+# ---------------------------------------------------------------- server
+
+class RpcServer:
+    """Serves the ``@rpc_method`` handlers of one or more service objects."""
+
+    def __init__(self, *services: Any, name: str, secret: bytes | None,
+                 limits: Limits = Limits(), methods: dict[str, Method] | None = None) -> None:
+        self.name = name
+        self.secret = secret
+        self.limits = limits
+        self.methods = methods if methods is not None else collect_methods(*services)
+        self.port: int | None = None
+        self._listen_scope: trio.CancelScope | None = None
+        self._conn_scope: trio.CancelScope | None = None
+        self._draining = False
+        self._inflight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.connections: set[Connection] = set()
+
+    def add_service(self, service: Any) -> None:
+        """Register more handlers (e.g. Raft's) before serving."""
+        for name, method in collect_methods(service).items():
+            if name in self.methods:
+                raise ValueError(f"RPC method {name!r} defined twice")
+            self.methods[name] = method
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled or :meth:`shutdown` finishes."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("%s listening on %s:%d", self.name, host, self.port)
+        async with trio.open_nursery() as conn_nursery:
+            self._conn_scope = conn_nursery.cancel_scope
+            with trio.CancelScope() as self._listen_scope:
+                task_status.started(self.port)
+                await trio.serve_listeners(
+                    functools.partial(self._serve_connection, conn_nursery=conn_nursery),
+                    listeners, handler_nursery=conn_nursery)
+            # Listening stopped (shutdown); connections finish in shutdown().
+            await trio.sleep_forever()
+
+    async def shutdown(self, grace: float = 5.0) -> None:
+        """Stop accepting, let calls in flight finish up to ``grace`` seconds."""
+        self._draining = True
+        if self._listen_scope is not None:
+            self._listen_scope.cancel()
+        with trio.move_on_after(grace):
+            await self._idle.wait()
+        if self._conn_scope is not None:
+            self._conn_scope.cancel()
+
+    async def _serve_connection(self, stream: trio.SocketStream, *, conn_nursery: trio.Nursery) -> None:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            await stream.aclose()
+            return
+        conn = Connection(stream, peer, self.limits)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.writer)
+                try:
+                    if await self._handshake(conn):
+                        self.connections.add(conn)
+                        await self._read_requests(conn, nursery)
+                except (FrameTooLarge, ProtocolError) as exc:
+                    log.warning("%s: closing connection from %s: %s", self.name, peer, exc.message)
+                    await _flush_and_close(conn, wire.ErrorReply(0, exc.code, exc.message))
+                except ConnectionLost:
+                    pass
+                nursery.cancel_scope.cancel()
+        finally:
+            self.connections.discard(conn)
+            await conn.close()
+
+    async def _handshake(self, conn: Connection) -> bool:
+        nonce = os.urandom(wire.NONCE_SIZE)
+        conn.send(wire.Hello(wire.PROTOCOL_VERSION, nonce, self.secret is not None))
+        with trio.move_on_after(self.limits.handshake_timeout):
+            event = await conn.receive_event()
+            if not isinstance(event, wire.Auth):
+                raise ProtocolError(f"expected the handshake, got {type(event).__name__}")
+            if self.secret is None:
+                conn.send(wire.Welcome(b""))
+                return True
+            expected = wire.client_proof(self.secret, nonce, event.nonce)
+            if not wire.proofs_match(expected, event.proof):
+                log.warning("%s: authentication failed from %s (wrong cluster secret?)", self.name, conn.peer)
+                await _flush_and_close(conn, wire.ErrorReply(0, AuthFailed.code, "authentication failed"))
+                return False
+            conn.send(wire.Welcome(wire.server_proof(self.secret, nonce, event.nonce)))
+            return True
+        log.warning("%s: %s sent no handshake within %.1fs", self.name, conn.peer, self.limits.handshake_timeout)
+        return False
+
+    async def _read_requests(self, conn: Connection, nursery: trio.Nursery) -> None:
+        inflight = 0
+
+        def done() -> None:
+            nonlocal inflight
+            inflight -= 1
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+        while True:
+            if inflight == 0:
+                # Idle timeout only applies to a connection with nothing in flight.
+                with trio.move_on_after(self.limits.idle_timeout) as idle:
+                    event = await conn.receive_event()
+                if idle.cancelled_caught:
+                    log.info("%s: closing idle connection from %s", self.name, conn.peer)
+                    return
+            else:
+                event = await conn.receive_event()
+            if not isinstance(event, wire.Request):
+                raise ProtocolError(f"expected a request, got {type(event).__name__}")
+            if self._draining:
+                conn.send(wire.ErrorReply(event.call_id, Unavailable.code, f"{self.name} is shutting down"))
+                continue
+            if inflight >= self.limits.max_inflight:
+                conn.send(wire.ErrorReply(event.call_id, Busy.code,
+                                          f"more than {self.limits.max_inflight} calls in flight on one connection"))
+                continue
+            inflight += 1
+            self._inflight += 1
+            self._idle = trio.Event() if self._idle.is_set() else self._idle
+            nursery.start_soon(self._run_call, conn, event, done)
+
+    async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            try:
+                reply = await self._dispatch(conn, req)
+            except CacheFSError as exc:
+                code = exc.code
+                reply = wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
+            except Exception:
+                code = "EIO"
+                log.exception("%s: handler %s failed", self.name, req.method)
+                reply = wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
+            try:
+                await conn.send_and_wait(reply)
+            except TypeError:
+                code = "EIO"
+                log.error("%s: %s returned a value msgpack cannot encode", self.name, req.method)
+                await conn.send_and_wait(wire.ErrorReply(req.call_id, "EIO", f"unencodable result from {req.method}"))
+            except ConnectionLost:
+                pass
+        finally:
+            done()
+            metrics.observe_call(self.name, req.method if req.method in self.methods else "<unknown>",
+                                 code, time.perf_counter() - started,
+                                 len(req.payload or b""))
+
+    async def _dispatch(self, conn: Connection, req: wire.Request) -> wire.Event:
+        method = self.methods.get(req.method)
+        if method is None:
+            raise NoSuchMethod(f"{self.name} has no method {req.method!r}")
+        method.check(req.args)
+        kwargs = dict(req.args)
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else self.limits.idle_timeout
+        if method.wants_payload:
+            kwargs["payload"] = req.payload
+        elif req.payload:
+            raise InvalidArgument(f"{req.method} takes no payload")
+        if method.wants_ctx:
+            kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + timeout)
+        with trio.move_on_after(timeout) as scope:
+            result = await method.fn(**kwargs)
+        if scope.cancelled_caught:
+            raise TimedOut(f"{req.method} passed its deadline of {timeout:.3f}s on {self.name}")
+        if isinstance(result, Reply):
+            return wire.Response(req.call_id, result.result, result.payload)
+        return wire.Response(req.call_id, result)
+
+
+def _wire_details(details: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in details.items() if isinstance(v, str | int | float | bool | bytes | None)}
+
+
+# ---------------------------------------------------------------- client
+
+class _Slot:
+    __slots__ = ("event", "reply")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.reply: wire.Event | CacheFSError | None = None
+
+
+class ClientConnection:
+    """The calling side of one connection; many calls in flight."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._ids = itertools.count(1)
+        self._slots: dict[int, _Slot] = {}
+        self._limit = trio.Semaphore(conn.limits.max_inflight)
+
+    @classmethod
+    async def connect(cls, addr: str, *, secret: bytes | None, limits: Limits,
+                      nursery: trio.Nursery) -> ClientConnection:
+        """Open and authenticate a connection whose tasks live in ``nursery``.
+
+        Raises:
+            Unreachable: nothing listens there. AuthFailed: secret mismatch.
+            TimedOut: no handshake in time.
+        """
+        host, port = parse_addr(addr)
+        try:
+            with trio.fail_after(limits.connect_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise TimedOut(f"connecting to {addr} took over {limits.connect_timeout}s") from None
+        except OSError as exc:
+            raise Unreachable(f"cannot connect to {addr}: {exc.strerror or exc}") from None
+        conn = Connection(stream, addr, limits)
+        try:
+            with trio.fail_after(limits.handshake_timeout):
+                await cls._handshake(conn, secret)
+        except trio.TooSlowError:
+            await conn.close()
+            raise TimedOut(f"{addr} did not finish the handshake in time") from None
+        except BaseException:
+            await conn.close()
+            raise
+        client = cls(conn)
+        nursery.start_soon(client._run)
+        return client
+
+    @staticmethod
+    async def _handshake(conn: Connection, secret: bytes | None) -> None:
+        hello = await conn.receive_event()
+        if isinstance(hello, wire.ErrorReply):
+            raise error_from_wire(hello.code, hello.message, hello.details)
+        if not isinstance(hello, wire.Hello):
+            raise ProtocolError(f"{conn.peer} did not start with a handshake")
+        if hello.auth_required and secret is None:
+            raise AuthFailed(f"{conn.peer} requires the cluster secret and none is configured")
+        if not hello.auth_required and secret is not None:
+            raise AuthFailed(f"{conn.peer} runs without authentication but this side has a secret")
+        nonce = os.urandom(wire.NONCE_SIZE)
+        proof = wire.client_proof(secret, hello.nonce, nonce) if secret is not None else b""
+        for buf in wire.encode(wire.Auth(nonce, proof)):
+            await conn.stream.send_all(buf)
+        answer = await conn.receive_event()
+        if isinstance(answer, wire.ErrorReply):
+            raise error_from_wire(answer.code, answer.message, answer.details)
+        if not isinstance(answer, wire.Welcome):
+            raise ProtocolError(f"{conn.peer} answered the handshake with {type(answer).__name__}")
+        if secret is not None and not wire.proofs_match(wire.server_proof(secret, hello.nonce, nonce), answer.proof):
+            raise AuthFailed(f"{conn.peer} could not prove knowledge of the cluster secret")
+
+    async def _run(self) -> None:
+        conn = self.conn
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.writer)
+                try:
+                    while True:
+                        event = await conn.receive_event()
+                        call_id = getattr(event, "call_id", None)
+                        if call_id == 0 and isinstance(event, wire.ErrorReply):
+                            raise error_from_wire(event.code, event.message, event.details)
+                        slot = self._slots.pop(call_id, None) if call_id is not None else None
+                        if slot is not None:  # else: a reply to a call that timed out
+                            slot.reply = event
+                            slot.event.set()
+                except (ConnectionLost, ProtocolError, FrameTooLarge) as exc:
+                    self._fail_all(exc)
+                except CacheFSError as exc:
+                    self._fail_all(exc)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._fail_all(ConnectionLost(f"connection to {conn.peer} closed"))
+            await conn.close()
+
+    def _fail_all(self, exc: CacheFSError) -> None:
+        self.conn.closed = True
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            slot.reply = exc
+            slot.event.set()
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, *,
+                   payload: wire.Payload | None = None, timeout: float = 30.0) -> Reply:
+        """One call. Raises the typed error the peer sent, or TimedOut."""
+        async with self._limit:
+            call_id = next(self._ids)
+            slot = _Slot()
+            self._slots[call_id] = slot
+            try:
+                with trio.fail_after(timeout):
+                    await self.conn.send_and_wait(
+                        wire.Request(call_id, method, args or {}, max(1, int(timeout * 1000)), payload))
+                    await slot.event.wait()
+            except trio.TooSlowError:
+                raise TimedOut(f"{method} to {self.conn.peer} passed its deadline of {timeout}s") from None
+            finally:
+                self._slots.pop(call_id, None)  # a late reply is dropped
+        reply = slot.reply
+        if isinstance(reply, wire.Response):
+            return Reply(reply.result, reply.payload)
+        if isinstance(reply, wire.ErrorReply):
+            raise error_from_wire(reply.code, reply.message, reply.details)
+        if isinstance(reply, CacheFSError):
+            raise type(reply)(reply.message, remote=reply.remote, **reply.details)
+        raise ProtocolError(f"{self.conn.peer} answered {method} with {type(reply).__name__}")
+
+    async def aclose(self) -> None:
+        await self.conn.close()
+
+
+class RpcPool:
+    """One connection per peer address, reconnected on demand with back-off.
+
+    Use as ``async with RpcPool(secret=...) as pool``; the pool's nursery owns
+    the connections' tasks. A broken connection is noticed by its reader
+    (the peer's FIN or RST) and replaced on the next call; calls are never
+    retried here, since only the caller knows what is idempotent.
+    """
+
+    def __init__(self, *, secret: bytes | None, limits: Limits = Limits(),
+                 backoff_initial: float = 0.05, backoff_max: float = 2.0) -> None:
+        self.secret = secret
+        self.limits = limits
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self._conns: dict[str, ClientConnection] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+        self._backoff: dict[str, tuple[float, float]] = {}  # addr -> (retry_at, delay)
+        self._nursery: trio.Nursery | None = None
+
+    async def __aenter__(self) -> RpcPool:
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        return await self._nursery_cm.__aexit__(*exc_info)
+
+    async def connection(self, addr: str) -> ClientConnection:
+        conn = self._conns.get(addr)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._connecting.setdefault(addr, trio.Lock())
+        async with lock:
+            conn = self._conns.get(addr)
+            if conn is not None and not conn.closed:
+                return conn
+            retry_at, delay = self._backoff.get(addr, (0.0, 0.0))
+            now = trio.current_time()
+            if now < retry_at:
+                raise Unreachable(f"{addr} is unreachable (retrying in {retry_at - now:.2f}s)")
+            if self._nursery is None:
+                raise RuntimeError("RpcPool used outside 'async with'")
+            try:
+                conn = await ClientConnection.connect(addr, secret=self.secret, limits=self.limits,
+                                                      nursery=self._nursery)
+            except (Unreachable, TimedOut):
+                delay = min(self.backoff_max, max(self.backoff_initial, delay * 2))
+                self._backoff[addr] = (trio.current_time() + delay, delay)
+                raise
+            self._backoff.pop(addr, None)
+            self._conns[addr] = conn
+            return conn
+
+    async def call(self, addr: str, method: str, args: dict[str, Any] | None = None, *,
+                   payload: wire.Payload | None = None, timeout: float = 30.0) -> Reply:
+        """One call to ``addr``; connecting counts against ``timeout`` too."""
+        deadline = trio.current_time() + timeout
+        conn = await self.connection(addr)
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            raise TimedOut(f"{method} to {addr} passed its deadline of {timeout}s while connecting")
+        return await conn.call(method, args, payload=payload, timeout=remaining)
+
+    def forget(self, addr: str) -> None:
+        """Drop the connection to ``addr`` (e.g. after the peer restarted)."""
+        self._conns.pop(addr, None)

@@ -1,0 +1,312 @@
+"""The wire protocol, sans-IO: frame encoding and an incremental decoder.
+
+Theory of operation
+-------------------
+Every message is one frame::
+
+    +----------------+-----------------+------------------+-------------------+
+    | header_len u32 | payload_len u32 | header (msgpack) | payload (raw)     |
+    +----------------+-----------------+------------------+-------------------+
+
+The header is a small msgpack array whose first element says what it is
+(:class:`Request`, :class:`Response`, :class:`ErrorReply`, and the three
+handshake messages). The payload is bulk data (a block, a shard) that msgpack
+never sees: the sender hands it to the socket as a separate buffer, and the
+receiver's :class:`FrameDecoder` points the socket straight at a buffer of the
+payload's size, so bulk bytes are copied once, from the kernel into their
+final buffer, on either side.
+
+The decoder follows asyncio's BufferedProtocol shape: the driver asks
+:meth:`FrameDecoder.get_buffer` where the next bytes should land, receives
+into it, reports the count with :meth:`FrameDecoder.buffer_updated`, then
+drains :meth:`FrameDecoder.next_event`. Limits are checked on the length
+prefix, before anything is allocated.
+
+Handshake (mutual HMAC challenge-response, before any other frame)::
+
+    server -> Hello(version, nonce_s, auth_required)
+    client -> Auth(nonce_c, HMAC(secret, "cachefs-client" | nonce_s | nonce_c))
+    server -> Welcome(HMAC(secret, "cachefs-server" | nonce_c | nonce_s))
+
+A fresh ``nonce_s`` per connection makes a recorded ``Auth`` useless later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from cachefs.errors import FrameTooLarge, ProtocolError
+
+PROTOCOL_VERSION = 1
+NONCE_SIZE = 32
+
+PREFIX = struct.Struct(">II")
+DEFAULT_MAX_HEADER = 1 << 20
+DEFAULT_MAX_PAYLOAD = 64 << 20
+MAX_METHOD_LEN = 64
+MAX_CALL_ID = (1 << 63) - 1
+
+# Payloads up to this size are joined with their header into one buffer: one
+# small copy is cheaper than a second iovec and syscall bookkeeping.
+COALESCE_LIMIT = 64 * 1024
+
+_REQUEST, _RESPONSE, _ERROR, _HELLO, _AUTH, _WELCOME = range(6)
+
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    call_id: int
+    method: str
+    args: dict[str, Any]
+    timeout_ms: int = 0
+    payload: Payload | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    call_id: int
+    result: Any
+    payload: Payload | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    call_id: int
+    code: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    nonce: bytes
+    auth_required: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    proof: bytes
+
+
+Event = Request | Response | ErrorReply | Hello | Auth | Welcome
+
+
+# ---------------------------------------------------------------- encoding
+
+def _header_of(event: Event) -> list[Any]:
+    match event:
+        case Request(call_id, method, args, timeout_ms):
+            return [_REQUEST, call_id, method, args, timeout_ms]
+        case Response(call_id, result):
+            return [_RESPONSE, call_id, result]
+        case ErrorReply(call_id, code, message, details):
+            return [_ERROR, call_id, code, message, details]
+        case Hello(version, nonce, auth_required):
+            return [_HELLO, version, nonce, auth_required]
+        case Auth(nonce, proof):
+            return [_AUTH, nonce, proof]
+        case Welcome(proof):
+            return [_WELCOME, proof]
+    raise TypeError(f"not a wire event: {event!r}")
+
+
+def encode(event: Event) -> list[Payload]:
+    """Encode one frame as a list of buffers to send in order.
+
+    Raises:
+        TypeError: the header holds something msgpack cannot encode.
+    """
+    header = msgpack.packb(_header_of(event), use_bin_type=True)
+    payload = getattr(event, "payload", None)
+    size = 0 if payload is None else len(payload)
+    head = PREFIX.pack(len(header), size) + header
+    if not size:
+        return [head]
+    if size <= COALESCE_LIMIT:
+        return [head + bytes(payload)]
+    return [head, payload]
+
+
+# ---------------------------------------------------------------- decoding
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(f"malformed frame: {what}")
+
+
+def _is_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_CALL_ID
+
+
+def _event_of(header: Any, payload: bytearray | None) -> Event:
+    _check(isinstance(header, list) and header and type(header[0]) is int, "header is not a tagged array")
+    kind, rest = header[0], header[1:]
+    if kind == _REQUEST:
+        _check(len(rest) == 4, "request needs 4 fields")
+        call_id, method, args, timeout_ms = rest
+        _check(_is_id(call_id), "call id")
+        _check(isinstance(method, str) and 0 < len(method) <= MAX_METHOD_LEN, "method name")
+        _check(isinstance(args, dict) and all(isinstance(k, str) for k in args), "args must be a map with string keys")
+        _check(type(timeout_ms) is int and timeout_ms >= 0, "timeout")
+        return Request(call_id, method, args, timeout_ms, payload)
+    if kind == _RESPONSE:
+        _check(len(rest) == 2 and _is_id(rest[0]), "response")
+        return Response(rest[0], rest[1], payload)
+    if kind == _ERROR:
+        _check(len(rest) == 4 and _is_id(rest[0]), "error reply")
+        call_id, code, message, details = rest
+        _check(isinstance(code, str) and isinstance(message, str) and isinstance(details, dict), "error fields")
+        return ErrorReply(call_id, code, message, details)
+    if kind == _HELLO:
+        _check(len(rest) == 3 and type(rest[0]) is int and isinstance(rest[1], bytes)
+               and len(rest[1]) == NONCE_SIZE and isinstance(rest[2], bool), "hello")
+        return Hello(rest[0], rest[1], rest[2])
+    if kind == _AUTH:
+        _check(len(rest) == 2 and isinstance(rest[0], bytes) and len(rest[0]) == NONCE_SIZE
+               and isinstance(rest[1], bytes), "auth")
+        return Auth(rest[0], rest[1])
+    if kind == _WELCOME:
+        _check(len(rest) == 1 and isinstance(rest[0], bytes), "welcome")
+        return Welcome(rest[0])
+    raise ProtocolError(f"malformed frame: unknown kind {kind}")
+
+
+class FrameDecoder:
+    """Incremental frame decoder that lets the driver receive in place.
+
+    Invariant: bytes ``_buf[_start:_end]`` are received but not yet parsed;
+    when ``_payload`` is set, a header has been parsed and its payload is
+    being filled up to ``_filled``.
+    """
+
+    def __init__(self, *, max_header: int = DEFAULT_MAX_HEADER,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, buffer_size: int = 256 * 1024) -> None:
+        self.max_header = max_header
+        self.max_payload = max_payload
+        self._buf = bytearray(buffer_size)
+        self._start = 0
+        self._end = 0
+        self._header: Any = None
+        self._payload: bytearray | None = None
+        self._filled = 0
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes should be written (never empty)."""
+        if self._payload is not None:
+            return memoryview(self._payload)[self._filled:]
+        if self._end == len(self._buf):
+            self._make_room(len(self._buf) // 2 or 1)
+        return memoryview(self._buf)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._payload is not None:
+            self._filled += nbytes
+        else:
+            self._end += nbytes
+
+    def receive_data(self, data: bytes) -> None:
+        """Copying entry point, for tests and callers without recv_into."""
+        view = memoryview(data)
+        while view:
+            target = self.get_buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
+            if self._payload is not None and self._filled == len(self._payload):
+                # The payload is complete; stash the rest in the byte buffer.
+                self._stash_rest(view)
+                return
+
+    def _stash_rest(self, view: memoryview) -> None:
+        if not view:
+            return
+        self._make_room(len(view))
+        self._buf[self._end:self._end + len(view)] = view
+        self._end += len(view)
+
+    def _make_room(self, needed: int) -> None:
+        """Compact (and grow if needed) so that ``needed`` more bytes fit."""
+        pending = self._end - self._start
+        if self._start:
+            self._buf[:pending] = self._buf[self._start:self._end]
+            self._start, self._end = 0, pending
+        if len(self._buf) - self._end < needed:
+            self._buf.extend(bytes(needed - (len(self._buf) - self._end)))
+
+    def next_event(self) -> Event | None:
+        """The next complete event, or None until more bytes arrive.
+
+        Raises:
+            FrameTooLarge: a length prefix is over a limit (close the stream).
+            ProtocolError: the header is not a valid message (close the stream).
+        """
+        if self._payload is not None:
+            if self._filled < len(self._payload):
+                return None
+            header, payload = self._header, self._payload
+            self._header, self._payload, self._filled = None, None, 0
+            return _event_of(header, payload)
+        available = self._end - self._start
+        if available < PREFIX.size:
+            return None
+        header_len, payload_len = PREFIX.unpack_from(self._buf, self._start)
+        if header_len > self.max_header or header_len == 0:
+            raise FrameTooLarge(f"frame header of {header_len} bytes (limit {self.max_header})")
+        if payload_len > self.max_payload:
+            raise FrameTooLarge(f"frame payload of {payload_len} bytes (limit {self.max_payload})")
+        head_end = self._start + PREFIX.size + header_len
+        if self._end < head_end:
+            if len(self._buf) - self._start < PREFIX.size + header_len:
+                self._make_room(PREFIX.size + header_len - available)
+            return None
+        try:
+            header = msgpack.unpackb(memoryview(self._buf)[self._start + PREFIX.size:head_end], raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"malformed frame: header is not msgpack ({exc.__class__.__name__})") from None
+        self._start = head_end
+        if payload_len == 0:
+            self._compact_if_empty()
+            return _event_of(header, None)
+        payload = bytearray(payload_len)
+        take = min(payload_len, self._end - self._start)
+        payload[:take] = memoryview(self._buf)[self._start:self._start + take]
+        self._start += take
+        self._compact_if_empty()
+        if take == payload_len:
+            return _event_of(header, payload)
+        self._header, self._payload, self._filled = header, payload, take
+        return None
+
+    def _compact_if_empty(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+
+
+# ---------------------------------------------------------------- handshake
+
+def client_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"cachefs-client" + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, b"cachefs-server" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def proofs_match(expected: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(expected, given)
