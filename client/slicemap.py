@@ -137,7 +137,9 @@ def segment_blocks(seg: Segment, block_size: int) -> list[BlockPart]:
     return parts
 
 
-def chunk_ranges(offset: int, length: int, chunk_size: int = CHUNK_SIZE) -> Iterator[tuple[int, int, int, int]]:
+def chunk_ranges(
+    offset: int, length: int, chunk_size: int = CHUNK_SIZE
+) -> Iterator[tuple[int, int, int, int]]:
     """Cut file range ``[offset, offset+length)`` at chunk boundaries.
 
     Yields ``(chunk_index, chunk_pos, buf_off, n)``.
@@ -224,7 +226,9 @@ class WritePlan:
         return len(self.open.data) if self.open is not None else 0
 
 
-def overlay(runs: Iterable[Run], offset: int, buf: bytearray | memoryview, chunk_size: int = CHUNK_SIZE) -> int:
+def overlay(
+    runs: Iterable[Run], offset: int, buf: bytearray | memoryview, chunk_size: int = CHUNK_SIZE
+) -> int:
     """Copy pending runs (oldest first) over ``buf``, which holds file bytes from ``offset``.
 
     Returns the end (file offset) of the furthest run byte written into ``buf``,

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cachefs.client.slicemap import (
     HOLE,
     Slice,
@@ -16,6 +13,9 @@ from cachefs.client.slicemap import (
     segment_blocks,
     slice_blocks,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cachefs.ids import BlockKey
 
 CHUNK = 64
@@ -59,7 +59,7 @@ def test_resolve_matches_bytewise_model(raw, start, length) -> None:
         for part in segment_blocks(seg, BLOCK):
             block = obj[part.key.index * BLOCK : (part.key.index + 1) * BLOCK]
             assert part.key.slice_id == seg.slice_id
-            assert 0 <= part.block_off and part.block_off + part.length <= BLOCK
+            assert part.block_off >= 0 and part.block_off + part.length <= BLOCK
             piece[part.pos - seg.pos : part.pos - seg.pos + part.length] = block[
                 part.block_off : part.block_off + part.length
             ]
@@ -81,7 +81,7 @@ def test_chunk_ranges_cover(offset, length) -> None:
     pieces = list(chunk_ranges(offset, length, CHUNK))
     assert sum(p[3] for p in pieces) == length
     for chunk, pos, buf_off, n in pieces:
-        assert 0 <= pos and pos + n <= CHUNK and n > 0
+        assert pos >= 0 and pos + n <= CHUNK and n > 0
         assert chunk * CHUNK + pos == offset + buf_off
 
 
