@@ -1,0 +1,74 @@
+"""The L1 cache: whole blocks in this process's memory, LRU bounded in bytes.
+
+Blocks are immutable (a key never names other bytes), so an entry is never
+stale and needs no invalidation; the only policy is what to evict. The cache is
+a plain object used from trio tasks on one thread: no locks, and no ``await``
+happens inside any method, so every method is atomic with respect to the others.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cachefs.ids import BlockKey
+
+
+@dataclass(slots=True)
+class L1Stats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    inserted_bytes: int = 0
+
+
+class L1Cache:
+    """``get``/``put`` of whole blocks; evicts least recently used past ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("L1 capacity must be >= 0")
+        self.capacity = capacity
+        self.used = 0
+        self.stats = L1Stats()
+        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def get(self, key: BlockKey) -> bytes | None:
+        data = self._blocks.get(key)
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self._blocks.move_to_end(key)
+        self.stats.hits += 1
+        return data
+
+    def put(self, key: BlockKey, data: bytes) -> None:
+        """Insert (or refresh) a block; a block larger than the whole cache is not kept."""
+        size = len(data)
+        if size > self.capacity:
+            return
+        old = self._blocks.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+        while self.used + size > self.capacity and self._blocks:
+            _, victim = self._blocks.popitem(last=False)
+            self.used -= len(victim)
+            self.stats.evictions += 1
+        self._blocks[key] = data
+        self.used += size
+        self.stats.inserted_bytes += size
+
+    def discard(self, key: BlockKey) -> None:
+        old = self._blocks.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.used = 0
