@@ -1,0 +1,570 @@
+"""The flash block store of a cache node: blocks as files under a byte capacity.
+
+Theory of operation
+-------------------
+
+Each cached block is one file ``<root>/blocks/<xx>/<key.hex()>`` laid out as::
+
+    header: magic "CFB1", version, flags, volume length, data length,
+            segment size, segment count, the volume name, one xxh3-64 per
+            segment of the data, and an xxh3-64 of all the header bytes before it
+    data:   the block's bytes
+
+Blocks are immutable (DESIGN.md, "Data model"), so a cached block is never
+stale and never rewritten; keys are unique across volumes because slice ids
+are cluster-wide. The per-segment checksums (64 KiB segments, as HDFS and 3FS
+checksum chunks rather than whole blocks) let a 128 KiB range read touch and
+verify about 128 KiB instead of the whole 4 MiB block. A segment that fails
+verification drops the whole block and raises ``Corrupt``; the service then
+fetches it again. Bad bytes are never served.
+
+Capacity. ``used`` counts the file sizes of indexed blocks, ``reserved`` the
+sizes of fills in progress. A fill first *reserves* its file size, evicting
+least-recently-used blocks until ``used + reserved`` fits the capacity, and
+unlinks its victims before writing. So the bytes on disk never exceed the
+capacity, also with many concurrent fills; a fill that cannot reserve (the
+rest is reserved by other fills) raises ``NoSpace`` and is served uncached.
+
+Crash safety. A block is written to ``<root>/tmp/`` in one ``writev`` and
+renamed into place, so a file under ``blocks/`` is complete unless the machine
+lost power (no fsync: it is a cache, and a torn file fails its checksums).
+``open()`` rebuilds the index by scanning the headers (kill -9 included),
+discards everything in ``tmp/`` and every file whose header is bad or whose
+size disagrees with it, and orders the LRU by file mtime (the fill time; hits
+are not persisted, which is what CubeFS's flash nodes do too).
+
+TTL. ``ttl`` maps a volume name to seconds after the fill; an expired block
+is a miss and is deleted.
+
+Memory tier. Optionally the hottest blocks (read at least ``promote_after``
+times) are also kept whole in memory, LRU by bytes; it is a subset of the
+flash tier and costs no disk reads.
+
+Admission (scan resistance) lives in :class:`SecondMissAdmission`; the
+service asks it before caching a read-through miss (CubeFS's miss counter).
+
+Threads. The store has no trio in it: every method is plain blocking code,
+safe to call from several threads. The index is guarded by one lock that is
+never held across file IO; file IO is done in few, large steps (one pread per
+read, one writev per fill). The service decides what runs in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachefs.checksum import checksum
+from cachefs.errors import Corrupt, InvalidArgument, IOFailure, NoSpace
+from cachefs.ids import BlockKey
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CFB1"
+VERSION = 1
+SEGMENT_SIZE = 64 * 1024
+_FIXED = struct.Struct("<4sBBHQII")  # magic, version, flags, vol_len, data_len, seg_size, nseg
+_U64 = struct.Struct("<Q")
+_SHARDS = 256
+_HEADER_PROBE = 4096
+
+
+def _shard(key: BlockKey) -> str:
+    return f"{(key.slice_id ^ (key.slice_id >> 8) ^ key.index) & 0xFF:02x}"
+
+
+def segment_sums(data: bytes | bytearray | memoryview, segment_size: int) -> list[int]:
+    view = memoryview(data)
+    return [checksum(view[i : i + segment_size]) for i in range(0, len(view), segment_size)]
+
+
+def encode_header(volume: str, size: int, segment_size: int, sums: list[int]) -> bytes:
+    vol = volume.encode()
+    head = (
+        _FIXED.pack(MAGIC, VERSION, 0, len(vol), size, segment_size, len(sums))
+        + vol
+        + struct.pack(f"<{len(sums)}Q", *sums)
+    )
+    return head + _U64.pack(checksum(head))
+
+
+@dataclass(slots=True)
+class _Header:
+    volume: str
+    size: int
+    segment_size: int
+    sums: tuple[int, ...]
+    length: int
+
+
+def decode_header(raw: bytes) -> _Header | int:
+    """Parse a header; returns the bytes still needed as an int if ``raw`` is short.
+
+    Raises:
+        Corrupt: the header is malformed or fails its checksum.
+    """
+    if len(raw) < _FIXED.size:
+        return _FIXED.size
+    magic, version, _flags, vol_len, size, seg, nseg = _FIXED.unpack_from(raw)
+    if magic != MAGIC or version != VERSION or seg <= 0:
+        raise Corrupt("bad block file header")
+    if nseg != -(-size // seg):
+        raise Corrupt("segment count does not match the data length")
+    length = _FIXED.size + vol_len + 8 * nseg + 8
+    if len(raw) < length:
+        return length
+    (stored,) = _U64.unpack_from(raw, length - 8)
+    if checksum(memoryview(raw)[: length - 8]) != stored:
+        raise Corrupt("block file header fails its checksum")
+    vol = raw[_FIXED.size : _FIXED.size + vol_len].decode()
+    sums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size + vol_len)
+    return _Header(vol, size, seg, sums, length)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One cached block in the index."""
+
+    key: BlockKey
+    volume: str
+    size: int
+    file_size: int
+    data_offset: int
+    segment_size: int
+    sums: tuple[int, ...]
+    stored_at: float
+    hits: int = 0
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    evictions: int = 0
+    expired: int = 0
+    corrupt: int = 0
+    discarded_on_open: int = 0
+    memory_hits: int = 0
+    flash_hits: int = 0
+
+
+@dataclass(slots=True)
+class RebuildReport:
+    blocks: int
+    bytes: int
+    discarded: int
+    evicted: int
+
+
+class SecondMissAdmission:
+    """Admit a block on its second miss within ``window`` seconds.
+
+    One pass over a dataset larger than the cache misses each block once, so
+    it admits nothing and the hot set survives (CubeFS's miss counter,
+    TinyLFU's doorkeeper). The table of first misses is bounded.
+    """
+
+    def __init__(
+        self,
+        window: float = 300.0,
+        max_tracked: int = 1 << 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window = window
+        self.max_tracked = max_tracked
+        self._clock = clock
+        self._first_miss: OrderedDict[BlockKey, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def admit(self, key: BlockKey) -> bool:
+        now = self._clock()
+        with self._lock:
+            seen = self._first_miss.pop(key, None)
+            if seen is not None and now - seen <= self.window:
+                return True
+            self._first_miss[key] = now
+            while len(self._first_miss) > self.max_tracked:
+                self._first_miss.popitem(last=False)
+            return False
+
+
+@dataclass(slots=True)
+class _Memory:
+    capacity: int
+    used: int = 0
+    blocks: OrderedDict[BlockKey, bytes] = field(default_factory=OrderedDict)
+
+    def drop(self, key: BlockKey) -> None:
+        data = self.blocks.pop(key, None)
+        if data is not None:
+            self.used -= len(data)
+
+    def add(self, key: BlockKey, data: bytes) -> None:
+        if len(data) > self.capacity or key in self.blocks:
+            return
+        while self.used + len(data) > self.capacity:
+            _, old = self.blocks.popitem(last=False)
+            self.used -= len(old)
+        self.blocks[key] = data
+        self.used += len(data)
+
+
+class BlockStore:
+    """Blocks on local flash under a byte capacity (see module docstring)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: int,
+        *,
+        memory_capacity: int = 0,
+        ttl: Mapping[str, float] | None = None,
+        segment_size: int = SEGMENT_SIZE,
+        promote_after: int = 2,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if capacity <= 0:
+            raise InvalidArgument(f"cache capacity must be positive, got {capacity}")
+        if memory_capacity < 0:
+            raise InvalidArgument(f"memory capacity must not be negative, got {memory_capacity}")
+        if segment_size <= 0:
+            raise InvalidArgument(f"segment size must be positive, got {segment_size}")
+        self.root = Path(root)
+        self.capacity = capacity
+        self.ttl = dict(ttl or {})
+        self.segment_size = segment_size
+        self.promote_after = promote_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockKey, Entry] = OrderedDict()  # LRU first
+        self._writing: set[BlockKey] = set()
+        self._memory = _Memory(memory_capacity)
+        self.used = 0
+        self.reserved = 0
+        self.counters = StoreCounters()
+        self._blocks_dir = self.root / "blocks"
+        self._tmp_dir = self.root / "tmp"
+
+    # -- opening and the index rebuild -----------------------------------
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], capacity: int, **kwargs: object) -> BlockStore:
+        store = cls(root, capacity, **kwargs)  # type: ignore[arg-type]
+        store.rebuild()
+        return store
+
+    def rebuild(self) -> RebuildReport:
+        """Scan the cache directory and rebuild the index (after any restart)."""
+        try:
+            self._tmp_dir.mkdir(parents=True, exist_ok=True)
+            for d in range(_SHARDS):
+                (self._blocks_dir / f"{d:02x}").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise IOFailure(f"cannot create cache directory {self.root}: {exc}") from exc
+        discarded = 0
+        for name in os.listdir(self._tmp_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp_dir / name)
+            discarded += 1
+        found: list[Entry] = []
+        for d in range(_SHARDS):
+            shard = self._blocks_dir / f"{d:02x}"
+            for name in os.listdir(shard):
+                entry = self._load_entry(shard / name, name)
+                if entry is None:
+                    discarded += 1
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(shard / name)
+                else:
+                    found.append(entry)
+        found.sort(key=lambda e: e.stored_at)
+        with self._lock:
+            self._index = OrderedDict((e.key, e) for e in found)
+            self._memory = _Memory(self._memory.capacity)
+            self.used = sum(e.file_size for e in found)
+            self.counters.discarded_on_open += discarded
+            victims = self._evict_until_locked(0)
+        self._unlink(victims)
+        if discarded:
+            log.info("cache store %s: discarded %d half-written or bad files", self.root, discarded)
+        return RebuildReport(len(self._index), self.used, discarded, len(victims))
+
+    def _load_entry(self, path: Path, name: str) -> Entry | None:
+        try:
+            key = BlockKey.from_hex(name)
+        except ValueError:
+            return None
+        if path.parent.name != _shard(key):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            raw = os.pread(fd, _HEADER_PROBE, 0)
+            header = decode_header(raw)
+            if isinstance(header, int):
+                raw = os.pread(fd, header, 0)
+                header = decode_header(raw)
+        except (OSError, Corrupt, UnicodeDecodeError, struct.error):
+            return None
+        finally:
+            os.close(fd)
+        if isinstance(header, int) or st.st_size != header.length + header.size:
+            return None
+        return Entry(
+            key,
+            header.volume,
+            header.size,
+            st.st_size,
+            header.length,
+            header.segment_size,
+            header.sums,
+            st.st_mtime,
+        )
+
+    # -- paths, expiry, eviction ------------------------------------------
+
+    def path(self, key: BlockKey) -> Path:
+        return self._blocks_dir / _shard(key) / key.hex()
+
+    def _expired(self, entry: Entry, now: float) -> bool:
+        ttl = self.ttl.get(entry.volume)
+        return ttl is not None and now - entry.stored_at > ttl
+
+    def _remove_locked(self, entry: Entry) -> None:
+        """Drop ``entry`` from the index; the caller unlinks its file."""
+        if self._index.get(entry.key) is entry:
+            del self._index[entry.key]
+            self.used -= entry.file_size
+            self._memory.drop(entry.key)
+
+    def _evict_until_locked(self, extra: int) -> list[Entry]:
+        victims = []
+        while self._index and self.used + self.reserved + extra > self.capacity:
+            _, entry = self._index.popitem(last=False)
+            self.used -= entry.file_size
+            self._memory.drop(entry.key)
+            victims.append(entry)
+        self.counters.evictions += len(victims)
+        return victims
+
+    def _unlink(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(entry.key))
+
+    def expire(self) -> int:
+        """Delete every block past its volume's TTL; returns how many."""
+        now = self._clock()
+        with self._lock:
+            gone = [e for e in self._index.values() if self._expired(e, now)]
+            for e in gone:
+                self._remove_locked(e)
+            self.counters.expired += len(gone)
+        self._unlink(gone)
+        return len(gone)
+
+    def discard(self, key: BlockKey) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
+            self._remove_locked(entry)
+        self._unlink([entry])
+        return True
+
+    # -- lookups and reads --------------------------------------------------
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return self.lookup(key) is not None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def cached_keys(self) -> list[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
+    def lookup(self, key: BlockKey) -> Entry | None:
+        """The index entry of ``key`` if cached and not expired (no IO, no LRU touch)."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            if self._expired(entry, self._clock()):
+                self._remove_locked(entry)
+                self.counters.expired += 1
+            else:
+                return entry
+        self._unlink([entry])
+        return None
+
+    def read(self, key: BlockKey, offset: int = 0, length: int = -1) -> memoryview | None:
+        """Bytes ``[offset, offset+length)`` of a cached block, or None on a miss.
+
+        ``length=-1`` reads to the end; a range past the end is clipped.
+
+        Raises:
+            InvalidArgument: a negative offset or length below -1, or an
+                offset past the end of the block.
+            Corrupt: the cached bytes failed their checksum; the block has
+                been dropped, so the next read is a miss.
+        """
+        if offset < 0 or length < -1:
+            raise InvalidArgument(f"bad range: offset={offset} length={length}")
+        entry = self.lookup(key)
+        if entry is None:
+            return None
+        if offset > entry.size:
+            raise InvalidArgument(f"offset {offset} is past the end of the block ({entry.size})")
+        end = entry.size if length == -1 else min(entry.size, offset + length)
+        with self._lock:
+            if self._index.get(key) is entry:
+                self._index.move_to_end(key)
+            entry.hits += 1
+            data = self._memory.blocks.get(key)
+            if data is not None:
+                self._memory.blocks.move_to_end(key)
+                self.counters.memory_hits += 1
+                return memoryview(data)[offset:end]
+            promote = (
+                self._memory.capacity > 0
+                and entry.size <= self._memory.capacity
+                and entry.hits >= self.promote_after
+            )
+            self.counters.flash_hits += 1
+        # File IO outside the lock: one pread covering the segments of the range.
+        seg = entry.segment_size
+        if promote:
+            first, last = 0, len(entry.sums)
+        else:
+            first, last = offset // seg, -(-end // seg)
+        lo, hi = first * seg, min(last * seg, entry.size)
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            with self._lock:  # evicted or unlinked under us: a miss
+                self._remove_locked(entry)
+            return None
+        try:
+            buf = os.pread(fd, hi - lo, entry.data_offset + lo)
+        except OSError as exc:
+            raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
+        finally:
+            os.close(fd)
+        view = memoryview(buf)
+        ok = len(buf) == hi - lo and all(
+            checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
+            for i in range(first, last)
+        )
+        if not ok:
+            with self._lock:
+                self._remove_locked(entry)
+                self.counters.corrupt += 1
+            self._unlink([entry])
+            log.warning("cache store: block %s failed its checksum, dropped", key.hex())
+            raise Corrupt(f"cached block {key.hex()} failed its checksum")
+        if promote:
+            with self._lock:
+                if self._index.get(key) is entry:
+                    self._memory.add(key, buf)
+        return view[offset - lo : end - lo]
+
+    # -- fills ---------------------------------------------------------------
+
+    def put(self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview) -> bool:
+        """Cache a block; False if it is already cached or being written.
+
+        Raises:
+            NoSpace: the block does not fit even after evicting every
+                unreserved block (the caller serves it uncached).
+            IOFailure: the file could not be written.
+        """
+        sums = segment_sums(data, self.segment_size)
+        header = encode_header(volume, len(data), self.segment_size, sums)
+        file_size = len(header) + len(data)
+        with self._lock:
+            if key in self._writing:
+                return False
+            entry = self._index.get(key)
+            if entry is not None and not self._expired(entry, self._clock()):
+                return False
+            if file_size > self.capacity:
+                raise NoSpace(f"block of {file_size} bytes is larger than the cache")
+            if self.reserved + file_size > self.capacity:
+                raise NoSpace("cache space is reserved by fills in progress")
+            victims = self._evict_until_locked(file_size)
+            # No IO between the check above and these lines: the reservation is atomic.
+            self.reserved += file_size
+            self._writing.add(key)
+        self._unlink(victims)  # before writing, so disk usage never exceeds the capacity
+        tmp = self._tmp_dir / f"{key.hex()}.{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                written = os.writev(fd, [header, view])
+                while written < file_size:  # short writes are rare but legal
+                    hv = header[written:] if written < len(header) else b""
+                    rest = view[max(0, written - len(header)) :]
+                    written += os.writev(fd, [hv, rest] if hv else [rest])
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path(key))
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            with self._lock:
+                self.reserved -= file_size
+                self._writing.discard(key)
+            raise IOFailure(f"writing cached block {key.hex()}: {exc}") from exc
+        entry = Entry(
+            key,
+            volume,
+            len(data),
+            file_size,
+            len(header),
+            self.segment_size,
+            tuple(sums),
+            self._clock(),
+        )
+        with self._lock:
+            self.reserved -= file_size
+            self._writing.discard(key)
+            old = self._index.pop(key, None)
+            if old is not None:  # an expired copy: the rename replaced its file
+                self.used -= old.file_size
+                self._memory.drop(key)
+            self._index[key] = entry
+            self.used += file_size
+        return True
+
+    # -- reporting -------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            c = self.counters
+            return {
+                "capacity": self.capacity,
+                "used": self.used,
+                "reserved": self.reserved,
+                "blocks": len(self._index),
+                "memory_capacity": self._memory.capacity,
+                "memory_used": self._memory.used,
+                "memory_blocks": len(self._memory.blocks),
+                "evictions": c.evictions,
+                "expired": c.expired,
+                "corrupt": c.corrupt,
+                "discarded_on_open": c.discarded_on_open,
+                "memory_hits": c.memory_hits,
+                "flash_hits": c.flash_hits,
+            }

@@ -1,0 +1,282 @@
+"""The flash block store: ranges, LRU under a capacity, checksums, restart, TTL, memory tier."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from cachefs.cachenode.store import BlockStore, SecondMissAdmission, encode_header, segment_sums
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachefs.errors import Corrupt, InvalidArgument, NoSpace
+from cachefs.ids import BlockKey
+
+SEG = 4096
+
+
+def _data(key: BlockKey, size: int) -> bytes:
+    return random.Random(hash(key) ^ size).randbytes(size)
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "blocks").rglob("*") if p.is_file())
+
+
+def _file_size(size: int) -> int:
+    return len(encode_header("v", size, SEG, segment_sums(bytes(size), SEG))) + size
+
+
+def test_put_read_ranges_and_miss(tmp_path: Path) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+    key = BlockKey(1, 0)
+    data = _data(key, 3 * SEG + 123)
+    assert store.read(key) is None
+    assert store.put("v", key, data)
+    assert not store.put("v", key, data)  # already cached
+    assert bytes(store.read(key)) == data
+    for off, ln in [
+        (0, 1),
+        (SEG - 1, 2),
+        (SEG, SEG),
+        (100, 3 * SEG),
+        (len(data) - 5, 100),
+        (len(data), 10),
+        (7, -1),
+    ]:
+        want = data[off:] if ln == -1 else data[off : off + ln]
+        assert bytes(store.read(key, off, ln)) == want, (off, ln)
+    with pytest.raises(InvalidArgument):
+        store.read(key, len(data) + 1, 1)
+    with pytest.raises(InvalidArgument):
+        store.read(key, -1, 1)
+    empty = BlockKey(2, 0)
+    store.put("v", empty, b"")
+    assert bytes(store.read(empty)) == b""
+
+
+def test_lru_evicts_least_recently_used(tmp_path: Path) -> None:
+    size = 10_000
+    store = BlockStore.open(tmp_path, 3 * _file_size(size), segment_size=SEG)
+    keys = [BlockKey(i, 0) for i in range(4)]
+    for k in keys[:3]:
+        store.put("v", k, _data(k, size))
+    store.read(keys[0])  # 0 is now the most recent; 1 is the LRU
+    store.put("v", keys[3], _data(keys[3], size))
+    assert set(store.cached_keys()) == {keys[0], keys[2], keys[3]}
+    assert store.stats()["evictions"] == 1
+    assert _disk_bytes(tmp_path) == store.used <= store.capacity
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    capacity_blocks=st.integers(min_value=1, max_value=6),
+    ops=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 15), st.integers(0, 3 * SEG)),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_capacity_never_exceeded_random_access(tmp_path_factory, capacity_blocks: int, ops) -> None:
+    root = tmp_path_factory.mktemp("store")
+    capacity = capacity_blocks * _file_size(2 * SEG)
+    store = BlockStore.open(root, capacity, segment_size=SEG)
+    sizes: dict[BlockKey, int] = {}
+    for is_put, k, size in ops:
+        key = BlockKey(k, 0)
+        size = sizes.setdefault(key, size)
+        if is_put:
+            try:
+                store.put("v", key, _data(key, size))
+            except NoSpace:
+                assert _file_size(size) > capacity
+        else:
+            got = store.read(key)
+            assert got is None or bytes(got) == _data(key, size)
+        assert store.used <= capacity
+        assert _disk_bytes(root) == store.used
+    reopened = BlockStore.open(root, capacity, segment_size=SEG)
+    assert set(reopened.cached_keys()) == set(store.cached_keys())
+
+
+def test_concurrent_fills_never_exceed_capacity(tmp_path: Path) -> None:
+    size = 20_000
+    capacity = 5 * _file_size(size) + 100
+    store = BlockStore.open(tmp_path, capacity, segment_size=SEG)
+    worst = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            with store._lock:
+                worst[0] = max(worst[0], store.used + store.reserved)
+
+    def fill(t: int) -> None:
+        for i in range(40):
+            key = BlockKey(1000 * t + i, 0)
+            try:
+                store.put("v", key, _data(key, size))
+            except NoSpace:
+                pass  # every byte is reserved by other fills: served uncached
+            store.read(BlockKey(1000 * t + i // 2, 0))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    workers = [threading.Thread(target=fill, args=(t,)) for t in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    sampler.join()
+    assert 0 < worst[0] <= capacity
+    assert store.reserved == 0
+    assert _disk_bytes(tmp_path) == store.used <= capacity
+    for key in store.cached_keys():
+        assert bytes(store.read(key)) == _data(key, size)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(scan=st.integers(min_value=20, max_value=200), seed=st.integers(0, 1000))
+def test_hot_set_survives_a_scan_with_admission(tmp_path_factory, scan: int, seed: int) -> None:
+    """A one-pass scan bigger than the cache does not flush blocks read repeatedly."""
+    size = 2 * SEG
+    root = tmp_path_factory.mktemp("scan")
+    store = BlockStore.open(root, 12 * _file_size(size), segment_size=SEG)
+    admission = SecondMissAdmission(window=60.0)
+
+    def access(key: BlockKey) -> None:  # the service's miss path, without the network
+        if store.read(key) is None and admission.admit(key):
+            store.put("v", key, _data(key, size))
+
+    hot = [BlockKey(i, 0) for i in range(8)]
+    for _ in range(3):
+        for key in hot:
+            access(key)
+    assert set(hot) <= set(store.cached_keys())
+    rng = random.Random(seed)
+    cold = [BlockKey(10_000 + i, 0) for i in range(scan)]
+    rng.shuffle(cold)
+    for i, key in enumerate(cold):
+        access(key)
+        if i % 10 == 0:
+            access(rng.choice(hot))
+    assert set(hot) <= set(store.cached_keys())
+    assert store.used <= store.capacity
+
+
+def test_corrupt_block_is_dropped_never_served(tmp_path: Path) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+    key = BlockKey(7, 3)
+    data = _data(key, 5 * SEG)
+    store.put("v", key, data)
+    path = store.path(key)
+    raw = bytearray(path.read_bytes())
+    raw[-2 * SEG] ^= 0x40  # a bit flip in the fourth segment
+    path.write_bytes(bytes(raw))
+    assert bytes(store.read(key, 0, SEG)) == data[:SEG]  # untouched segments still verify
+    with pytest.raises(Corrupt):
+        store.read(key, 3 * SEG, 10)
+    assert not path.exists()
+    assert store.read(key) is None
+    assert store.stats()["corrupt"] == 1 and store.used == 0
+
+
+def test_truncated_file_is_corrupt(tmp_path: Path) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+    key = BlockKey(8, 0)
+    store.put("v", key, _data(key, 3 * SEG))
+    with open(store.path(key), "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) - 100)
+    with pytest.raises(Corrupt):
+        store.read(key)
+
+
+def test_restart_rebuilds_index_and_discards_partial_files(tmp_path: Path) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+    keys = [BlockKey(i, i) for i in range(1, 6)]
+    for k in keys:
+        store.put(f"vol{k.index}", k, _data(k, 2 * SEG + k.index))
+    # a fill that died half way, a truncated block file, a header with a bad byte, junk
+    (tmp_path / "tmp" / f"{BlockKey(99, 0).hex()}.deadbeef").write_bytes(b"half")
+    with open(store.path(keys[0]), "r+b") as f:
+        f.truncate(100)
+    raw = bytearray(store.path(keys[1]).read_bytes())
+    raw[10] ^= 1
+    store.path(keys[1]).write_bytes(bytes(raw))
+    (store.path(keys[2]).parent / "not-a-key").write_bytes(b"x")
+    reopened = BlockStore(tmp_path, 1 << 20, segment_size=SEG)
+    report = reopened.rebuild()
+    assert report.discarded == 4
+    assert set(reopened.cached_keys()) == set(keys[2:])
+    for k in keys[2:]:
+        assert bytes(reopened.read(k)) == _data(k, 2 * SEG + k.index)
+    assert reopened.used == _disk_bytes(tmp_path)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    # a smaller capacity after restart evicts the oldest fills (by mtime)
+    for i, k in enumerate(keys[2:]):
+        os.utime(reopened.path(k), (1_000_000 + i, 1_000_000 + i))
+    smaller = BlockStore.open(tmp_path, reopened.used - 1, segment_size=SEG)
+    assert set(smaller.cached_keys()) == set(keys[3:])
+
+
+def test_ttl_per_volume(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = BlockStore.open(
+        tmp_path, 1 << 20, ttl={"short": 10.0}, segment_size=SEG, clock=lambda: now[0]
+    )
+    a, b = BlockKey(1, 0), BlockKey(2, 0)
+    store.put("short", a, b"a" * 100)
+    store.put("long", b, b"b" * 100)
+    now[0] += 5
+    assert store.read(a) is not None
+    now[0] += 6
+    assert store.read(a) is None
+    assert not store.path(a).exists()
+    assert store.read(b) is not None
+    assert store.put("short", a, b"a" * 100)  # refilled after expiry
+    store.put("short", BlockKey(3, 0), b"c")
+    now[0] += 11
+    assert store.expire() == 2
+    assert store.cached_keys() == [b]
+
+
+def test_memory_tier_keeps_hottest_blocks(tmp_path: Path) -> None:
+    size = 3 * SEG
+    store = BlockStore.open(tmp_path, 1 << 20, memory_capacity=2 * size, segment_size=SEG)
+    keys = [BlockKey(i, 0) for i in range(3)]
+    for k in keys:
+        store.put("v", k, _data(k, size))
+    for k in keys:
+        store.read(k, 10, 20)
+        assert bytes(store.read(k, 10, 20)) == _data(k, size)[10:30]  # second hit promotes
+    stats = store.stats()
+    assert stats["memory_blocks"] == 2 and stats["memory_used"] == 2 * size
+    before = stats["memory_hits"]
+    assert bytes(store.read(keys[2])) == _data(keys[2], size)
+    assert store.stats()["memory_hits"] == before + 1
+    store.discard(keys[2])
+    assert store.stats()["memory_blocks"] == 1
+
+
+def test_admission_window(tmp_path: Path) -> None:
+    now = [0.0]
+    adm = SecondMissAdmission(window=10.0, max_tracked=2, clock=lambda: now[0])
+    k1, k2, k3 = BlockKey(1, 0), BlockKey(2, 0), BlockKey(3, 0)
+    assert not adm.admit(k1)
+    now[0] = 5
+    assert adm.admit(k1)
+    assert not adm.admit(k2)
+    now[0] = 20
+    assert not adm.admit(k2)  # the first miss is outside the window
+    assert not adm.admit(k3)
+    assert not adm.admit(k1)
+    assert len(adm._first_miss) <= 2  # bounded: k2's miss was pushed out
+    assert not adm.admit(k2)
