@@ -1,0 +1,262 @@
+"""The datanode: an RPC service over a :class:`~cachefs.shardstore.ShardStore`.
+
+A datanode knows nothing about blocks, policies or placement: it stores,
+returns, lists and verifies shards named ``(volume, block key, shard index)``,
+each with the small opaque ``meta`` (the block header) its writer gave it.
+The backing-storage client (:mod:`cachefs.backing`) and repair
+(:mod:`cachefs.repair`) hold all the logic.
+
+Store calls block on disk IO (and fsync), so they run in worker threads
+behind a capacity limiter; the trio thread only parses and replies.
+
+The daemon registers itself in the metanodes' cluster map and heartbeats its
+usage. Metanodes are optional: without ``--meta`` (tests, a bare lab) the
+datanode just serves; with them, registration is retried in the background
+until it succeeds and never stops the datanode from serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
+from cachefs.ids import BlockKey
+from cachefs.metrics import start_metrics
+from cachefs.rpc import Limits, Reply, RpcPool, RpcServer, parse_addr, rpc_method
+from cachefs.shardstore import ShardStore, check_volume
+
+log = logging.getLogger(__name__)
+
+IO_THREADS = 8
+SCRUB_PAGE = 256
+
+
+def _key_hex(key: bytes) -> str:
+    try:
+        return BlockKey.from_bytes(key).hex()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+class DatanodeService:
+    """The datanode's RPC methods (see docs/contracts.md, "Backing storage")."""
+
+    def __init__(self, store: ShardStore, node_id: str, zone: str) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.zone = zone
+        self._io = trio.CapacityLimiter(IO_THREADS)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._io)
+
+    @rpc_method
+    async def put(self, volume: str, key: bytes, index: int, meta: bytes = b"",
+                  payload: Any = None) -> dict:
+        """Store shard ``index`` of ``key`` durably (replacing any older copy)."""
+        data = payload if payload is not None else b""
+        await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
+        return {"size": len(data)}
+
+    @rpc_method
+    async def get(self, volume: str, key: bytes, index: int, offset: int = 0,
+                  length: int = -1) -> Reply:
+        """Bytes of one shard (checksums verified); ``meta`` and total size ride along."""
+        meta, data, total = await self._run(self.store.get, volume, _key_hex(key), index,
+                                            offset, length)
+        return Reply({"meta": meta, "size": total}, payload=data)
+
+    @rpc_method
+    async def stat(self, volume: str, key: bytes, index: int) -> dict:
+        meta, size = await self._run(self.store.stat, volume, _key_hex(key), index)
+        return {"meta": meta, "size": size}
+
+    @rpc_method
+    async def delete(self, volume: str, key: bytes, index: int = -1) -> dict:
+        """Delete one shard, or every shard of the key held here (index -1)."""
+        return {"removed": await self._run(self.store.delete, volume, _key_hex(key), index)}
+
+    @rpc_method
+    async def list(self, volume: str, cursor: str = "", limit: int = 1000) -> dict:
+        """A page of ``[key, index, bytes]``; page on with the returned cursor until it is ""."""
+        limit = min(max(1, limit), 10_000)
+        page, cursor = await self._run(self.store.list, volume, cursor, limit)
+        return {"shards": [[BlockKey.from_hex(s.key).to_bytes(), s.index, s.size] for s in page],
+                "cursor": cursor}
+
+    @rpc_method
+    async def scrub(self, volume: str, cursor: str = "", limit: int = SCRUB_PAGE) -> dict:
+        """Verify a page of shards end to end; corrupt ones are removed and named."""
+        limit = min(max(1, limit), 10_000)
+        page, cursor = await self._run(self.store.list, volume, cursor, limit)
+        corrupt = []
+        for info in page:
+            if not await self._run(self.store.verify, volume, info.key, info.index):
+                corrupt.append([BlockKey.from_hex(info.key).to_bytes(), info.index])
+        return {"checked": len(page), "corrupt": corrupt, "cursor": cursor}
+
+    @rpc_method
+    async def volumes(self) -> list:
+        return await self._run(self.store.volumes)
+
+    @rpc_method
+    async def stats(self) -> dict:
+        return {"id": self.node_id, "zone": self.zone, **self.store.usage()}
+
+
+# ---------------------------------------------------------------- cluster map
+
+class Registrar:
+    """Registers the datanode with the metanodes and heartbeats its usage.
+
+    Soft failure by design: every error is logged (once per kind) and retried
+    on the next tick, because a datanode must keep serving shards whether or
+    not the metadata service is up.
+    """
+
+    def __init__(self, pool: RpcPool, meta: list[str], service: DatanodeService, addr: str,
+                 interval: float) -> None:
+        self.pool = pool
+        self.meta = meta
+        self.service = service
+        self.addr = addr
+        self.interval = interval
+        self.registered = False
+        self._leader: str | None = None
+        self._client_id = f"datanode-{service.node_id}"
+        self._last_error = ""
+
+    async def _call(self, method: str, args: dict[str, Any]) -> Any:
+        candidates = ([self._leader] if self._leader else []) + self.meta
+        last: Exception | None = None
+        for addr in candidates:
+            try:
+                return (await self.pool.call(addr, method, args, timeout=5.0)).result
+            except NotLeader as exc:
+                self._leader = exc.details.get("leader") or None
+                if self._leader:
+                    try:
+                        return (await self.pool.call(self._leader, method, args, timeout=5.0)).result
+                    except CacheFSError as inner:
+                        last = inner
+                last = last or exc
+            except CacheFSError as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def tick(self) -> None:
+        store = self.service.store
+        if not self.registered:
+            await self._call("register_node", {
+                "kind": "datanode", "id": self.service.node_id, "addr": self.addr,
+                "zone": self.service.zone, "capacity": store.capacity,
+                "client_id": self._client_id, "seq": time.time_ns()})
+            self.registered = True
+            log.info("registered as datanode %s (%s) in zone %s", self.service.node_id, self.addr,
+                     self.service.zone)
+        await self._call("node_heartbeat", {"kind": "datanode", "id": self.service.node_id,
+                                            "used": store.usage()["used"]})
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+                self._last_error = ""
+            except CacheFSError as exc:
+                if str(exc) != self._last_error:
+                    log.warning("metanodes not reachable for registration/heartbeat: %s", exc)
+                    self._last_error = str(exc)
+            await trio.sleep(self.interval)
+
+
+def _node_id(data_dir: Path, given: str | None) -> str:
+    """The id is kept in the data directory so a restarted datanode is the same node."""
+    path = data_dir / "NODE_ID"
+    if path.exists():
+        stored = path.read_text().strip()
+        if given and given != stored:
+            raise click.UsageError(f"--node-id {given} but {data_dir} belongs to datanode {stored}")
+        return stored
+    node_id = given or f"dn-{uuid.uuid4().hex[:12]}"
+    tmp = data_dir / "NODE_ID.tmp"
+    tmp.write_text(node_id + "\n")
+    os.replace(tmp, path)
+    return node_id
+
+
+async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, advertise: str | None,
+                secret: bytes | None, meta: list[str] | None, heartbeat: float) -> None:
+    """Run the datanode until SIGINT/SIGTERM, then drain calls in flight."""
+    host, port = parse_addr(listen)
+    service = DatanodeService(store, node_id, zone)
+    server = RpcServer(service, name="datanode", secret=secret, limits=Limits())
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(server.serve, host, port)
+            addr = advertise or f"{host}:{bound}"
+            log.info("datanode %s zone %s serving %s on %s (%d shards, %d of %d bytes used)",
+                     node_id, zone, store.root, addr, store.shard_count, store.used, store.capacity)
+            pool: RpcPool | None = None
+            if meta:
+                pool = RpcPool(secret=secret)
+                await pool.__aenter__()
+                registrar = Registrar(pool, meta, service, addr, heartbeat)
+                nursery.start_soon(registrar.run)
+            try:
+                async for signum in signals:
+                    log.info("signal %d: shutting down", signum)
+                    break
+                await server.shutdown(grace=5.0)
+            finally:
+                if pool is not None:
+                    await pool.__aexit__(None, None, None)
+                nursery.cancel_scope.cancel()
+
+
+@click.command("datanode")
+@click.option("--zone", required=True, help="Failure domain (rack, AZ) of this datanode.")
+@click.option("--data-dir", required=True, type=click.Path(file_okay=False),
+              help="Directory that holds the shards (created if missing).")
+@click.option("--capacity", required=True, type=SIZE, help="Bytes this datanode may store, e.g. 500G.")
+@click.option("--listen", type=ADDR, default="127.0.0.1:7300", show_default=True,
+              help="host:port to serve on (port 0: any free port).")
+@click.option("--advertise", type=ADDR, default=None,
+              help="host:port to register in the cluster map (default: the listen address).")
+@click.option("--meta", type=ADDRS, default=None,
+              help="Metanode addresses (comma separated); omit to run without registration.")
+@click.option("--node-id", default=None, help="Datanode id (default: generated once, kept in the data dir).")
+@click.option("--heartbeat", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+              help="Seconds between heartbeats to the metanodes.")
+@click.option("--no-fsync", is_flag=True, help="Skip fsync (benchmarks only: not crash safe).")
+@daemon_options
+def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
+            meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
+            secret_file: str | None, insecure: bool, log_level: str, metrics_port: int) -> None:
+    """Run a datanode: store erasure-coded or replicated shards on local disk."""
+    setup_logging("datanode", log_level)
+    secret = load_secret(secret_file, insecure)
+    try:
+        check_volume(zone)  # same character rules as volume names: safe in paths and logs
+    except InvalidArgument:
+        raise click.BadParameter(f"{zone!r}: use 1-64 of [A-Za-z0-9._-]", param_hint="--zone") from None
+    root = Path(data_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        ident = _node_id(root, node_id)
+        store = ShardStore(root, capacity, durable=not no_fsync)
+    except OSError as exc:
+        raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
+    start_metrics(metrics_port)
+    trio.run(lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
+                           secret=secret, meta=meta, heartbeat=heartbeat))
