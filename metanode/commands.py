@@ -1,0 +1,577 @@
+"""Typed commands of the metanode log.
+
+Every change to the metadata is one of these frozen classes, encoded with
+msgpack as ``[tag, [field, ...]]`` and replicated through Raft. A command is
+validated when it is constructed, both by the service (so a bad request is
+refused before it reaches the log) and again when the state machine decodes
+it (so a malformed log entry becomes an error result, never corrupt state).
+
+Commands that come from clients carry ``client_id`` and ``seq``: the state
+machine answers a repeated ``(client_id, seq)`` with the first answer instead
+of applying it again. Commands proposed by the metanodes themselves (session
+expiry, for example) carry an empty ``client_id`` and are not deduplicated.
+
+Time enters only as ``now_ns`` stamped by the proposing leader, so applying
+the same log on every replica gives the same state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import stat
+from typing import Any, ClassVar
+
+import msgpack
+
+from cachefs.errors import InvalidArgument, NameTooLong
+from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE
+from cachefs.policy import VolumePolicy
+
+NAME_MAX = 255
+PATH_MAX = 4096
+XATTR_NAME_MAX = 255
+XATTR_VALUE_MAX = 64 * 1024
+U32 = (1 << 32) - 1
+U64 = (1 << 64) - 1
+I64 = (1 << 63) - 1
+MAX_SLICE_ALLOC = 1 << 20
+MAX_FILE_SIZE = CHUNK_SIZE * U32
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+
+_FILE_TYPES = (stat.S_IFREG, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO, stat.S_IFSOCK)
+_VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(name: bytes) -> bytes:
+    """A directory entry name: 1..255 bytes, no ``/`` or NUL, not ``.``/``..``."""
+    if not isinstance(name, bytes):
+        raise InvalidArgument(f"name must be bytes, got {type(name).__name__}")
+    if len(name) > NAME_MAX:
+        raise NameTooLong(f"name is {len(name)} bytes (max {NAME_MAX})")
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise InvalidArgument(f"invalid name {name!r}")
+    return name
+
+
+def check_policy(
+    policy: str, compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE
+) -> str:
+    """Validate a volume policy with the shared parser; returns its canonical text."""
+    return str(VolumePolicy.parse(policy, compression, block_size))
+
+
+def _check_int(value: Any, what: str, lo: int = 0, hi: int = U64) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidArgument(f"{what}={value} is out of range [{lo}, {hi}]")
+
+
+_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "str": (str,),
+    "bytes": (bytes,),
+    "bool": (bool,),
+}
+
+_REGISTRY: dict[int, type[Command]] = {}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Command:
+    """Base of every log command; subclasses set ``TAG`` and add fields."""
+
+    TAG: ClassVar[int] = 0
+    MUTATES_VOLUME: ClassVar[bool] = True
+
+    client_id: str
+    seq: int
+    now_ns: int
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        del kwargs  # Command has no base class options; zero-arg super() breaks under slots
+        if "TAG" in cls.__dict__:
+            # dataclass(slots=True) builds a second class of the same name: replace it
+            old = _REGISTRY.get(cls.TAG)
+            if old is not None and old.__qualname__ != cls.__qualname__:
+                raise RuntimeError(f"duplicate command tag {cls.TAG}")
+            _REGISTRY[cls.TAG] = cls
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            spec = str(field.type)
+            optional = spec.endswith(" | None")
+            base = spec.removesuffix(" | None")
+            if value is None and optional:
+                continue
+            if base in _SIMPLE_TYPES:
+                ok = isinstance(value, _SIMPLE_TYPES[base])
+                if base == "int" and isinstance(value, bool):
+                    ok = False
+            elif base == "tuple[int, ...]":
+                ok = isinstance(value, list | tuple) and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value
+                )
+                if ok and isinstance(value, list):
+                    object.__setattr__(self, field.name, tuple(value))
+            else:  # pragma: no cover - a programming error in this module
+                raise TypeError(f"unsupported field type {spec}")
+            if not ok:
+                raise InvalidArgument(
+                    f"{type(self).__name__}.{field.name} must be {spec}, got {type(value).__name__}"
+                )
+        if len(self.client_id) > 128:
+            raise InvalidArgument("client_id is longer than 128 characters")
+        _check_int(self.seq, "seq")
+        _check_int(self.now_ns, "now_ns", 0, I64)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks specific to the command; raise a CacheFSError."""
+
+    def encode(self) -> bytes:
+        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        values = [list(v) if isinstance(v, tuple) else v for v in values]
+        return msgpack.packb([self.TAG, values], use_bin_type=True)
+
+
+def decode(raw: bytes) -> Command:
+    """Decode and validate one log entry; raises InvalidArgument if malformed."""
+    try:
+        tag, values = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+    ) as exc:
+        raise InvalidArgument(f"undecodable command: {exc}") from None
+    cls = _REGISTRY.get(tag) if isinstance(tag, int) else None
+    if cls is None or not isinstance(values, list):
+        raise InvalidArgument(f"unknown command tag {tag!r}")
+    if len(values) != len(dataclasses.fields(cls)):
+        raise InvalidArgument(f"{cls.__name__} takes {len(dataclasses.fields(cls))} fields")
+    try:
+        return cls(*values)
+    except TypeError as exc:
+        raise InvalidArgument(f"bad {cls.__name__}: {exc}") from None
+
+
+# -- volumes and sessions -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreateVolume(Command):
+    TAG: ClassVar[int] = 1
+    MUTATES_VOLUME: ClassVar[bool] = False
+    name: str
+    policy: str
+    compression: str
+    block_size: int
+    pg_count: int
+
+    def validate(self) -> None:
+        if not _VOLUME_NAME.match(self.name):
+            raise InvalidArgument(f"volume name {self.name!r}: use 1-64 of [A-Za-z0-9_.-]")
+        _check_int(self.block_size, "block_size", 4096, CHUNK_SIZE)
+        if check_policy(self.policy, self.compression, self.block_size) != self.policy:
+            raise InvalidArgument(f"write the policy as {check_policy(self.policy)!r}")
+        if CHUNK_SIZE % self.block_size:
+            raise InvalidArgument(f"block_size {self.block_size} must divide the 64 MiB chunk")
+        _check_int(self.pg_count, "pg_count", 1, 65536)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MountVolume(Command):
+    """Open a client session on a volume (its open files live in the session)."""
+
+    TAG: ClassVar[int] = 2
+    MUTATES_VOLUME: ClassVar[bool] = False
+    volume: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseSession(Command):
+    """End a session: on unmount, or proposed by the leader when it expires."""
+
+    TAG: ClassVar[int] = 3
+    MUTATES_VOLUME: ClassVar[bool] = False
+    session: str
+
+
+# -- namespace --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetAttr(Command):
+    TAG: ClassVar[int] = 10
+    volume: str
+    ino: int
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    size: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+        if self.mode is not None:
+            _check_int(self.mode, "mode", 0, U32)
+            # a chmod may carry the file type bits; nothing else
+            if self.mode & ~(0o7777 | stat.S_IFMT(self.mode)):
+                raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
+        for what in ("uid", "gid"):
+            value = getattr(self, what)
+            if value is not None:
+                _check_int(value, what, 0, U32)
+        if self.size is not None:
+            _check_int(self.size, "size", 0, MAX_FILE_SIZE)
+        for what in ("atime_ns", "mtime_ns"):
+            value = getattr(self, what)
+            if value is not None:
+                _check_int(value, what, 0, I64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mknod(Command):
+    TAG: ClassVar[int] = 11
+    volume: str
+    parent: int
+    name: bytes
+    mode: int
+    rdev: int
+    uid: int
+    gid: int
+
+    def validate(self) -> None:
+        _check_int(self.parent, "parent", 1)
+        check_name(self.name)
+        _check_int(self.mode, "mode", 0, U32)
+        kind = stat.S_IFMT(self.mode)
+        if kind and kind not in _FILE_TYPES:
+            raise InvalidArgument(f"mknod cannot make file type {kind:o} (use mkdir/symlink)")
+        if self.mode & ~(0o7777 | stat.S_IFMT(self.mode)):
+            raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
+        _check_int(self.rdev, "rdev", 0, U64)
+        _check_int(self.uid, "uid", 0, U32)
+        _check_int(self.gid, "gid", 0, U32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mkdir(Command):
+    TAG: ClassVar[int] = 12
+    volume: str
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+
+    def validate(self) -> None:
+        _check_int(self.parent, "parent", 1)
+        check_name(self.name)
+        _check_int(self.mode, "mode", 0, U32)
+        if stat.S_IFMT(self.mode) not in (0, stat.S_IFDIR):
+            raise InvalidArgument(f"mkdir mode {self.mode:o} names another file type")
+        if self.mode & ~(0o7777 | stat.S_IFDIR):
+            raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
+        _check_int(self.uid, "uid", 0, U32)
+        _check_int(self.gid, "gid", 0, U32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Symlink(Command):
+    TAG: ClassVar[int] = 13
+    volume: str
+    parent: int
+    name: bytes
+    target: bytes
+    uid: int
+    gid: int
+
+    def validate(self) -> None:
+        from cachefs.errors import NotFound
+
+        _check_int(self.parent, "parent", 1)
+        check_name(self.name)
+        if not self.target:
+            raise NotFound("empty symlink target")
+        if len(self.target) >= PATH_MAX:
+            raise NameTooLong(f"symlink target is {len(self.target)} bytes (max {PATH_MAX - 1})")
+        if b"\0" in self.target:
+            raise InvalidArgument("symlink target contains NUL")
+        _check_int(self.uid, "uid", 0, U32)
+        _check_int(self.gid, "gid", 0, U32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link(Command):
+    TAG: ClassVar[int] = 14
+    volume: str
+    ino: int
+    new_parent: int
+    new_name: bytes
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+        _check_int(self.new_parent, "new_parent", 1)
+        check_name(self.new_name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unlink(Command):
+    TAG: ClassVar[int] = 15
+    volume: str
+    parent: int
+    name: bytes
+
+    def validate(self) -> None:
+        _check_int(self.parent, "parent", 1)
+        check_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rmdir(Command):
+    TAG: ClassVar[int] = 16
+    volume: str
+    parent: int
+    name: bytes
+
+    def validate(self) -> None:
+        _check_int(self.parent, "parent", 1)
+        check_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rename(Command):
+    TAG: ClassVar[int] = 17
+    volume: str
+    parent: int
+    name: bytes
+    new_parent: int
+    new_name: bytes
+    flags: int = 0
+    new_volume: str | None = None
+
+    def validate(self) -> None:
+        _check_int(self.parent, "parent", 1)
+        _check_int(self.new_parent, "new_parent", 1)
+        check_name(self.name)
+        check_name(self.new_name)
+        _check_int(self.flags, "flags", 0, U32)
+        if self.flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise InvalidArgument(f"unsupported rename flags {self.flags:#x}")
+        if self.flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
+            raise InvalidArgument("RENAME_NOREPLACE and RENAME_EXCHANGE together")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetXattr(Command):
+    TAG: ClassVar[int] = 18
+    volume: str
+    ino: int
+    name: bytes
+    value: bytes
+    flags: int = 0
+
+    def validate(self) -> None:
+        from cachefs.errors import Range
+
+        _check_int(self.ino, "ino", 1)
+        if not self.name or len(self.name) > XATTR_NAME_MAX:
+            raise Range(f"xattr name must be 1..{XATTR_NAME_MAX} bytes")
+        if b"\0" in self.name:
+            raise InvalidArgument("xattr name contains NUL")
+        if len(self.value) > XATTR_VALUE_MAX:
+            raise Range(f"xattr value is {len(self.value)} bytes (max {XATTR_VALUE_MAX})")
+        _check_int(self.flags, "flags", 0, XATTR_CREATE | XATTR_REPLACE)
+        if self.flags == XATTR_CREATE | XATTR_REPLACE:
+            raise InvalidArgument("XATTR_CREATE and XATTR_REPLACE together")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoveXattr(Command):
+    TAG: ClassVar[int] = 19
+    volume: str
+    ino: int
+    name: bytes
+
+    def validate(self) -> None:
+        from cachefs.errors import Range
+
+        _check_int(self.ino, "ino", 1)
+        if not self.name or len(self.name) > XATTR_NAME_MAX:
+            raise Range(f"xattr name must be 1..{XATTR_NAME_MAX} bytes")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Open(Command):
+    TAG: ClassVar[int] = 20
+    volume: str
+    ino: int
+    session: str
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Release(Command):
+    TAG: ClassVar[int] = 21
+    volume: str
+    ino: int
+    session: str
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetQuota(Command):
+    """Limit a directory subtree; ``None`` clears a limit, 0 forbids growth."""
+
+    TAG: ClassVar[int] = 22
+    volume: str
+    ino: int
+    max_bytes: int | None
+    max_inodes: int | None
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+        if self.max_bytes is not None:
+            _check_int(self.max_bytes, "max_bytes", 0, I64)
+        if self.max_inodes is not None:
+            _check_int(self.max_inodes, "max_inodes", 0, I64)
+
+
+# -- data -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocSlices(Command):
+    TAG: ClassVar[int] = 30
+    MUTATES_VOLUME: ClassVar[bool] = False
+    count: int
+
+    def validate(self) -> None:
+        _check_int(self.count, "count", 1, MAX_SLICE_ALLOC)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteSlice(Command):
+    TAG: ClassVar[int] = 31
+    volume: str
+    ino: int
+    chunk: int
+    slice_id: int
+    pos: int
+    length: int
+    offset: int
+    mtime_ns: int
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+        _check_int(self.chunk, "chunk", 0, U32 - 1)
+        _check_int(self.slice_id, "slice_id", 1)
+        _check_int(self.pos, "pos", 0, CHUNK_SIZE - 1)
+        _check_int(self.length, "length", 1, CHUNK_SIZE)
+        _check_int(self.offset, "offset", 0, CHUNK_SIZE - 1)
+        if self.pos + self.length > CHUNK_SIZE:
+            raise InvalidArgument("slice runs past the end of its chunk")
+        if self.offset + self.length > CHUNK_SIZE:
+            raise InvalidArgument("slice offset + length is larger than a chunk")
+        _check_int(self.mtime_ns, "mtime_ns", 0, I64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompactChunk(Command):
+    """Swap a chunk's slices for one new slice, if they are still exactly ``expect``.
+
+    The compactor read ``expect`` (the chunk's slice ids in commit order),
+    wrote their merged content as ``slice_id`` covering ``[0, length)`` of the
+    chunk, and asks for an atomic swap; if the chunk changed since, the swap
+    is refused with EBUSY and the new slice goes to the trash.
+    """
+
+    TAG: ClassVar[int] = 32
+    volume: str
+    ino: int
+    chunk: int
+    expect: tuple[int, ...]
+    slice_id: int
+    length: int
+
+    def validate(self) -> None:
+        _check_int(self.ino, "ino", 1)
+        _check_int(self.chunk, "chunk", 0, U32 - 1)
+        _check_int(self.slice_id, "slice_id", 1)
+        _check_int(self.length, "length", 1, CHUNK_SIZE)
+        if not self.expect or len(self.expect) > 100_000:
+            raise InvalidArgument("expect must list the chunk's slice ids")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PurgeTrash(Command):
+    """Forget trashed slices whose blocks the garbage collector has deleted."""
+
+    TAG: ClassVar[int] = 33
+    volume: str
+    slice_ids: tuple[int, ...]
+
+    def validate(self) -> None:
+        if len(self.slice_ids) > 100_000:
+            raise InvalidArgument("at most 100000 slice ids per purge")
+
+
+# -- cluster map --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegisterNode(Command):
+    TAG: ClassVar[int] = 40
+    MUTATES_VOLUME: ClassVar[bool] = False
+    kind: str
+    node_id: str
+    addr: str
+    zone: str
+    capacity: int
+
+    def validate(self) -> None:
+        if self.kind not in ("datanode", "cachenode"):
+            raise InvalidArgument(f"kind must be datanode or cachenode, got {self.kind!r}")
+        if not 1 <= len(self.node_id) <= 128:
+            raise InvalidArgument("node id must be 1..128 characters")
+        check_addr(self.addr)
+        if not 1 <= len(self.zone) <= 64:
+            raise InvalidArgument("zone must be 1..64 characters")
+        _check_int(self.capacity, "capacity", 0, I64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoveNode(Command):
+    TAG: ClassVar[int] = 41
+    MUTATES_VOLUME: ClassVar[bool] = False
+    kind: str
+    node_id: str
+
+    def validate(self) -> None:
+        if self.kind not in ("datanode", "cachenode"):
+            raise InvalidArgument(f"kind must be datanode or cachenode, got {self.kind!r}")
+        if not 1 <= len(self.node_id) <= 128:
+            raise InvalidArgument("node id must be 1..128 characters")
+
+
+def check_addr(addr: str) -> str:
+    """``host:port`` with a port in 1..65535."""
+    host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"address must be host:port, got {addr!r}")
+    return addr

@@ -1,0 +1,172 @@
+"""An fsck for the in-memory namespace: recompute everything derivable, compare.
+
+Used by the tests after every random operation sequence, and usable on a live
+replica's state (read-only). Each check recomputes a fact from first
+principles (walking dentries), never from the counters it is checking:
+
+- every dentry names a live inode; every live inode except orphans and the
+  root is named by exactly ``nlink`` dentries (directories: by one, with
+  ``nlink == 2 + subdirectories``); the ``parent`` slot lists exactly the
+  directories holding its links;
+- the directory graph is a tree rooted at inode 1 (no cycles, every
+  directory reachable);
+- orphans (nlink 0) are regular files held open by some session, and the
+  volume's open counts equal the sum over its sessions;
+- per-directory subtree usage and the volume's byte count match a recount;
+- readdir cookies are unique, increasing in dict order and below
+  ``next_cookie``; slice records lie inside their chunk and inside the file.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+
+from cachefs.ids import CHUNK_SIZE
+
+from .namespace import INO_BITS, INO_MASK, ROOT, Dir, MetaState, Volume, _all_records, _kind
+
+_S_IFDIR = 0o040000
+_S_IFREG = 0o100000
+
+
+class InvariantError(AssertionError):
+    """The namespace contradicts itself; the message lists every problem found."""
+
+
+def check(state: MetaState) -> None:
+    """Raise :class:`InvariantError` listing every inconsistency in ``state``."""
+    problems: list[str] = []
+    for vol in state.volumes.values():
+        problems.extend(_check_volume(state, vol))
+    if state.volumes.keys() != state.cluster.volumes.keys():
+        problems.append("namespace volumes and cluster-map volumes differ")
+    for sid, session in state.sessions.items():
+        if session.volume not in state.volumes:
+            problems.append(f"session {sid} is on missing volume {session.volume}")
+    if problems:
+        raise InvariantError("\n".join(problems))
+
+
+def _check_volume(state: MetaState, vol: Volume) -> list[str]:
+    p: list[str] = []
+    name = vol.name
+    inodes = vol.inodes
+    root = inodes.get(ROOT)
+    if root is None or _kind(root.mode) != _S_IFDIR:
+        return [f"{name}: root is missing or not a directory"]
+    links: Counter[int] = Counter()
+    link_parents: dict[int, Counter[int]] = {}
+    for ino, inode in inodes.items():
+        if inode.ino != ino:
+            p.append(f"{name}: inode {ino} is stored under the wrong number")
+        if ino >= vol.next_ino:
+            p.append(f"{name}: inode {ino} is not below next_ino {vol.next_ino}")
+        if not inode.is_dir:
+            continue
+        d: Dir = inode.data
+        last = 0
+        subdirs = 0
+        for entry, packed in d.entries.items():
+            cookie, child_ino = packed >> INO_BITS, packed & INO_MASK
+            if not last < cookie < d.next_cookie:
+                p.append(f"{name}: dir {ino} entry {entry!r} cookie {cookie} out of order")
+            last = cookie
+            child = inodes.get(child_ino)
+            if child is None:
+                p.append(f"{name}: dir {ino} entry {entry!r} names missing inode {child_ino}")
+                continue
+            links[child_ino] += 1
+            link_parents.setdefault(child_ino, Counter())[ino] += 1
+            if child.is_dir:
+                subdirs += 1
+        if inode.nlink != 2 + subdirs:
+            p.append(f"{name}: dir {ino} nlink {inode.nlink}, expected {2 + subdirs}")
+    total_bytes = 0
+    for ino, inode in inodes.items():
+        n = links[ino]
+        if not inode.is_dir:
+            total_bytes += inode.size
+        if ino == ROOT:
+            if n:
+                p.append(f"{name}: the root is linked from a directory")
+            continue
+        if inode.is_dir:
+            if n != 1:
+                p.append(f"{name}: dir {ino} has {n} links")
+        elif inode.nlink != n:
+            p.append(f"{name}: inode {ino} nlink {inode.nlink} but {n} dentries")
+        orphan_ok = _kind(inode.mode) == _S_IFREG and vol.opens.get(ino)
+        if n == 0 and not inode.is_dir and not orphan_ok:
+            p.append(f"{name}: inode {ino} has no links and is not an open file")
+        expected = link_parents.get(ino, Counter())
+        actual = Counter(inode.parents())
+        if expected != actual:
+            p.append(f"{name}: inode {ino} parent slot {dict(actual)} != dentries {dict(expected)}")
+        if _kind(inode.mode) == _S_IFREG:
+            for chunk, slice_id, pos, length, offset, ssize in _all_records(inode.data):
+                if not (length > 0 and pos + length <= CHUNK_SIZE and offset + length <= ssize):
+                    p.append(f"{name}: inode {ino} bad slice record {slice_id}")
+                if chunk * CHUNK_SIZE + pos + length > inode.size:
+                    p.append(f"{name}: inode {ino} slice {slice_id} lies past the size")
+                if slice_id >= state.next_slice:
+                    p.append(f"{name}: inode {ino} uses unallocated slice {slice_id}")
+    if total_bytes != vol.used_bytes:
+        p.append(f"{name}: used_bytes {vol.used_bytes}, recount {total_bytes}")
+    p.extend(_check_tree(vol))
+    opens: Counter[int] = Counter()
+    for session in state.sessions.values():
+        if session.volume == name:
+            opens.update(session.files)
+    if dict(opens) != vol.opens:
+        p.append(f"{name}: open counts {vol.opens} != sessions {dict(opens)}")
+    for ino in vol.opens:
+        if ino not in inodes:
+            p.append(f"{name}: open inode {ino} is gone")
+    if len(vol.trash) % struct.calcsize("<QIQ"):
+        p.append(f"{name}: trash is not whole records")
+    return p
+
+
+def _check_tree(vol: Volume) -> list[str]:
+    """Reachability, acyclicity and subtree usage, recomputed bottom-up."""
+    p: list[str] = []
+    inodes = vol.inodes
+    seen: set[int] = set()
+    order: list[int] = []  # directories, parents before children
+    stack = [ROOT]
+    while stack:
+        ino = stack.pop()
+        if ino in seen:
+            p.append(f"{vol.name}: directory {ino} reached twice (cycle)")
+            continue
+        seen.add(ino)
+        order.append(ino)
+        for packed in inodes[ino].data.entries.values():
+            child = inodes.get(packed & INO_MASK)
+            if child is not None and child.is_dir:
+                stack.append(child.ino)
+    usage: dict[int, tuple[int, int]] = {}
+    for ino in reversed(order):  # children first
+        d: Dir = inodes[ino].data
+        nbytes = ninodes = 0
+        for packed in d.entries.values():
+            child = inodes.get(packed & INO_MASK)
+            if child is None:
+                continue
+            if child.is_dir:
+                b, i = usage.get(child.ino, (0, 0))
+                nbytes += b
+                ninodes += i + 1
+            else:
+                nbytes += child.size
+                ninodes += 1
+        usage[ino] = (nbytes, ninodes)
+        if (d.ubytes, d.uinodes) != (nbytes, ninodes):
+            p.append(
+                f"{vol.name}: dir {ino} usage ({d.ubytes}, {d.uinodes}), recount ({nbytes}, {ninodes})"
+            )
+    for ino, inode in inodes.items():
+        if inode.is_dir and ino not in seen:
+            p.append(f"{vol.name}: directory {ino} is unreachable")
+    return p

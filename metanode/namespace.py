@@ -1,0 +1,1217 @@
+"""The metanode state machine: volumes, namespace, slices, sessions, cluster map.
+
+Theory of operation
+-------------------
+``MetaState`` is a pure, deterministic state machine (the Raft state machine
+protocol: ``apply(index, command) -> result``, ``snapshot()``, ``restore()``).
+Mutations arrive as encoded :mod:`commands`; reads (``lookup``, ``getattr``,
+``readdir``, ``read_chunk``...) are plain methods the service calls after a
+read-index. ``apply`` never raises: a refused mutation returns a
+:class:`Failure` carrying the errno-like code, and it changes nothing, because
+every operation checks all its preconditions before its first write.
+
+Client sessions: a command with a ``client_id`` is answered once; a repeat of
+the same ``(client_id, seq)`` gets the stored first answer (success or
+failure). The last ``DEDUP_WINDOW`` answers per client are kept, in the
+snapshot too; a seq older than the window is refused rather than re-applied.
+
+Memory (the state is all in RAM, so it is kept compact, as JuiceFS/CubeFS do):
+
+- ``Inode`` has ``__slots__``; the three timestamps share one int object when
+  equal; the type-specific part lives in one ``data`` slot: a :class:`Dir`
+  for directories, the packed slice records for regular files, the target for
+  symlinks, ``rdev`` for devices.
+- A file's slices are 28-byte packed records ``(chunk, slice_id, pos, length,
+  offset, slice_size)`` in one ``bytes`` object, sorted by chunk and in commit
+  order inside a chunk (newest last, newest wins on read). A file with many
+  records switches to a ``dict[chunk, bytes]``.
+- A directory maps ``name -> (cookie << 40) | ino`` in one dict: the cookie
+  is a per-directory counter assigned when the name is added, and dicts keep
+  insertion order, so dict order is cookie order. ``readdir(cookie)`` resumes
+  after that cookie, stable while other entries come and go (an entry that
+  exists for the whole listing is returned exactly once). Replacing a name
+  keeps its cookie.
+
+Directory usage: every directory keeps the bytes and inode count of its
+subtree (``du`` in one call). Each dentry counts: a hard link counts once in
+every directory that names it, so a quota cannot be dodged by linking a file
+out of its scope and unlinking the original (the Backend.AI "quota scope").
+Bytes are the logical sizes of non-directories. A quota on a directory is
+checked against the growth of its subtree before any change (EDQUOT).
+
+Unlinked but open: a regular file whose last link goes while some session has
+it open stays as an orphan (nlink 0, no parent) until the last close or the
+end of the session; then its slices go to the trash.
+
+Permissions are checked by the kernel (the FUSE mount uses
+``default_permissions``), as in JuiceFS's and CubeFS's FUSE clients; the
+metanode enforces structure: types, names, emptiness, links, cycles, quotas.
+"""
+
+from __future__ import annotations
+
+import bisect
+import stat
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zstandard
+
+from cachefs.errors import (
+    Busy,
+    CacheFSError,
+    CrossDevice,
+    Exists,
+    InvalidArgument,
+    IsADirectory,
+    NoData,
+    NoSpace,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    NotPermitted,
+    QuotaExceeded,
+    error_from_wire,
+)
+from cachefs.ids import CHUNK_SIZE
+
+from . import commands as C
+from .clustermap import ClusterMap, VolumeSpec
+
+ROOT = 1
+INO_BITS = 40
+INO_MASK = (1 << INO_BITS) - 1
+MAX_INO = INO_MASK
+DEDUP_WINDOW = 1024
+FLAT_MAX_RECORDS = 64
+INDEX_MIN_ENTRIES = 64
+LINK_MAX = 65000
+DIR_SIZE = 4096
+
+_REC = struct.Struct("<IQIIII")  # chunk, slice_id, pos, length, offset, slice_size
+_TRASH = struct.Struct("<QIQ")  # slice_id, slice_size, deleted_ns
+
+_S_IFMT = 0o170000
+_S_IFDIR = stat.S_IFDIR
+_S_IFREG = stat.S_IFREG
+_S_IFLNK = stat.S_IFLNK
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A refused mutation: the result ``apply`` returns instead of raising."""
+
+    code: str
+    message: str
+
+    def error(self) -> CacheFSError:
+        err = error_from_wire(self.code, self.message)
+        err.remote = False
+        return err
+
+
+class Dir:
+    __slots__ = ("entries", "next_cookie", "ubytes", "uinodes", "qbytes", "qinodes", "index")
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, int] = {}
+        self.next_cookie = 1
+        self.ubytes = 0
+        self.uinodes = 0
+        self.qbytes: int | None = None
+        self.qinodes: int | None = None
+        # (cookies, names) in order, built lazily for paging big directories;
+        # None whenever entries changed since
+        self.index: tuple[list[int], list[bytes]] | None = None
+
+
+class Inode:
+    __slots__ = (
+        "ino",
+        "mode",
+        "uid",
+        "gid",
+        "nlink",
+        "size",
+        "atime",
+        "mtime",
+        "ctime",
+        "version",
+        "parent",
+        "xattrs",
+        "data",
+    )
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int, data: Any) -> None:
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.nlink = 1
+        self.size = 0
+        self.atime = self.mtime = self.ctime = now
+        self.version = 1
+        # the directory holding the (only) link; {dir: links} for hard links;
+        # 0 for the root and for orphans
+        self.parent: int | dict[int, int] = 0
+        self.xattrs: dict[bytes, bytes] | None = None
+        self.data = data
+
+    @property
+    def is_dir(self) -> bool:
+        return self.mode & _S_IFMT == _S_IFDIR
+
+    def parents(self) -> Iterator[int]:
+        """Every directory holding a link, once per link."""
+        if isinstance(self.parent, dict):
+            for p, n in self.parent.items():
+                for _ in range(n):
+                    yield p
+        elif self.parent:
+            yield self.parent
+
+
+class Volume:
+    __slots__ = ("name", "inodes", "next_ino", "used_bytes", "trash", "opens", "created_ns")
+
+    def __init__(self, name: str, now: int) -> None:
+        self.name = name
+        self.inodes: dict[int, Inode] = {}
+        self.next_ino = ROOT + 1
+        self.used_bytes = 0
+        self.trash = bytearray()
+        self.opens: dict[int, int] = {}  # ino -> open count over all sessions
+        self.created_ns = now
+        root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
+        root.nlink = 2
+        self.inodes[ROOT] = root
+
+
+class Session:
+    __slots__ = ("client_id", "volume", "files")
+
+    def __init__(self, client_id: str, volume: str) -> None:
+        self.client_id = client_id
+        self.volume = volume
+        self.files: dict[int, int] = {}  # ino -> opens by this session
+
+
+# -- slice records -----------------------------------------------------------------
+
+Rec = tuple[int, int, int, int, int]  # slice_id, pos, length, offset, slice_size
+
+
+def _all_records(
+    data: bytes | dict[int, bytes] | None,
+) -> Iterator[tuple[int, int, int, int, int, int]]:
+    if data is None:
+        return
+    if isinstance(data, dict):
+        for raw in data.values():
+            yield from _REC.iter_unpack(raw)
+    else:
+        yield from _REC.iter_unpack(data)
+
+
+def _chunk_records(data: bytes | dict[int, bytes] | None, chunk: int) -> list[Rec]:
+    if data is None:
+        return []
+    if isinstance(data, dict):
+        return [r[1:] for r in _REC.iter_unpack(data.get(chunk, b""))]
+    return [r[1:] for r in _REC.iter_unpack(data) if r[0] == chunk]
+
+
+def _store_chunk(
+    data: bytes | dict[int, bytes] | None, chunk: int, recs: list[Rec]
+) -> bytes | dict[int, bytes] | None:
+    """Replace one chunk's records; returns the file's new ``data``."""
+    if isinstance(data, dict):
+        if recs:
+            data[chunk] = b"".join(_REC.pack(chunk, *r) for r in recs)
+        else:
+            data.pop(chunk, None)
+        return data or None
+    rows = [r for r in _all_records(data) if r[0] != chunk]
+    rows.extend((chunk, *r) for r in recs)
+    rows.sort(key=lambda r: r[0])  # stable: commit order inside a chunk is kept
+    if len(rows) > FLAT_MAX_RECORDS:
+        split: dict[int, list[bytes]] = {}
+        for r in rows:
+            split.setdefault(r[0], []).append(_REC.pack(*r))
+        return {c: b"".join(parts) for c, parts in split.items()}
+    return b"".join(_REC.pack(*r) for r in rows) or None
+
+
+def _kind(mode: int) -> int:
+    return mode & _S_IFMT
+
+
+class MetaState:
+    """All replicated metanode state; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.volumes: dict[str, Volume] = {}
+        self.cluster = ClusterMap()
+        self.sessions: dict[str, Session] = {}
+        self.dedup: dict[str, dict[int, Any]] = {}
+        self.dedup_floor: dict[str, int] = {}
+        self.next_slice = 1
+        self.applied_index = 0
+        self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
+            C.CreateVolume: self._create_volume,
+            C.MountVolume: self._mount_volume,
+            C.CloseSession: self._close_session,
+            C.SetAttr: self._setattr,
+            C.Mknod: self._mknod,
+            C.Mkdir: self._mkdir,
+            C.Symlink: self._symlink,
+            C.Link: self._link,
+            C.Unlink: self._unlink,
+            C.Rmdir: self._rmdir,
+            C.Rename: self._rename,
+            C.SetXattr: self._setxattr,
+            C.RemoveXattr: self._removexattr,
+            C.Open: self._open,
+            C.Release: self._release,
+            C.SetQuota: self._set_quota,
+            C.AllocSlices: self._alloc_slices,
+            C.WriteSlice: self._write_slice,
+            C.CompactChunk: self._compact_chunk,
+            C.PurgeTrash: self._purge_trash,
+            C.RegisterNode: self._register_node,
+            C.RemoveNode: self._remove_node,
+        }
+
+    # -- the state machine protocol ---------------------------------------------------
+
+    def apply(self, index: int, command: bytes | C.Command) -> Any:
+        """Apply one committed log entry; returns the result or a :class:`Failure`."""
+        if index:
+            self.applied_index = index
+        try:
+            cmd = command if isinstance(command, C.Command) else C.decode(command)
+        except CacheFSError as err:
+            return Failure(err.code, err.message)
+        client = cmd.client_id
+        if client:
+            seen = self.dedup.get(client)
+            if seen is not None and cmd.seq in seen:
+                return seen[cmd.seq]
+            if cmd.seq < self.dedup_floor.get(client, 0):
+                return Failure("EINVAL", f"seq {cmd.seq} is older than the dedup window")
+        try:
+            result = self._handlers[type(cmd)](cmd)
+        except CacheFSError as err:
+            result = Failure(err.code, err.message)
+        if client:
+            self._remember(client, cmd.seq, result)
+        return result
+
+    def _remember(self, client: str, seq: int, result: Any) -> None:
+        seen = self.dedup.get(client)
+        if seen is None:
+            seen = self.dedup[client] = {}
+        seen[seq] = result
+        if len(seen) > DEDUP_WINDOW:
+            oldest = min(seen)
+            del seen[oldest]
+            self.dedup_floor[client] = max(self.dedup_floor.get(client, 0), oldest + 1)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _vol(self, name: str) -> Volume:
+        vol = self.volumes.get(name)
+        if vol is None:
+            raise NotFound(f"no volume {name!r}")
+        return vol
+
+    @staticmethod
+    def _inode(vol: Volume, ino: int) -> Inode:
+        inode = vol.inodes.get(ino)
+        if inode is None:
+            raise NotFound(f"no inode {ino}")
+        return inode
+
+    def _dir(self, vol: Volume, ino: int) -> Inode:
+        inode = self._inode(vol, ino)
+        if not inode.is_dir:
+            raise NotADirectory(f"inode {ino} is not a directory")
+        if inode.nlink == 0:
+            raise NotFound(f"directory {ino} was removed")
+        return inode
+
+    @staticmethod
+    def _lookup_ino(d: Dir, name: bytes) -> int | None:
+        packed = d.entries.get(name)
+        return None if packed is None else packed & INO_MASK
+
+    @staticmethod
+    def _contrib(inode: Inode) -> tuple[int, int]:
+        """What one dentry naming ``inode`` adds to its directory's usage."""
+        if inode.is_dir:
+            d: Dir = inode.data
+            return d.ubytes, d.uinodes + 1
+        return inode.size, 1
+
+    def _ancestors(self, vol: Volume, ino: int) -> Iterator[Inode]:
+        """The directory ``ino`` and its ancestors up to the root."""
+        while ino:
+            inode = vol.inodes[ino]
+            yield inode
+            ino = inode.parent if isinstance(inode.parent, int) else 0
+
+    def _check_quota(
+        self, vol: Volume, dir_ino: int, dbytes: int, dinodes: int, stop: set[int] | None = None
+    ) -> None:
+        if dbytes <= 0 and dinodes <= 0:
+            return
+        for inode in self._ancestors(vol, dir_ino):
+            if stop and inode.ino in stop:
+                break
+            d: Dir = inode.data
+            if dbytes > 0 and d.qbytes is not None and d.ubytes + dbytes > d.qbytes:
+                raise QuotaExceeded(f"byte quota {d.qbytes} of directory {inode.ino}")
+            if dinodes > 0 and d.qinodes is not None and d.uinodes + dinodes > d.qinodes:
+                raise QuotaExceeded(f"inode quota {d.qinodes} of directory {inode.ino}")
+
+    def _charge(self, vol: Volume, dir_ino: int, dbytes: int, dinodes: int) -> None:
+        for inode in self._ancestors(vol, dir_ino):
+            d: Dir = inode.data
+            d.ubytes += dbytes
+            d.uinodes += dinodes
+
+    def _check_space(self, vol: Volume, dbytes: int) -> None:
+        if dbytes <= 0:
+            return
+        capacity, _ = self.cluster.capacity()
+        used = sum(v.used_bytes for v in self.volumes.values())
+        if capacity and used + dbytes > capacity:
+            raise NoSpace(f"the datanodes hold {capacity} bytes; {used} are in use")
+
+    def _alloc_ino(self, vol: Volume) -> int:
+        if vol.next_ino > MAX_INO:
+            raise NoSpace(f"volume {vol.name!r} ran out of inode numbers")
+        ino = vol.next_ino
+        vol.next_ino += 1
+        return ino
+
+    @staticmethod
+    def _add_parent(inode: Inode, p: int) -> None:
+        if not inode.parent:
+            inode.parent = p
+        elif isinstance(inode.parent, dict):
+            inode.parent[p] = inode.parent.get(p, 0) + 1
+        else:
+            inode.parent = {inode.parent: 1, p: 1} if inode.parent != p else {p: 2}
+
+    @staticmethod
+    def _remove_parent(inode: Inode, p: int) -> None:
+        if isinstance(inode.parent, dict):
+            left = inode.parent[p] - 1
+            if left:
+                inode.parent[p] = left
+            else:
+                del inode.parent[p]
+            if sum(inode.parent.values()) == 1:
+                (only,) = inode.parent
+                inode.parent = only
+            elif not inode.parent:
+                inode.parent = 0
+        else:
+            inode.parent = 0
+
+    def _add_entry(self, vol: Volume, parent: Inode, name: bytes, child: Inode) -> None:
+        """Link ``child`` under ``name``; the caller checked the name is free."""
+        d: Dir = parent.data
+        d.entries[name] = (d.next_cookie << INO_BITS) | child.ino
+        d.next_cookie += 1
+        d.index = None
+        self._add_parent(child, parent.ino)
+        dbytes, dinodes = self._contrib(child)
+        self._charge(vol, parent.ino, dbytes, dinodes)
+        if child.is_dir:
+            parent.nlink += 1
+
+    def _remove_entry(self, vol: Volume, parent: Inode, name: bytes, child: Inode) -> None:
+        d: Dir = parent.data
+        del d.entries[name]
+        d.index = None
+        dbytes, dinodes = self._contrib(child)
+        self._charge(vol, parent.ino, -dbytes, -dinodes)
+        self._remove_parent(child, parent.ino)
+        if child.is_dir:
+            parent.nlink -= 1
+
+    def _trash(self, vol: Volume, slice_id: int, slice_size: int, now: int) -> None:
+        vol.trash += _TRASH.pack(slice_id, slice_size, now)
+
+    def _drop_link(self, vol: Volume, child: Inode, now: int) -> None:
+        """After a dentry of ``child`` went: free it if nothing holds it any more."""
+        if child.is_dir:
+            child.nlink = 0
+            del vol.inodes[child.ino]
+            return
+        child.nlink -= 1
+        child.ctime = now
+        if child.nlink == 0 and not vol.opens.get(child.ino):
+            self._free(vol, child, now)
+
+    def _free(self, vol: Volume, inode: Inode, now: int) -> None:
+        if _kind(inode.mode) == _S_IFREG:
+            for rec in _all_records(inode.data):
+                self._trash(vol, rec[1], rec[5], now)
+        if not inode.is_dir:
+            vol.used_bytes -= inode.size
+        del vol.inodes[inode.ino]
+
+    def _grow(self, vol: Volume, inode: Inode, new_size: int) -> None:
+        """Set a file's size, keeping usage of every directory linking it."""
+        delta = new_size - inode.size
+        if not delta:
+            return
+        inode.size = new_size
+        vol.used_bytes += delta
+        for p in inode.parents():
+            self._charge(vol, p, delta, 0)
+
+    def _check_grow(self, vol: Volume, inode: Inode, new_size: int) -> None:
+        delta = new_size - inode.size
+        if delta <= 0:
+            return
+        if isinstance(inode.parent, int):
+            if inode.parent:
+                self._check_quota(vol, inode.parent, delta, 0)
+        else:  # hard links: an ancestor of several links grows by each
+            need: dict[int, int] = {}
+            for p in inode.parents():
+                for a in self._ancestors(vol, p):
+                    need[a.ino] = need.get(a.ino, 0) + delta
+            for ino, grow in need.items():
+                d: Dir = vol.inodes[ino].data
+                if d.qbytes is not None and d.ubytes + grow > d.qbytes:
+                    raise QuotaExceeded(f"byte quota {d.qbytes} of directory {ino}")
+        self._check_space(vol, delta)
+
+    @staticmethod
+    def _touch(inode: Inode, now: int) -> None:
+        inode.mtime = inode.ctime = now
+
+    # -- attributes ---------------------------------------------------------------
+
+    @staticmethod
+    def attr(inode: Inode) -> dict[str, Any]:
+        kind = _kind(inode.mode)
+        rdev = inode.data if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0
+        return {
+            "ino": inode.ino,
+            "mode": inode.mode,
+            "uid": inode.uid,
+            "gid": inode.gid,
+            "nlink": inode.nlink,
+            "size": DIR_SIZE if kind == _S_IFDIR else inode.size,
+            "atime_ns": inode.atime,
+            "mtime_ns": inode.mtime,
+            "ctime_ns": inode.ctime,
+            "rdev": rdev,
+            "generation": 0,  # inode numbers are never reused
+            "version": inode.version,
+        }
+
+    # -- volumes and sessions ------------------------------------------------------
+
+    def _create_volume(self, cmd: C.CreateVolume) -> dict[str, Any]:
+        if cmd.name in self.volumes:
+            raise Exists(f"volume {cmd.name!r} exists")
+        spec = VolumeSpec(cmd.policy, cmd.compression, cmd.block_size, cmd.pg_count)
+        self.cluster.add_volume(cmd.name, spec)
+        self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
+        return spec.to_dict()
+
+    def _mount_volume(self, cmd: C.MountVolume) -> dict[str, Any]:
+        self._vol(cmd.volume)
+        if not cmd.client_id:
+            raise InvalidArgument("mount_volume needs a client_id")
+        session = f"{cmd.client_id}/{self.applied_index}"
+        if session in self.sessions:  # only without a log index (tests applying directly)
+            session = f"{cmd.client_id}/{self.applied_index}.{len(self.sessions)}"
+        self.sessions[session] = Session(cmd.client_id, cmd.volume)
+        return {
+            "root": ROOT,
+            "session": session,
+            "policy": self.cluster.volumes[cmd.volume].to_dict(),
+        }
+
+    def _close_session(self, cmd: C.CloseSession) -> None:
+        session = self.sessions.pop(cmd.session, None)
+        if session is None:
+            raise NotFound(f"no session {cmd.session!r}")
+        vol = self.volumes[session.volume]
+        for ino, count in session.files.items():
+            self._unopen(vol, ino, count, cmd.now_ns)
+
+    def _unopen(self, vol: Volume, ino: int, count: int, now: int) -> None:
+        left = vol.opens[ino] - count
+        if left:
+            vol.opens[ino] = left
+            return
+        del vol.opens[ino]
+        inode = vol.inodes.get(ino)
+        if inode is not None and inode.nlink == 0:
+            self._free(vol, inode, now)
+
+    def _open(self, cmd: C.Open) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        session = self.sessions.get(cmd.session)
+        if session is None or session.volume != cmd.volume:
+            raise NotFound(f"no session {cmd.session!r} on volume {cmd.volume!r}")
+        inode = self._inode(vol, cmd.ino)
+        session.files[cmd.ino] = session.files.get(cmd.ino, 0) + 1
+        vol.opens[cmd.ino] = vol.opens.get(cmd.ino, 0) + 1
+        return self.attr(inode)
+
+    def _release(self, cmd: C.Release) -> None:
+        vol = self._vol(cmd.volume)
+        session = self.sessions.get(cmd.session)
+        if session is None or session.volume != cmd.volume:
+            raise NotFound(f"no session {cmd.session!r} on volume {cmd.volume!r}")
+        count = session.files.get(cmd.ino)
+        if not count:
+            raise InvalidArgument(f"inode {cmd.ino} is not open in session {cmd.session!r}")
+        if count == 1:
+            del session.files[cmd.ino]
+        else:
+            session.files[cmd.ino] = count - 1
+        self._unopen(vol, cmd.ino, 1, cmd.now_ns)
+
+    # -- namespace mutations -----------------------------------------------------------
+
+    def _create(
+        self,
+        vol: Volume,
+        parent_ino: int,
+        name: bytes,
+        mode: int,
+        uid: int,
+        gid: int,
+        now: int,
+        data: Any,
+        size: int = 0,
+    ) -> dict[str, Any]:
+        parent = self._dir(vol, parent_ino)
+        if name in parent.data.entries:
+            raise Exists(f"{name!r} exists in directory {parent_ino}")
+        is_dir = _kind(mode) == _S_IFDIR
+        self._check_quota(vol, parent_ino, size, 1)
+        self._check_space(vol, size)
+        if is_dir and parent.nlink >= LINK_MAX:
+            raise NotPermitted(f"directory {parent_ino} has too many subdirectories")
+        inode = Inode(self._alloc_ino(vol), mode, uid, gid, now, data)
+        if is_dir:
+            inode.nlink = 2
+        inode.size = size
+        vol.used_bytes += size if not is_dir else 0
+        vol.inodes[inode.ino] = inode
+        self._add_entry(vol, parent, name, inode)
+        self._touch(parent, now)
+        return self.attr(inode)
+
+    def _mknod(self, cmd: C.Mknod) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        mode = cmd.mode if _kind(cmd.mode) else cmd.mode | _S_IFREG
+        kind = _kind(mode)
+        data = cmd.rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else None
+        return self._create(vol, cmd.parent, cmd.name, mode, cmd.uid, cmd.gid, cmd.now_ns, data)
+
+    def _mkdir(self, cmd: C.Mkdir) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        mode = (cmd.mode & 0o7777) | _S_IFDIR
+        return self._create(vol, cmd.parent, cmd.name, mode, cmd.uid, cmd.gid, cmd.now_ns, Dir())
+
+    def _symlink(self, cmd: C.Symlink) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        return self._create(
+            vol,
+            cmd.parent,
+            cmd.name,
+            _S_IFLNK | 0o777,
+            cmd.uid,
+            cmd.gid,
+            cmd.now_ns,
+            cmd.target,
+            size=len(cmd.target),
+        )
+
+    def _link(self, cmd: C.Link) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        if inode.is_dir:
+            raise NotPermitted("cannot hard-link a directory")
+        if inode.nlink == 0:
+            raise NotFound(f"inode {cmd.ino} was unlinked")
+        if inode.nlink >= LINK_MAX:
+            raise NotPermitted(f"inode {cmd.ino} has {LINK_MAX} links")
+        parent = self._dir(vol, cmd.new_parent)
+        if cmd.new_name in parent.data.entries:
+            raise Exists(f"{cmd.new_name!r} exists in directory {cmd.new_parent}")
+        self._check_quota(vol, cmd.new_parent, inode.size, 1)
+        self._add_entry(vol, parent, cmd.new_name, inode)
+        inode.nlink += 1
+        inode.ctime = cmd.now_ns
+        self._touch(parent, cmd.now_ns)
+        return self.attr(inode)
+
+    def _unlink(self, cmd: C.Unlink) -> None:
+        vol = self._vol(cmd.volume)
+        parent = self._dir(vol, cmd.parent)
+        ino = self._lookup_ino(parent.data, cmd.name)
+        if ino is None:
+            raise NotFound(f"no {cmd.name!r} in directory {cmd.parent}")
+        child = vol.inodes[ino]
+        if child.is_dir:
+            raise IsADirectory(f"{cmd.name!r} is a directory")
+        self._remove_entry(vol, parent, cmd.name, child)
+        self._touch(parent, cmd.now_ns)
+        self._drop_link(vol, child, cmd.now_ns)
+
+    def _rmdir(self, cmd: C.Rmdir) -> None:
+        vol = self._vol(cmd.volume)
+        parent = self._dir(vol, cmd.parent)
+        ino = self._lookup_ino(parent.data, cmd.name)
+        if ino is None:
+            raise NotFound(f"no {cmd.name!r} in directory {cmd.parent}")
+        child = vol.inodes[ino]
+        if not child.is_dir:
+            raise NotADirectory(f"{cmd.name!r} is not a directory")
+        if child.data.entries:
+            raise NotEmpty(f"directory {cmd.name!r} is not empty")
+        self._remove_entry(vol, parent, cmd.name, child)
+        self._touch(parent, cmd.now_ns)
+        self._drop_link(vol, child, cmd.now_ns)
+
+    def _is_ancestor(self, vol: Volume, ancestor: int, ino: int) -> bool:
+        return any(inode.ino == ancestor for inode in self._ancestors(vol, ino))
+
+    def _rename(self, cmd: C.Rename) -> None:
+        if cmd.new_volume is not None and cmd.new_volume != cmd.volume:
+            raise CrossDevice("rename across volumes")
+        vol = self._vol(cmd.volume)
+        now = cmd.now_ns
+        src_dir = self._dir(vol, cmd.parent)
+        dst_dir = self._dir(vol, cmd.new_parent)
+        src_ino = self._lookup_ino(src_dir.data, cmd.name)
+        if src_ino is None:
+            raise NotFound(f"no {cmd.name!r} in directory {cmd.parent}")
+        src = vol.inodes[src_ino]
+        dst_ino = self._lookup_ino(dst_dir.data, cmd.new_name)
+        dst = vol.inodes[dst_ino] if dst_ino is not None else None
+        if cmd.flags & C.RENAME_EXCHANGE:
+            if dst is None:
+                raise NotFound(f"no {cmd.new_name!r} in directory {cmd.new_parent}")
+            self._exchange(vol, cmd, src_dir, src, dst_dir, dst)
+            return
+        if dst is not None and cmd.flags & C.RENAME_NOREPLACE:
+            raise Exists(f"{cmd.new_name!r} exists in directory {cmd.new_parent}")
+        if dst is src:
+            return  # two links of one inode: POSIX says do nothing
+        if src.is_dir and self._is_ancestor(vol, src.ino, dst_dir.ino):
+            raise InvalidArgument("cannot move a directory into its own subtree")
+        if dst is not None:
+            if src.is_dir and not dst.is_dir:
+                raise NotADirectory(f"{cmd.new_name!r} is not a directory")
+            if not src.is_dir and dst.is_dir:
+                raise IsADirectory(f"{cmd.new_name!r} is a directory")
+            if dst.is_dir and dst.data.entries:
+                raise NotEmpty(f"directory {cmd.new_name!r} is not empty")
+        if (
+            src.is_dir
+            and dst is None
+            and cmd.new_parent != cmd.parent
+            and dst_dir.nlink >= LINK_MAX
+        ):
+            raise NotPermitted(f"directory {cmd.new_parent} has too many subdirectories")
+        sbytes, sinodes = self._contrib(src)
+        if dst is not None:
+            dbytes, dinodes = self._contrib(dst)
+            sbytes, sinodes = sbytes - dbytes, sinodes - dinodes
+        common = {i.ino for i in self._ancestors(vol, src_dir.ino)}
+        self._check_quota(vol, dst_dir.ino, sbytes, sinodes, stop=common)
+        # all checks done: from here on nothing fails
+        self._remove_entry(vol, src_dir, cmd.name, src)
+        if dst is not None:
+            self._replace_entry(vol, dst_dir, cmd.new_name, dst, src)
+            self._drop_link(vol, dst, now)
+        else:
+            self._add_entry(vol, dst_dir, cmd.new_name, src)
+        src.ctime = now
+        self._touch(src_dir, now)
+        self._touch(dst_dir, now)
+
+    def _replace_entry(
+        self, vol: Volume, parent: Inode, name: bytes, old: Inode, new: Inode
+    ) -> None:
+        """Point ``name`` at ``new`` in place: the name keeps its cookie and its
+        place in readdir order."""
+        d: Dir = parent.data
+        cookie_bits = d.entries[name] & ~INO_MASK
+        ob, oi = self._contrib(old)
+        self._charge(vol, parent.ino, -ob, -oi)
+        self._remove_parent(old, parent.ino)
+        if old.is_dir:
+            parent.nlink -= 1
+        d.entries[name] = cookie_bits | new.ino
+        d.index = None
+        self._add_parent(new, parent.ino)
+        nb, ni = self._contrib(new)
+        self._charge(vol, parent.ino, nb, ni)
+        if new.is_dir:
+            parent.nlink += 1
+
+    def _exchange(
+        self, vol: Volume, cmd: C.Rename, src_dir: Inode, src: Inode, dst_dir: Inode, dst: Inode
+    ) -> None:
+        if src is dst:
+            return
+        if src.is_dir and self._is_ancestor(vol, src.ino, dst_dir.ino):
+            raise InvalidArgument("cannot move a directory into its own subtree")
+        if dst.is_dir and self._is_ancestor(vol, dst.ino, src_dir.ino):
+            raise InvalidArgument("cannot move a directory into its own subtree")
+        sb, si = self._contrib(src)
+        db, di = self._contrib(dst)
+        if src_dir is not dst_dir:
+            src_side = {i.ino for i in self._ancestors(vol, src_dir.ino)}
+            dst_side = {i.ino for i in self._ancestors(vol, dst_dir.ino)}
+            self._check_quota(vol, dst_dir.ino, sb - db, si - di, stop=src_side)
+            self._check_quota(vol, src_dir.ino, db - sb, di - si, stop=dst_side)
+        # all checks done: swap the two entries in place, keeping both cookies
+        s: Dir = src_dir.data
+        t: Dir = dst_dir.data
+        s_cookie = s.entries[cmd.name] & ~INO_MASK
+        t_cookie = t.entries[cmd.new_name] & ~INO_MASK
+        self._charge(vol, src_dir.ino, db - sb, di - si)
+        self._charge(vol, dst_dir.ino, sb - db, si - di)
+        s.entries[cmd.name] = s_cookie | dst.ino
+        t.entries[cmd.new_name] = t_cookie | src.ino
+        s.index = t.index = None
+        self._remove_parent(src, src_dir.ino)
+        self._remove_parent(dst, dst_dir.ino)
+        self._add_parent(src, dst_dir.ino)
+        self._add_parent(dst, src_dir.ino)
+        if src.is_dir != dst.is_dir and src_dir is not dst_dir:
+            moved = 1 if src.is_dir else -1
+            src_dir.nlink -= moved
+            dst_dir.nlink += moved
+        src.ctime = dst.ctime = cmd.now_ns
+        self._touch(src_dir, cmd.now_ns)
+        self._touch(dst_dir, cmd.now_ns)
+
+    def _setattr(self, cmd: C.SetAttr) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        kind = _kind(inode.mode)
+        if cmd.size is not None:
+            if kind == _S_IFDIR:
+                raise IsADirectory("cannot truncate a directory")
+            if kind != _S_IFREG:
+                raise InvalidArgument("can only truncate regular files")
+            self._check_grow(vol, inode, cmd.size)
+        if cmd.mode is not None and _kind(cmd.mode) and _kind(cmd.mode) != kind:
+            raise InvalidArgument("chmod cannot change the file type")
+        now = cmd.now_ns
+        if cmd.mode is not None:
+            inode.mode = kind | (cmd.mode & 0o7777)
+        if cmd.uid is not None:
+            inode.uid = cmd.uid
+        if cmd.gid is not None:
+            inode.gid = cmd.gid
+        if cmd.size is not None:
+            self._truncate(vol, inode, cmd.size, now)
+            inode.mtime = now
+        if cmd.atime_ns is not None:
+            inode.atime = cmd.atime_ns
+        if cmd.mtime_ns is not None:
+            inode.mtime = cmd.mtime_ns
+        inode.ctime = now
+        return self.attr(inode)
+
+    def _truncate(self, vol: Volume, inode: Inode, size: int, now: int) -> None:
+        if size < inode.size:
+            first = size // CHUNK_SIZE
+            chunks = sorted({r[0] for r in _all_records(inode.data) if r[0] >= first})
+            for chunk in chunks:
+                cut = size - chunk * CHUNK_SIZE  # bytes of this chunk that stay
+                keep: list[Rec] = []
+                for slice_id, pos, length, offset, ssize in _chunk_records(inode.data, chunk):
+                    if pos >= cut:
+                        self._trash(vol, slice_id, ssize, now)
+                    elif pos + length > cut:
+                        keep.append((slice_id, pos, cut - pos, offset, ssize))
+                    else:
+                        keep.append((slice_id, pos, length, offset, ssize))
+                inode.data = _store_chunk(inode.data, chunk, keep)
+        if size != inode.size:
+            inode.version += 1
+        self._grow(vol, inode, size)
+
+    def _setxattr(self, cmd: C.SetXattr) -> None:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        present = inode.xattrs is not None and cmd.name in inode.xattrs
+        if cmd.flags == C.XATTR_CREATE and present:
+            raise Exists(f"xattr {cmd.name!r} exists")
+        if cmd.flags == C.XATTR_REPLACE and not present:
+            raise NoData(f"no xattr {cmd.name!r}")
+        if inode.xattrs is None:
+            inode.xattrs = {}
+        inode.xattrs[cmd.name] = cmd.value
+        inode.ctime = cmd.now_ns
+
+    def _removexattr(self, cmd: C.RemoveXattr) -> None:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        if inode.xattrs is None or cmd.name not in inode.xattrs:
+            raise NoData(f"no xattr {cmd.name!r}")
+        del inode.xattrs[cmd.name]
+        if not inode.xattrs:
+            inode.xattrs = None
+        inode.ctime = cmd.now_ns
+
+    def _set_quota(self, cmd: C.SetQuota) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        inode = self._dir(vol, cmd.ino)
+        d: Dir = inode.data
+        d.qbytes = cmd.max_bytes
+        d.qinodes = cmd.max_inodes
+        return self.usage(cmd.volume, cmd.ino)
+
+    # -- data ---------------------------------------------------------------------
+
+    def _alloc_slices(self, cmd: C.AllocSlices) -> int:
+        first = self.next_slice
+        self.next_slice += cmd.count
+        return first
+
+    def _write_slice(self, cmd: C.WriteSlice) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        kind = _kind(inode.mode)
+        if kind == _S_IFDIR:
+            raise IsADirectory(f"inode {cmd.ino} is a directory")
+        if kind != _S_IFREG:
+            raise InvalidArgument(f"inode {cmd.ino} is not a regular file")
+        if cmd.slice_id >= self.next_slice:
+            raise InvalidArgument(f"slice {cmd.slice_id} was never allocated")
+        end = cmd.chunk * CHUNK_SIZE + cmd.pos + cmd.length
+        if end > C.MAX_FILE_SIZE:
+            raise InvalidArgument("write past the largest file size")
+        new_size = max(inode.size, end)
+        self._check_grow(vol, inode, new_size)
+        keep: list[Rec] = []
+        lo, hi = cmd.pos, cmd.pos + cmd.length
+        for rec in _chunk_records(inode.data, cmd.chunk):
+            if lo <= rec[1] and rec[1] + rec[2] <= hi:
+                self._trash(vol, rec[0], rec[4], cmd.now_ns)  # fully overwritten
+            else:
+                keep.append(rec)
+        keep.append((cmd.slice_id, cmd.pos, cmd.length, cmd.offset, cmd.offset + cmd.length))
+        inode.data = _store_chunk(inode.data, cmd.chunk, keep)
+        self._grow(vol, inode, new_size)
+        inode.version += 1
+        inode.mtime = inode.ctime = cmd.mtime_ns
+        return self.attr(inode)
+
+    def _compact_chunk(self, cmd: C.CompactChunk) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        if _kind(inode.mode) != _S_IFREG:
+            raise InvalidArgument(f"inode {cmd.ino} is not a regular file")
+        if cmd.slice_id >= self.next_slice:
+            raise InvalidArgument(f"slice {cmd.slice_id} was never allocated")
+        recs = _chunk_records(inode.data, cmd.chunk)
+        if tuple(r[0] for r in recs) != cmd.expect:
+            raise Busy("the chunk changed since it was read; compact again")
+        for rec in recs:
+            self._trash(vol, rec[0], rec[4], cmd.now_ns)
+        inode.data = _store_chunk(
+            inode.data, cmd.chunk, [(cmd.slice_id, 0, cmd.length, 0, cmd.length)]
+        )
+        return self.attr(inode)
+
+    def _purge_trash(self, cmd: C.PurgeTrash) -> int:
+        vol = self._vol(cmd.volume)
+        drop = set(cmd.slice_ids)
+        kept = bytearray()
+        purged = 0
+        for rec in _TRASH.iter_unpack(vol.trash):
+            if rec[0] in drop:
+                purged += 1
+            else:
+                kept += _TRASH.pack(*rec)
+        vol.trash = kept
+        return purged
+
+    # -- cluster map -----------------------------------------------------------------
+
+    def _register_node(self, cmd: C.RegisterNode) -> int:
+        return self.cluster.register(cmd.kind, cmd.node_id, cmd.addr, cmd.zone, cmd.capacity)
+
+    def _remove_node(self, cmd: C.RemoveNode) -> int:
+        return self.cluster.remove(cmd.kind, cmd.node_id)
+
+    # -- reads (called by the service after read_index) -------------------------------
+
+    def lookup(self, volume: str, parent: int, name: bytes) -> dict[str, Any]:
+        C.check_name(name)
+        vol = self._vol(volume)
+        d = self._dir(vol, parent)
+        ino = self._lookup_ino(d.data, name)
+        if ino is None:
+            raise NotFound(f"no {name!r} in directory {parent}")
+        return self.attr(vol.inodes[ino])
+
+    def getattr(self, volume: str, ino: int) -> dict[str, Any]:
+        return self.attr(self._inode(self._vol(volume), ino))
+
+    def readlink(self, volume: str, ino: int) -> bytes:
+        inode = self._inode(self._vol(volume), ino)
+        if _kind(inode.mode) != _S_IFLNK:
+            raise InvalidArgument(f"inode {ino} is not a symlink")
+        return inode.data
+
+    def readdir(self, volume: str, ino: int, cookie: int, limit: int) -> list[list[Any]]:
+        """Entries after ``cookie`` (0: from the start), at most ``limit`` of them,
+        as ``[name, attr, cookie_of_this_entry]``."""
+        if not isinstance(cookie, int) or cookie < 0 or not isinstance(limit, int) or limit < 1:
+            raise InvalidArgument("cookie must be >= 0 and limit >= 1")
+        vol = self._vol(volume)
+        inode = self._inode(vol, ino)
+        if not inode.is_dir:
+            raise NotADirectory(f"inode {ino} is not a directory")
+        d: Dir = inode.data
+        out: list[list[Any]] = []
+        inodes = vol.inodes
+        if cookie and len(d.entries) >= INDEX_MIN_ENTRIES:
+            if d.index is None:
+                d.index = ([v >> INO_BITS for v in d.entries.values()], list(d.entries))
+            cookies, names = d.index
+            start = bisect.bisect_right(cookies, cookie)
+            for name in names[start : start + limit]:
+                packed = d.entries[name]
+                out.append([name, self.attr(inodes[packed & INO_MASK]), packed >> INO_BITS])
+            return out
+        for name, packed in d.entries.items():
+            c = packed >> INO_BITS
+            if c <= cookie:
+                continue
+            out.append([name, self.attr(inodes[packed & INO_MASK]), c])
+            if len(out) >= limit:
+                break
+        return out
+
+    def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
+        inode = self._inode(self._vol(volume), ino)
+        if inode.xattrs is None or name not in inode.xattrs:
+            raise NoData(f"no xattr {name!r}")
+        return inode.xattrs[name]
+
+    def listxattr(self, volume: str, ino: int) -> list[bytes]:
+        inode = self._inode(self._vol(volume), ino)
+        return list(inode.xattrs or ())
+
+    def read_chunk(self, volume: str, ino: int, chunk: int) -> list[list[int]]:
+        if not isinstance(chunk, int) or not 0 <= chunk < C.U32:
+            raise InvalidArgument(f"bad chunk index {chunk!r}")
+        inode = self._inode(self._vol(volume), ino)
+        if inode.is_dir:
+            raise IsADirectory(f"inode {ino} is a directory")
+        if _kind(inode.mode) != _S_IFREG:
+            raise InvalidArgument(f"inode {ino} is not a regular file")
+        return [[s, p, n, o] for s, p, n, o, _ in _chunk_records(inode.data, chunk)]
+
+    def usage(self, volume: str, ino: int) -> dict[str, Any]:
+        vol = self._vol(volume)
+        inode = self._inode(vol, ino)
+        if not inode.is_dir:
+            raise NotADirectory(f"inode {ino} is not a directory")
+        d: Dir = inode.data
+        return {
+            "bytes": d.ubytes,
+            "inodes": d.uinodes,
+            "max_bytes": d.qbytes,
+            "max_inodes": d.qinodes,
+        }
+
+    def statfs(self, volume: str) -> dict[str, Any]:
+        vol = self._vol(volume)
+        capacity, _reported = self.cluster.capacity()
+        used = sum(v.used_bytes for v in self.volumes.values())
+        bsize = 4096
+        total = capacity if capacity else max(used, 1 << 50)
+        free = max(total - used, 0)
+        files = len(vol.inodes)
+        max_files = MAX_INO
+        return {
+            "bsize": bsize,
+            "frsize": bsize,
+            "blocks": total // bsize,
+            "bfree": free // bsize,
+            "bavail": free // bsize,
+            "files": max_files,
+            "ffree": max_files - files,
+            "favail": max_files - files,
+            "namemax": C.NAME_MAX,
+            "used_bytes": vol.used_bytes,
+            "used_inodes": files,
+        }
+
+    def trash(self, volume: str, limit: int, before_ns: int | None = None) -> list[list[int]]:
+        """Unreferenced slices, oldest first: ``[slice_id, slice_size, deleted_ns]``."""
+        vol = self._vol(volume)
+        out: list[list[int]] = []
+        for rec in _TRASH.iter_unpack(vol.trash):
+            if before_ns is not None and rec[2] >= before_ns:
+                continue
+            out.append(list(rec))
+            if len(out) >= limit:
+                break
+        return out
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole replicated state, msgpack then zstd; deterministic bytes."""
+        volumes = []
+        for vol in self.volumes.values():
+            inodes = []
+            for i in vol.inodes.values():
+                if i.is_dir:
+                    d: Dir = i.data
+                    flat: list[Any] = []
+                    for name, packed in d.entries.items():
+                        flat.append(name)
+                        flat.append(packed)
+                    data: Any = [flat, d.next_cookie, d.ubytes, d.uinodes, d.qbytes, d.qinodes]
+                else:
+                    data = i.data
+                parent = sorted(i.parent.items()) if isinstance(i.parent, dict) else i.parent
+                xattrs = list(i.xattrs.items()) if i.xattrs else None
+                inodes.append(
+                    [
+                        i.ino,
+                        i.mode,
+                        i.uid,
+                        i.gid,
+                        i.nlink,
+                        i.size,
+                        i.atime,
+                        i.mtime,
+                        i.ctime,
+                        i.version,
+                        parent,
+                        xattrs,
+                        data,
+                    ]
+                )
+            volumes.append(
+                [
+                    vol.name,
+                    vol.next_ino,
+                    vol.used_bytes,
+                    bytes(vol.trash),
+                    sorted(vol.opens.items()),
+                    vol.created_ns,
+                    inodes,
+                ]
+            )
+        sessions = [
+            [sid, s.client_id, s.volume, sorted(s.files.items())]
+            for sid, s in self.sessions.items()
+        ]
+        dedup = []
+        for client, seen in self.dedup.items():
+            answers = []
+            for seq, result in seen.items():
+                if isinstance(result, Failure):
+                    answers.append([seq, 1, [result.code, result.message]])
+                else:
+                    answers.append([seq, 0, result])
+            dedup.append([client, self.dedup_floor.get(client, 0), answers])
+        state = [
+            1,
+            self.applied_index,
+            self.next_slice,
+            self.cluster.dump(),
+            volumes,
+            sessions,
+            dedup,
+        ]
+        raw = msgpack.packb(state, use_bin_type=True)
+        return zstandard.ZstdCompressor(level=3).compress(raw)
+
+    def restore(self, data: bytes) -> None:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
+        state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        version, applied, next_slice, cluster, volumes, sessions, dedup = state
+        if version != 1:
+            raise InvalidArgument(f"unknown snapshot version {version}")
+        self.applied_index = applied
+        self.next_slice = next_slice
+        self.cluster = ClusterMap.load(cluster)
+        self.volumes = {}
+        for name, next_ino, used_bytes, trash, opens, created_ns, inodes in volumes:
+            vol = Volume(name, created_ns)
+            vol.inodes.clear()
+            vol.next_ino = next_ino
+            vol.used_bytes = used_bytes
+            vol.trash = bytearray(trash)
+            vol.opens = dict(opens)
+            for (
+                ino,
+                mode,
+                uid,
+                gid,
+                nlink,
+                size,
+                atime,
+                mtime,
+                ctime,
+                version,
+                parent,
+                xattrs,
+                data,
+            ) in inodes:
+                if mode & _S_IFMT == _S_IFDIR:
+                    flat, next_cookie, ubytes, uinodes, qbytes, qinodes = data
+                    d = Dir()
+                    d.entries = dict(zip(flat[::2], flat[1::2], strict=True))
+                    d.next_cookie = next_cookie
+                    d.ubytes, d.uinodes, d.qbytes, d.qinodes = ubytes, uinodes, qbytes, qinodes
+                    data = d
+                elif isinstance(data, dict):
+                    data = {int(k): v for k, v in data.items()}
+                inode = Inode(ino, mode, uid, gid, ctime, data)
+                inode.nlink = nlink
+                inode.size = size
+                # share one int object between equal stamps, as a fresh inode does
+                inode.mtime = ctime if mtime == ctime else mtime
+                inode.atime = inode.mtime if atime == mtime else atime
+                inode.version = version
+                inode.parent = dict(parent) if isinstance(parent, list) else parent
+                inode.xattrs = dict(xattrs) if xattrs else None
+                vol.inodes[ino] = inode
+            self.volumes[name] = vol
+        self.sessions = {}
+        for sid, client_id, volume, files in sessions:
+            session = Session(client_id, volume)
+            session.files = dict(files)
+            self.sessions[sid] = session
+        self.dedup = {}
+        self.dedup_floor = {}
+        for client, floor, answers in dedup:
+            self.dedup[client] = {
+                seq: Failure(*value) if failed else value for seq, failed, value in answers
+            }
+            if floor:
+                self.dedup_floor[client] = floor
