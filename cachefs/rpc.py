@@ -29,6 +29,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import os
 import time
 import types
@@ -320,6 +321,7 @@ class RpcServer:
         self.port: int | None = None
         self._listen_scope: trio.CancelScope | None = None
         self._conn_scope: trio.CancelScope | None = None
+        self.conn_nursery: trio.Nursery | None = None  # one task per connection
         self._draining = False
         self._inflight = 0
         self._idle = trio.Event()
@@ -339,6 +341,7 @@ class RpcServer:
         self.port = listeners[0].socket.getsockname()[1]
         log.info("%s listening on %s:%d", self.name, host, self.port)
         async with trio.open_nursery() as conn_nursery:
+            self.conn_nursery = conn_nursery
             self._conn_scope = conn_nursery.cancel_scope
             with trio.CancelScope() as self._listen_scope:
                 task_status.started(self.port)
@@ -405,6 +408,9 @@ class RpcServer:
 
     async def _read_requests(self, conn: Connection, nursery: trio.Nursery) -> None:
         inflight = 0
+        idle = self.limits.idle_timeout
+        # The idle clock runs only while nothing is in flight on this connection.
+        idle_scope = trio.CancelScope(deadline=trio.current_time() + idle)
 
         def done() -> None:
             nonlocal inflight
@@ -412,30 +418,27 @@ class RpcServer:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-
-        while True:
             if inflight == 0:
-                # Idle timeout only applies to a connection with nothing in flight.
-                with trio.move_on_after(self.limits.idle_timeout) as idle:
-                    event = await conn.receive_event()
-                if idle.cancelled_caught:
-                    log.info("%s: closing idle connection from %s", self.name, conn.peer)
-                    return
-            else:
+                idle_scope.deadline = trio.current_time() + idle
+
+        with idle_scope:
+            while True:
                 event = await conn.receive_event()
-            if not isinstance(event, wire.Request):
-                raise ProtocolError(f"expected a request, got {type(event).__name__}")
-            if self._draining:
-                conn.send(wire.ErrorReply(event.call_id, Unavailable.code, f"{self.name} is shutting down"))
-                continue
-            if inflight >= self.limits.max_inflight:
-                conn.send(wire.ErrorReply(event.call_id, Busy.code,
-                                          f"more than {self.limits.max_inflight} calls in flight on one connection"))
-                continue
-            inflight += 1
-            self._inflight += 1
-            self._idle = trio.Event() if self._idle.is_set() else self._idle
-            nursery.start_soon(self._run_call, conn, event, done)
+                if not isinstance(event, wire.Request):
+                    raise ProtocolError(f"expected a request, got {type(event).__name__}")
+                if self._draining:
+                    conn.send(wire.ErrorReply(event.call_id, Unavailable.code, f"{self.name} is shutting down"))
+                    continue
+                if inflight >= self.limits.max_inflight:
+                    conn.send(wire.ErrorReply(event.call_id, Busy.code,
+                                              f"more than {self.limits.max_inflight} calls in flight on one connection"))
+                    continue
+                inflight += 1
+                self._inflight += 1
+                idle_scope.deadline = math.inf
+                self._idle = trio.Event() if self._idle.is_set() else self._idle
+                nursery.start_soon(self._run_call, conn, event, done)
+        log.info("%s: closing idle connection from %s", self.name, conn.peer)
 
     async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[], None]) -> None:
         started = time.perf_counter()

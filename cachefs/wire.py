@@ -247,7 +247,10 @@ class FrameDecoder:
             self._buf[:pending] = self._buf[self._start:self._end]
             self._start, self._end = 0, pending
         if len(self._buf) - self._end < needed:
-            self._buf.extend(bytes(needed - (len(self._buf) - self._end)))
+            # A new buffer, not extend(): the driver may still hold a view.
+            grown = bytearray(max(2 * len(self._buf), self._end + needed))
+            grown[:self._end] = memoryview(self._buf)[:self._end]
+            self._buf = grown
 
     def next_event(self) -> Event | None:
         """The next complete event, or None until more bytes arrive.

@@ -1,0 +1,91 @@
+"""The ``cachefs`` command: one subcommand per job.
+
+Subcommands live next to the code they run and are imported only when used,
+so ``cachefs mount`` does not pay for importing the metanode. The table below
+is the one place that says which module provides which subcommand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from cachefs import __version__
+from cachefs.config import load_toml, validate_section
+
+SUBCOMMANDS: dict[str, str] = {
+    "metanode": "cachefs.metanode.daemon:command",
+    "datanode": "cachefs.datanode:command",
+    "cachenode": "cachefs.cachenode.daemon:command",
+    "volume": "cachefs.metanode.admin:volume",
+    "mount": "cachefs.client.mount:mount_command",
+    "umount": "cachefs.client.mount:umount_command",
+    "warmup": "cachefs.cachenode.warmup:command",
+    "repair": "cachefs.repair:command",
+    "gc": "cachefs.client.gc:command",
+    "status": "cachefs.status:status",
+    "health": "cachefs.status:health",
+    "lab": "cachefs.lab:lab",
+    "bench": "cachefs.benchcmd:bench",
+}
+
+
+def _load(name: str) -> click.Command | None:
+    module_name, _, attr = SUBCOMMANDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None  # not part of this build
+        raise
+    return getattr(module, attr)
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in SUBCOMMANDS if _load(name) is not None)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in SUBCOMMANDS:
+            return None
+        return _load(cmd_name)
+
+
+def _section_defaults(path: str, name: str, table: dict[str, Any], command: click.Command,
+                      ctx: click.Context) -> dict[str, Any]:
+    if isinstance(command, click.Group):
+        out: dict[str, Any] = {}
+        for key, value in table.items():
+            sub = command.get_command(ctx, key) if isinstance(value, dict) else None
+            if sub is None:
+                raise click.UsageError(f"config file {path}: [{name}] has unknown table or key {key!r}")
+            out[key] = validate_section(path, f"{name}.{key}", value, sub, ctx)
+        return out
+    return validate_section(path, name, table, command, ctx)
+
+
+@click.group(cls=LazyGroup, context_settings={"auto_envvar_prefix": "CACHEFS", "help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), envvar="CACHEFS_CONFIG",
+              help="TOML file with a [subcommand] table of option defaults.")
+@click.version_option(__version__, prog_name="cachefs")
+@click.pass_context
+def main(ctx: click.Context, config_path: str | None) -> None:
+    """cachefs: a distributed cache filesystem for AI training data."""
+    if config_path:
+        data = load_toml(config_path)
+        unknown = sorted(set(data) - set(SUBCOMMANDS))
+        if unknown:
+            raise click.UsageError(f"config file {config_path}: unknown table [{unknown[0]}] "
+                                   f"(tables are subcommand names: {', '.join(sorted(SUBCOMMANDS))})")
+        name = ctx.invoked_subcommand
+        command = _load(name) if name else None
+        if command is not None and name in data:
+            # Subcommand contexts inherit default_map[name]: flags and
+            # environment variables still win over these values.
+            ctx.default_map = {name: _section_defaults(config_path, name, data[name], command, ctx)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Configuration shared by every subcommand: option types, secrets, logging.
+
+Precedence, highest first: command-line flags, environment variables
+(``CACHEFS_<OPTION>`` for the common daemon options, and
+``CACHEFS_<SUBCOMMAND>_<OPTION>`` for every option through click's
+``auto_envvar_prefix``), then the TOML file given with ``cachefs --config
+FILE`` (one ``[subcommand]`` table each), then built-in defaults. The TOML
+file is validated against the subcommand's options before anything runs, and
+errors name the file, the table, the key and the value.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cachefs.errors import InvalidArgument
+
+# ---------------------------------------------------------------- types
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4M"``, ``"64MiB"``, ``"1.5G"``, ``4096`` -> bytes (binary units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidArgument(f"size must not be negative, got {text}")
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise InvalidArgument(f"not a size: {text!r} (use e.g. 4096, 64M, 10GiB)")
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def check_addr(text: str) -> str:
+    from cachefs.rpc import parse_addr
+
+    parse_addr(text)
+    return text
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except InvalidArgument as exc:
+            self.fail(exc.message, param, ctx)
+
+
+class AddrType(click.ParamType):
+    name = "host:port"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return check_addr(str(value))
+        except InvalidArgument as exc:
+            self.fail(exc.message, param, ctx)
+
+
+class AddrListType(click.ParamType):
+    """Comma-separated ``host:port`` list (TOML may give a real list)."""
+
+    name = "host:port,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+        if not items:
+            self.fail("needs at least one host:port", param, ctx)
+        try:
+            return [check_addr(str(v).strip()) for v in items]
+        except InvalidArgument as exc:
+            self.fail(exc.message, param, ctx)
+
+
+SIZE = SizeType()
+ADDR = AddrType()
+ADDRS = AddrListType()
+
+# ---------------------------------------------------------------- secrets
+
+def load_secret(secret_file: str | None, insecure: bool) -> bytes | None:
+    """The cluster secret, or None when running insecure on purpose.
+
+    ``CACHEFS_SECRET`` (the secret itself) is read when no file is given.
+
+    Raises:
+        click.UsageError: no secret and no --insecure, or an unreadable file.
+    """
+    if secret_file:
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise click.UsageError(f"--secret-file {secret_file}: {exc.strerror}") from None
+        if not secret:
+            raise click.UsageError(f"--secret-file {secret_file} is empty")
+        return secret
+    env = os.environ.get("CACHEFS_SECRET", "").strip()
+    if env:
+        return env.encode()
+    if insecure:
+        return None
+    raise click.UsageError(
+        "no cluster secret: give --secret-file FILE (or CACHEFS_SECRET), "
+        "or --insecure to run without authentication")
+
+
+# ---------------------------------------------------------------- logging
+
+class _Formatter(logging.Formatter):
+    """One line per record: ``time level component[pid] logger: message``."""
+
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self.component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = (f"{ts}.{int(record.msecs):03d}Z {record.levelname:<7} "
+                f"{self.component}[{record.process}] {record.name}: {record.getMessage()}")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(component: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(component))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+# ---------------------------------------------------------------- options
+
+LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
+
+
+def daemon_options(fn: Any) -> Any:
+    """The options every daemon shares (secret, logging, metrics)."""
+    options = [
+        click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
+                     help="File holding the cluster secret (or set CACHEFS_SECRET)."),
+        click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE",
+                     help="Run without authentication (lab use only)."),
+        click.option("--log-level", envvar="CACHEFS_LOG_LEVEL", type=LOG_LEVELS, default="INFO",
+                     show_default=True, help="Log level."),
+        click.option("--metrics-port", envvar="CACHEFS_METRICS_PORT", type=click.IntRange(0, 65535),
+                     default=0, help="Serve Prometheus metrics on this port (0: off)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+# ---------------------------------------------------------------- TOML file
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise click.UsageError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise click.UsageError(f"config file {path}: not valid TOML: {exc}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise click.UsageError(f"config file {path}: {section!r} must be a [table] named after a subcommand")
+    return data
+
+
+def validate_section(path: str, section: str, table: dict[str, Any], command: click.Command,
+                     ctx: click.Context) -> dict[str, Any]:
+    """Map a TOML table onto ``command``'s options, converting every value.
+
+    Returns the table keyed by parameter name, ready for ``default_map``.
+    """
+    params = {p.name: p for p in command.params if p.name}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        param = params.get(name)
+        if param is None:
+            known = ", ".join(sorted(n.replace("_", "-") for n in params))
+            raise click.UsageError(f"config file {path}: [{section}] has unknown key {key!r} (known: {known})")
+        if isinstance(value, dict):
+            raise click.UsageError(f"config file {path}: [{section}] {key} must be a value, not a table")
+        try:
+            param.type_cast_value(ctx, value)
+        except click.BadParameter as exc:
+            raise click.UsageError(f"config file {path}: [{section}] {key} = {value!r}: {exc.message}") from None
+        out[name] = value
+    return out
