@@ -394,6 +394,9 @@ class BlockStore:
         with self._lock:
             return list(self._index)
 
+    def in_memory(self, key: BlockKey) -> bool:
+        return key in self._memory.blocks
+
     def lookup(self, key: BlockKey) -> Entry | None:
         """The index entry of ``key`` if cached and not expired (no IO, no LRU touch)."""
         with self._lock:

@@ -1,0 +1,524 @@
+"""The cache node's RPC service: get (with read-through), put, prefetch, stats.
+
+Theory of operation
+-------------------
+
+A ``get`` first looks in the :class:`~cachefs.cachenode.store.BlockStore`
+(memory tier, then flash). On a miss it joins the *fill* of that block: one
+background task per missing key (single-flight), so a hundred readers of one
+cold block cost one backing fetch. Fills run in the service's own nursery, not
+in the request's task, so a reader that gives up (deadline, disconnect) never
+cancels the fetch the others wait for. A fill:
+
+1. waits for a backing-fetch slot (``max_backing_fetches``, a
+   ``trio.CapacityLimiter``), fetches the whole block, and wakes every waiter
+   with the bytes in memory (they are served from that buffer, not re-read);
+2. writes the block to flash in a worker thread, if the admission rule lets
+   it in (warm-up and write-through bypass the rule);
+3. only then leaves the table of fills, so a request arriving during the
+   write joins the finished fill instead of fetching again.
+
+Miss policies, per request: ``wait`` (above) and ``fast-fail`` (CubeFS's
+choice: start the fill, answer ``CacheMiss`` at once; the client reads backing
+storage itself, so a cold cache never adds a round trip).
+
+Load limits: at most ``max_requests`` gets and puts in flight on the node and
+``max_per_client`` per connection (fairness: one greedy client cannot take
+every slot); over either, the answer is ``Busy`` at once and the client tries
+its next candidate. Background fills started by ``fast-fail`` are bounded by
+``max_background_fills``.
+
+Prefetch (the warm-up path) queues keys for workers that fill them, bypassing
+admission. ``prefetch(..., wait=True)`` answers when its own batch is done,
+with per-batch counts, which is what ``cachefs warmup`` uses for its progress.
+
+Where the work runs: lookups and memory-tier hits run inline; flash reads of
+up to ``inline_read_max`` bytes run inline too (a page-cache pread of a
+128 KiB range costs less than a thread hop), larger reads and every write run
+in worker threads so one 4 MiB copy never stalls the other connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+from prometheus_client import Counter, Histogram
+
+from cachefs.errors import (
+    Busy,
+    CacheFSError,
+    CacheMiss,
+    Corrupt,
+    InvalidArgument,
+    IOFailure,
+    NoSpace,
+    TimedOut,
+)
+from cachefs.ids import BlockKey
+from cachefs.rpc import CallContext, Reply, rpc_method
+
+from .store import BlockStore, SecondMissAdmission
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("wait", "fast-fail")
+
+HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
+MISSES = Counter("cachefs_cache_misses_total", "Cache gets that missed", ["node"])
+EVICTIONS = Counter("cachefs_cache_evictions_total", "Blocks evicted to make room", ["node"])
+BYTES_IN = Counter(
+    "cachefs_cache_bytes_in_total", "Bytes filled from backing storage or written through", ["node"]
+)
+BYTES_OUT = Counter("cachefs_cache_bytes_out_total", "Bytes served to clients", ["node"])
+BUSY = Counter("cachefs_cache_busy_total", "Requests refused over a load limit", ["node"])
+BACKING_LATENCY = Histogram(
+    "cachefs_cache_backing_fetch_seconds",
+    "Latency of whole-block fetches from backing storage",
+    ["node"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
+)
+
+
+class BlockSource(Protocol):
+    """Where misses are read from: ``cachefs.backing.BackingClient`` in production."""
+
+    async def get_block(self, volume: str, key: BlockKey) -> bytes | bytearray | memoryview: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLimits:
+    max_requests: int = 512
+    max_per_client: int = 128
+    max_backing_fetches: int = 16
+    max_background_fills: int = 256
+    prefetch_workers: int = 8
+    max_prefetch_queue: int = 1 << 16
+    backing_timeout: float = 30.0
+    inline_read_max: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests", "max_per_client", "max_backing_fetches", "prefetch_workers"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"cache limit {name} must be at least 1")
+
+
+@dataclass(slots=True)
+class _Fill:
+    """One block being fetched from backing storage; its waiters share it."""
+
+    volume: str
+    event: trio.Event = field(default_factory=trio.Event)
+    data: bytes | bytearray | memoryview | None = None
+    error: CacheFSError | None = None
+    settled: trio.Event = field(default_factory=trio.Event)  # after the flash write too
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The keys of one ``prefetch`` call, for ``wait=True`` answers."""
+
+    pending: int
+    done: int = 0
+    failed: int = 0
+    bytes: int = 0
+    finished: trio.Event = field(default_factory=trio.Event)
+
+    def settle(self, ok: bool, nbytes: int = 0) -> None:
+        if ok:
+            self.done += 1
+            self.bytes += nbytes
+        else:
+            self.failed += 1
+        self.pending -= 1
+        if self.pending == 0:
+            self.finished.set()
+
+
+@dataclass(slots=True)
+class ServiceCounters:
+    hits: int = 0
+    misses: int = 0
+    corrupt_refetched: int = 0
+    backing_fetches: int = 0
+    backing_errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    busy: int = 0
+    not_admitted: int = 0
+    not_stored: int = 0
+    puts: int = 0
+    prefetch_done: int = 0
+    prefetch_failed: int = 0
+    prefetch_cached: int = 0
+
+
+def _key(raw: bytes) -> BlockKey:
+    try:
+        return BlockKey.from_bytes(raw)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def _check_volume(volume: str) -> None:
+    if not volume or len(volume) > 255:
+        raise InvalidArgument(f"bad volume name {volume!r}")
+
+
+class CacheService:
+    """The cache node's RPC methods (see module docstring)."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        backing: BlockSource,
+        *,
+        nursery: trio.Nursery,
+        limits: CacheLimits = CacheLimits(),
+        admission: SecondMissAdmission | None = None,
+        node: str = "cachenode",
+        expire_interval: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.backing = backing
+        self.limits = limits
+        self.admission = admission
+        self.node = node
+        self.counters = ServiceCounters()
+        self._nursery = nursery
+        self._fills: dict[BlockKey, _Fill] = {}
+        self._background_fills = 0
+        self._backing_slots = trio.CapacityLimiter(limits.max_backing_fetches)
+        self._io_threads = trio.CapacityLimiter(max(4, limits.max_backing_fetches))
+        self._active = 0
+        self._per_client: dict[str, int] = {}
+        self._prefetch_send, prefetch_recv = trio.open_memory_channel[
+            tuple[str, BlockKey, _Batch | None]
+        ](limits.max_prefetch_queue)
+        self._prefetch_queued = 0
+        self._evictions_seen = store.counters.evictions
+        m = {"node": node}
+        self._m_hits, self._m_misses = HITS.labels(**m), MISSES.labels(**m)
+        self._m_evictions, self._m_busy = EVICTIONS.labels(**m), BUSY.labels(**m)
+        self._m_in, self._m_out = BYTES_IN.labels(**m), BYTES_OUT.labels(**m)
+        self._m_backing = BACKING_LATENCY.labels(**m)
+        for _ in range(limits.prefetch_workers):
+            nursery.start_soon(self._prefetch_worker, prefetch_recv.clone())
+        prefetch_recv.close()
+        if store.ttl:
+            nursery.start_soon(self._expire_loop, expire_interval)
+
+    # -- limits ---------------------------------------------------------------
+
+    @contextmanager
+    def _slot(self, ctx: CallContext | None) -> Iterator[None]:
+        client = ctx.peer if ctx is not None else "local"
+        mine = self._per_client.get(client, 0)
+        if self._active >= self.limits.max_requests or mine >= self.limits.max_per_client:
+            self.counters.busy += 1
+            self._m_busy.inc()
+            which = "node" if self._active >= self.limits.max_requests else "client"
+            raise Busy(f"{self.node}: over the {which} request limit")
+        self._active += 1
+        self._per_client[client] = mine + 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            left = self._per_client[client] - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                del self._per_client[client]
+
+    # -- reads ------------------------------------------------------------------
+
+    async def _read_cached(
+        self, key: BlockKey, offset: int, length: int
+    ) -> tuple[memoryview, int] | None:
+        entry = self.store.lookup(key)
+        if entry is None:
+            return None
+        span = entry.size - offset if length == -1 else min(length, max(entry.size - offset, 0))
+        try:
+            if span <= self.limits.inline_read_max or self.store.in_memory(key):
+                data = self.store.read(key, offset, length)
+            else:
+                data = await trio.to_thread.run_sync(
+                    self.store.read, key, offset, length, limiter=self._io_threads
+                )
+        except Corrupt:
+            self.counters.corrupt_refetched += 1
+            return None
+        return None if data is None else (data, entry.size)
+
+    async def read(
+        self, volume: str, key: BlockKey, offset: int = 0, length: int = -1, policy: str = "wait"
+    ) -> tuple[memoryview, int, bool]:
+        """Bytes of a block, its size and whether it was a hit (no limits; for in-process use).
+
+        Raises:
+            CacheMiss: under ``fast-fail`` when the block is not cached.
+            InvalidArgument: a bad range or policy.
+            NotFound, Unavailable, Corrupt, TimedOut: from backing storage.
+        """
+        if policy not in POLICIES:
+            raise InvalidArgument(f"miss policy must be one of {POLICIES}, got {policy!r}")
+        if offset < 0 or length < -1:
+            raise InvalidArgument(f"bad range: offset={offset} length={length}")
+        cached = await self._read_cached(key, offset, length)
+        if cached is not None:
+            data, size = cached
+            self.counters.hits += 1
+            self.counters.bytes_out += len(data)
+            self._m_hits.inc()
+            self._m_out.inc(len(data))
+            return data, size, True
+        fill = self._fills.get(key)
+        if fill is not None and fill.data is not None:  # fetched, still being written to flash
+            view, size = self._slice(fill.data, offset, length)
+            self.counters.hits += 1
+            self._m_hits.inc()
+            return view, size, True
+        self.counters.misses += 1
+        self._m_misses.inc()
+        if policy == "fast-fail":
+            if key not in self._fills and self._background_fills < self.limits.max_background_fills:
+                self._start_fill(volume, key, bypass_admission=False)
+            raise CacheMiss(f"{key.hex()} is not cached on {self.node}; filling")
+        fill = self._start_fill(volume, key, bypass_admission=False)
+        view, size = self._slice(await self._wait_fill(fill), offset, length)
+        return view, size, False
+
+    def _slice(
+        self, block: bytes | bytearray | memoryview, offset: int, length: int
+    ) -> tuple[memoryview, int]:
+        size = len(block)
+        if offset > size:
+            raise InvalidArgument(f"offset {offset} is past the end of the block ({size})")
+        end = size if length == -1 else min(size, offset + length)
+        view = memoryview(block)[offset:end]
+        self.counters.bytes_out += len(view)
+        self._m_out.inc(len(view))
+        return view, size
+
+    async def _wait_fill(self, fill: _Fill) -> bytes | bytearray | memoryview:
+        await fill.event.wait()
+        if fill.error is not None:
+            err = fill.error
+            raise type(err)(err.message, remote=err.remote, **err.details)
+        assert fill.data is not None
+        return fill.data
+
+    # -- fills ------------------------------------------------------------------
+
+    def _start_fill(self, volume: str, key: BlockKey, *, bypass_admission: bool) -> _Fill:
+        fill = self._fills.get(key)
+        if fill is None:
+            fill = _Fill(volume)
+            self._fills[key] = fill  # no await between the lookup and this line: single flight
+            self._background_fills += 1
+            self._nursery.start_soon(self._run_fill, volume, key, fill, bypass_admission)
+        return fill
+
+    async def _run_fill(
+        self, volume: str, key: BlockKey, fill: _Fill, bypass_admission: bool
+    ) -> None:
+        try:
+            async with self._backing_slots:
+                started = time.perf_counter()
+                try:
+                    with trio.fail_after(self.limits.backing_timeout):
+                        data = await self.backing.get_block(volume, key)
+                except trio.TooSlowError:
+                    raise TimedOut(
+                        f"backing fetch of {key.hex()} passed {self.limits.backing_timeout}s"
+                    ) from None
+                finally:
+                    self._m_backing.observe(time.perf_counter() - started)
+            self.counters.backing_fetches += 1
+            self.counters.bytes_in += len(data)
+            self._m_in.inc(len(data))
+            fill.data = data
+            fill.event.set()  # waiters are served from memory while the block goes to flash
+            admit = bypass_admission or self.admission is None or self.admission.admit(key)
+            if admit:
+                await self._store(volume, key, data)
+            else:
+                self.counters.not_admitted += 1
+        except CacheFSError as exc:
+            self.counters.backing_errors += 1
+            fill.error = exc
+            if not exc.remote:
+                log.info("%s: fill of %s failed: %s", self.node, key.hex(), exc)
+        finally:
+            fill.event.set()
+            fill.settled.set()
+            self._background_fills -= 1
+            if self._fills.get(key) is fill:
+                del self._fills[key]
+
+    async def _store(
+        self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview
+    ) -> bool:
+        try:
+            stored = await trio.to_thread.run_sync(
+                self.store.put, volume, key, data, limiter=self._io_threads
+            )
+        except (NoSpace, IOFailure) as exc:
+            self.counters.not_stored += 1
+            log.warning("%s: block %s not cached: %s", self.node, key.hex(), exc.message)
+            return False
+        evictions = self.store.counters.evictions
+        if evictions > self._evictions_seen:
+            self._m_evictions.inc(evictions - self._evictions_seen)
+            self._evictions_seen = evictions
+        return stored
+
+    # -- prefetch -----------------------------------------------------------------
+
+    async def _prefetch_worker(
+        self, recv: trio.MemoryReceiveChannel[tuple[str, BlockKey, _Batch | None]]
+    ) -> None:
+        async with recv:
+            async for volume, key, batch in recv:
+                ok, nbytes = False, 0
+                try:
+                    entry = self.store.lookup(key)
+                    if entry is not None:
+                        ok, nbytes = True, entry.size
+                    else:
+                        fill = self._start_fill(volume, key, bypass_admission=True)
+                        data = await self._wait_fill(fill)
+                        nbytes = len(data)
+                        await fill.settled.wait()
+                        # A get's fill may have been refused by the admission rule.
+                        ok = key in self.store or await self._store(volume, key, data)
+                except CacheFSError as exc:
+                    log.info("%s: prefetch of %s failed: %s", self.node, key.hex(), exc)
+                finally:
+                    self._prefetch_queued -= 1
+                    if ok:
+                        self.counters.prefetch_done += 1
+                    else:
+                        self.counters.prefetch_failed += 1
+                    if batch is not None:
+                        batch.settle(ok, nbytes)
+
+    async def prefetch_keys(
+        self, volume: str, keys: list[BlockKey], *, wait: bool = False
+    ) -> dict[str, int]:
+        """Queue keys for read-through; see :meth:`prefetch`."""
+        _check_volume(volume)
+        cached = 0
+        todo = []
+        for key in keys:
+            if self.store.lookup(key) is not None:
+                cached += 1
+            else:
+                todo.append(key)
+        if self._prefetch_queued + len(todo) > self.limits.max_prefetch_queue:
+            self.counters.busy += 1
+            self._m_busy.inc()
+            raise Busy(f"{self.node}: the prefetch queue is full")
+        self.counters.prefetch_cached += cached
+        batch = _Batch(len(todo)) if wait and todo else None
+        for key in todo:
+            self._prefetch_send.send_nowait((volume, key, batch))  # room checked above
+            self._prefetch_queued += 1
+        answer = {"queued": len(todo), "cached": cached}
+        if batch is not None:
+            await batch.finished.wait()
+            answer.update(done=batch.done, failed=batch.failed, bytes=batch.bytes)
+        elif wait:
+            answer.update(done=0, failed=0, bytes=0)
+        return answer
+
+    async def _expire_loop(self, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            await trio.to_thread.run_sync(self.store.expire, limiter=self._io_threads)
+
+    # -- RPC methods -----------------------------------------------------------------
+
+    @rpc_method
+    async def get(
+        self,
+        volume: str,
+        key: bytes,
+        offset: int = 0,
+        length: int = -1,
+        policy: str = "wait",
+        ctx: CallContext | None = None,
+    ) -> Reply:
+        """Bytes ``[offset, offset+length)`` of a block, reading through on a miss.
+
+        Raises:
+            CacheMiss: under ``fast-fail`` when the block is not cached.
+            Busy: over a load limit.
+        """
+        _check_volume(volume)
+        block_key = _key(key)
+        with self._slot(ctx):
+            data, size, hit = await self.read(volume, block_key, offset, length, policy)
+        return Reply({"size": size, "hit": hit}, payload=data)
+
+    @rpc_method
+    async def put(
+        self, volume: str, key: bytes, *, payload: Any = None, ctx: CallContext | None = None
+    ) -> dict[str, Any]:
+        """Write-through: cache a block a client just stored (bypasses admission)."""
+        _check_volume(volume)
+        block_key = _key(key)
+        if payload is None:
+            raise InvalidArgument("put needs the block as its payload")
+        with self._slot(ctx):
+            self.counters.puts += 1
+            self.counters.bytes_in += len(payload)
+            self._m_in.inc(len(payload))
+            stored = await self._store(volume, block_key, payload)
+        return {"stored": stored}
+
+    @rpc_method
+    async def prefetch(self, volume: str, keys: list, wait: bool = False) -> dict[str, int]:
+        """Queue blocks for read-through (warm-up); ``wait`` answers when they are done."""
+        return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait)
+
+    @rpc_method
+    async def prefetch_status(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "done": c.prefetch_done,
+            "failed": c.prefetch_failed,
+            "queued": self._prefetch_queued,
+            "cached": c.prefetch_cached,
+        }
+
+    @rpc_method
+    async def stats(self) -> dict[str, Any]:
+        c = self.counters
+        total = c.hits + c.misses
+        return {
+            "node": self.node,
+            **self.store.stats(),
+            "hits": c.hits,
+            "misses": c.misses,
+            "hit_ratio": c.hits / total if total else 0.0,
+            "corrupt_refetched": c.corrupt_refetched,
+            "backing_fetches": c.backing_fetches,
+            "backing_errors": c.backing_errors,
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+            "busy": c.busy,
+            "not_admitted": c.not_admitted,
+            "not_stored": c.not_stored,
+            "puts": c.puts,
+            "fills_in_flight": len(self._fills),
+            "active_requests": self._active,
+            "prefetch": await self.prefetch_status(),
+        }

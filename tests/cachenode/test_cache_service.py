@@ -1,0 +1,222 @@
+"""The cache node service over real RPC: hits, misses, ranges, single flight, limits, prefetch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import trio
+from cachefs.cachenode.service import CacheLimits
+from cachefs.cachenode.store import BlockStore, SecondMissAdmission
+
+from cachefs.errors import Busy, CacheMiss, InvalidArgument, NotFound
+from cachefs.ids import BlockKey
+from cachefs.rpc import RpcPool
+
+from .blockserver import cache_setup
+
+SIZE = 256 * 1024 + 17
+
+
+async def _until_cached(store: BlockStore, key: BlockKey) -> None:
+    """Replies go out before the flash write ends; wait for it."""
+    with trio.fail_after(5):
+        while key not in store:  # noqa: ASYNC110 - polling the real store
+            await trio.sleep(0.005)
+
+
+def _blocks(n: int, size: int = SIZE) -> dict[BlockKey, bytes]:
+    rng = random.Random(n)
+    return {BlockKey(100 + i, i % 3): rng.randbytes(size) for i in range(n)}
+
+
+async def test_miss_then_hit_with_ranges(tmp_path: Path) -> None:
+    blocks = _blocks(2)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks) as c:
+        reply = await c.get(key, 1000, 5000)
+        assert reply.result == {"size": SIZE, "hit": False}
+        assert bytes(reply.payload) == data[1000:6000]
+        for off, ln in [
+            (0, -1),
+            (0, 1),
+            (SIZE - 1, 10),
+            (SIZE, 5),
+            (16 * 1024 - 3, 128 * 1024),
+            (77, 0),
+        ]:
+            reply = await c.get(key, off, ln)
+            assert reply.result["hit"] is True
+            assert bytes(reply.payload or b"") == (data[off:] if ln == -1 else data[off : off + ln])
+        with pytest.raises(InvalidArgument):
+            await c.get(key, SIZE + 1, 1)
+        stats = await c.pool.call(c.addr, "stats")
+        assert stats.result["hits"] == 6 and stats.result["misses"] == 1
+        assert stats.result["backing_fetches"] == 1 and c.backing.fetches[key] == 1
+        with pytest.raises(NotFound):
+            await c.get(BlockKey(9, 9))
+        with pytest.raises(InvalidArgument):
+            await c.pool.call(c.addr, "get", {"volume": "v", "key": b"short"})
+        with pytest.raises(InvalidArgument):
+            await c.get(key, policy="sometimes")
+
+
+async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> None:
+    blocks = _blocks(1)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks, delay=0.2) as c:
+        results: list[bytes] = []
+
+        async def reader(i: int) -> None:
+            off = (i * 997) % SIZE
+            reply = await c.get(key, off, 4096)
+            results.append(bytes(reply.payload) == data[off : off + 4096])
+
+        async with trio.open_nursery() as n:
+            for i in range(100):
+                n.start_soon(reader, i)
+        assert results == [True] * 100
+        assert c.backing.fetches[key] == 1
+        await _until_cached(c.store, key)
+        stats = (await c.pool.call(c.addr, "stats")).result
+        assert stats["misses"] == 100 and stats["backing_fetches"] == 1 and stats["blocks"] == 1
+
+
+async def test_backing_fetches_are_bounded(tmp_path: Path) -> None:
+    blocks = _blocks(12, 1000)
+    limits = CacheLimits(max_backing_fetches=3)
+    async with cache_setup(tmp_path, blocks, delay=0.05, limits=limits) as c:
+        async with trio.open_nursery() as n:
+            for key in blocks:
+                n.start_soon(c.get, key)
+        assert c.backing.max_in_flight == 3
+        assert sum(c.backing.fetches.values()) == 12
+
+
+async def test_fast_fail_answers_miss_and_fills_in_background(tmp_path: Path) -> None:
+    blocks = _blocks(1)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks, delay=0.05) as c:
+        with pytest.raises(CacheMiss):
+            await c.get(key, policy="fast-fail")
+        with pytest.raises(CacheMiss):
+            await c.get(key, policy="fast-fail")  # still filling: no second fetch
+        await _until_cached(c.store, key)
+        reply = await c.get(key, 10, 20, policy="fast-fail")
+        assert reply.result["hit"] and bytes(reply.payload) == data[10:30]
+        assert c.backing.fetches[key] == 1
+
+
+async def test_corrupt_cached_block_is_refetched(tmp_path: Path) -> None:
+    blocks = _blocks(1)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks) as c:
+        await c.get(key)
+        await _until_cached(c.store, key)
+        path = c.store.path(key)
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        reply = await c.get(key)
+        assert bytes(reply.payload) == data and reply.result["hit"] is False
+        assert c.backing.fetches[key] == 2
+        stats = (await c.pool.call(c.addr, "stats")).result
+        assert stats["corrupt"] == 1 and stats["corrupt_refetched"] == 1
+        reply = await c.get(key, SIZE - 200, 200)
+        assert reply.result["hit"] and bytes(reply.payload) == data[-200:]
+
+
+async def test_request_limits_answer_busy(tmp_path: Path) -> None:
+    blocks = _blocks(6, 1000)
+    keys = list(blocks)
+    limits = CacheLimits(max_requests=3, max_per_client=2)
+    async with cache_setup(tmp_path, blocks, delay=0.3, limits=limits) as c:
+        outcomes: list[str] = []
+
+        async def reader(key: BlockKey, pool: RpcPool | None) -> None:
+            try:
+                await c.get(key, pool=pool)
+                outcomes.append("ok")
+            except Busy:
+                outcomes.append("busy")
+
+        async with RpcPool(secret=None) as other, trio.open_nursery() as n:
+            for key in keys[:3]:  # the same connection: only two fit
+                n.start_soon(reader, key, None)
+            await trio.sleep(0.1)
+            n.start_soon(reader, keys[3], other)  # another client still gets the last slot
+            await trio.sleep(0.05)
+            n.start_soon(reader, keys[4], other)  # the node is full
+        assert sorted(outcomes) == ["busy", "busy", "ok", "ok", "ok"]
+        assert (await c.pool.call(c.addr, "stats")).result["busy"] == 2
+
+
+async def test_put_write_through_then_hits(tmp_path: Path) -> None:
+    key = BlockKey(5, 0)
+    data = random.randbytes(SIZE)
+    async with cache_setup(tmp_path, {}, admission=SecondMissAdmission()) as c:
+        reply = await c.pool.call(
+            c.addr, "put", {"volume": "v", "key": key.to_bytes()}, payload=data
+        )
+        assert reply.result == {"stored": True}
+        reply = await c.get(key, 5, 10)
+        assert reply.result["hit"] and bytes(reply.payload) == data[5:15]
+        assert sum(c.backing.fetches.values()) == 0
+
+
+async def test_admission_caches_on_second_miss(tmp_path: Path) -> None:
+    blocks = _blocks(1)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks, admission=SecondMissAdmission(window=60)) as c:
+        assert bytes((await c.get(key)).payload) == data
+        assert key not in c.store
+        assert bytes((await c.get(key)).payload) == data
+        await _until_cached(c.store, key)
+        assert (await c.get(key)).result["hit"]
+        assert c.backing.fetches[key] == 2
+
+
+async def test_prefetch_then_reads_hit_and_rerun_is_cached(tmp_path: Path) -> None:
+    blocks = _blocks(10)
+    keys = [k.to_bytes() for k in blocks]
+    missing = BlockKey(999, 0).to_bytes()
+    async with cache_setup(tmp_path, blocks, admission=SecondMissAdmission()) as c:
+        reply = await c.pool.call(
+            c.addr, "prefetch", {"volume": "v", "keys": keys + [missing], "wait": True}
+        )
+        assert reply.result == {
+            "queued": 11,
+            "cached": 0,
+            "done": 10,
+            "failed": 1,
+            "bytes": 10 * SIZE,
+        }
+        for key, data in blocks.items():
+            got = await c.get(key)
+            assert got.result["hit"] and bytes(got.payload) == data
+        reply = await c.pool.call(c.addr, "prefetch", {"volume": "v", "keys": keys, "wait": True})
+        assert reply.result == {"queued": 0, "cached": 10, "done": 0, "failed": 0, "bytes": 0}
+        reply = await c.pool.call(c.addr, "prefetch", {"volume": "v", "keys": [missing]})
+        assert reply.result == {"queued": 1, "cached": 0}
+        with trio.fail_after(5):
+            while (await c.pool.call(c.addr, "prefetch_status")).result["queued"]:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        status = (await c.pool.call(c.addr, "prefetch_status")).result
+        assert status == {"done": 10, "failed": 2, "queued": 0, "cached": 10}
+        assert sum(c.backing.fetches.values()) == 12
+
+
+async def test_eviction_under_small_capacity_over_rpc(tmp_path: Path) -> None:
+    blocks = _blocks(20, 50_000)
+    async with cache_setup(tmp_path, blocks, capacity=5 * 51_000) as c:
+        rng = random.Random(3)
+        keys = list(blocks)
+        for _ in range(80):
+            key = rng.choice(keys)
+            off = rng.randrange(50_000)
+            reply = await c.get(key, off, 3000)
+            assert bytes(reply.payload) == blocks[key][off : off + 3000]
+            assert c.store.used <= c.store.capacity
+        stats = (await c.pool.call(c.addr, "stats")).result
+        assert stats["evictions"] > 0 and stats["blocks"] <= 5
