@@ -130,6 +130,20 @@ def _accepted_types(annotation: Any) -> tuple[type, ...] | None:
     return _SIMPLE.get(annotation)
 
 
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Resolved annotations; one that cannot be resolved admits anything."""
+    try:
+        return typing.get_type_hints(fn)
+    except NameError:
+        hints = {}
+        for name, annotation in getattr(fn, "__annotations__", {}).items():
+            try:
+                hints[name] = eval(annotation, fn.__globals__) if isinstance(annotation, str) else annotation
+            except Exception:
+                hints[name] = Any
+        return hints
+
+
 @dataclass(frozen=True, slots=True)
 class _Param:
     name: str
@@ -143,7 +157,7 @@ class Method:
     def __init__(self, name: str, fn: Callable[..., Awaitable[Any]]) -> None:
         self.name = name
         self.fn = fn
-        hints = typing.get_type_hints(fn)
+        hints = _type_hints(fn)
         sig = inspect.signature(fn)
         self.wants_payload = "payload" in sig.parameters
         self.wants_ctx = "ctx" in sig.parameters

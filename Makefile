@@ -1,0 +1,55 @@
+# cachefs: the two quick-start commands are `make lab` and `make test`.
+# Both install what they need (Debian/Ubuntu packages, a venv) when missing.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 python3-pyverbs
+PYTEST_ARGS ?=
+
+.PHONY: setup deps venv rdma test lint lab lab-down bench clean
+
+setup: deps venv rdma
+
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# pyverbs: PyPI's pyverbs does not build against Debian 12's rdma-core, so we
+# use Debian's python3-pyverbs and make only its package visible to the venv.
+rdma: venv
+	@src=$$(dpkg -L python3-pyverbs 2>/dev/null | grep -m1 '/pyverbs$$'); \
+	if [ -n "$$src" ]; then \
+		mkdir -p $(VENV)/rdma-site && ln -sfn $$src $(VENV)/rdma-site/pyverbs; \
+		$(BIN)/python -c 'import site,sys; print(sys.prefix + "/rdma-site")' \
+			> $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/cachefs-rdma.pth; \
+	else echo "python3-pyverbs not installed: RDMA transport unavailable (TCP only)"; fi
+
+test: setup
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check cachefs metanode cachenode client bench tests
+
+lab: setup
+	$(BIN)/cachefs lab up --dir /tmp/cachefs-lab --mount /mnt/cachefs --workload
+
+lab-down: venv
+	$(BIN)/cachefs lab down --dir /tmp/cachefs-lab
+
+bench: setup
+	$(BIN)/python -m bench.rpc_bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
