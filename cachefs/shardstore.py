@@ -17,8 +17,10 @@ few thousand entries. A shard file is self-describing and self-checking::
 Every read verifies the header checksum and the checksums of the chunks it
 touches, so a byte range needs only its covering chunks read, and a flipped
 bit, a truncated or a zero-filled file is reported as :class:`Corrupt` and
-never returned. A corrupt shard is deleted on detection: it is then simply
-missing, which is what readers and repair already handle.
+never returned. A corrupt shard is deleted on detection and an empty
+``<name>.corrupt`` marker left in its place: later reads still answer
+``Corrupt`` (data loss must not read as "never written"), listings skip it,
+and the next put of that shard (repair) clears it.
 
 Atomicity: a shard is written to ``tmp/``, fsynced, renamed into place, and
 the directory fsynced. Readers see the old shard or the new one, never a
@@ -39,6 +41,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import xxhash
 
@@ -126,6 +129,8 @@ class ShardStore:
         used = count = 0
         for dirpath, _dirs, files in os.walk(self._shards_dir):
             for name in files:
+                if name.endswith(".corrupt"):
+                    continue
                 try:
                     used += os.stat(os.path.join(dirpath, name)).st_size
                     count += 1
@@ -191,6 +196,7 @@ class ShardStore:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            self._marker(path).unlink(missing_ok=True)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             self._release(delta)
@@ -230,7 +236,7 @@ class ShardStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise NotFound(f"shard {volume}/{key}.{index} not on this datanode") from None
+            self._missing(path, volume, key, index)
         try:
             meta, table, data_start, data_len, file_size = self._read_head(fd, path)
             end = data_len if length == -1 else min(data_len, offset + length)
@@ -280,10 +286,20 @@ class ShardStore:
         table = list(struct.unpack_from(f">{count}Q", body, meta_len))
         return meta, table, data_start, data_len, file_size
 
-    def _corrupt(self, path: Path, why: str) -> None:
-        """Drop a bad shard (it then reads as missing) and raise Corrupt."""
+    @staticmethod
+    def _marker(path: Path) -> Path:
+        return path.with_name(path.name + ".corrupt")
+
+    def _missing(self, path: Path, volume: str, key: str, index: int) -> NoReturn:
+        if self._marker(path).exists():
+            raise Corrupt(f"shard {volume}/{key}.{index} was found corrupt and awaits repair")
+        raise NotFound(f"shard {volume}/{key}.{index} not on this datanode")
+
+    def _corrupt(self, path: Path, why: str) -> NoReturn:
+        """Drop a bad shard, leave a marker that says so, and raise Corrupt."""
         log.warning("corrupt shard %s: %s; removing it", path, why)
         try:
+            self._marker(path).touch()
             size = path.stat().st_size
             path.unlink()
             self._release(size, 1)
@@ -297,7 +313,7 @@ class ShardStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise NotFound(f"shard {volume}/{key}.{index} not on this datanode") from None
+            self._missing(path, volume, key, index)
         try:
             meta, _table, _start, data_len, _size = self._read_head(fd, path)
             return meta, data_len
@@ -325,6 +341,10 @@ class ShardStore:
                 paths = []
         removed = 0
         for path in paths:
+            if path.name.endswith(".corrupt"):
+                path.unlink(missing_ok=True)
+                continue
+            self._marker(path).unlink(missing_ok=True)
             try:
                 size = path.stat().st_size
                 path.unlink()

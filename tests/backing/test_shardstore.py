@@ -70,8 +70,14 @@ def test_corruption_is_detected_and_the_shard_dropped(tmp_path: Path, damage: st
     path.write_bytes(raw)
     with pytest.raises(Corrupt):
         store.get("vol", KEY, 0)
-    assert not path.exists()  # now simply missing
+    assert not path.exists()
     assert store.usage()["shards"] == 0
+    assert store.list("vol")[0] == []  # repair sees it missing
+    with pytest.raises(Corrupt, match="awaits repair"):  # data loss is not "never written"
+        store.get("vol", KEY, 0)
+    store.put("vol", KEY, 0, b"meta", data)  # repair clears the marker
+    assert store.get("vol", KEY, 0)[1] == data
+    assert store.delete("vol", KEY, 0) == 1
     with pytest.raises(NotFound):
         store.get("vol", KEY, 0)
 

@@ -1,0 +1,558 @@
+"""The backing-storage client: blocks in, shards out, and back again.
+
+Used by cache nodes (read-through), the FUSE client (writes, and reads when no
+cache node answers) and repair. It holds no state of its own beyond a view of
+the cluster map (datanodes, placement groups, volume policies) and a record of
+shards that a put could not store.
+
+Writes. ``put_block`` encodes the block (:mod:`cachefs.erasure`) and sends
+shard ``i`` to the ``i``-th datanode of the key's placement group, all in
+parallel. It returns once ``policy.write_quorum`` shards are durable (K+1 of
+K+M, or 2 replicas: one more failure still loses nothing); stragglers get a
+short grace period, then are cancelled and recorded in :attr:`missing` for
+repair. Below quorum the put fails (``Unavailable``, or ``NoSpace`` when
+datanodes are full) and what was written is removed again.
+
+Reads. ``get_block`` asks for the K data shards first (a replica in the
+nearest zone first). A shard that fails (missing, corrupt, node down) is
+replaced at once by the next shard (parity, or the next replica); a shard that
+is slow is *hedged*: after a delay adapted to recent shard latencies one more
+shard is requested per outstanding slow one, and the first K answers win.
+Byte ranges of uncompressed blocks read only the covering data shards,
+unless something fails, in which case the whole block is rebuilt and sliced.
+
+Errors: ``NotFound`` when enough datanodes deny having the block that an
+acknowledged write cannot exist; ``Unavailable`` when too few shards can be
+read; ``Corrupt`` when shards decode to bytes that fail the block checksum.
+Never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from cachefs.erasure import BlockHeader, Codec, ShardRange
+from cachefs.errors import (
+    CacheFSError,
+    Corrupt,
+    InvalidArgument,
+    NoSpace,
+    NotFound,
+    NotLeader,
+    Unavailable,
+)
+from cachefs.ids import BlockKey
+from cachefs.placement import pg_of, place_pgs
+from cachefs.policy import VolumePolicy
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- cluster view
+
+@dataclass(frozen=True, slots=True)
+class DatanodeInfo:
+    id: str
+    addr: str
+    zone: str
+    state: str = "up"
+    capacity: int = 0
+    used: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeInfo:
+    name: str
+    policy: VolumePolicy
+    pgs: tuple[tuple[str, ...], ...]
+
+
+class ClusterView:
+    """The part of the cluster map the backing client needs, as a frozen snapshot.
+
+    Build it from a metanode ``cluster_map()`` answer (:meth:`from_map`) or,
+    without metanodes, from a list of datanodes and volume policies
+    (:meth:`build`, which computes the placement groups itself).
+    """
+
+    def __init__(self, datanodes: Iterable[DatanodeInfo], volumes: Iterable[VolumeInfo],
+                 epoch: int = 0) -> None:
+        self.datanodes: dict[str, DatanodeInfo] = {d.id: d for d in datanodes}
+        self.volumes: dict[str, VolumeInfo] = {v.name: v for v in volumes}
+        self.epoch = epoch
+
+    @classmethod
+    def build(cls, datanodes: Iterable[DatanodeInfo], volumes: Mapping[str, tuple[VolumePolicy, int]],
+              epoch: int = 0) -> ClusterView:
+        nodes = list(datanodes)
+        placeable = [(d.id, d.zone, 1.0) for d in nodes if d.state == "up"]
+        vols = [VolumeInfo(name, policy, tuple(tuple(pg) for pg in place_pgs(placeable, pg_count, policy.n)))
+                for name, (policy, pg_count) in volumes.items()]
+        return cls(nodes, vols, epoch)
+
+    @classmethod
+    def from_map(cls, cmap: Mapping[str, Any]) -> ClusterView:
+        """From the ``cluster_map()`` dict of docs/contracts.md."""
+        try:
+            nodes = [DatanodeInfo(str(n["id"]), str(n["addr"]), str(n["zone"]), str(n.get("state", "up")),
+                                  int(n.get("capacity", 0)), int(n.get("used", 0)))
+                     for n in cmap.get("datanodes", [])]
+            pgs = cmap.get("pgs", {})
+            vols = [VolumeInfo(name, VolumePolicy.from_volume(v),
+                               tuple(tuple(str(n) for n in pg) for pg in pgs.get(name, [])))
+                    for name, v in cmap.get("volumes", {}).items()]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"malformed cluster map: {exc!r}") from exc
+        return cls(nodes, vols, int(cmap.get("epoch", 0)))
+
+    def to_map(self) -> dict[str, Any]:
+        """The ``cluster_map()`` shape (used for cluster files and tests)."""
+        return {
+            "epoch": self.epoch,
+            "datanodes": [{"id": d.id, "addr": d.addr, "zone": d.zone, "state": d.state,
+                           "capacity": d.capacity, "used": d.used, "last_seen": 0}
+                          for d in self.datanodes.values()],
+            "cachenodes": [],
+            "volumes": {v.name: {"policy": str(v.policy), "compression": v.policy.compression,
+                                 "block_size": v.policy.block_size, "pg_count": len(v.pgs)}
+                        for v in self.volumes.values()},
+            "pgs": {v.name: [list(pg) for pg in v.pgs] for v in self.volumes.values()},
+        }
+
+    def volume(self, volume: str) -> VolumeInfo:
+        info = self.volumes.get(volume)
+        if info is None:
+            raise NotFound(f"no volume {volume!r} in the cluster map")
+        if not info.pgs:
+            raise Unavailable(f"volume {volume!r} has no placement groups yet")
+        return info
+
+    def policy(self, volume: str) -> VolumePolicy:
+        return self.volume(volume).policy
+
+    def pgs(self, volume: str) -> tuple[tuple[str, ...], ...]:
+        return self.volume(volume).pgs
+
+    def placement(self, volume: str, key: BlockKey) -> tuple[str, ...]:
+        pgs = self.pgs(volume)
+        return pgs[pg_of(key, len(pgs))]
+
+
+async def fetch_cluster_map(pool: RpcPool, meta: list[str], timeout: float = 5.0) -> dict[str, Any]:
+    """``cluster_map()`` from whichever metanode answers (following leader hints)."""
+    last: Exception = Unavailable("no metanode address given")
+    tried: set[str] = set()
+    queue = list(meta)
+    while queue:
+        addr = queue.pop(0)
+        if addr in tried:
+            continue
+        tried.add(addr)
+        try:
+            return (await pool.call(addr, "cluster_map", {}, timeout=timeout)).result
+        except NotLeader as exc:
+            leader = exc.details.get("leader")
+            if leader:
+                queue.insert(0, leader)
+            last = exc
+        except CacheFSError as exc:
+            last = exc
+    raise Unavailable(f"no metanode answered cluster_map: {last}")
+
+
+class MetaClusterView:
+    """A :class:`ClusterView` kept fresh from the metanodes.
+
+    ``fetch`` is any coroutine returning the ``cluster_map()`` dict (for
+    instance ``MetaClient.cluster_map`` or :func:`fetch_cluster_map`).
+    """
+
+    def __init__(self, fetch: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
+        self._fetch = fetch
+        self.current = ClusterView([], [])
+
+    async def refresh(self) -> ClusterView:
+        self.current = ClusterView.from_map(await self._fetch())
+        return self.current
+
+    async def run(self, interval: float = 5.0) -> None:
+        """Refresh forever (start it in a nursery); failures keep the last map."""
+        while True:
+            try:
+                await self.refresh()
+            except CacheFSError as exc:
+                log.warning("cluster map refresh failed, keeping epoch %d: %s", self.current.epoch, exc)
+            await trio.sleep(interval)
+
+    @property
+    def datanodes(self) -> dict[str, DatanodeInfo]:
+        return self.current.datanodes
+
+    def policy(self, volume: str) -> VolumePolicy:
+        return self.current.policy(volume)
+
+    def pgs(self, volume: str) -> tuple[tuple[str, ...], ...]:
+        return self.current.pgs(volume)
+
+    def placement(self, volume: str, key: BlockKey) -> tuple[str, ...]:
+        return self.current.placement(volume, key)
+
+
+# ---------------------------------------------------------------- client
+
+@dataclass(frozen=True, slots=True)
+class MissingShard:
+    """A shard a put could not store: repair should rebuild it."""
+
+    volume: str
+    key: BlockKey
+    index: int
+    node: str
+    reason: str
+
+
+@dataclass(slots=True)
+class _Shard:
+    header: BlockHeader
+    data: bytearray | bytes
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What a batch of shard reads produced."""
+
+    shards: dict[int, _Shard] = field(default_factory=dict)
+    errors: dict[int, CacheFSError] = field(default_factory=dict)
+
+
+class BackingClient:
+    """put/get/delete whole blocks on the datanodes (see the module docstring)."""
+
+    def __init__(self, pool: RpcPool, view: Any, *, zone: str | None = None, timeout: float = 10.0,
+                 hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5) -> None:
+        self.pool = pool
+        self.view = view
+        self.zone = zone
+        self.timeout = timeout
+        self.hedge_min = hedge_min
+        self.hedge_max = hedge_max
+        self.put_grace = put_grace
+        self.missing: collections.deque[MissingShard] = collections.deque(maxlen=100_000)
+        self.stats = collections.Counter[str]()
+        self._codecs: dict[VolumePolicy, Codec] = {}
+        self._latency = 0.05  # EWMA of shard read latency, seconds
+
+    # -- helpers --------------------------------------------------------------
+
+    def codec(self, policy: VolumePolicy) -> Codec:
+        codec = self._codecs.get(policy)
+        if codec is None:
+            codec = self._codecs[policy] = Codec(policy)
+        return codec
+
+    def _addr(self, node_id: str) -> str:
+        node = self.view.datanodes.get(node_id)
+        if node is None:
+            raise Unavailable(f"datanode {node_id} is not in the cluster map")
+        if node.state != "up":
+            raise Unavailable(f"datanode {node_id} is {node.state}")
+        return node.addr
+
+    def _hedge_delay(self) -> float:
+        return min(self.hedge_max, max(self.hedge_min, 4 * self._latency))
+
+    async def read_shard(self, node: str, volume: str, key: BlockKey, index: int,
+                         offset: int = 0, length: int = -1) -> _Shard:
+        """One shard (or a range of it) with its block header."""
+        started = trio.current_time()
+        reply = await self.pool.call(
+            self._addr(node), "get",
+            {"volume": volume, "key": key.to_bytes(), "index": index, "offset": offset, "length": length},
+            timeout=self.timeout)
+        if length == -1 and offset == 0:
+            self._latency = 0.8 * self._latency + 0.2 * (trio.current_time() - started)
+        header = BlockHeader.unpack(reply.result["meta"])
+        return _Shard(header, reply.payload if reply.payload is not None else b"")
+
+    async def write_shard(self, node: str, volume: str, key: BlockKey, index: int, header: BlockHeader,
+                          data: bytes | bytearray | memoryview) -> None:
+        await self.pool.call(
+            self._addr(node), "put",
+            {"volume": volume, "key": key.to_bytes(), "index": index, "meta": header.pack()},
+            payload=data, timeout=self.timeout)
+
+    async def _race(self, jobs: list[tuple[int, Callable[[], Awaitable[_Shard]]]], need: int) -> _Outcome:
+        """Run jobs (in preference order) until ``need`` succeed or all have failed.
+
+        ``need`` start at once; a failure starts the next job; when the hedge
+        delay passes with results outstanding, one more job starts per
+        outstanding one. Jobs still running when enough succeeded are cancelled.
+        """
+        outcome = _Outcome()
+        pending = collections.deque(jobs)
+        running = 0
+        send, receive = trio.open_memory_channel[tuple[int, _Shard | None, CacheFSError | None]](len(jobs))
+
+        async def run(index: int, job: Callable[[], Awaitable[_Shard]]) -> None:
+            try:
+                send.send_nowait((index, await job(), None))
+            except CacheFSError as exc:
+                send.send_nowait((index, None, exc))
+
+        async with trio.open_nursery() as nursery:
+
+            def start(count: int) -> None:
+                nonlocal running
+                for _ in range(min(count, len(pending))):
+                    index, job = pending.popleft()
+                    running += 1
+                    nursery.start_soon(run, index, job)
+
+            start(need)
+            hedge_at = trio.current_time() + self._hedge_delay()
+            while len(outcome.shards) < need and running:
+                with trio.move_on_at(hedge_at):
+                    index, shard, error = await receive.receive()
+                    running -= 1
+                    if shard is not None:
+                        outcome.shards[index] = shard
+                    else:
+                        assert error is not None
+                        outcome.errors[index] = error
+                        start(1)
+                    continue
+                # Hedge: the outstanding reads are slow; back each up once.
+                self.stats["hedged"] += min(running, len(pending))
+                start(running)
+                hedge_at = math.inf
+            nursery.cancel_scope.cancel()
+        return outcome
+
+    def _failure(self, what: str, policy: VolumePolicy, outcome: _Outcome, answered: int = 0) -> CacheFSError:
+        """The error for a read that got too few shards."""
+        errors = list(outcome.errors.values())
+        denied = sum(isinstance(e, NotFound) for e in errors)
+        if not outcome.shards and denied > policy.n - policy.write_quorum and not any(
+                isinstance(e, Corrupt) for e in errors):
+            return NotFound(f"{what}: no datanode has it")
+        causes = collections.Counter(type(e).__name__ for e in errors)
+        detail = ", ".join(f"{n} {c}" for c, n in sorted(causes.items()))
+        return Unavailable(f"{what}: {len(outcome.shards)} of {policy.k} needed shards readable ({detail})")
+
+    # -- API ------------------------------------------------------------------
+
+    async def put_block(self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
+        """Store a block; returns once ``write_quorum`` shards are durable.
+
+        Raises:
+            Unavailable: fewer than the write quorum of datanodes stored a shard.
+            NoSpace: the same, because datanodes are full.
+            NotFound: unknown volume.
+        """
+        policy = self.view.policy(volume)
+        if len(data) > policy.block_size:
+            raise InvalidArgument(f"block of {len(data)} bytes is over the volume's block size {policy.block_size}")
+        pg = self.view.placement(volume, key)
+        header, shards = self.codec(policy).encode(data)
+        stored: set[int] = set()
+        errors: dict[int, CacheFSError] = {}
+
+        async with trio.open_nursery() as nursery:
+
+            async def put_one(index: int) -> None:
+                try:
+                    await self.write_shard(pg[index], volume, key, index, header, shards[index])
+                except CacheFSError as exc:
+                    errors[index] = exc
+                    return
+                stored.add(index)
+                if len(stored) == policy.write_quorum and len(stored) < policy.n:
+                    # Durable enough: give the stragglers a grace period, no more.
+                    elapsed = trio.current_time() - began
+                    nursery.cancel_scope.deadline = trio.current_time() + max(self.put_grace, 2 * elapsed)
+
+            began = trio.current_time()
+            for index in range(policy.n):
+                nursery.start_soon(put_one, index)
+
+        if len(stored) < policy.write_quorum:
+            await self._undo(volume, key, pg, stored)
+            full = sum(isinstance(e, NoSpace) for e in errors.values())
+            causes = "; ".join(f"shard {i} on {pg[i]}: {e}" for i, e in sorted(errors.items()))
+            cls = NoSpace if full and 2 * full >= len(errors) else Unavailable
+            raise cls(f"block {key.hex()}: only {len(stored)} of {policy.n} shards stored, "
+                      f"{policy.write_quorum} needed ({causes or 'timed out'})")
+        for index in range(policy.n):
+            if index not in stored:
+                reason = str(errors.get(index, "cancelled after quorum"))
+                self.missing.append(MissingShard(volume, key, index, pg[index], reason))
+                self.stats["shards_missing"] += 1
+                log.info("block %s/%s stored without shard %d on %s (%s); left for repair",
+                         volume, key.hex(), index, pg[index], reason)
+
+    async def _undo(self, volume: str, key: BlockKey, pg: tuple[str, ...], stored: set[int]) -> None:
+        with trio.move_on_after(self.timeout):
+            async with trio.open_nursery() as nursery:
+                for index in stored:
+                    nursery.start_soon(self._delete_shard, pg[index], volume, key, index)
+
+    async def _delete_shard(self, node: str, volume: str, key: BlockKey, index: int) -> int:
+        try:
+            reply = await self.pool.call(self._addr(node), "delete",
+                                         {"volume": volume, "key": key.to_bytes(), "index": index},
+                                         timeout=self.timeout)
+        except CacheFSError as exc:
+            log.info("could not remove shard %s.%d from %s: %s", key.hex(), index, node, exc)
+            return -1
+        return int(reply.result["removed"])
+
+    async def delete_block(self, volume: str, key: BlockKey) -> None:
+        """Delete every shard of a block from its placement group.
+
+        Raises:
+            NotFound: every datanode answered and none had a shard.
+            Unavailable: some datanode did not answer (retry later).
+        """
+        pg = self.view.placement(volume, key)
+        removed: list[int] = []
+
+        async def one(node: str) -> None:
+            removed.append(await self._delete_shard(node, volume, key, -1))
+
+        async with trio.open_nursery() as nursery:
+            for node in dict.fromkeys(pg):
+                nursery.start_soon(one, node)
+        if -1 in removed:
+            raise Unavailable(f"block {key.hex()}: some datanodes could not delete their shards")
+        if not any(removed):
+            raise NotFound(f"block {key.hex()} not found in volume {volume}")
+
+    async def get_block(self, volume: str, key: BlockKey, offset: int = 0, length: int = -1) -> bytes:
+        """Bytes ``[offset, offset+length)`` of a block (length -1: to its end).
+
+        Raises:
+            NotFound, Unavailable, Corrupt: see the module docstring.
+        """
+        if offset < 0 or length < -1:
+            raise InvalidArgument(f"bad range offset={offset} length={length}")
+        policy = self.view.policy(volume)
+        pg = self.view.placement(volume, key)
+        codec = self.codec(policy)
+        whole = offset == 0 and length == -1
+        if not whole and policy.kind == "ec":
+            try:
+                data = await self._get_range_ec(codec, volume, key, pg, offset, length)
+            except _Fallback:
+                self.stats["range_fallbacks"] += 1
+            else:
+                self.stats["range_reads"] += 1
+                return data
+        if policy.kind == "replica":
+            return await self._get_replica(codec, volume, key, pg, offset, length)
+        header, shards = await self.read_shards(volume, key, pg=pg)
+        data = codec.decode(header, shards)
+        return data if whole else _slice(data, offset, length)
+
+    async def read_shards(self, volume: str, key: BlockKey, *, pg: tuple[str, ...] | None = None,
+                          need: int | None = None, avoid: Iterable[int] = ()) -> tuple[BlockHeader, dict[int, bytes | bytearray]]:
+        """At least ``need`` (default K) intact shards of a block, data shards first.
+
+        Used by reads and by repair (which passes ``avoid`` for shards it
+        knows to be missing).
+        """
+        policy = self.view.policy(volume)
+        pg = pg or self.view.placement(volume, key)
+        known_bad = set(avoid)
+        order = [i for i in range(policy.n) if i not in known_bad]
+        order += sorted(i for i in known_bad if 0 <= i < policy.n)
+        if policy.kind == "replica":
+            order = self._replica_order(pg, order)
+        jobs = [(i, _job(self.read_shard, pg[i], volume, key, i)) for i in order]
+        outcome = await self._race(jobs, need or policy.k)
+        if len(outcome.shards) < (need or policy.k):
+            raise self._failure(f"block {key.hex()}", policy, outcome)
+        header = _consensus(outcome)
+        self.codec(policy).check_header(header)
+        if outcome.errors:
+            self.stats["degraded_reads"] += 1
+        return header, {i: s.data for i, s in outcome.shards.items() if s.header == header}
+
+    def _replica_order(self, pg: tuple[str, ...], order: list[int]) -> list[int]:
+        if self.zone is None:
+            return order
+        zone_of = {n: d.zone for n, d in self.view.datanodes.items()}
+        return sorted(order, key=lambda i: zone_of.get(pg[i]) != self.zone)  # stable
+
+    async def _get_replica(self, codec: Codec, volume: str, key: BlockKey, pg: tuple[str, ...],
+                           offset: int, length: int) -> bytes:
+        policy = codec.policy
+        # A range of an uncompressed replica is served as is (its chunks are
+        # verified by the datanode); whole blocks are checked end to end.
+        ranged = not (offset == 0 and length == -1) and policy.compression == "none"
+        order = self._replica_order(pg, list(range(policy.n)))
+        if ranged:
+            jobs = [(i, _job(self.read_shard, pg[i], volume, key, i, offset, length)) for i in order]
+        else:
+            jobs = [(i, _job(self.read_shard, pg[i], volume, key, i)) for i in order]
+        outcome = await self._race(jobs, 1)
+        if not outcome.shards:
+            raise self._failure(f"block {key.hex()}", policy, outcome)
+        shard = next(iter(outcome.shards.values()))
+        codec.check_header(shard.header)
+        if ranged and not shard.header.compressed:
+            self.stats["range_reads"] += 1
+            return bytes(shard.data)
+        if ranged:  # compressed after all: the whole stored block is needed
+            header, shards = await self.read_shards(volume, key, pg=pg)
+            return _slice(codec.decode(header, shards), offset, length)
+        return _slice(codec.decode(shard.header, {0: shard.data}), offset, length)
+
+    async def _get_range_ec(self, codec: Codec, volume: str, key: BlockKey, pg: tuple[str, ...],
+                            offset: int, length: int) -> bytes:
+        guess = codec.expected_header(codec.policy.block_size)
+        plan = codec.plan_range(guess, offset, length)
+        for _attempt in range(2):
+            if not plan:
+                raise _Fallback
+            pieces = await self._read_plan(volume, key, pg, plan)
+            header = _consensus(pieces)
+            codec.check_header(header)
+            real = codec.plan_range(header, offset, length)
+            if real == plan:
+                return b"".join(pieces.shards[n].data for n in range(len(plan)))
+            plan = real
+        raise _Fallback
+
+    async def _read_plan(self, volume: str, key: BlockKey, pg: tuple[str, ...], plan: list[ShardRange]) -> _Outcome:
+        jobs = [(n, _job(self.read_shard, pg[r.index], volume, key, r.index, r.offset, r.length))
+                for n, r in enumerate(plan)]
+        outcome = await self._race(jobs, len(jobs))
+        if outcome.errors:
+            raise _Fallback
+        return outcome
+
+
+class _Fallback(Exception):
+    """A range read could not be served from data shards alone."""
+
+
+def _job(fn: Callable[..., Awaitable[_Shard]], *args: Any) -> Callable[[], Awaitable[_Shard]]:
+    return lambda: fn(*args)
+
+
+def _consensus(outcome: _Outcome) -> BlockHeader:
+    """The block header most shards agree on (they all should: keys are immutable)."""
+    counts = collections.Counter(s.header for s in outcome.shards.values())
+    return counts.most_common(1)[0][0]
+
+
+def _slice(data: bytes, offset: int, length: int) -> bytes:
+    return data[offset:] if length == -1 else data[offset : offset + length]

@@ -1,0 +1,226 @@
+"""The backing-storage client against 6 real datanode processes in 3 zones."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachefs.backing import BackingClient
+from cachefs.errors import NotFound, Unavailable
+from cachefs.ids import BlockKey
+from cachefs.policy import VolumePolicy
+from cachefs.rpc import RpcPool
+
+from .conftest import SECRET, Datanodes
+
+MiB = 1 << 20
+_slices = iter(range(1, 1 << 40))
+
+
+def new_key() -> BlockKey:
+    return BlockKey(next(_slices), random.randrange(16))
+
+
+def sizes(rng: random.Random) -> list[int]:
+    return [0, 1, 4095, 65536 + 3, rng.randrange(8 * MiB), 8 * MiB]
+
+
+@pytest.mark.parametrize(("policy", "compression"), [
+    ("ec:4+2", "none"), ("ec:2+1", "zstd"), ("replica:3", "none"), ("replica:3", "zstd"),
+])
+async def test_round_trips_and_ranges(cluster: Datanodes, volume: str, policy: str, compression: str) -> None:
+    rng = random.Random(f"{policy}{compression}")
+    pol = VolumePolicy.parse(policy, compression=compression, block_size=8 * MiB)
+    view = cluster.view({volume: pol})
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view, zone="b")
+        blocks = {}
+        for size in sizes(rng):
+            data = rng.randbytes(size) if size % 2 else bytes(size // 3) + rng.randbytes(size - size // 3)
+            key = new_key()
+            await client.put_block(volume, key, data)
+            blocks[key] = data
+        for key, data in blocks.items():
+            assert await client.get_block(volume, key) == data
+            for _ in range(3):
+                offset = rng.randrange(len(data) + 10)
+                length = rng.choice([-1, 0, 1, rng.randrange(2 * MiB)])
+                want = data[offset:] if length == -1 else data[offset : offset + length]
+                assert await client.get_block(volume, key, offset, length) == want
+        assert not client.missing
+        assert client.stats["degraded_reads"] == 0
+        if compression == "none":
+            assert client.stats["range_reads"] > 0
+        with pytest.raises(NotFound):
+            await client.get_block(volume, new_key())
+
+
+async def test_range_read_touches_only_covering_data_shards(cluster: Datanodes, volume: str) -> None:
+    """With every shard but data shard 1 gone, a range inside shard 1 still reads."""
+    view = cluster.view({volume: VolumePolicy.parse("ec:4+2")})
+    data = os.urandom(4 * MiB)
+    key = new_key()
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        await client.put_block(volume, key, data)
+        pg = view.placement(volume, key)
+        for index in (0, 2, 3, 4, 5):
+            path = cluster.shard_path(int(pg[index][2:]), volume, key.hex(), index)
+            assert path is not None
+            path.unlink()
+        assert await client.get_block(volume, key, MiB + 100, 5000) == data[MiB + 100 : MiB + 5100]
+        with pytest.raises(Unavailable):
+            await client.get_block(volume, key)
+
+
+def _damage(cluster: Datanodes, volume: str, key: BlockKey, node: str, index: int, how: str) -> None:
+    path = cluster.shard_path(int(node[2:]), volume, key.hex(), index)
+    assert path is not None
+    if how == "delete":
+        path.unlink()
+    elif how == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        path.write_bytes(raw)
+    else:
+        path.write_bytes(path.read_bytes()[:-1])
+
+
+@pytest.mark.parametrize("policy", ["ec:4+2", "ec:2+1", "replica:3"])
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+async def test_any_m_shards_lost_or_corrupt_still_read(cluster: Datanodes, volume: str, policy: str, data) -> None:
+    pol = VolumePolicy.parse(policy)
+    view = cluster.view({volume: pol})
+    block = os.urandom(data.draw(st.integers(0, 600_000)))
+    key = new_key()
+    bad = data.draw(st.sets(st.integers(0, pol.n - 1), min_size=1, max_size=pol.m))
+    hows = {i: data.draw(st.sampled_from(["delete", "flip", "truncate"])) for i in bad}
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        await client.put_block(volume, key, block)
+        pg = view.placement(volume, key)
+        for i, how in hows.items():
+            _damage(cluster, volume, key, pg[i], i, how)
+        assert await client.get_block(volume, key) == block
+        if len(block) > 10:
+            assert await client.get_block(volume, key, 5, len(block) - 7) == block[5:-2]
+
+
+@pytest.mark.parametrize("policy", ["ec:4+2", "replica:3"])
+async def test_m_plus_one_lost_is_unavailable(cluster: Datanodes, volume: str, policy: str) -> None:
+    pol = VolumePolicy.parse(policy)
+    view = cluster.view({volume: pol})
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        for how in ("delete", "flip"):
+            key = new_key()
+            data = os.urandom(300_000)
+            await client.put_block(volume, key, data)
+            pg = view.placement(volume, key)
+            for i in random.sample(range(pol.n), pol.m + 1):
+                _damage(cluster, volume, key, pg[i], i, how)
+            if pol.kind == "replica" and how == "delete":
+                # Every copy denies having it: indistinguishable from never written.
+                with pytest.raises(NotFound):
+                    await client.get_block(volume, key)
+                continue
+            for _ in range(2):  # corrupt shards stay "corrupt", never turn into "not found"
+                with pytest.raises(Unavailable, match="needed shards"):
+                    await client.get_block(volume, key)
+            # A range whose own shard survived may still be served; never wrong bytes.
+            for offset in range(0, len(data), 40_000):
+                try:
+                    got = await client.get_block(volume, key, offset, 1000)
+                except Unavailable:
+                    continue
+                assert got == data[offset : offset + 1000]
+
+
+async def test_dead_datanodes_and_quorum(cluster: Datanodes, volume: str) -> None:
+    pol = VolumePolicy.parse("ec:4+2")
+    view = cluster.view({volume: pol}, pg_count=4)
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view, timeout=3.0)
+        key = new_key()
+        data = os.urandom(1 * MiB)
+        await client.put_block(volume, key, data)
+        pg = view.placement(volume, key)
+        first, second = int(pg[0][2:]), int(pg[1][2:])
+        cluster.kill(first)
+        # One node down: K+1 = 5 shards still durable, so writes succeed.
+        other = new_key()
+        while view.placement(volume, other) != pg:
+            other = new_key()
+        await client.put_block(volume, other, data)
+        assert [m.index for m in client.missing] == [0]
+        assert await client.get_block(volume, key) == data
+        assert await client.get_block(volume, other, 7, 100) == data[7:107]
+        cluster.kill(second)
+        # Two down: reads still work (any 4 of 6), writes do not (no quorum).
+        assert await client.get_block(volume, other) == data
+        with pytest.raises(Unavailable, match="5 needed"):
+            await client.put_block(volume, other._replace(index=other.index + 1000), data)
+
+
+async def test_hedged_read_beats_a_stopped_datanode(cluster: Datanodes, volume: str) -> None:
+    pol = VolumePolicy.parse("ec:4+2")
+    view = cluster.view({volume: pol})
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view, timeout=20.0)
+        key = new_key()
+        data = os.urandom(2 * MiB)
+        await client.put_block(volume, key, data)
+        assert await client.get_block(volume, key) == data  # warm connections
+        node = int(view.placement(volume, key)[1][2:])
+        cluster.pause(node)  # alive but silent: only hedging helps
+        try:
+            with trio.fail_after(5):
+                assert await client.get_block(volume, key) == data
+        finally:
+            cluster.resume(node)
+        assert client.stats["hedged"] >= 1
+
+
+async def test_kill_9_during_writes(cluster: Datanodes, volume: str) -> None:
+    pol = VolumePolicy.parse("ec:4+2")
+    view = cluster.view({volume: pol})
+    written: dict[BlockKey, bytes] = {}
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view, timeout=5.0)
+
+        async def writer(n: int) -> None:
+            for _ in range(n):
+                key, data = new_key(), os.urandom(random.randrange(1, 2 * MiB))
+                await client.put_block(volume, key, data)
+                written[key] = data
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(writer, 10)
+            await trio.sleep(0.3)
+            cluster.kill(3)
+        assert len(written) == 40
+        for key, data in written.items():
+            assert await client.get_block(volume, key) == data
+        cluster.start(3)
+        for key, data in written.items():
+            assert await client.get_block(volume, key) == data
+
+
+async def test_delete_block(cluster: Datanodes, volume: str) -> None:
+    view = cluster.view({volume: VolumePolicy.parse("ec:2+1")})
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        key = new_key()
+        await client.put_block(volume, key, b"hello")
+        await client.delete_block(volume, key)
+        with pytest.raises(NotFound):
+            await client.get_block(volume, key)
+        with pytest.raises(NotFound):
+            await client.delete_block(volume, key)
