@@ -1,0 +1,250 @@
+"""``cachefs cachenode``: run one cache node of a zone's flash group.
+
+The daemon opens the block store (rebuilding its index from disk, so a node
+restarted after a crash serves what it had), serves the cache RPC methods,
+reads misses through :class:`cachefs.backing.BackingClient` using the cluster
+map from the metanodes, registers itself in that map and heartbeats its usage.
+
+Metanodes are optional, as for the datanode: without ``--meta`` (tests, a bare
+lab) the node serves hits and write-through puts, and a read-through miss
+answers ``Unavailable`` since there is no backing storage to read from. With
+them, registration is retried in the background and never stops serving.
+
+The cache directory is locked (``flock``) so two nodes can never share one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.errors import CacheFSError, NotLeader, Unavailable
+from cachefs.ids import BlockKey
+from cachefs.metrics import start_metrics
+from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
+
+from .service import CacheLimits, CacheService
+from .store import BlockStore, SecondMissAdmission
+
+log = logging.getLogger(__name__)
+
+
+class NoBacking:
+    """The read-through source of a node started without metanodes."""
+
+    async def get_block(self, volume: str, key: BlockKey) -> bytes:
+        raise Unavailable(f"no backing storage configured (no --meta): cannot fill {key.hex()}")
+
+
+class Registrar:
+    """Registers the node in the cluster map and heartbeats its usage.
+
+    Soft failure by design: errors are logged once per kind and retried on the
+    next tick; a cache node keeps serving whether or not metadata is up.
+    """
+
+    def __init__(self, pool: RpcPool, meta: list[str], *, node_id: str, addr: str, zone: str,
+                 store: BlockStore, interval: float) -> None:
+        self.pool = pool
+        self.meta = meta
+        self.node_id = node_id
+        self.addr = addr
+        self.zone = zone
+        self.store = store
+        self.interval = interval
+        self.registered = False
+        self._leader: str | None = None
+        self._client_id = f"cachenode-{node_id}"
+        self._last_error = ""
+
+    async def _call(self, method: str, args: dict[str, Any]) -> Any:
+        queue = ([self._leader] if self._leader else []) + list(self.meta)
+        tried: set[str] = set()
+        last: CacheFSError = Unavailable("no metanode address given")
+        while queue:
+            addr = queue.pop(0)
+            if addr in tried:
+                continue
+            tried.add(addr)
+            try:
+                result = (await self.pool.call(addr, method, args, timeout=5.0)).result
+                self._leader = addr
+                return result
+            except NotLeader as exc:
+                leader = exc.details.get("leader")
+                if leader:
+                    queue.insert(0, leader)
+                last = exc
+            except CacheFSError as exc:
+                last = exc
+        raise last
+
+    async def tick(self) -> None:
+        if not self.registered:
+            await self._call("register_node", {
+                "kind": "cachenode", "id": self.node_id, "addr": self.addr, "zone": self.zone,
+                "capacity": self.store.capacity, "client_id": self._client_id, "seq": time.time_ns()})
+            self.registered = True
+            log.info("registered as cachenode %s (%s) in zone %s", self.node_id, self.addr, self.zone)
+        await self._call("node_heartbeat", {"kind": "cachenode", "id": self.node_id,
+                                            "used": self.store.used})
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+                self._last_error = ""
+            except CacheFSError as exc:
+                if str(exc) != self._last_error:
+                    log.warning("metanodes not reachable for registration/heartbeat: %s", exc)
+                    self._last_error = str(exc)
+            await trio.sleep(self.interval)
+
+
+def node_id_for(cache_dir: Path, given: str | None) -> str:
+    """The id is kept in the cache directory so a restarted node keeps its ring position."""
+    path = cache_dir / "NODE_ID"
+    if path.exists():
+        stored = path.read_text().strip()
+        if given and given != stored:
+            raise click.UsageError(f"--node-id {given} but {cache_dir} belongs to cachenode {stored}")
+        return stored
+    node_id = given or f"cn-{uuid.uuid4().hex[:12]}"
+    tmp = cache_dir / "NODE_ID.tmp"
+    tmp.write_text(node_id + "\n")
+    os.replace(tmp, path)
+    return node_id
+
+
+def lock_dir(cache_dir: Path) -> int:
+    """Hold an exclusive lock on the cache directory for the life of the process."""
+    fd = os.open(cache_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise click.UsageError(f"--cache-dir {cache_dir} is in use by another cachenode") from None
+    return fd
+
+
+async def serve(store: BlockStore, *, node_id: str, zone: str, listen: str, advertise: str | None,
+                secret: bytes | None, meta: list[str] | None, heartbeat: float,
+                limits: CacheLimits, admission: SecondMissAdmission | None) -> None:
+    """Run the cache node until SIGINT/SIGTERM, then drain calls in flight."""
+    host, port = parse_addr(listen)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery, RpcPool(secret=secret) as pool:
+            backing: Any = NoBacking()
+            if meta:
+                from cachefs.backing import BackingClient, MetaClusterView, fetch_cluster_map
+
+                view = MetaClusterView(lambda: fetch_cluster_map(pool, meta))
+                nursery.start_soon(view.run)
+                backing = BackingClient(pool, view, zone=zone)
+            service = CacheService(store, backing, nursery=nursery, limits=limits,
+                                   admission=admission, node=node_id)
+            server = RpcServer(service, name="cachenode", secret=secret, limits=Limits())
+            bound = await nursery.start(server.serve, host, port)
+            addr = advertise or f"{host}:{bound}"
+            log.info("cachenode %s zone %s serving %s on %s (%d blocks, %d of %d bytes used)",
+                     node_id, zone, store.root, addr, len(store), store.used, store.capacity)
+            if meta:
+                registrar = Registrar(pool, meta, node_id=node_id, addr=addr, zone=zone,
+                                      store=store, interval=heartbeat)
+                nursery.start_soon(registrar.run)
+            async for signum in signals:
+                log.info("signal %d: shutting down", signum)
+                break
+            await server.shutdown(grace=5.0)
+            nursery.cancel_scope.cancel()
+
+
+def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
+    ttl: dict[str, float] = {}
+    for item in values:
+        volume, sep, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not sep or not volume or value <= 0:
+            raise click.BadParameter(f"{item!r}: use VOLUME=SECONDS, e.g. scratch=3600",
+                                     param_hint="--ttl")
+        ttl[volume] = value
+    return ttl
+
+
+@click.command("cachenode")
+@click.option("--zone", required=True, help="Zone (flash group) this cache node serves.")
+@click.option("--cache-dir", required=True, type=click.Path(file_okay=False),
+              help="Directory on local flash for cached blocks (created if missing).")
+@click.option("--capacity", required=True, type=SIZE, help="Bytes of flash to use, e.g. 200G.")
+@click.option("--memory", type=SIZE, default=0, show_default=True,
+              help="Bytes of memory for the hottest blocks (0: no memory tier).")
+@click.option("--listen", type=ADDR, default="127.0.0.1:7400", show_default=True,
+              help="host:port to serve on.")
+@click.option("--advertise", type=ADDR, default=None,
+              help="host:port to register in the cluster map (default: the listen address).")
+@click.option("--meta", type=ADDRS, default=None,
+              help="Metanode addresses (comma separated); omit to run without backing storage.")
+@click.option("--node-id", default=None, help="Cache node id (default: generated once, kept in the cache dir).")
+@click.option("--heartbeat", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+              help="Seconds between heartbeats to the metanodes.")
+@click.option("--ttl", multiple=True, metavar="VOLUME=SECONDS",
+              help="Expire a volume's blocks this long after they were cached (repeatable).")
+@click.option("--admission/--no-admission", default=False, show_default=True,
+              help="Cache a read-through miss only on its second miss within --admission-window "
+                   "(scan resistance; warm-up and write-through always cache).")
+@click.option("--admission-window", type=click.FloatRange(1, 86400), default=300.0, show_default=True,
+              help="Seconds within which a second miss admits a block.")
+@click.option("--max-requests", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
+              help="Concurrent get/put requests before answering busy.")
+@click.option("--max-per-client", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
+              help="Concurrent requests per client connection before answering busy.")
+@click.option("--max-backing-fetches", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="Concurrent whole-block fetches from backing storage.")
+@daemon_options
+def command(zone: str, cache_dir: str, capacity: int, memory: int, listen: str, advertise: str | None,
+            meta: list[str] | None, node_id: str | None, heartbeat: float, ttl: tuple[str, ...],
+            admission: bool, admission_window: float, max_requests: int, max_per_client: int,
+            max_backing_fetches: int, secret_file: str | None, insecure: bool, log_level: str,
+            metrics_port: int) -> None:
+    """Run a cache node: blocks on local flash, read through from backing storage."""
+    setup_logging("cachenode", log_level)
+    secret = load_secret(secret_file, insecure)
+    if capacity <= 0:
+        raise click.BadParameter("must be more than 0 bytes", param_hint="--capacity")
+    ttls = _parse_ttl(ttl)
+    root = Path(cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = lock_dir(root)
+        ident = node_id_for(root, node_id)
+        started = time.perf_counter()
+        store = BlockStore.open(root, capacity, memory_capacity=memory, ttl=ttls)
+    except OSError as exc:
+        raise click.UsageError(f"--cache-dir {cache_dir}: {exc.strerror}") from None
+    except CacheFSError as exc:
+        raise click.UsageError(f"--cache-dir {cache_dir}: {exc.message}") from None
+    log.info("cache index rebuilt in %.2fs: %d blocks, %d bytes",
+             time.perf_counter() - started, len(store), store.used)
+    limits = CacheLimits(max_requests=max_requests, max_per_client=max_per_client,
+                         max_backing_fetches=max_backing_fetches)
+    start_metrics(metrics_port)
+    try:
+        trio.run(lambda: serve(
+            store, node_id=ident, zone=zone, listen=listen, advertise=advertise, secret=secret,
+            meta=meta, heartbeat=heartbeat, limits=limits,
+            admission=SecondMissAdmission(window=admission_window) if admission else None))
+    finally:
+        os.close(lock)
