@@ -141,9 +141,10 @@ async def test_graceful_shutdown_finishes_calls_in_flight(nursery):
                 results.append((await pool.call(addr, "sleep", {"seconds": 0.3, "tag": 9})).result)
 
             n.start_soon(slow)
-            await trio.sleep(0.1)
-            with trio.fail_after(3):
-                await server.shutdown(grace=2.0)
+            with trio.fail_after(5):
+                while server._inflight == 0:  # the call reached the handler
+                    await trio.sleep(0.01)
+                await server.shutdown(grace=3.0)
         assert results == [9]
         # New calls are refused once the server is down.
         with pytest.raises((Unreachable, ConnectionLost, Unavailable)):
@@ -158,7 +159,8 @@ async def test_shutdown_grace_bounds_the_wait(nursery):
                 await pool.call(addr, "sleep", {"seconds": 30})
 
         n.start_soon(stuck)
-        await trio.sleep(0.1)
+        while server._inflight == 0:
+            await trio.sleep(0.01)
         with trio.fail_after(2):
             await server.shutdown(grace=0.2)
 
