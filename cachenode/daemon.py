@@ -53,8 +53,17 @@ class Registrar:
     next tick; a cache node keeps serving whether or not metadata is up.
     """
 
-    def __init__(self, pool: RpcPool, meta: list[str], *, node_id: str, addr: str, zone: str,
-                 store: BlockStore, interval: float) -> None:
+    def __init__(
+        self,
+        pool: RpcPool,
+        meta: list[str],
+        *,
+        node_id: str,
+        addr: str,
+        zone: str,
+        store: BlockStore,
+        interval: float,
+    ) -> None:
         self.pool = pool
         self.meta = meta
         self.node_id = node_id
@@ -91,13 +100,25 @@ class Registrar:
 
     async def tick(self) -> None:
         if not self.registered:
-            await self._call("register_node", {
-                "kind": "cachenode", "id": self.node_id, "addr": self.addr, "zone": self.zone,
-                "capacity": self.store.capacity, "client_id": self._client_id, "seq": time.time_ns()})
+            await self._call(
+                "register_node",
+                {
+                    "kind": "cachenode",
+                    "id": self.node_id,
+                    "addr": self.addr,
+                    "zone": self.zone,
+                    "capacity": self.store.capacity,
+                    "client_id": self._client_id,
+                    "seq": time.time_ns(),
+                },
+            )
             self.registered = True
-            log.info("registered as cachenode %s (%s) in zone %s", self.node_id, self.addr, self.zone)
-        await self._call("node_heartbeat", {"kind": "cachenode", "id": self.node_id,
-                                            "used": self.store.used})
+            log.info(
+                "registered as cachenode %s (%s) in zone %s", self.node_id, self.addr, self.zone
+            )
+        await self._call(
+            "node_heartbeat", {"kind": "cachenode", "id": self.node_id, "used": self.store.used}
+        )
 
     async def run(self) -> None:
         while True:
@@ -117,7 +138,9 @@ def node_id_for(cache_dir: Path, given: str | None) -> str:
     if path.exists():
         stored = path.read_text().strip()
         if given and given != stored:
-            raise click.UsageError(f"--node-id {given} but {cache_dir} belongs to cachenode {stored}")
+            raise click.UsageError(
+                f"--node-id {given} but {cache_dir} belongs to cachenode {stored}"
+            )
         return stored
     node_id = given or f"cn-{uuid.uuid4().hex[:12]}"
     tmp = cache_dir / "NODE_ID.tmp"
@@ -137,9 +160,19 @@ def lock_dir(cache_dir: Path) -> int:
     return fd
 
 
-async def serve(store: BlockStore, *, node_id: str, zone: str, listen: str, advertise: str | None,
-                secret: bytes | None, meta: list[str] | None, heartbeat: float,
-                limits: CacheLimits, admission: SecondMissAdmission | None) -> None:
+async def serve(
+    store: BlockStore,
+    *,
+    node_id: str,
+    zone: str,
+    listen: str,
+    advertise: str | None,
+    secret: bytes | None,
+    meta: list[str] | None,
+    heartbeat: float,
+    limits: CacheLimits,
+    admission: SecondMissAdmission | None,
+) -> None:
     """Run the cache node until SIGINT/SIGTERM, then drain calls in flight."""
     host, port = parse_addr(listen)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -151,16 +184,32 @@ async def serve(store: BlockStore, *, node_id: str, zone: str, listen: str, adve
                 view = MetaClusterView(lambda: fetch_cluster_map(pool, meta))
                 nursery.start_soon(view.run)
                 backing = BackingClient(pool, view, zone=zone)
-            service = CacheService(store, backing, nursery=nursery, limits=limits,
-                                   admission=admission, node=node_id)
+            service = CacheService(
+                store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id
+            )
             server = RpcServer(service, name="cachenode", secret=secret, limits=Limits())
             bound = await nursery.start(server.serve, host, port)
             addr = advertise or f"{host}:{bound}"
-            log.info("cachenode %s zone %s serving %s on %s (%d blocks, %d of %d bytes used)",
-                     node_id, zone, store.root, addr, len(store), store.used, store.capacity)
+            log.info(
+                "cachenode %s zone %s serving %s on %s (%d blocks, %d of %d bytes used)",
+                node_id,
+                zone,
+                store.root,
+                addr,
+                len(store),
+                store.used,
+                store.capacity,
+            )
             if meta:
-                registrar = Registrar(pool, meta, node_id=node_id, addr=addr, zone=zone,
-                                      store=store, interval=heartbeat)
+                registrar = Registrar(
+                    pool,
+                    meta,
+                    node_id=node_id,
+                    addr=addr,
+                    zone=zone,
+                    store=store,
+                    interval=heartbeat,
+                )
                 nursery.start_soon(registrar.run)
             async for signum in signals:
                 log.info("signal %d: shutting down", signum)
@@ -178,47 +227,123 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if not sep or not volume or value <= 0:
-            raise click.BadParameter(f"{item!r}: use VOLUME=SECONDS, e.g. scratch=3600",
-                                     param_hint="--ttl")
+            raise click.BadParameter(
+                f"{item!r}: use VOLUME=SECONDS, e.g. scratch=3600", param_hint="--ttl"
+            )
         ttl[volume] = value
     return ttl
 
 
 @click.command("cachenode")
 @click.option("--zone", required=True, help="Zone (flash group) this cache node serves.")
-@click.option("--cache-dir", required=True, type=click.Path(file_okay=False),
-              help="Directory on local flash for cached blocks (created if missing).")
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory on local flash for cached blocks (created if missing).",
+)
 @click.option("--capacity", required=True, type=SIZE, help="Bytes of flash to use, e.g. 200G.")
-@click.option("--memory", type=SIZE, default=0, show_default=True,
-              help="Bytes of memory for the hottest blocks (0: no memory tier).")
-@click.option("--listen", type=ADDR, default="127.0.0.1:7400", show_default=True,
-              help="host:port to serve on.")
-@click.option("--advertise", type=ADDR, default=None,
-              help="host:port to register in the cluster map (default: the listen address).")
-@click.option("--meta", type=ADDRS, default=None,
-              help="Metanode addresses (comma separated); omit to run without backing storage.")
-@click.option("--node-id", default=None, help="Cache node id (default: generated once, kept in the cache dir).")
-@click.option("--heartbeat", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
-              help="Seconds between heartbeats to the metanodes.")
-@click.option("--ttl", multiple=True, metavar="VOLUME=SECONDS",
-              help="Expire a volume's blocks this long after they were cached (repeatable).")
-@click.option("--admission/--no-admission", default=False, show_default=True,
-              help="Cache a read-through miss only on its second miss within --admission-window "
-                   "(scan resistance; warm-up and write-through always cache).")
-@click.option("--admission-window", type=click.FloatRange(1, 86400), default=300.0, show_default=True,
-              help="Seconds within which a second miss admits a block.")
-@click.option("--max-requests", type=click.IntRange(1, 1 << 20), default=512, show_default=True,
-              help="Concurrent get/put requests before answering busy.")
-@click.option("--max-per-client", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
-              help="Concurrent requests per client connection before answering busy.")
-@click.option("--max-backing-fetches", type=click.IntRange(1, 4096), default=16, show_default=True,
-              help="Concurrent whole-block fetches from backing storage.")
+@click.option(
+    "--memory",
+    type=SIZE,
+    default=0,
+    show_default=True,
+    help="Bytes of memory for the hottest blocks (0: no memory tier).",
+)
+@click.option(
+    "--listen",
+    type=ADDR,
+    default="127.0.0.1:7400",
+    show_default=True,
+    help="host:port to serve on.",
+)
+@click.option(
+    "--advertise",
+    type=ADDR,
+    default=None,
+    help="host:port to register in the cluster map (default: the listen address).",
+)
+@click.option(
+    "--meta",
+    type=ADDRS,
+    default=None,
+    help="Metanode addresses (comma separated); omit to run without backing storage.",
+)
+@click.option(
+    "--node-id",
+    default=None,
+    help="Cache node id (default: generated once, kept in the cache dir).",
+)
+@click.option(
+    "--heartbeat",
+    type=click.FloatRange(0.1, 3600),
+    default=5.0,
+    show_default=True,
+    help="Seconds between heartbeats to the metanodes.",
+)
+@click.option(
+    "--ttl",
+    multiple=True,
+    metavar="VOLUME=SECONDS",
+    help="Expire a volume's blocks this long after they were cached (repeatable).",
+)
+@click.option(
+    "--admission/--no-admission",
+    default=False,
+    show_default=True,
+    help="Cache a read-through miss only on its second miss within --admission-window "
+    "(scan resistance; warm-up and write-through always cache).",
+)
+@click.option(
+    "--admission-window",
+    type=click.FloatRange(1, 86400),
+    default=300.0,
+    show_default=True,
+    help="Seconds within which a second miss admits a block.",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(1, 1 << 20),
+    default=512,
+    show_default=True,
+    help="Concurrent get/put requests before answering busy.",
+)
+@click.option(
+    "--max-per-client",
+    type=click.IntRange(1, 1 << 20),
+    default=128,
+    show_default=True,
+    help="Concurrent requests per client connection before answering busy.",
+)
+@click.option(
+    "--max-backing-fetches",
+    type=click.IntRange(1, 4096),
+    default=16,
+    show_default=True,
+    help="Concurrent whole-block fetches from backing storage.",
+)
 @daemon_options
-def command(zone: str, cache_dir: str, capacity: int, memory: int, listen: str, advertise: str | None,
-            meta: list[str] | None, node_id: str | None, heartbeat: float, ttl: tuple[str, ...],
-            admission: bool, admission_window: float, max_requests: int, max_per_client: int,
-            max_backing_fetches: int, secret_file: str | None, insecure: bool, log_level: str,
-            metrics_port: int) -> None:
+def command(
+    zone: str,
+    cache_dir: str,
+    capacity: int,
+    memory: int,
+    listen: str,
+    advertise: str | None,
+    meta: list[str] | None,
+    node_id: str | None,
+    heartbeat: float,
+    ttl: tuple[str, ...],
+    admission: bool,
+    admission_window: float,
+    max_requests: int,
+    max_per_client: int,
+    max_backing_fetches: int,
+    secret_file: str | None,
+    insecure: bool,
+    log_level: str,
+    metrics_port: int,
+) -> None:
     """Run a cache node: blocks on local flash, read through from backing storage."""
     setup_logging("cachenode", log_level)
     secret = load_secret(secret_file, insecure)
@@ -236,15 +361,32 @@ def command(zone: str, cache_dir: str, capacity: int, memory: int, listen: str, 
         raise click.UsageError(f"--cache-dir {cache_dir}: {exc.strerror}") from None
     except CacheFSError as exc:
         raise click.UsageError(f"--cache-dir {cache_dir}: {exc.message}") from None
-    log.info("cache index rebuilt in %.2fs: %d blocks, %d bytes",
-             time.perf_counter() - started, len(store), store.used)
-    limits = CacheLimits(max_requests=max_requests, max_per_client=max_per_client,
-                         max_backing_fetches=max_backing_fetches)
+    log.info(
+        "cache index rebuilt in %.2fs: %d blocks, %d bytes",
+        time.perf_counter() - started,
+        len(store),
+        store.used,
+    )
+    limits = CacheLimits(
+        max_requests=max_requests,
+        max_per_client=max_per_client,
+        max_backing_fetches=max_backing_fetches,
+    )
     start_metrics(metrics_port)
     try:
-        trio.run(lambda: serve(
-            store, node_id=ident, zone=zone, listen=listen, advertise=advertise, secret=secret,
-            meta=meta, heartbeat=heartbeat, limits=limits,
-            admission=SecondMissAdmission(window=admission_window) if admission else None))
+        trio.run(
+            lambda: serve(
+                store,
+                node_id=ident,
+                zone=zone,
+                listen=listen,
+                advertise=advertise,
+                secret=secret,
+                meta=meta,
+                heartbeat=heartbeat,
+                limits=limits,
+                admission=SecondMissAdmission(window=admission_window) if admission else None,
+            )
+        )
     finally:
         os.close(lock)

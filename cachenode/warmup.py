@@ -1,0 +1,482 @@
+"""``cachefs warmup PATH...``: push the blocks of a tree into the cache tier.
+
+Theory of operation
+-------------------
+
+1. Resolve. The paths (inside the volume) are walked through the metanodes:
+   ``lookup`` from the root, ``readdir`` for directories, and for each regular
+   file ``read_chunk`` per 64 MiB chunk. :func:`file_blocks` turns a file's
+   slice lists into the blocks a full read of the file touches (newest slice
+   wins, holes need nothing), with the bytes of the file each block carries.
+2. Route. Each block goes to its owner on every target zone's ring
+   (:class:`cachefs.ring.CacheRouter`; by default every zone, so training in
+   any zone reads warm). Keys are grouped per cache node into batches.
+3. Prefetch. ``--threads`` workers send batches as
+   ``prefetch(volume, keys, wait=True)``; the cache node reads the missing
+   blocks through from backing storage (bypassing its admission rule) and
+   answers with how many were already cached, fetched, or failed. A node
+   that cannot be reached is marked down and its batches count as failed.
+4. Report. A rich progress bar shows files, bytes and rate; the summary says
+   how much was fetched and how much was already cached, so re-running on a
+   warm tree finishes fast and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import trio
+from cachefs.client.slicemap import HOLE, Slice, resolve, segment_blocks
+
+from cachefs.config import ADDRS, load_secret
+from cachefs.errors import (
+    CacheFSError,
+    ConnectionLost,
+    NotLeader,
+    TimedOut,
+    Unavailable,
+    Unreachable,
+)
+from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.ring import CacheRouter
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+ROOT_INO = 1
+BATCH = 64
+READDIR_LIMIT = 1000
+
+
+# ---------------------------------------------------------------- block resolution (pure)
+
+
+def file_blocks(
+    size: int,
+    chunks: Mapping[int, Sequence[Sequence[int]]],
+    block_size: int,
+    chunk_size: int = CHUNK_SIZE,
+) -> dict[BlockKey, int]:
+    """The blocks a full read of a ``size``-byte file touches, with its bytes in each.
+
+    ``chunks`` maps a chunk index to its slice list as ``read_chunk`` returns
+    it (``[slice_id, pos, length, offset]`` rows in commit order, newest last).
+    The values sum to the file's non-hole bytes.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    out: dict[BlockKey, int] = {}
+    for chunk in range(-(-size // chunk_size)):
+        end = min(chunk_size, size - chunk * chunk_size)
+        slices = [Slice.from_wire(row) for row in chunks.get(chunk, ())]
+        for seg in resolve(slices, 0, end):
+            if seg.slice_id == HOLE:
+                continue
+            for part in segment_blocks(seg, block_size):
+                out[part.key] = out.get(part.key, 0) + part.length
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class WarmFile:
+    path: str
+    size: int
+    blocks: Mapping[BlockKey, int]
+
+
+# ---------------------------------------------------------------- resolving paths via the metanodes
+
+
+class MetaReader:
+    """Read-only metanode calls, following leader hints (reads are served by the leader)."""
+
+    def __init__(self, pool: RpcPool, meta: list[str], timeout: float = 10.0) -> None:
+        self.pool = pool
+        self.meta = meta
+        self.timeout = timeout
+        self._leader: str | None = None
+
+    async def call(self, method: str, args: dict[str, Any]) -> Any:
+        queue = ([self._leader] if self._leader else []) + list(self.meta)
+        tried: set[str] = set()
+        last: CacheFSError = Unavailable("no metanode address given")
+        while queue:
+            addr = queue.pop(0)
+            if addr in tried:
+                continue
+            tried.add(addr)
+            try:
+                result = (await self.pool.call(addr, method, args, timeout=self.timeout)).result
+                self._leader = addr
+                return result
+            except NotLeader as exc:
+                if exc.details.get("leader"):
+                    queue.insert(0, exc.details["leader"])
+                last = exc
+            except (Unreachable, ConnectionLost, TimedOut, Unavailable) as exc:
+                last = exc
+        raise last
+
+
+async def resolve_paths(
+    meta: MetaReader,
+    volume: str,
+    paths: Iterable[str],
+    block_size: int,
+    *,
+    threads: int = 8,
+    on_file: Callable[[WarmFile], None] | None = None,
+) -> list[WarmFile]:
+    """Walk ``paths`` (inside ``volume``) and resolve every regular file to its blocks."""
+    files: list[WarmFile] = []
+    limiter = trio.CapacityLimiter(threads)
+
+    async def lookup(path: str) -> dict[str, Any]:
+        attr = await meta.call("getattr", {"volume": volume, "ino": ROOT_INO})
+        for name in (p for p in path.split("/") if p and p != "."):
+            attr = await meta.call(
+                "lookup", {"volume": volume, "parent": attr["ino"], "name": name.encode()}
+            )
+        return attr
+
+    async def resolve_file(path: str, attr: dict[str, Any]) -> None:
+        async with limiter:
+            size = int(attr["size"])
+            chunks = {}
+            for chunk in range(-(-size // CHUNK_SIZE)):
+                chunks[chunk] = await meta.call(
+                    "read_chunk", {"volume": volume, "ino": attr["ino"], "chunk": chunk}
+                )
+        warm = WarmFile(path, size, file_blocks(size, chunks, block_size))
+        files.append(warm)
+        if on_file is not None:
+            on_file(warm)
+
+    async def walk(path: str, attr: dict[str, Any], nursery: trio.Nursery) -> None:
+        mode = int(attr["mode"])
+        if stat.S_ISREG(mode):
+            nursery.start_soon(resolve_file, path, attr)
+        elif stat.S_ISDIR(mode):
+            cookie = 0
+            while True:
+                async with limiter:
+                    rows = await meta.call(
+                        "readdir",
+                        {
+                            "volume": volume,
+                            "ino": attr["ino"],
+                            "cookie": cookie,
+                            "limit": READDIR_LIMIT,
+                        },
+                    )
+                for name, child, next_cookie in rows:
+                    text = (
+                        name.decode(errors="surrogateescape")
+                        if isinstance(name, bytes)
+                        else str(name)
+                    )
+                    if text in (".", ".."):
+                        continue
+                    await walk(f"{path.rstrip('/')}/{text}", child, nursery)
+                    cookie = next_cookie
+                if len(rows) < READDIR_LIMIT:
+                    break
+
+    async with trio.open_nursery() as nursery:
+        for path in paths:
+            await walk(path, await lookup(path), nursery)
+    return files
+
+
+# ---------------------------------------------------------------- prefetching
+
+
+@dataclass(slots=True)
+class WarmupReport:
+    files: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    cached: int = 0
+    fetched: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def already_warm(self) -> bool:
+        return self.blocks > 0 and self.cached == self.blocks
+
+    def summary(self) -> str:
+        rate = self.bytes / self.seconds / (1 << 20) if self.seconds > 0 else 0.0
+        head = (
+            f"{self.files} files, {self.blocks} block copies, {self.bytes / (1 << 20):.1f} MiB "
+            f"in {self.seconds:.2f}s ({rate:.1f} MiB/s): "
+        )
+        if self.already_warm:
+            return head + "everything was already cached"
+        return head + (
+            f"{self.fetched} fetched from backing storage, {self.cached} already cached, "
+            f"{self.failed} failed"
+        )
+
+
+@dataclass(slots=True)
+class _Batch:
+    addr: str
+    keys: list[BlockKey]
+    nbytes: int
+    file: _FileState
+
+
+@dataclass(slots=True)
+class _FileState:
+    warm: WarmFile
+    pending: int
+
+
+async def warm_files(
+    pool: RpcPool,
+    router: CacheRouter,
+    volume: str,
+    files: Sequence[WarmFile],
+    *,
+    zones: Sequence[str] | None = None,
+    threads: int = 8,
+    batch: int = BATCH,
+    timeout: float = 600.0,
+    on_bytes: Callable[[int], None] | None = None,
+    on_file: Callable[[WarmFile], None] | None = None,
+) -> WarmupReport:
+    """Prefetch every block of ``files`` into its owner in each target zone."""
+    report = WarmupReport(files=len(files))
+    started = time.perf_counter()
+    targets = list(zones) if zones else list(router.rings)
+    batches: list[_Batch] = []
+    for warm in files:
+        state = _FileState(warm, 0)
+        per_addr: dict[str, list[BlockKey]] = {}
+        for key in warm.blocks:
+            for node in router.owners(key):
+                if node.zone in targets:
+                    per_addr.setdefault(node.addr, []).append(key)
+        for addr, keys in per_addr.items():
+            for i in range(0, len(keys), batch):
+                part = keys[i : i + batch]
+                batches.append(_Batch(addr, part, sum(warm.blocks[k] for k in part), state))
+                state.pending += 1
+        report.blocks += sum(len(k) for k in per_addr.values())
+        report.bytes += sum(warm.blocks[k] for keys in per_addr.values() for k in keys)
+        if state.pending == 0 and on_file is not None:
+            on_file(warm)
+    send, recv = trio.open_memory_channel[_Batch](len(batches) or 1)
+    for b in batches:
+        send.send_nowait(b)
+    send.close()
+
+    async def worker(recv: trio.MemoryReceiveChannel[_Batch]) -> None:
+        async with recv:
+            async for b in recv:
+                await run_batch(b)
+
+    async def run_batch(b: _Batch) -> None:
+        if router.is_down(b.addr):
+            report.failed += len(b.keys)
+            report.errors.append(f"{b.addr}: marked down, {len(b.keys)} blocks skipped")
+        else:
+            try:
+                answer = (
+                    await pool.call(
+                        b.addr,
+                        "prefetch",
+                        {"volume": volume, "keys": [k.to_bytes() for k in b.keys], "wait": True},
+                        timeout=timeout,
+                    )
+                ).result
+                report.cached += answer["cached"]
+                report.fetched += answer.get("done", 0)
+                report.failed += answer.get("failed", 0)
+                if answer.get("failed"):
+                    report.errors.append(
+                        f"{b.addr}: {answer['failed']} blocks could not be fetched"
+                    )
+            except (Unreachable, ConnectionLost, TimedOut) as exc:
+                router.mark_down(b.addr)
+                report.failed += len(b.keys)
+                report.errors.append(f"{b.addr}: {exc}")
+            except CacheFSError as exc:
+                report.failed += len(b.keys)
+                report.errors.append(f"{b.addr}: {exc}")
+        if on_bytes is not None:
+            on_bytes(b.nbytes)
+        b.file.pending -= 1
+        if b.file.pending == 0 and on_file is not None:
+            on_file(b.file.warm)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(max(1, threads)):
+            nursery.start_soon(worker, recv.clone())
+        recv.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# ---------------------------------------------------------------- the command
+
+
+async def run_warmup(
+    meta: list[str],
+    volume: str,
+    paths: Sequence[str],
+    *,
+    secret: bytes | None,
+    threads: int,
+    zones: Sequence[str] | None,
+    quiet: bool = False,
+) -> WarmupReport:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    from cachefs.backing import fetch_cluster_map
+
+    console = Console(stderr=True, quiet=quiet)
+    async with RpcPool(secret=secret) as pool:
+        cmap = await fetch_cluster_map(pool, meta)
+        vol = cmap.get("volumes", {}).get(volume)
+        if vol is None:
+            raise click.UsageError(f"no volume {volume!r} in the cluster map")
+        router = CacheRouter(cmap, zones[0] if zones else "")
+        if not router.rings:
+            raise click.UsageError("the cluster map lists no cache nodes that are up")
+        unknown = [z for z in zones or () if z not in router.rings]
+        if unknown:
+            raise click.UsageError(
+                f"no cache nodes up in zone {unknown[0]!r} (zones: {', '.join(sorted(router.rings))})"
+            )
+        reader = MetaReader(pool, meta)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[files]}"),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            found = progress.add_task("resolving", total=None, files="0 files")
+            count = [0]
+
+            def resolved(_: WarmFile) -> None:
+                count[0] += 1
+                progress.update(found, files=f"{count[0]} files")
+
+            files = await resolve_paths(
+                reader, volume, paths, int(vol["block_size"]), threads=threads, on_file=resolved
+            )
+            progress.update(found, total=1, completed=1)
+            copies = len(zones) if zones else len(router.rings)
+            task = progress.add_task(
+                "warming", total=sum(f.size for f in files) * copies, files=f"0/{len(files)} files"
+            )
+            done = [0]
+
+            def file_done(_: WarmFile) -> None:
+                done[0] += 1
+                progress.update(task, files=f"{done[0]}/{len(files)} files")
+
+            report = await warm_files(
+                pool,
+                router,
+                volume,
+                files,
+                zones=zones,
+                threads=threads,
+                on_bytes=lambda n: progress.advance(task, n),
+                on_file=file_done,
+            )
+            progress.update(task, completed=sum(f.size for f in files) * copies)
+    return report
+
+
+@click.command("warmup")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--volume", required=True, help="Volume the paths are in.")
+@click.option(
+    "--meta",
+    type=ADDRS,
+    required=True,
+    envvar="CACHEFS_META",
+    help="Metanode addresses (comma separated).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=8,
+    show_default=True,
+    help="Batches of blocks prefetched in parallel.",
+)
+@click.option(
+    "--zone",
+    "zones",
+    multiple=True,
+    help="Warm only this zone's cache nodes (repeatable; default: every zone).",
+)
+@click.option(
+    "--secret-file",
+    envvar="CACHEFS_SECRET_FILE",
+    type=click.Path(dir_okay=False),
+    help="File holding the cluster secret (or set CACHEFS_SECRET).",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    envvar="CACHEFS_INSECURE",
+    help="Talk to a cluster that runs without authentication.",
+)
+@click.option("--quiet", is_flag=True, help="No progress bar, only the summary.")
+def command(
+    paths: tuple[str, ...],
+    volume: str,
+    meta: list[str],
+    threads: int,
+    zones: tuple[str, ...],
+    secret_file: str | None,
+    insecure: bool,
+    quiet: bool,
+) -> None:
+    """Prefetch the blocks of PATH... (paths inside the volume) into the cache tier."""
+    secret = load_secret(secret_file, insecure)
+    try:
+        report = trio.run(
+            lambda: run_warmup(
+                meta,
+                volume,
+                paths,
+                secret=secret,
+                threads=threads,
+                zones=list(zones) or None,
+                quiet=quiet,
+            )
+        )
+    except CacheFSError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(report.summary())
+    for line in report.errors[:10]:
+        click.echo(f"  {line}", err=True)
+    if report.failed:
+        sys.exit(1)
