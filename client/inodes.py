@@ -1,0 +1,181 @@
+"""The client's inode table: attributes, kernel lookup counts, open handles.
+
+Lookup counts are exact: :meth:`InodeTable.learn` is called once for every
+reply that tells the kernel about an inode (lookup, create, mkdir, mknod,
+symlink, link, and each readdirplus entry the kernel accepted), and counts
+drop only in ``forget``. An inode leaves the table when the kernel forgot it
+and no handle has it open, so an unlinked file that is still open keeps its
+attributes (and its data, which the metanodes keep for our session) until the
+last close.
+
+``cached_version`` is the content version the kernel's page cache holds for
+the inode: open() keeps the cache (``keep_cache``) only when the metanodes
+still report that version.
+"""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyfuse3
+
+from cachefs.errors import IOFailure
+
+if TYPE_CHECKING:
+    from .slicemap import Slice
+    from .writer import FileWriter
+
+ATTR_FIELDS = (
+    "ino",
+    "mode",
+    "uid",
+    "gid",
+    "nlink",
+    "size",
+    "atime_ns",
+    "mtime_ns",
+    "ctime_ns",
+    "rdev",
+    "generation",
+    "version",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """Inode attributes as the metanodes send them (see docs/contracts.md)."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    generation: int = 0
+    version: int = 0
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Attr:
+        if not isinstance(raw, dict):
+            raise IOFailure(f"metanode sent attributes as {type(raw).__name__}")
+        try:
+            return cls(**{name: int(raw.get(name, 0)) for name in ATTR_FIELDS})
+        except (TypeError, ValueError) as exc:
+            raise IOFailure(f"malformed attributes from metanode: {exc}") from None
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    def with_size(self, size: int) -> Attr:
+        return Attr(**{**{n: getattr(self, n) for n in ATTR_FIELDS}, "size": size})
+
+    def entry(
+        self, attr_timeout: float, entry_timeout: float, block_size: int = 4096
+    ) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = self.ino
+        e.generation = self.generation
+        e.st_mode = self.mode
+        e.st_nlink = self.nlink
+        e.st_uid = self.uid
+        e.st_gid = self.gid
+        e.st_rdev = self.rdev
+        e.st_size = self.size
+        e.st_blksize = block_size
+        e.st_blocks = (self.size + 511) // 512
+        e.st_atime_ns = self.atime_ns
+        e.st_mtime_ns = self.mtime_ns
+        e.st_ctime_ns = self.ctime_ns
+        e.attr_timeout = attr_timeout
+        e.entry_timeout = entry_timeout
+        return e
+
+
+@dataclass(slots=True)
+class Inode:
+    attr: Attr
+    lookups: int = 0
+    opens: int = 0
+    cached_version: int | None = None
+    # chunk index -> (content version it was read at, slice list)
+    chunks: dict[int, tuple[int, list[Slice]]] = field(default_factory=dict)
+    writer: FileWriter | None = None
+
+    @property
+    def ino(self) -> int:
+        return self.attr.ino
+
+    def set_attr(self, attr: Attr) -> None:
+        """Take newer attributes; a content change drops the cached slice lists."""
+        if attr.version != self.attr.version:
+            self.chunks.clear()
+        self.attr = attr
+
+    @property
+    def size(self) -> int:
+        """The size readers see: committed size, grown by pending writes."""
+        if self.writer is not None:
+            return max(self.attr.size, self.writer.pending_end())
+        return self.attr.size
+
+    @property
+    def idle(self) -> bool:
+        return (
+            self.lookups <= 0 and self.opens <= 0 and (self.writer is None or not self.writer.dirty)
+        )
+
+
+class InodeTable:
+    """Inodes the kernel knows (or has open), by number."""
+
+    def __init__(self) -> None:
+        self._inodes: dict[int, Inode] = {}
+
+    def __len__(self) -> int:
+        return len(self._inodes)
+
+    def __contains__(self, ino: int) -> bool:
+        return ino in self._inodes
+
+    def get(self, ino: int) -> Inode | None:
+        return self._inodes.get(ino)
+
+    def update(self, attr: Attr) -> Inode:
+        """Record attributes without counting a lookup (getattr, setattr)."""
+        inode = self._inodes.get(attr.ino)
+        if inode is None:
+            inode = self._inodes[attr.ino] = Inode(attr)
+        else:
+            inode.set_attr(attr)
+        return inode
+
+    def learn(self, attr: Attr) -> Inode:
+        """The kernel was told about this inode: one more lookup to forget later."""
+        inode = self.update(attr)
+        inode.lookups += 1
+        return inode
+
+    def forget(self, ino: int, count: int) -> None:
+        inode = self._inodes.get(ino)
+        if inode is None:
+            return
+        inode.lookups -= count
+        self.drop_if_idle(inode)
+
+    def drop_if_idle(self, inode: Inode) -> None:
+        if inode.idle and inode.ino != pyfuse3.ROOT_INODE:
+            self._inodes.pop(inode.ino, None)
+
+    def all(self) -> list[Inode]:
+        return list(self._inodes.values())

@@ -1,0 +1,240 @@
+"""The read path below the kernel page cache: L1, readahead, block fetches.
+
+Theory of operation
+-------------------
+A read asks the inode's chunk slice lists (cached per content version) which
+segments make up the range (:mod:`.slicemap`), then serves each block piece:
+
+1. from the L1 cache if the whole block is there;
+2. for a *sequential* reader, by fetching whole blocks (one fetch per block
+   however many readers want it: ``_inflight``) into L1, and starting
+   background fetches of the next blocks within the readahead window; the
+   window starts at one block and doubles on every sequential read up to
+   ``readahead_max``, so a streaming reader has several blocks in flight;
+3. for a *random* reader, by fetching exactly the byte range it needs, which
+   is not cached (a 4 KiB read costs 4 KiB of transfer, not a block).
+
+Fetches go to the session's block chain (own zone's cache node, next zone's,
+then backing storage; see :mod:`.session`). Everything runs as trio tasks on
+the FUSE thread: on two cores, worker threads made pyfuse3 slower.
+
+Bytes written but not yet committed are laid over the result, so a reader
+sees its own writes before they are committed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from cachefs.errors import CacheFSError
+from cachefs.ids import CHUNK_SIZE, BlockKey
+
+from .inodes import Inode
+from .l1 import L1Cache
+from .slicemap import HOLE, BlockPart, Slice, chunk_ranges, overlay, resolve, segment_blocks
+from .tasks import run_all
+
+log = logging.getLogger(__name__)
+
+SEQ_SLACK = 256 * 1024
+
+
+class BlockSource(Protocol):
+    block_size: int
+
+    async def read_chunk(self, ino: int, chunk: int) -> list[Slice]: ...
+
+    async def fetch(
+        self, key: BlockKey, offset: int = 0, length: int = -1
+    ) -> bytes | bytearray: ...
+
+
+@dataclass(slots=True)
+class Readahead:
+    """Per open file: is this reader sequential, and how far ahead to fetch.
+
+    A read that starts where the previous one ended (give or take the kernel's
+    own reordering, ``SEQ_SLACK``) counts as sequential and doubles the window;
+    any other read resets it to 0 (random: fetch only what is asked).
+    """
+
+    block_size: int
+    max_window: int
+    next_off: int = -1
+    window: int = 0
+
+    def on_read(self, offset: int, size: int) -> bool:
+        sequential = self.next_off >= 0 and abs(offset - self.next_off) <= SEQ_SLACK
+        if offset == 0 and self.next_off < 0:
+            sequential = True  # reading from the start is the common streaming case
+        if sequential:
+            self.window = min(self.max_window, max(self.block_size, self.window * 2))
+        else:
+            self.window = 0
+        self.next_off = offset + size
+        return sequential
+
+
+class Reader:
+    """Serves reads of committed data; one per mount."""
+
+    def __init__(
+        self,
+        source: BlockSource,
+        l1: L1Cache,
+        *,
+        nursery: trio.Nursery,
+        readahead_max: int,
+        max_parallel: int = 8,
+    ) -> None:
+        self.source = source
+        self.l1 = l1
+        self.readahead_max = readahead_max
+        self._nursery = nursery
+        self._inflight: dict[BlockKey, trio.Event] = {}
+        self._failed: dict[BlockKey, CacheFSError] = {}
+        self._prefetch_limit = trio.Semaphore(max_parallel)
+        self.stats = {
+            "bytes": 0,
+            "l1_hit_bytes": 0,
+            "range_fetches": 0,
+            "block_fetches": 0,
+            "prefetches": 0,
+        }
+
+    def new_readahead(self) -> Readahead:
+        return Readahead(self.source.block_size, self.readahead_max)
+
+    async def slices(self, inode: Inode, chunk: int) -> list[Slice]:
+        cached = inode.chunks.get(chunk)
+        version = inode.attr.version
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        slices = await self.source.read_chunk(inode.ino, chunk)
+        # The inode may have moved on while we waited; cache only if not.
+        if inode.attr.version == version:
+            inode.chunks[chunk] = (version, slices)
+        return slices
+
+    async def read(
+        self, inode: Inode, offset: int, size: int, ra: Readahead | None = None
+    ) -> bytes:
+        end = min(offset + size, inode.size)
+        if offset >= end:
+            return b""
+        sequential = ra.on_read(offset, end - offset) if ra is not None else False
+        buf = bytearray(end - offset)
+        view = memoryview(buf)
+        jobs: list[Callable[[], Awaitable[None]]] = []
+        for chunk, pos, buf_off, n in chunk_ranges(offset, end - offset):
+            slices = await self.slices(inode, chunk)
+            for seg in resolve(slices, pos, pos + n):
+                if seg.slice_id == HOLE:
+                    continue
+                for part in segment_blocks(seg, self.source.block_size):
+                    dest = view[buf_off + part.pos - pos : buf_off + part.pos - pos + part.length]
+                    if not self._copy_from_l1(part, dest):
+                        jobs.append(self._job(part, dest, whole=sequential))
+        if len(jobs) == 1:
+            await jobs[0]()
+        elif jobs:
+            await run_all(jobs)
+        if inode.writer is not None:
+            overlay(inode.writer.pending_runs(), offset, view)
+        self.stats["bytes"] += len(buf)
+        if sequential and ra is not None and ra.window:
+            self._nursery.start_soon(self._readahead, inode, end, ra.window)
+        return bytes(buf)
+
+    def _copy_from_l1(self, part: BlockPart, dest: memoryview) -> bool:
+        block = self.l1.get(part.key)
+        if block is None or len(block) < part.block_off + part.length:
+            return False
+        dest[:] = block[part.block_off : part.block_off + part.length]
+        self.stats["l1_hit_bytes"] += part.length
+        return True
+
+    def _job(
+        self, part: BlockPart, dest: memoryview, *, whole: bool
+    ) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            if whole:
+                block = await self.block(part.key)
+                dest[:] = memoryview(block)[part.block_off : part.block_off + part.length]
+            else:
+                self.stats["range_fetches"] += 1
+                data = await self.source.fetch(part.key, part.block_off, part.length)
+                if len(data) != part.length:
+                    raise CacheFSError(
+                        f"block {part.key.hex()} returned {len(data)} bytes, wanted {part.length}"
+                    )
+                dest[:] = data
+
+        return run
+
+    async def block(self, key: BlockKey) -> bytes:
+        """A whole block, from L1 or fetched once however many tasks ask."""
+        while True:
+            data = self.l1.get(key)
+            if data is not None:
+                return data
+            event = self._inflight.get(key)
+            if event is None:
+                break
+            await event.wait()
+            err = self._failed.get(key)
+            if err is not None:
+                raise type(err)(err.message, remote=err.remote, **err.details)
+        event = self._inflight[key] = trio.Event()
+        self._failed.pop(key, None)
+        try:
+            self.stats["block_fetches"] += 1
+            fetched = await self.source.fetch(key, 0, -1)
+            data = bytes(fetched)
+            self.l1.put(key, data)
+            return data
+        except CacheFSError as exc:
+            self._failed[key] = exc
+            raise
+        finally:
+            del self._inflight[key]
+            event.set()
+
+    async def _readahead(self, inode: Inode, offset: int, window: int) -> None:
+        """Fetch the blocks of ``[offset, offset+window)`` into L1 in parallel."""
+        end = min(offset + window, inode.attr.size)
+        keys: list[BlockKey] = []
+        try:
+            for chunk, pos, _buf_off, n in chunk_ranges(offset, max(0, end - offset), CHUNK_SIZE):
+                for seg in resolve(await self.slices(inode, chunk), pos, pos + n):
+                    if seg.slice_id == HOLE:
+                        continue
+                    for part in segment_blocks(seg, self.source.block_size):
+                        if (
+                            part.key not in self.l1
+                            and part.key not in self._inflight
+                            and part.key not in keys
+                        ):
+                            keys.append(part.key)
+        except CacheFSError as exc:
+            log.debug("readahead of inode %d stopped: %s", inode.ino, exc)
+            return
+        async with trio.open_nursery() as n:
+            for key in keys:
+                n.start_soon(self._prefetch, key)
+
+    async def _prefetch(self, key: BlockKey) -> None:
+        async with self._prefetch_limit:
+            if key in self.l1 or key in self._inflight:
+                return
+            self.stats["prefetches"] += 1
+            try:
+                await self.block(key)
+            except CacheFSError as exc:
+                # The reader that needs it will fetch again and see the error.
+                log.debug("prefetch of %s failed: %s", key.hex(), exc)

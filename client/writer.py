@@ -1,0 +1,220 @@
+"""The write path: a bounded buffer per file, slices, blocks, commit.
+
+Theory of operation
+-------------------
+Each inode being written has one :class:`FileWriter` (shared by its handles).
+Writes go into a :class:`~.slicemap.WritePlan`, which merges them into runs;
+a sealed run becomes one slice:
+
+    sealed run --alloc id--> blocks put to backing storage (in parallel)
+               --wait for the previous run's commit--> write_slice --> done
+
+Blocks of many runs upload at once, but commits happen strictly in seal order,
+because commit order decides which bytes win where slices overlap. A run's
+bytes count against ``buffer_limit`` from the write that created them until
+their commit; a write that would pass the limit waits (backpressure) while
+earlier runs drain. ``flush()`` (close, fsync) seals the open run and returns
+only after every run is committed, or raises the first upload error: the
+data is then lost, and the caller answers EIO.
+
+Each run becomes a new slice, so a small random write stores a small slice
+and never rewrites a whole block. When a chunk's slice list grows past
+``compact_after`` the writer schedules a compaction (:class:`Compactor`):
+read the chunk, write it as one slice, and ask the metanodes to swap it in
+only if the chunk is still exactly what was read.
+
+Optionally (write-through) each stored block is also put into the cache tier,
+best effort, so data written now (a checkpoint) is read fast later.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from cachefs.errors import CacheFSError, IOFailure
+from cachefs.ids import CHUNK_SIZE, BlockKey
+
+from .inodes import Attr, Inode
+from .slicemap import Run, WritePlan, runs_end, slice_blocks
+from .tasks import run_all
+
+log = logging.getLogger(__name__)
+
+
+class BlockSink(Protocol):
+    block_size: int
+
+    async def alloc_slice(self) -> int: ...
+
+    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None: ...
+
+    async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None: ...
+
+    async def write_slice(
+        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
+    ) -> Attr: ...
+
+
+class _Pending:
+    """One sealed run on its way to being committed."""
+
+    __slots__ = ("committed", "run")
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.committed = trio.Event()
+
+
+class FileWriter:
+    def __init__(
+        self,
+        sink: BlockSink,
+        inode: Inode,
+        *,
+        nursery: trio.Nursery,
+        buffer_limit: int,
+        upload_limit: trio.Semaphore,
+        write_through: bool = False,
+        on_commit: Callable[[Inode, int, int], None] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.inode = inode
+        self.buffer_limit = buffer_limit
+        self.write_through = write_through
+        self.on_commit = on_commit
+        max_run = max(
+            sink.block_size, min(CHUNK_SIZE, buffer_limit // 4 // sink.block_size * sink.block_size)
+        )
+        self.plan = WritePlan(max_run)
+        self._nursery = nursery
+        self._upload_limit = upload_limit
+        self._queue: deque[_Pending] = deque()
+        self._last: _Pending | None = None
+        self._changed = trio.Condition()
+        self.error: CacheFSError | None = None
+        self.buffered = 0  # bytes written and not yet committed
+        self.stats = {"slices": 0, "bytes": 0, "blocks": 0}
+
+    @property
+    def dirty(self) -> bool:
+        return self.buffered > 0
+
+    def pending_runs(self) -> list[Run]:
+        """Uncommitted runs, oldest first (the order in which they win)."""
+        runs = [p.run for p in self._queue]
+        if self.plan.open is not None:
+            runs.append(self.plan.open)
+        return runs
+
+    def pending_end(self) -> int:
+        return runs_end(self.pending_runs())
+
+    async def write(self, offset: int, data: bytes) -> None:
+        """Buffer one write; waits while the buffer is full.
+
+        Raises:
+            IOFailure: an earlier upload of this file failed.
+        """
+        self._check()
+        async with self._changed:
+            while self.buffered and self.buffered + len(data) > self.buffer_limit:
+                if self.plan.open is not None and not self._queue:
+                    self._submit(self.plan.seal())
+                await self._changed.wait()
+                self._check()
+        # No await from here on: the plan and the byte count change together.
+        old_open = self.plan.open_bytes
+        sealed = self.plan.add(offset, data)
+        grown = sum(len(r.data) for r in sealed) + self.plan.open_bytes - old_open
+        self.buffered += grown
+        self._submit(sealed)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise IOFailure(
+                f"an earlier write of inode {self.inode.ino} failed: {self.error.message}"
+            )
+
+    def _submit(self, runs: list[Run]) -> None:
+        for run in runs:
+            pending = _Pending(run)
+            previous, self._last = self._last, pending
+            self._queue.append(pending)
+            self._nursery.start_soon(self._upload, pending, previous)
+
+    async def flush(self) -> None:
+        """Commit everything written so far; returns after the last commit.
+
+        Raises:
+            IOFailure: some run could not be stored or committed.
+        """
+        self._submit(self.plan.seal())
+        last = self._last
+        if last is not None:
+            await last.committed.wait()
+        self._check()
+
+    async def _upload(self, pending: _Pending, previous: _Pending | None) -> None:
+        run = pending.run
+        try:
+            if self.error is None:
+                slice_id = await self.sink.alloc_slice()
+                data = bytes(run.data)
+                view = memoryview(data)
+                await run_all(
+                    functools.partial(self._store, BlockKey(slice_id, index), view[start:end])
+                    for index, start, end in slice_blocks(len(data), self.sink.block_size)
+                )
+                if previous is not None:
+                    await previous.committed.wait()
+                if self.error is None:
+                    mtime = time.time_ns()
+                    attr = await self.sink.write_slice(
+                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, mtime
+                    )
+                    self._committed(run, attr)
+        except CacheFSError as exc:
+            log.error(
+                "write of inode %d (chunk %d, %d bytes) failed: %s",
+                self.inode.ino,
+                run.chunk,
+                len(run.data),
+                exc,
+            )
+            if self.error is None:
+                self.error = exc
+        finally:
+            self._queue.remove(pending)
+            self.buffered -= len(run.data)
+            pending.committed.set()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _store(self, key: BlockKey, data: memoryview) -> None:
+        async with self._upload_limit:
+            await self.sink.store_block(key, data)
+            self.stats["blocks"] += 1
+            if self.write_through:
+                await self.sink.write_through(key, data)
+
+    def _committed(self, run: Run, attr: Attr) -> None:
+        """Take the committed attributes; no await here, so readers never see
+        the run neither pending nor in the (dropped) slice cache."""
+        inode = self.inode
+        # Our own write changed the content: the kernel's pages hold it already
+        # when the version only moved by our commit.
+        ours = inode.cached_version == inode.attr.version and attr.version == inode.attr.version + 1
+        inode.chunks.pop(run.chunk, None)
+        inode.set_attr(attr)
+        inode.cached_version = attr.version if ours else None
+        self.stats["slices"] += 1
+        self.stats["bytes"] += len(run.data)
+        if self.on_commit is not None:
+            self.on_commit(inode, run.chunk, attr.version)
