@@ -462,20 +462,24 @@ class BackingClient:
         return data if whole else _slice(data, offset, length)
 
     async def read_shards(self, volume: str, key: BlockKey, *, pg: tuple[str, ...] | None = None,
-                          need: int | None = None, avoid: Iterable[int] = ()) -> tuple[BlockHeader, dict[int, bytes | bytearray]]:
+                          need: int | None = None, avoid: Iterable[int] = (),
+                          sources: Mapping[int, str] | None = None,
+                          ) -> tuple[BlockHeader, dict[int, bytes | bytearray]]:
         """At least ``need`` (default K) intact shards of a block, data shards first.
 
-        Used by reads and by repair (which passes ``avoid`` for shards it
-        knows to be missing).
+        Shard ``i`` is read from ``pg[i]``, or from ``sources[i]`` when given
+        (repair knows where misplaced shards sit); ``avoid`` lists shards
+        known to be missing, tried last.
         """
         policy = self.view.policy(volume)
         pg = pg or self.view.placement(volume, key)
+        where = dict(sources) if sources is not None else dict(enumerate(pg))
         known_bad = set(avoid)
-        order = [i for i in range(policy.n) if i not in known_bad]
-        order += sorted(i for i in known_bad if 0 <= i < policy.n)
+        order = [i for i in range(policy.n) if i not in known_bad and i in where]
+        order += sorted(i for i in known_bad if i in where and 0 <= i < policy.n)
         if policy.kind == "replica":
-            order = self._replica_order(pg, order)
-        jobs = [(i, _job(self.read_shard, pg[i], volume, key, i)) for i in order]
+            order = self._replica_order(tuple(where.get(i, "") for i in range(policy.n)), order)
+        jobs = [(i, _job(self.read_shard, where[i], volume, key, i)) for i in order]
         outcome = await self._race(jobs, need or policy.k)
         if len(outcome.shards) < (need or policy.k):
             raise self._failure(f"block {key.hex()}", policy, outcome)

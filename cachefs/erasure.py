@@ -199,6 +199,27 @@ class Codec:
             raise Corrupt(f"block decompressed to {len(data)} bytes, header says {header.orig_len}")
         return data
 
+    def rebuild(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray],
+                missing: list[int]) -> dict[int, bytes]:
+        """Recreate the ``missing`` shards, bit for bit, from the ones at hand.
+
+        The shards at hand are first checked end to end (decode + block
+        checksum), so repair never spreads a bad shard.
+
+        Raises:
+            Unavailable: too few shards. Corrupt: they do not make the block.
+        """
+        self.decode(header, shards)  # verifies; raises Unavailable or Corrupt
+        usable = {i: bytes(s) for i, s in shards.items() if len(s) == header.shard_size}
+        if header.kind == "replica":
+            copy = next(iter(usable.values()))
+            return dict.fromkeys(missing, copy)
+        try:
+            rebuilt = self._driver.reconstruct(list(usable.values()), list(missing))
+        except ECDriverError as exc:
+            raise Corrupt(f"erasure reconstruct failed: {exc}") from exc
+        return {i: bytes(f) for i, f in zip(missing, rebuilt, strict=True)}
+
     # -- byte ranges ----------------------------------------------------------
 
     @staticmethod

@@ -102,3 +102,16 @@ def test_header_mismatch_and_garbage() -> None:
         codec.decode(other, dict(enumerate(shards)))
     with pytest.raises(Corrupt):
         BlockHeader.unpack(b"x" * len(other.pack()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(policy=st.sampled_from(POLICIES), data=blocks, choice=st.data())
+def test_rebuild_recreates_lost_shards_exactly(policy, data, choice) -> None:
+    codec = Codec(VolumePolicy.parse(policy, compression="zstd"))
+    if codec.policy.m == 0:
+        return  # nothing can be lost and rebuilt
+    header, shards = codec.encode(data)
+    lost = sorted(choice.draw(st.sets(st.integers(0, codec.policy.n - 1), min_size=1,
+                                      max_size=codec.policy.m)))
+    kept = {i: s for i, s in enumerate(shards) if i not in lost}
+    assert codec.rebuild(header, kept, lost) == {i: shards[i] for i in lost}

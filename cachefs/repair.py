@@ -1,0 +1,305 @@
+"""Repair and scrub: bring every block back to full redundancy.
+
+Theory of operation. For each volume, repair takes an inventory: every
+datanode lists its shards (paged), giving ``key -> index -> {nodes}``. With
+``scrub`` on, each datanode first re-reads and checks every shard it holds;
+corrupt ones are dropped (and marked), so they show up as missing.
+
+Then it walks the placement groups in order. For each block of a PG, shard
+``i`` belongs on ``pg[i]``:
+
+- missing: ``pg[i]`` lacks it. Read any K intact shards (from wherever they
+  sit), check that they decode to the block's checksum, recreate the lost
+  shards bit for bit (pyeclib ``reconstruct``; a copy for replicas) and write
+  each to its datanode.
+- misplaced: a node other than ``pg[i]`` holds shard ``i`` (placement changed
+  when a datanode joined or left). Once ``pg[i]`` has it, the stray copy is
+  deleted.
+- unrecoverable: fewer than K shards exist anywhere. Reported, never deleted.
+
+Slots on datanodes that are down are skipped (counted), since nothing can be
+written there; the next pass finishes them. Writes are throttled to
+``rate`` bytes/s so a background repair leaves bandwidth to clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from cachefs.backing import BackingClient, ClusterView, MetaClusterView, fetch_cluster_map
+from cachefs.config import ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.errors import CacheFSError
+from cachefs.ids import BlockKey
+from cachefs.metrics import start_metrics
+from cachefs.placement import pg_of
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+LIST_PAGE = 2000
+MAX_REPORTED_KEYS = 100
+
+
+@dataclass
+class RepairReport:
+    volume: str = ""
+    pgs_total: int = 0
+    pgs_done: int = 0
+    blocks_checked: int = 0
+    shards_scrubbed: int = 0
+    shards_corrupt: int = 0
+    shards_missing: int = 0
+    shards_rebuilt: int = 0
+    shards_moved: int = 0
+    slots_skipped: int = 0
+    bytes_written: int = 0
+    unrecoverable: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return (not self.unrecoverable and not self.errors and not self.slots_skipped
+                and self.shards_rebuilt == self.shards_missing)
+
+
+class Throttle:
+    """A byte-rate limit: callers sleep so the long-run rate stays under ``rate``."""
+
+    def __init__(self, rate: int | None, burst_seconds: float = 0.5) -> None:
+        self.rate = rate or None
+        self.burst = burst_seconds
+        self._free_at = 0.0
+
+    async def __call__(self, nbytes: int) -> None:
+        if self.rate is None:
+            return
+        now = trio.current_time()
+        self._free_at = max(self._free_at, now - self.burst) + nbytes / self.rate
+        if self._free_at > now:
+            await trio.sleep(self._free_at - now)
+
+
+class Repairer:
+    def __init__(self, client: BackingClient, *, rate: int | None = None,
+                 progress: Callable[[RepairReport], None] | None = None) -> None:
+        self.client = client
+        self.throttle = Throttle(rate)
+        self.progress = progress
+
+    @property
+    def view(self) -> Any:
+        return self.client.view
+
+    async def _up_nodes(self) -> dict[str, str]:
+        return {n.id: n.addr for n in self.view.datanodes.values() if n.state == "up"}
+
+    async def scrub(self, volume: str, report: RepairReport) -> set[BlockKey]:
+        """Have every datanode verify its shards of ``volume`` end to end.
+
+        Returns the keys with corrupt shards, so that a block whose every
+        shard went bad is still reported rather than silently gone.
+        """
+        bad: set[BlockKey] = set()
+        for node, addr in (await self._up_nodes()).items():
+            cursor = ""
+            try:
+                while True:
+                    reply = await self.client.pool.call(
+                        addr, "scrub", {"volume": volume, "cursor": cursor}, timeout=120.0)
+                    report.shards_scrubbed += reply.result["checked"]
+                    report.shards_corrupt += len(reply.result["corrupt"])
+                    for key, index in reply.result["corrupt"]:
+                        bad.add(BlockKey.from_bytes(key))
+                        log.warning("scrub: %s shard %s.%d corrupt on %s", volume,
+                                    BlockKey.from_bytes(key).hex(), index, node)
+                    cursor = reply.result["cursor"]
+                    if not cursor:
+                        break
+            except CacheFSError as exc:
+                report.errors.append(f"scrub on {node}: {exc}")
+        return bad
+
+    async def inventory(self, volume: str, report: RepairReport) -> dict[BlockKey, dict[int, set[str]]]:
+        """Which node holds which shard of every block of ``volume``."""
+        holdings: dict[BlockKey, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for node, addr in (await self._up_nodes()).items():
+            cursor = ""
+            try:
+                while True:
+                    reply = await self.client.pool.call(
+                        addr, "list", {"volume": volume, "cursor": cursor, "limit": LIST_PAGE},
+                        timeout=60.0)
+                    for key, index, _size in reply.result["shards"]:
+                        holdings[BlockKey.from_bytes(key)][index].add(node)
+                    cursor = reply.result["cursor"]
+                    if not cursor:
+                        break
+            except CacheFSError as exc:
+                report.errors.append(f"listing {node}: {exc}")
+        return holdings
+
+    async def repair_volume(self, volume: str, *, scrub: bool = False) -> RepairReport:
+        report = RepairReport(volume=volume)
+        pgs = self.view.pgs(volume)
+        report.pgs_total = len(pgs)
+        corrupt = await self.scrub(volume, report) if scrub else set()
+        holdings = await self.inventory(volume, report)
+        for key in corrupt:
+            holdings[key]  # noqa: B018 - a defaultdict entry: the block is checked even with no shard left
+        by_pg: dict[int, list[BlockKey]] = defaultdict(list)
+        for key in holdings:
+            by_pg[pg_of(key, len(pgs))].append(key)
+        for pg_index in range(len(pgs)):
+            for key in sorted(by_pg.get(pg_index, ())):
+                await self.repair_block(volume, key, pgs[pg_index], holdings[key], report)
+            report.pgs_done += 1
+            if self.progress is not None:
+                self.progress(report)
+        log.info("repair of %s: %s", volume, {k: v for k, v in asdict(report).items() if v})
+        return report
+
+    async def repair_block(self, volume: str, key: BlockKey, pg: tuple[str, ...],
+                           held: dict[int, set[str]], report: RepairReport) -> None:
+        policy = self.view.policy(volume)
+        up = await self._up_nodes()
+        report.blocks_checked += 1
+        missing, skipped = [], 0
+        for i in range(policy.n):
+            if pg[i] in held.get(i, ()):
+                continue
+            if pg[i] not in up:
+                skipped += 1
+                continue
+            missing.append(i)
+        report.slots_skipped += skipped
+        if missing:
+            report.shards_missing += len(missing)
+            sources = {}
+            for i, nodes in held.items():
+                if 0 <= i < policy.n and nodes:
+                    sources[i] = pg[i] if pg[i] in nodes else sorted(nodes)[0]
+            try:
+                header, shards = await self.client.read_shards(volume, key, pg=pg, sources=sources,
+                                                               avoid=missing)
+                rebuilt = self.client.codec(policy).rebuild(header, shards, missing)
+            except CacheFSError as exc:
+                if len(report.unrecoverable) < MAX_REPORTED_KEYS:
+                    report.unrecoverable.append(f"{key.hex()}: {exc}")
+                log.error("repair: block %s/%s cannot be rebuilt: %s", volume, key.hex(), exc)
+                return
+            for i, shard in rebuilt.items():
+                await self.throttle(len(shard))
+                try:
+                    await self.client.write_shard(pg[i], volume, key, i, header, shard)
+                except CacheFSError as exc:
+                    report.errors.append(f"writing {key.hex()}.{i} to {pg[i]}: {exc}")
+                    continue
+                held.setdefault(i, set()).add(pg[i])
+                report.shards_rebuilt += 1
+                report.bytes_written += len(shard)
+        # Stray copies: shard i somewhere other than pg[i], once pg[i] has it.
+        for i, nodes in held.items():
+            for node in sorted(nodes):
+                in_place = 0 <= i < policy.n and node == pg[i]
+                if in_place or node not in up:
+                    continue
+                if 0 <= i < policy.n and pg[i] not in held[i]:
+                    continue
+                try:
+                    await self.client.pool.call(
+                        up[node], "delete", {"volume": volume, "key": key.to_bytes(), "index": i},
+                        timeout=self.client.timeout)
+                    report.shards_moved += 1
+                except CacheFSError as exc:
+                    report.errors.append(f"removing stray {key.hex()}.{i} from {node}: {exc}")
+
+
+# ---------------------------------------------------------------- command
+
+def _print_progress(report: RepairReport) -> None:
+    click.echo(f"repair {report.volume}: pg {report.pgs_done}/{report.pgs_total}, "
+               f"{report.blocks_checked} blocks, {report.shards_missing} missing, "
+               f"{report.shards_rebuilt} rebuilt, {report.shards_moved} moved, "
+               f"{len(report.unrecoverable)} unrecoverable", err=True)
+
+
+async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_map: dict[str, Any] | None,
+                     volumes: list[str], scrub: bool, rate: int | None, interval: float,
+                     quiet: bool) -> list[RepairReport]:
+    """Repair passes over the given volumes (all when empty); one pass unless ``interval``."""
+    async with RpcPool(secret=secret) as pool:
+        if cluster_map is not None:
+            view: Any = ClusterView.from_map(cluster_map)
+        else:
+            assert meta
+            view = MetaClusterView(lambda: fetch_cluster_map(pool, meta))
+            await view.refresh()
+        client = BackingClient(pool, view)
+        repairer = Repairer(client, rate=rate, progress=None if quiet else _print_progress)
+        while True:
+            if isinstance(view, MetaClusterView):
+                await view.refresh()
+            names = volumes or sorted(view.volumes if isinstance(view, ClusterView) else view.current.volumes)
+            reports = [await repairer.repair_volume(name, scrub=scrub) for name in names]
+            if interval <= 0:
+                return reports
+            await trio.sleep(interval)
+
+
+@click.command("repair")
+@click.option("--meta", type=ADDRS, default=None, help="Metanode addresses, to read the cluster map.")
+@click.option("--cluster-file", type=click.Path(dir_okay=False),
+              help="A cluster map as JSON (the cluster_map() shape) instead of --meta.")
+@click.option("--volume", "volumes", multiple=True, help="Volume to repair (repeatable; default all).")
+@click.option("--scrub", is_flag=True, help="Re-read and verify every shard first.")
+@click.option("--rate", type=SIZE, default="0", help="Write at most this many bytes/s (0: no limit).")
+@click.option("--interval", type=click.FloatRange(min=0), default=0.0,
+              help="Keep running, one pass every this many seconds (0: one pass and exit).")
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as one JSON object.")
+@daemon_options
+def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
+            rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
+            log_level: str, metrics_port: int) -> None:
+    """Find missing, corrupt or misplaced shards and rebuild them.
+
+    Exits 0 when every block is back at full redundancy, 1 otherwise.
+    """
+    setup_logging("repair", log_level)
+    if bool(meta) == bool(cluster_file):
+        raise click.UsageError("give exactly one of --meta or --cluster-file")
+    secret = load_secret(secret_file, insecure)
+    cluster_map = None
+    if cluster_file:
+        try:
+            cluster_map = json.loads(Path(cluster_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise click.UsageError(f"--cluster-file {cluster_file}: {exc}") from None
+    start_metrics(metrics_port)
+    try:
+        reports = trio.run(lambda: run_repair(
+            secret=secret, meta=meta, cluster_map=cluster_map, volumes=list(volumes), scrub=scrub,
+            rate=rate or None, interval=interval, quiet=as_json))
+    except CacheFSError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps({"volumes": [asdict(r) | {"healthy": r.healthy} for r in reports]}))
+    else:
+        for r in reports:
+            state = "healthy" if r.healthy else "NOT healthy"
+            click.echo(f"{r.volume}: {state}: {r.blocks_checked} blocks checked, "
+                       f"{r.shards_corrupt} corrupt, {r.shards_missing} missing, {r.shards_rebuilt} rebuilt, "
+                       f"{r.shards_moved} moved, {r.slots_skipped} skipped (node down), "
+                       f"{len(r.unrecoverable)} unrecoverable, {r.bytes_written} bytes written")
+            for line in r.unrecoverable + r.errors:
+                click.echo(f"  {line}")
+    sys.exit(0 if all(r.healthy for r in reports) else 1)
