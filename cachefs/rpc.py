@@ -225,6 +225,7 @@ class Connection:
         self._outbox_bytes = 0
         self._wakeup = trio.Event()
         self._drained = trio.Event()
+        self._sending = False
         self.closed = False
         self.last_activity = time.monotonic()
 
@@ -249,11 +250,18 @@ class Connection:
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
+            self._sending = True
             while self._outbox and not self.closed:
                 bufs, self._outbox, self._outbox_bytes = self._outbox, [], 0
                 await self._send_buffers(bufs)
+            self._sending = False
             self._drained.set()
             self._drained = trio.Event()
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been written."""
+        while (self._outbox or self._sending) and not self.closed:
+            await self._drained.wait()
 
     async def _send_buffers(self, bufs: list[wire.Payload]) -> None:
         views = [memoryview(b).cast("B") for b in bufs]
@@ -332,6 +340,9 @@ class RpcServer:
         self.secret = secret
         self.limits = limits
         self.methods = methods if methods is not None else collect_methods(*services)
+        self.started = time.monotonic()
+        if "health" not in self.methods:
+            self.methods["health"] = Method("health", self._health)
         self.port: int | None = None
         self._listen_scope: trio.CancelScope | None = None
         self._conn_scope: trio.CancelScope | None = None
@@ -341,6 +352,12 @@ class RpcServer:
         self._idle = trio.Event()
         self._idle.set()
         self.connections: set[Connection] = set()
+
+    async def _health(self) -> dict[str, Any]:
+        """Built into every server: what `cachefs health` and healthchecks ask."""
+        return {"service": self.name, "uptime_s": round(time.monotonic() - self.started, 3),
+                "connections": len(self.connections), "inflight": self._inflight,
+                "draining": self._draining}
 
     def add_service(self, service: Any) -> None:
         """Register more handlers (e.g. Raft's) before serving."""
@@ -372,6 +389,8 @@ class RpcServer:
             self._listen_scope.cancel()
         with trio.move_on_after(grace):
             await self._idle.wait()
+            for conn in list(self.connections):
+                await conn.flush()  # the last replies reach their callers
         if self._conn_scope is not None:
             self._conn_scope.cancel()
 

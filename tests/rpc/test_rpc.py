@@ -300,3 +300,10 @@ async def test_unreachable_peer_backs_off(nursery):
             await pool.call(addr, "echo")
         with pytest.raises(Unreachable, match="retrying in"):
             await pool.call(addr, "echo")
+
+
+async def test_every_server_answers_health(nursery):
+    _, addr = await start_server(nursery)
+    async with RpcPool(secret=SECRET) as pool:
+        health = (await pool.call(addr, "health")).result
+    assert health["service"] == "test" and health["connections"] == 1 and not health["draining"]
