@@ -1,0 +1,289 @@
+"""fio against cachefs, a minimal pyfuse3 passthrough filesystem, and local disk.
+
+    python -m bench.fio_compare --mount /mnt/cachefs            # an existing mount
+    python -m bench.fio_compare --meta 127.0.0.1:7100 --volume vol --insecure
+    python -m bench.fio_compare ... --size 256M --repeat 3 --json
+
+Cases (each repeated, medians reported):
+
+- local disk: sequential re-read of a file in the page cache;
+- passthrough (``bench.passthroughfs`` over the same local directory) without
+  ``keep_cache``: warm sequential read (the source is in the page cache, the
+  FUSE daemon serves every byte: the ceiling for a Python FUSE daemon here),
+  and the tutorial random read/write job;
+- passthrough with ``keep_cache``: sequential re-read (kernel page cache);
+- cachefs: *cold* (a freshly written file whose blocks are only on backing
+  storage; page cache dropped), *warm* (blocks in the cache tier and L1, page
+  cache dropped with ``echo 3 > /proc/sys/vm/drop_caches``, so cachefs serves
+  every byte), *re-read* (page cache allowed), random 4 KiB / 128 KiB reads,
+  sequential write, and the tutorial job.
+
+The ratios in ``--json`` compare cachefs with the references measured in the
+same run. Needs root (drop_caches, FUSE mounts) and fio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, emit, median, print_table, ratio
+
+FIO_DIR = Path(__file__).resolve().parent / "fio"
+MiB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def fio(job: str, directory: Path, size: int, runtime: int = 10) -> dict[str, float]:
+    """Run one job file; returns read/write MiB/s summed over its jobs."""
+    env = {**os.environ, "DIR": str(directory), "SIZE": str(size), "RUNTIME": str(runtime)}
+    proc = subprocess.run(
+        ["fio", "--output-format=json", str(FIO_DIR / job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"fio {job} in {directory} failed: {proc.stderr.strip() or proc.stdout[-2000:]}"
+        )
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    read = sum(j["read"]["bw_bytes"] for j in out["jobs"]) / MiB
+    write = sum(j["write"]["bw_bytes"] for j in out["jobs"]) / MiB
+    return {"read": read, "write": write, "total": read + write}
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    return any(
+        line.split()[4] == real for line in Path("/proc/self/mountinfo").read_text().splitlines()
+    )
+
+
+def _wait_mounted(path: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _mounted(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the filesystem at {path} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing mounted at {path} within {timeout}s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def passthrough(source: Path, mountpoint: Path, keep_cache: bool) -> Iterator[Path]:
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "bench.passthroughfs", str(source), str(mountpoint)]
+    proc = subprocess.Popen([*args, "--keep-cache"] if keep_cache else args, cwd=REPO)
+    try:
+        _wait_mounted(mountpoint, proc)
+        yield mountpoint
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False, capture_output=True)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def cachefs_mount(args: argparse.Namespace, mountpoint: Path) -> Iterator[Path]:
+    if args.mount:
+        yield Path(args.mount)
+        return
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "cachefs.cli",
+        "mount",
+        "-d",
+        args.meta,
+        args.volume,
+        str(mountpoint),
+    ]
+    cmd += ["--insecure"] if args.insecure else ["--secret-file", args.secret_file]
+    cmd += [
+        "--l1-size",
+        args.l1_size,
+        "--no-write-through",
+        "--log-file",
+        str(mountpoint.parent / "mount.log"),
+    ]
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=120)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "cachefs.cli", "umount", str(mountpoint)],
+            cwd=REPO,
+            check=False,
+            timeout=180,
+        )
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    size, repeat = parse_size(args.size), args.repeat
+    tut_size = parse_size(args.tutorial_size)
+    runs: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        runs.setdefault(name, []).append(value)
+
+    work = Path(tempfile.mkdtemp(prefix="fio-compare-", dir=args.workdir))
+    try:
+        local = work / "local"
+        local.mkdir()
+        fio("seq-write-1m.fio", local, size)
+        for _ in range(repeat):
+            fio("seq-read-1m.fio", local, size)  # warm the page cache
+            record("local_reread_seq", fio("seq-read-1m.fio", local, size)["read"])
+
+        with passthrough(local, work / "pt", keep_cache=False) as pt:
+            for _ in range(repeat):
+                fio("seq-read-1m.fio", local, size)  # the source in the page cache
+                record("passthrough_warm_seq", fio("seq-read-1m.fio", pt, size)["read"])
+            for _ in range(repeat):
+                record(
+                    "passthrough_tutorial",
+                    fio("tutorial-randrw.fio", pt, tut_size, args.runtime)["total"],
+                )
+        with passthrough(local, work / "ptk", keep_cache=True) as ptk:
+            for _ in range(repeat):
+                fio("seq-read-1m.fio", ptk, size)
+                record(
+                    "passthrough_keepcache_reread_seq", fio("seq-read-1m.fio", ptk, size)["read"]
+                )
+        shutil.rmtree(local)
+
+        with cachefs_mount(args, work / "cachefs") as mnt:
+            bench_dir = mnt / f"fio-compare-{os.getpid()}"
+            bench_dir.mkdir()
+            try:
+                for _ in range(repeat):
+                    # A new file each time: new slices, so its blocks are only on backing storage.
+                    with contextlib.suppress(FileNotFoundError):
+                        (bench_dir / "seqfile").unlink()
+                    record("cachefs_seq_write", fio("seq-write-1m.fio", bench_dir, size)["write"])
+                    drop_caches()
+                    record("cachefs_cold_seq", fio("seq-read-1m.fio", bench_dir, size)["read"])
+                    drop_caches()
+                    record("cachefs_warm_seq", fio("seq-read-1m.fio", bench_dir, size)["read"])
+                    record("cachefs_reread_seq", fio("seq-read-1m.fio", bench_dir, size)["read"])
+                for _ in range(repeat):
+                    drop_caches()
+                    record(
+                        "cachefs_rand_4k",
+                        fio("rand-read-4k.fio", bench_dir, size, args.runtime)["read"],
+                    )
+                    drop_caches()
+                    record(
+                        "cachefs_rand_128k",
+                        fio("rand-read-128k.fio", bench_dir, size, args.runtime)["read"],
+                    )
+                for _ in range(repeat):
+                    record(
+                        "cachefs_tutorial",
+                        fio("tutorial-randrw.fio", bench_dir, tut_size, args.runtime)["total"],
+                    )
+            finally:
+                shutil.rmtree(bench_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {name: round(median(values), 1) for name, values in runs.items()}
+    return {
+        "size_bytes": size,
+        "repeat": repeat,
+        "median_mib_s": med,
+        "runs_mib_s": {k: [round(v, 1) for v in vs] for k, vs in runs.items()},
+        "cold_seq_read_mib_s": med["cachefs_cold_seq"],
+        "warm_seq_read_ratio_vs_passthrough": ratio(
+            med["cachefs_warm_seq"], med["passthrough_warm_seq"]
+        ),
+        "reread_seq_ratio_vs_passthrough_keepcache": ratio(
+            med["cachefs_reread_seq"], med["passthrough_keepcache_reread_seq"]
+        ),
+        "tutorial_randrw_ratio_vs_passthrough": ratio(
+            med["cachefs_tutorial"], med["passthrough_tutorial"]
+        ),
+        "reread_seq_ratio_vs_local": ratio(med["cachefs_reread_seq"], med["local_reread_seq"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="fio: cachefs vs a pyfuse3 passthrough vs local disk"
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mount", help="an existing cachefs mount point")
+    where.add_argument(
+        "--meta", help="metanode addresses (host:port,...): mount a volume for the run"
+    )
+    parser.add_argument("--volume", default="vol", help="volume to mount with --meta")
+    parser.add_argument("--secret-file")
+    parser.add_argument("--insecure", action="store_true")
+    parser.add_argument("--l1-size", default="1G", help="L1 size of the mount made with --meta")
+    parser.add_argument(
+        "--size", default="512M", help="file size of the sequential and random jobs"
+    )
+    parser.add_argument(
+        "--tutorial-size", default="64M", help="size per job of the tutorial job (8 jobs)"
+    )
+    parser.add_argument("--runtime", type=int, default=10, help="seconds cap of the random jobs")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--workdir", default=None, help="local directory for the references (default: /tmp)"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.meta and not (args.insecure or args.secret_file):
+        parser.error("--meta needs --secret-file or --insecure")
+    if os.geteuid() != 0:
+        parser.error("needs root (FUSE mounts and drop_caches)")
+    if shutil.which("fio") is None:
+        parser.error("fio is not installed")
+    result = measure(args)
+
+    def show() -> None:
+        med = result["median_mib_s"]
+        rows = [[name, med[name], len(result["runs_mib_s"][name])] for name in med]
+        print_table("fio, MiB/s (median)", ["case", "MiB/s", "runs"], rows)
+        ratios = [
+            [k, v]
+            for k, v in result.items()
+            if k.endswith(("_passthrough", "_keepcache", "_local"))
+        ]
+        print_table(
+            "cachefs vs references", ["ratio", "value"], ratios, note="shared 2-core machine: noisy"
+        )
+
+    emit(result, args.json, show)
+
+
+if __name__ == "__main__":
+    main()
