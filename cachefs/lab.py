@@ -1,0 +1,484 @@
+"""The local lab: a whole cachefs cluster on one machine, and its CLI.
+
+``cachefs lab up`` starts 3 metanodes, 6 datanodes and 6 cache nodes spread
+over 3 zones (real processes on 127.0.0.1, each with its own data directory
+and log file), creates an ``ec:4+2`` volume and mounts it. ``lab status``
+shows every process, the metanode leader and the cache tier's usage and hit
+rates; ``lab down`` unmounts and stops everything, also after ``lab up``
+itself crashed, since every PID is recorded in a state file first.
+
+The same :class:`Lab` class is what the end-to-end tests and benchmarks use
+to start, kill and restart nodes, so the lab people run is the lab we test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from cachefs.errors import CacheFSError, NotLeader
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "lab.json"
+VOLUME = "lab"
+
+
+@dataclass
+class Node:
+    name: str
+    kind: str  # metanode | datanode | cachenode
+    addr: str
+    zone: str = ""
+    pid: int | None = None
+    metrics_port: int = 0
+
+    @property
+    def port(self) -> int:
+        return int(self.addr.rsplit(":", 1)[1])
+
+
+@dataclass
+class LabConfig:
+    root: str
+    metanodes: int = 3
+    datanodes: int = 6
+    cachenodes: int = 6
+    zones: int = 3
+    base_port: int = 17000
+    policy: str = "ec:4+2"
+    compression: str = "none"
+    data_capacity: str = "20G"
+    cache_capacity: str = "2G"
+    cache_memory: str = "64M"
+    metrics: bool = True
+    nodes: list[Node] = field(default_factory=list)
+    mountpoint: str | None = None
+    mount_pid: int | None = None
+
+
+class Lab:
+    """A cluster of real processes under one directory."""
+
+    def __init__(self, config: LabConfig) -> None:
+        self.config = config
+        self.root = Path(config.root)
+        if not config.nodes:
+            config.nodes = self._plan()
+
+    # ------------------------------------------------------------ layout
+
+    def _plan(self) -> list[Node]:
+        c = self.config
+        nodes = []
+        for i in range(1, c.metanodes + 1):
+            nodes.append(Node(f"meta{i}", "metanode", f"127.0.0.1:{c.base_port + i}"))
+        for i in range(1, c.datanodes + 1):
+            nodes.append(Node(f"data{i}", "datanode", f"127.0.0.1:{c.base_port + 100 + i}",
+                              zone=f"z{(i - 1) % c.zones + 1}"))
+        for i in range(1, c.cachenodes + 1):
+            nodes.append(Node(f"cache{i}", "cachenode", f"127.0.0.1:{c.base_port + 200 + i}",
+                              zone=f"z{(i - 1) % c.zones + 1}"))
+        if c.metrics:
+            for node in nodes:
+                node.metrics_port = node.port + 1000
+        return nodes
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.config.nodes
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r} in this lab")
+
+    def of_kind(self, kind: str) -> list[Node]:
+        return [n for n in self.nodes if n.kind == kind]
+
+    @property
+    def meta_addrs(self) -> list[str]:
+        return [n.addr for n in self.of_kind("metanode")]
+
+    @property
+    def secret_file(self) -> Path:
+        return self.root / "secret"
+
+    @property
+    def secret(self) -> bytes:
+        return self.secret_file.read_bytes().strip()
+
+    def _argv(self, node: Node) -> list[str]:
+        base = [sys.executable, "-m", "cachefs.cli"]
+        common = ["--secret-file", str(self.secret_file), "--metrics-port", str(node.metrics_port)]
+        meta = ",".join(self.meta_addrs)
+        d = str(self.root / node.name)
+        if node.kind == "metanode":
+            index = node.name.removeprefix("meta")
+            peers = ",".join(f"{m.name.removeprefix('meta')}={m.addr}" for m in self.of_kind("metanode"))
+            return [*base, "metanode", "--id", index, "--peers", peers, "--data-dir", d,
+                    "--listen", node.addr, *common]
+        if node.kind == "datanode":
+            return [*base, "datanode", "--zone", node.zone, "--data-dir", d, "--capacity",
+                    self.config.data_capacity, "--listen", node.addr, "--meta", meta,
+                    "--node-id", node.name, "--heartbeat", "1", *common]
+        return [*base, "cachenode", "--zone", node.zone, "--cache-dir", d, "--capacity",
+                self.config.cache_capacity, "--memory", self.config.cache_memory, "--listen",
+                node.addr, "--meta", meta, "--node-id", node.name, "--heartbeat", "1", *common]
+
+    # ------------------------------------------------------------ processes
+
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self.config), indent=2))
+        tmp.replace(self.root / STATE_FILE)
+
+    @classmethod
+    def load(cls, root: str | Path) -> Lab:
+        path = Path(root) / STATE_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise click.ClickException(f"no lab in {root} (no {STATE_FILE}); start one with `cachefs lab up`") from None
+        data["nodes"] = [Node(**n) for n in data["nodes"]]
+        return cls(LabConfig(**data))
+
+    def start(self, name: str) -> None:
+        """Start (or restart) one node; its output goes to logs/NAME.log."""
+        node = self.node(name)
+        if node.pid and _alive(node.pid):
+            raise click.ClickException(f"{name} is already running (pid {node.pid})")
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        (self.root / node.name).mkdir(parents=True, exist_ok=True)
+        logf = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(self._argv(node), stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
+        logf.close()
+        node.pid = proc.pid
+        self.save()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal one node (SIGKILL by default: the fault tests' kill -9)."""
+        node = self.node(name)
+        if node.pid and _alive(node.pid):
+            os.kill(node.pid, sig)
+            _reap(node.pid, timeout=10)
+        node.pid = None
+        self.save()
+
+    def up(self, *, timeout: float = 60.0) -> None:
+        """Start every node, wait until the cluster is ready, create the volume."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.secret_file.exists():
+            self.secret_file.write_text(secrets.token_hex(32) + "\n")
+            self.secret_file.chmod(0o600)
+        self.save()
+        for node in self.nodes:
+            if not (node.pid and _alive(node.pid)):
+                self.start(node.name)
+        trio.run(self._wait_ready, timeout)
+
+    async def _wait_ready(self, timeout: float) -> None:
+        async with RpcPool(secret=self.secret) as pool:
+            with trio.fail_after(timeout):
+                leader = await self.wait_leader(pool)
+                log.info("metanode leader: %s", leader)
+                want_d, want_c = len(self.of_kind("datanode")), len(self.of_kind("cachenode"))
+                while True:
+                    self._check_alive()
+                    cmap = await self.cluster_map(pool)
+                    up_d = sum(1 for n in cmap["datanodes"] if n["state"] == "up")
+                    up_c = sum(1 for n in cmap["cachenodes"] if n["state"] == "up")
+                    if up_d >= want_d and up_c >= want_c:
+                        break
+                    await trio.sleep(0.2)
+                if VOLUME not in cmap["volumes"]:
+                    await self.call_leader(pool, "create_volume", {
+                        "name": VOLUME, "policy": self.config.policy, "compression": self.config.compression,
+                        "block_size": 4 << 20, "pg_count": 64}, mutation=True)
+
+    def _check_alive(self) -> None:
+        dead = [n.name for n in self.nodes if n.pid and not _alive(n.pid)]
+        if dead:
+            logs = self.root / "logs"
+            raise click.ClickException(f"lab nodes exited during start-up: {', '.join(dead)} (see {logs})")
+
+    async def wait_leader(self, pool: RpcPool) -> str:
+        while True:
+            self._check_alive()
+            try:
+                await self.call_leader(pool, "cluster_map", {})
+                return self._leader
+            except CacheFSError:
+                await trio.sleep(0.2)
+
+    async def cluster_map(self, pool: RpcPool) -> dict[str, Any]:
+        return await self.call_leader(pool, "cluster_map", {})
+
+    async def call_leader(self, pool: RpcPool, method: str, args: dict[str, Any], *,
+                          mutation: bool = False, timeout: float = 5.0) -> Any:
+        """Call the metanode leader, following NotLeader hints."""
+        if mutation:
+            args = {**args, "client_id": "lab-" + secrets.token_hex(4), "seq": 1}
+        candidates = [getattr(self, "_leader", None), *self.meta_addrs]
+        last: CacheFSError | None = None
+        for addr in [a for a in candidates if a]:
+            try:
+                result = (await pool.call(addr, method, args, timeout=timeout)).result
+                self._leader = addr
+                return result
+            except NotLeader as exc:
+                last = exc
+                hint = exc.details.get("leader")
+                if hint and hint != addr:
+                    try:
+                        result = (await pool.call(hint, method, args, timeout=timeout)).result
+                        self._leader = hint
+                        return result
+                    except CacheFSError as exc2:
+                        last = exc2
+            except CacheFSError as exc:
+                last = exc
+        raise last or CacheFSError("no metanode answered")
+
+    # ------------------------------------------------------------ mount
+
+    def mount(self, mountpoint: str, *extra: str) -> None:
+        Path(mountpoint).mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
+                "--background", "--zone", "z1", "--secret-file", str(self.secret_file), *extra]
+        logf = self.root / "logs" / "mount.log"
+        with open(logf, "ab") as out:
+            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
+        if result.returncode != 0:
+            tail = logf.read_text(errors="replace").splitlines()[-10:]
+            raise click.ClickException(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
+        self.config.mountpoint = mountpoint
+        self.save()
+
+    def umount(self) -> None:
+        mp = self.config.mountpoint
+        if mp and os.path.ismount(mp):
+            subprocess.run([sys.executable, "-m", "cachefs.cli", "umount", mp], timeout=60, check=False)
+            if os.path.ismount(mp):
+                subprocess.run(["fusermount3", "-u", "-z", mp], check=False)
+        self.config.mountpoint = None
+        self.save()
+
+    # ------------------------------------------------------------ teardown
+
+    def down(self, *, wipe: bool = False) -> None:
+        self.umount()
+        alive = [n for n in self.nodes if n.pid and _alive(n.pid)]
+        for node in alive:
+            os.kill(node.pid, signal.SIGTERM)
+        for node in alive:
+            if not _reap(node.pid, timeout=10):
+                os.kill(node.pid, signal.SIGKILL)
+                _reap(node.pid, timeout=5)
+        for node in self.nodes:
+            node.pid = None
+        self.save()
+        if wipe:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------ status
+
+    async def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nodes": [], "leader": None, "cache": []}
+        async with RpcPool(secret=self.secret) as pool:
+            for node in self.nodes:
+                alive = bool(node.pid and _alive(node.pid))
+                health = None
+                if alive:
+                    try:
+                        health = (await pool.call(node.addr, "health", timeout=2)).result
+                    except CacheFSError as exc:
+                        health = {"error": exc.code}
+                out["nodes"].append({**asdict(node), "alive": alive, "health": health})
+            try:
+                await self.call_leader(pool, "cluster_map", {}, timeout=2)
+                out["leader"] = self._leader
+            except CacheFSError:
+                pass
+            for node in self.of_kind("cachenode"):
+                if node.pid and _alive(node.pid):
+                    try:
+                        out["cache"].append({"name": node.name, **(await pool.call(node.addr, "stats", timeout=2)).result})
+                    except CacheFSError as exc:
+                        out["cache"].append({"name": node.name, "error": exc.code})
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as dead
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        return waited == 0
+    except ChildProcessError:
+        return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def _reap(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------- CLI
+
+DEFAULT_DIR = "/tmp/cachefs-lab"
+
+
+@click.group()
+def lab() -> None:
+    """A complete local cluster on this machine (3 metanodes, 6 datanodes, 6 cache nodes, 3 zones)."""
+
+
+@lab.command("up")
+@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False),
+              help="Where the lab keeps its data, logs and state file.")
+@click.option("--mount", "mountpoint", default=None, help="Mount the lab volume here.")
+@click.option("--policy", default="ec:4+2", show_default=True, help="Backing policy of the lab volume.")
+@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True)
+@click.option("--base-port", type=click.IntRange(1024, 60000), default=17000, show_default=True,
+              help="Metanodes listen on base+1.., datanodes on base+101.., cache nodes on base+201..")
+@click.option("--cache-capacity", default="2G", show_default=True, help="Flash capacity of each cache node.")
+@click.option("--workload", is_flag=True, help="Run a short fio job on the mount and print the status.")
+def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
+           cache_capacity: str, workload: bool) -> None:
+    """Start the lab cluster (and mount it with --mount)."""
+    from cachefs.config import setup_logging
+
+    setup_logging("lab")
+    if (Path(root) / STATE_FILE).exists():
+        existing = Lab.load(root)
+        running = [n.name for n in existing.nodes if n.pid and _alive(n.pid)]
+        if running:
+            raise click.ClickException(f"a lab is already running in {root} ({len(running)} processes); "
+                                       f"`cachefs lab down --dir {root}` first")
+    the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
+                            cache_capacity=cache_capacity))
+    click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
+    started = time.monotonic()
+    try:
+        the_lab.up()
+    except BaseException:
+        click.echo(f"start-up failed; stopping what started (logs in {root}/logs)", err=True)
+        the_lab.down()
+        raise
+    click.echo(f"cluster ready in {time.monotonic() - started:.1f}s; volume '{VOLUME}' ({policy})")
+    if mountpoint:
+        the_lab.mount(mountpoint)
+        click.echo(f"mounted at {mountpoint}")
+    if workload:
+        if not mountpoint:
+            raise click.UsageError("--workload needs --mount")
+        run_workload(mountpoint)
+        _print_status(the_lab)
+    click.echo(f"stop with: cachefs lab down --dir {root}")
+
+
+def run_workload(mountpoint: str) -> None:
+    """A short fio job with checksums, then a re-read: proof the mount works."""
+    job = ["fio", "--name=lab", f"--directory={mountpoint}", "--size=64M", "--bs=1M", "--numjobs=2",
+           "--rw=write", "--verify=crc32c", "--do_verify=1", "--end_fsync=1", "--group_reporting",
+           "--output-format=terse", "--terse-version=3"]
+    if shutil.which("fio") is None:
+        raise click.ClickException("fio is not installed (make setup installs it)")
+    click.echo("workload: fio 2 x 64 MiB sequential write with crc32c verify ...")
+    result = subprocess.run(job, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise click.ClickException(f"fio failed:\n{result.stdout}\n{result.stderr}")
+    fields = result.stdout.strip().splitlines()[-1].split(";")
+    read_kib, write_kib = int(fields[6]), int(fields[47])
+    click.echo(f"fio ok: write {write_kib / 1024:.0f} MiB/s, verify-read {read_kib / 1024:.0f} MiB/s, "
+               f"errors {fields[4]}")
+
+
+def _print_status(the_lab: Lab) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    st = trio.run(the_lab.status)
+    table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}")
+    for col in ("node", "kind", "zone", "address", "pid", "state"):
+        table.add_column(col)
+    for n in st["nodes"]:
+        state = "up" if n["alive"] and n["health"] and "error" not in n["health"] else (
+            "unhealthy" if n["alive"] else "down")
+        table.add_row(n["name"], n["kind"], n["zone"], n["addr"], str(n["pid"] or "-"), state)
+    console = Console()
+    console.print(table)
+    if st["cache"]:
+        cache = Table(title="cache tier")
+        for col in ("node", "used", "capacity", "blocks", "hits", "misses", "hit rate"):
+            cache.add_column(col, justify="right")
+        for c in st["cache"]:
+            if "error" in c:
+                cache.add_row(c["name"], c["error"], "", "", "", "", "")
+                continue
+            hits, misses = c.get("hits", 0), c.get("misses", 0)
+            rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
+            cache.add_row(c["name"], _mib(c.get("used", 0)), _mib(c.get("capacity", 0)), str(c.get("blocks", 0)),
+                          str(hits), str(misses), rate)
+        console.print(cache)
+    if the_lab.config.mountpoint:
+        console.print(f"mounted at {the_lab.config.mountpoint}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+@lab.command("status")
+@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def lab_status(root: str, as_json: bool) -> None:
+    """Every process, the metanode leader, cache usage and hit rates."""
+    the_lab = Lab.load(root)
+    if as_json:
+        click.echo(json.dumps(trio.run(the_lab.status)))
+    else:
+        _print_status(the_lab)
+
+
+@lab.command("down")
+@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False))
+@click.option("--wipe", is_flag=True, help="Also delete the lab's data directory.")
+def lab_down(root: str, wipe: bool) -> None:
+    """Unmount and stop every lab process (works after a crash too)."""
+    the_lab = Lab.load(root)
+    the_lab.down(wipe=wipe)
+    click.echo("lab stopped" + (" and wiped" if wipe else ""))
