@@ -1,0 +1,489 @@
+"""The pyfuse3 operations: translate kernel requests into session calls.
+
+Only handlers live here; the read path is :mod:`.reader`, the write path
+:mod:`.writer`, the inode bookkeeping :mod:`.inodes`, the cluster calls
+:mod:`.session`.
+
+Rules every handler keeps:
+
+- Only ``FUSEError`` leaves a handler: any other exception would end pyfuse3's
+  main loop and kill the mount. :func:`_fuse` maps the cachefs error tree to
+  its errno, and anything unexpected to EIO after logging it with a traceback.
+- Lookup counts are exact (see :mod:`.inodes`): ``learn`` is called exactly
+  where the kernel learns an inode, and counts drop only in ``forget``.
+- Page cache: ``open`` keeps the kernel's cached pages (``keep_cache``) only
+  when the inode's content version is the one those pages were read at;
+  a version change seen by ``getattr`` drops them with ``invalidate_inode``
+  (from a worker thread: it may wait on pages a pending read holds).
+- Close-to-open: ``open`` always asks the metanodes for fresh attributes, and
+  ``flush``/``fsync``/``release`` return only after the data is committed.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from cachefs.errors import CacheFSError, NotFound
+
+from .inodes import Attr, Inode, InodeTable
+from .l1 import L1Cache
+from .reader import Readahead, Reader
+from .session import Session
+from .writer import FileWriter
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+READDIR_BATCH = 256
+
+
+def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Map every error of a handler to FUSEError (see module docstring)."""
+
+    @functools.wraps(fn)
+    async def handler(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except CacheFSError as exc:
+            if exc.errno == errno.EIO:
+                log.error("%s failed: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception:
+            log.exception("unexpected error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return handler
+
+
+@dataclass(slots=True)
+class Options:
+    """Tunables of one mount (the ``cachefs mount`` options)."""
+
+    l1_bytes: int = 512 << 20
+    readahead_max: int = 32 << 20
+    write_buffer: int = 64 << 20
+    attr_timeout: float = 1.0
+    entry_timeout: float = 1.0
+    write_through: bool = False
+    read_only: bool = False
+    upload_parallel: int = 8
+    compact_after: int = 64
+
+
+@dataclass(slots=True)
+class Handle:
+    inode: Inode
+    flags: int
+    readahead: Readahead
+    wrote: bool = False
+
+
+class CacheFS(pyfuse3.Operations):
+    """One mounted volume."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, session: Session, options: Options, *, nursery: trio.Nursery) -> None:
+        super().__init__()
+        self.session = session
+        self.options = options
+        self.nursery = nursery
+        self.inodes = InodeTable()
+        self.l1 = L1Cache(options.l1_bytes)
+        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, int] = {}
+        self._next_fh = 1
+        self._compacting: set[tuple[int, int]] = set()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        attr = inode.attr
+        if inode.writer is not None and inode.size != attr.size:
+            attr = attr.with_size(inode.size)
+        return attr.entry(
+            self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
+        )
+
+    def _learn(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        return self._entry(self.inodes.learn(attr))
+
+    def _fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _writable(self) -> None:
+        if self.options.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def _owner(self, parent: int, ctx: pyfuse3.RequestContext, mode: int) -> tuple[int, int, int]:
+        """uid, gid and mode of a new inode: BSD group semantics under a setgid dir."""
+        gid = ctx.gid
+        parent_inode = self.inodes.get(parent)
+        if parent_inode is not None and parent_inode.attr.mode & stat.S_ISGID:
+            gid = parent_inode.attr.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return ctx.uid, gid, mode
+
+    def _writer(self, inode: Inode) -> FileWriter:
+        if inode.writer is None:
+            inode.writer = FileWriter(
+                self.session,
+                inode,
+                nursery=self.nursery,
+                buffer_limit=self.options.write_buffer,
+                upload_limit=self._upload_limit,
+                write_through=self.options.write_through,
+                on_commit=self._maybe_compact,
+            )
+        return inode.writer
+
+    async def _flush_inode(self, inode: Inode) -> None:
+        if inode.writer is not None:
+            await inode.writer.flush()
+
+    async def flush_all(self) -> None:
+        """Commit every dirty file (unmount, SIGTERM)."""
+        for inode in self.inodes.all():
+            if inode.writer is not None and inode.writer.dirty:
+                try:
+                    await inode.writer.flush()
+                except CacheFSError as exc:
+                    log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
+
+    def _maybe_compact(self, inode: Inode, chunk: int, version: int) -> None:
+        key = (inode.ino, chunk)
+        if key in self._compacting:
+            return
+        self._compacting.add(key)
+        self.nursery.start_soon(self._compact, inode, chunk)
+
+    async def _compact(self, inode: Inode, chunk: int) -> None:
+        try:
+            await self.session.compact_if_needed(
+                inode, chunk, self.reader, self.options.compact_after
+            )
+        except CacheFSError as exc:
+            log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
+        finally:
+            self._compacting.discard((inode.ino, chunk))
+
+    # ------------------------------------------------------------------ lookups
+
+    @_fuse
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        return self._learn(await self.session.lookup(parent_inode, name))
+
+    @_fuse
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, nlookup in inode_list:
+            self.inodes.forget(ino, nlookup)
+
+    @_fuse
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        known = self.inodes.get(inode)
+        try:
+            attr = await self.session.getattr(inode)
+        except NotFound:
+            # Unlinked while open here: keep answering from what we know.
+            if known is not None and known.opens > 0:
+                return self._entry(known)
+            raise
+        node = self.inodes.update(attr)
+        if (
+            node.cached_version is not None
+            and node.cached_version != attr.version
+            and (node.writer is None or not node.writer.dirty)
+        ):
+            node.cached_version = None
+            self.nursery.start_soon(self._invalidate, inode)
+        return self._entry(node)
+
+    async def _invalidate(self, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino)
+        except OSError as exc:
+            log.debug("invalidate_inode(%d): %s", ino, exc)
+
+    @_fuse
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        self._writable()
+        changes: dict[str, int] = {}
+        if fields.update_mode:
+            changes["mode"] = attr.st_mode
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        node = self.inodes.get(inode)
+        if fields.update_size:
+            changes["size"] = attr.st_size
+            if node is not None:
+                # Pending writes must land before the truncate, not after it.
+                await self._flush_inode(node)
+        new = await self.session.setattr(inode, **changes)
+        node = self.inodes.update(new)
+        if fields.update_size:
+            node.chunks.clear()
+        return self._entry(node)
+
+    @_fuse
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.session.readlink(inode)
+
+    # ------------------------------------------------------------------ namespace
+
+    @_fuse
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._writable()
+        uid, gid, mode = self._owner(parent_inode, ctx, mode)
+        return self._learn(await self.session.mknod(parent_inode, name, mode, rdev, uid, gid))
+
+    @_fuse
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._writable()
+        uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
+        return self._learn(await self.session.mkdir(parent_inode, name, mode, uid, gid))
+
+    @_fuse
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._writable()
+        uid, gid, _ = self._owner(parent_inode, ctx, stat.S_IFLNK)
+        return self._learn(await self.session.symlink(parent_inode, name, target, uid, gid))
+
+    @_fuse
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._writable()
+        return self._learn(await self.session.link(inode, new_parent_inode, new_name))
+
+    @_fuse
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._writable()
+        await self.session.unlink(parent_inode, name)
+
+    @_fuse
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._writable()
+        await self.session.rmdir(parent_inode, name)
+
+    @_fuse
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        self._writable()
+        await self.session.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # ------------------------------------------------------------------ files
+
+    def _open_handle(self, inode: Inode, flags: int) -> int:
+        fh = self._fh()
+        self._handles[fh] = Handle(inode, flags, self.reader.new_readahead())
+        inode.opens += 1
+        return fh
+
+    def _file_info(self, fh: int, inode: Inode) -> pyfuse3.FileInfo:
+        keep = inode.cached_version is not None and inode.cached_version == inode.attr.version
+        if not keep:
+            inode.cached_version = inode.attr.version
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    @_fuse
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.options.read_only and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        attr = await self.session.getattr(inode)
+        node = self.inodes.update(attr)
+        if node.writer is not None and node.writer.dirty:
+            # Our own uncommitted writes: the kernel's pages hold them.
+            node.cached_version = node.attr.version
+        await self.session.open(inode)
+        fh = self._open_handle(node, flags)
+        if flags & os.O_TRUNC and node.size:
+            # Normally the kernel truncates with setattr first; cover the rest.
+            await self._flush_inode(node)
+            node.set_attr(await self.session.setattr(inode, size=0))
+            node.chunks.clear()
+        return self._file_info(fh, node)
+
+    @_fuse
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._writable()
+        uid, gid, mode = self._owner(parent_inode, ctx, mode)
+        attr = await self.session.mknod(parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
+        node = self.inodes.learn(attr)
+        try:
+            await self.session.open(attr.ino)
+        except BaseException:
+            # The kernel never hears of this inode: take the lookup back.
+            self.inodes.forget(attr.ino, 1)
+            raise
+        fh = self._open_handle(node, flags)
+        return self._file_info(fh, node), self._entry(node)
+
+    @_fuse
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles[fh]
+        return await self.reader.read(handle.inode, off, size, handle.readahead)
+
+    @_fuse
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self._writable()
+        handle = self._handles[fh]
+        handle.wrote = True
+        await self._writer(handle.inode).write(off, buf)
+        return len(buf)
+
+    @_fuse
+    async def flush(self, fh: int) -> None:
+        handle = self._handles.get(fh)
+        if handle is not None:
+            await self._flush_inode(handle.inode)
+
+    @_fuse
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles.get(fh)
+        if handle is not None:
+            await self._flush_inode(handle.inode)
+
+    @_fuse
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            return
+        inode = handle.inode
+        try:
+            await self._flush_inode(inode)
+        finally:
+            inode.opens -= 1
+            if inode.opens == 0 and inode.writer is not None and not inode.writer.dirty:
+                inode.writer = None
+            try:
+                await self.session.release(inode.ino)
+            finally:
+                self.inodes.drop_if_idle(inode)
+
+    # ------------------------------------------------------------------ directories
+
+    @_fuse
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        fh = self._fh()
+        self._dirs[fh] = inode
+        return fh
+
+    @_fuse
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        ino = self._dirs[fh]
+        cookie = start_id
+        while True:
+            entries = await self.session.readdir(ino, cookie, READDIR_BATCH)
+            for name, attr, next_cookie in entries:
+                # readdirplus: an accepted entry is a lookup the kernel will forget.
+                if not pyfuse3.readdir_reply(
+                    token, name, self._entry_for_readdir(attr), next_cookie
+                ):
+                    return
+                self.inodes.learn(attr)
+                cookie = next_cookie
+            if len(entries) < READDIR_BATCH:
+                return
+
+    def _entry_for_readdir(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        known = self.inodes.get(attr.ino)
+        if known is not None and known.writer is not None and known.writer.dirty:
+            return self._entry(known)
+        return attr.entry(
+            self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
+        )
+
+    @_fuse
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @_fuse
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        """Namespace changes are committed before they are acknowledged."""
+
+    # ------------------------------------------------------------------ misc
+
+    @_fuse
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        raw = await self.session.statfs()
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = int(raw.get("bsize", 4096))
+        st.f_frsize = int(raw.get("frsize", st.f_bsize))
+        st.f_blocks = int(raw.get("blocks", 0))
+        st.f_bfree = int(raw.get("bfree", 0))
+        st.f_bavail = int(raw.get("bavail", 0))
+        st.f_files = int(raw.get("files", 0))
+        st.f_ffree = int(raw.get("ffree", 0))
+        st.f_favail = int(raw.get("favail", 0))
+        st.f_namemax = int(raw.get("namemax", 255))
+        return st
+
+    @_fuse
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        self._writable()
+        await self.session.setxattr(inode, name, value)
+
+    @_fuse
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.session.getxattr(inode, name)
+
+    @_fuse
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return await self.session.listxattr(inode)
+
+    @_fuse
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._writable()
+        await self.session.removexattr(inode, name)

@@ -1,0 +1,315 @@
+"""One mounted volume's connection to the cluster: metadata calls and the block chain.
+
+The :class:`Session` is what :mod:`.fs`, :mod:`.reader` and :mod:`.writer`
+talk to. It owns:
+
+- the metanode client (leader following, retries and dedup live there) and the
+  volume session from ``mount_volume`` (the metanodes keep unlinked files we
+  hold open until we release them or the session ends);
+- the cluster map, refreshed in the background, which feeds the backing-storage
+  client's placement and the cache router's rings;
+- the block chain for reads (DESIGN.md "Reads"): the owner of the block on our
+  zone's ring, then the owners on the other zones' rings, then backing storage
+  directly. A cache node that refuses or times out is marked down in the router
+  and skipped; a dead cache node slows reads, it never fails them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachefs.backing import BackingClient, MetaClusterView
+from cachefs.errors import (
+    Busy,
+    CacheFSError,
+    CacheMiss,
+    ConnectionLost,
+    InvalidArgument,
+    NotFound,
+    TimedOut,
+    Unavailable,
+    Unreachable,
+)
+from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
+from cachefs.ring import CacheRouter
+from cachefs.rpc import RpcPool
+
+from .inodes import Attr, Inode
+from .slicemap import HOLE, Slice, resolve, segment_blocks, slice_blocks
+from .tasks import run_all
+from .transport import BlockTransport, open_transport
+
+if TYPE_CHECKING:
+    from cachefs.metanode.client import MetaClient
+
+log = logging.getLogger(__name__)
+
+CACHE_TIMEOUT = 5.0
+MAP_REFRESH = 5.0
+_DOWN = (Unreachable, ConnectionLost, TimedOut)
+
+
+class Session:
+    """Metadata and block access for one volume (see module docstring)."""
+
+    def __init__(
+        self,
+        meta: MetaClient,
+        pool: RpcPool,
+        volume: str,
+        session_id: str,
+        cluster_map: dict[str, Any],
+        *,
+        zone: str,
+        transport: BlockTransport,
+    ) -> None:
+        self.meta = meta
+        self.pool = pool
+        self.volume = volume
+        self.session_id = session_id
+        self.zone = zone
+        self.transport = transport
+        self.view = MetaClusterView(meta.cluster_map)
+        self.backing = BackingClient(pool, self.view, zone=zone)
+        self.router = CacheRouter(cluster_map, zone)
+        self._set_map(cluster_map)
+        self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
+
+    @classmethod
+    async def connect(
+        cls,
+        pool: RpcPool,
+        meta_addrs: list[str],
+        volume: str,
+        *,
+        zone: str = "",
+        transport: str = "tcp",
+        client_id: str | None = None,
+    ) -> Session:
+        """Mount ``volume``: check it exists, open a session, read the cluster map.
+
+        Raises:
+            NotFound: the volume does not exist.
+            Unavailable: no metanode answered.
+            AuthFailed: the cluster secret is wrong.
+            RdmaUnavailable: ``transport`` is rdma and RDMA cannot be used.
+        """
+        from cachefs.metanode.client import MetaClient
+
+        meta = MetaClient(pool, meta_addrs)
+        client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
+        info = await meta.mount_volume(volume, client_id)
+        cmap = await meta.cluster_map()
+        if volume not in cmap.get("volumes", {}):
+            raise NotFound(f"volume {volume!r} is not in the cluster map")
+        session = cls(
+            meta,
+            pool,
+            volume,
+            str(info["session"]),
+            cmap,
+            zone=zone,
+            transport=open_transport(transport, pool),
+        )
+        await session.view.refresh()
+        return session
+
+    def _set_map(self, cmap: dict[str, Any]) -> None:
+        vol = cmap.get("volumes", {}).get(self.volume, {})
+        self.block_size = int(vol.get("block_size") or DEFAULT_BLOCK_SIZE)
+        if not 0 < self.block_size <= CHUNK_SIZE or CHUNK_SIZE % self.block_size:
+            raise InvalidArgument(
+                f"volume {self.volume} has an unusable block size {self.block_size}"
+            )
+        self.router.update(cmap)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the cluster map fresh (start it in the mount's nursery)."""
+        task_status.started()
+        while True:
+            await trio.sleep(MAP_REFRESH)
+            try:
+                cmap = await self.meta.cluster_map()
+                self._set_map(cmap)
+                await self.view.refresh()
+            except CacheFSError as exc:
+                log.warning("cluster map refresh failed, keeping the last one: %s", exc)
+
+    async def close(self) -> None:
+        try:
+            await self.meta.close_session(self.volume, self.session_id)
+        except CacheFSError as exc:
+            log.warning("could not close session %s: %s", self.session_id, exc)
+        await self.transport.aclose()
+
+    # ------------------------------------------------------------------ metadata
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        return Attr.from_wire(await self.meta.lookup(self.volume, parent, name))
+
+    async def getattr(self, ino: int) -> Attr:
+        return Attr.from_wire(await self.meta.getattr(self.volume, ino))
+
+    async def setattr(self, ino: int, **changes: int) -> Attr:
+        return Attr.from_wire(await self.meta.setattr(self.volume, ino, **changes))
+
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> Attr:
+        return Attr.from_wire(
+            await self.meta.mknod(self.volume, parent, name, mode, rdev, uid, gid)
+        )
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        return Attr.from_wire(await self.meta.mkdir(self.volume, parent, name, mode, uid, gid))
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        return Attr.from_wire(await self.meta.symlink(self.volume, parent, name, target, uid, gid))
+
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        return Attr.from_wire(await self.meta.link(self.volume, ino, new_parent, new_name))
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        await self.meta.unlink(self.volume, parent, name)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self.meta.rmdir(self.volume, parent, name)
+
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int
+    ) -> None:
+        await self.meta.rename(self.volume, parent, name, new_parent, new_name, flags)
+
+    async def readlink(self, ino: int) -> bytes:
+        return bytes(await self.meta.readlink(self.volume, ino))
+
+    async def readdir(self, ino: int, cookie: int, limit: int) -> list[tuple[bytes, Attr, int]]:
+        rows = await self.meta.readdir(self.volume, ino, cookie, limit)
+        return [(bytes(name), Attr.from_wire(attr), int(nxt)) for name, attr, nxt in rows]
+
+    async def statfs(self) -> dict[str, Any]:
+        return await self.meta.statfs(self.volume)
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        await self.meta.setxattr(self.volume, ino, name, value)
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        return bytes(await self.meta.getxattr(self.volume, ino, name))
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return [bytes(n) for n in await self.meta.listxattr(self.volume, ino)]
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        await self.meta.removexattr(self.volume, ino, name)
+
+    async def open(self, ino: int) -> None:
+        await self.meta.open(self.volume, ino, self.session_id)
+
+    async def release(self, ino: int) -> None:
+        await self.meta.release(self.volume, ino, self.session_id)
+
+    async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
+        rows = await self.meta.read_chunk(self.volume, ino, chunk)
+        return [Slice.from_wire(row) for row in rows]
+
+    # ------------------------------------------------------------------ writes
+
+    async def alloc_slice(self) -> int:
+        return int(await self.meta.alloc_slices(1))
+
+    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None:
+        await self.backing.put_block(self.volume, key, data)
+
+    async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None:
+        """Best effort: a block the cache tier did not take is read from backing later."""
+        for addr in self.router.candidates(key)[:1]:
+            try:
+                await self.transport.put(addr, self.volume, key, bytes(data), timeout=CACHE_TIMEOUT)
+                self.stats["write_through"] += 1
+            except _DOWN:
+                self.router.mark_down(addr)
+            except CacheFSError as exc:
+                log.debug("write-through of %s to %s failed: %s", key.hex(), addr, exc)
+
+    async def write_slice(
+        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
+    ) -> Attr:
+        raw = await self.meta.write_slice(
+            self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns
+        )
+        return Attr.from_wire(raw)
+
+    # ------------------------------------------------------------------ reads
+
+    async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes | bytearray:
+        """A block (range) from the cache tier, else from backing storage."""
+        for addr in self.router.candidates(key):
+            try:
+                data = await self.transport.get(
+                    addr, self.volume, key, offset, length, timeout=CACHE_TIMEOUT
+                )
+                self.stats["cache_reads"] += 1
+                return data
+            except _DOWN as exc:
+                log.info("cache node %s is not answering (%s); reading around it", addr, exc)
+                self.router.mark_down(addr)
+            except (Busy, CacheMiss):
+                continue
+            except NotFound:
+                break  # the node read through and backing storage has no such block
+            except CacheFSError as exc:
+                self.stats["cache_errors"] += 1
+                log.info("cache node %s failed %s: %s", addr, key.hex(), exc)
+        self.stats["backing_reads"] += 1
+        return await self.backing.get_block(self.volume, key, offset, length)
+
+    # ------------------------------------------------------------------ compaction
+
+    async def compact_if_needed(
+        self, inode: Inode, chunk: int, reader: Any, threshold: int
+    ) -> None:
+        """Rewrite a chunk with many slices as one slice, swapped in atomically.
+
+        The metanodes refuse the swap (EBUSY) if the chunk changed since we read
+        its slice list; the new slice is then trashed and nothing is lost.
+        """
+        slices = await self.read_chunk(inode.ino, chunk)
+        if len(slices) < threshold:
+            return
+        file_end = inode.attr.size - chunk * CHUNK_SIZE
+        length = min(max(s.pos + s.length for s in slices), file_end)
+        if length <= 0:
+            return
+        buf = bytearray(length)
+        view = memoryview(buf)
+        await run_all(
+            functools.partial(self._fill, part, view[part.pos : part.pos + part.length])
+            for seg in resolve(slices, 0, length)
+            if seg.slice_id != HOLE
+            for part in segment_blocks(seg, self.block_size)
+        )
+        slice_id = await self.alloc_slice()
+        await run_all(
+            functools.partial(self.store_block, BlockKey(slice_id, index), view[start:end])
+            for index, start, end in slice_blocks(length, self.block_size)
+        )
+        try:
+            await self.meta.compact_chunk(
+                self.volume, inode.ino, chunk, [s.id for s in slices], slice_id, length
+            )
+        except Busy:
+            log.info("chunk %d of inode %d changed while compacting; left as is", chunk, inode.ino)
+            return
+        inode.chunks.pop(chunk, None)
+        log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
+
+    async def _fill(self, part: Any, dest: memoryview) -> None:
+        data = await self.fetch(part.key, part.block_off, part.length)
+        if len(data) != part.length:
+            raise Unavailable(f"block {part.key.hex()} is shorter than its slice says")
+        dest[:] = data
