@@ -1,0 +1,81 @@
+"""``cachefs health`` (is one daemon alive?) and ``cachefs status`` (the cluster)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import trio
+
+from cachefs.config import ADDR, ADDRS, load_secret
+from cachefs.errors import CacheFSError
+from cachefs.rpc import RpcPool
+
+
+@click.command()
+@click.argument("addr", type=ADDR)
+@click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False))
+@click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE")
+@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True)
+def health(addr: str, secret_file: str | None, insecure: bool, timeout: float) -> None:
+    """Ask the daemon at ADDR whether it is alive; exit 0 if it is (for healthchecks)."""
+    secret = load_secret(secret_file, insecure)
+
+    async def ask() -> dict:
+        async with RpcPool(secret=secret) as pool:
+            return (await pool.call(addr, "health", timeout=timeout)).result
+
+    try:
+        answer = trio.run(ask)
+    except CacheFSError as exc:
+        click.echo(f"{addr}: unhealthy: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(answer))
+    if answer.get("draining"):
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--meta", type=ADDRS, required=True, help="Metanode addresses, comma-separated.")
+@click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False))
+@click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE")
+@click.option("--json", "as_json", is_flag=True, help="Print the cluster map as one JSON object.")
+def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool) -> None:
+    """The cluster as the metanodes see it: leader, nodes, volumes."""
+    from cachefs.metanode.client import MetaClient
+
+    secret = load_secret(secret_file, insecure)
+
+    async def fetch() -> tuple[dict, str | None]:
+        async with RpcPool(secret=secret) as pool:
+            client = MetaClient(pool, meta)
+            cmap = await client.cluster_map()
+            return cmap, client.leader
+
+    try:
+        cmap, leader = trio.run(fetch)
+    except CacheFSError as exc:
+        raise click.ClickException(f"cannot read the cluster map from {','.join(meta)}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({"leader": leader, **cmap}, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"metanode leader: {leader}")
+    table = Table(title="nodes")
+    for col in ("kind", "id", "address", "zone", "state", "used", "capacity"):
+        table.add_column(col)
+    for kind in ("datanodes", "cachenodes"):
+        for n in cmap.get(kind, []):
+            table.add_row(kind[:-1], str(n["id"]), n["addr"], n["zone"], n["state"],
+                          f"{n.get('used', 0) / 2**30:.2f} GiB", f"{n.get('capacity', 0) / 2**30:.1f} GiB")
+    console.print(table)
+    vols = Table(title="volumes")
+    for col in ("name", "policy", "compression", "block size"):
+        vols.add_column(col)
+    for name, v in cmap.get("volumes", {}).items():
+        vols.add_row(name, v["policy"], v.get("compression", "none"), str(v.get("block_size")))
+    console.print(vols)
