@@ -1,0 +1,728 @@
+"""A sans-IO Raft core in the shape of etcd-io/raft's RawNode.
+
+Theory of operation
+-------------------
+The core is a pure object. The driver feeds it three kinds of input:
+
+* ``tick()`` -- the only notion of time (the driver calls it every
+  ``tick_interval``; the simulation calls it whenever it likes);
+* ``step(msg)`` -- a message from a peer;
+* ``propose([cmd, ...])`` / ``read_index()`` -- requests from clients.
+
+After any input the driver asks ``has_ready()``; if so it takes ``ready()``
+and must, in this order:
+
+1. send ``ready.eager_messages`` (allowed before the disk write: these are a
+   leader's replication messages in a term whose vote is already on disk);
+2. persist ``ready.snapshot``, then ``ready.entries`` and ``ready.hard_state``
+   (one fsync when ``ready.must_sync``: that is the group commit);
+3. send ``ready.messages`` (votes and acknowledgements promise what is now on
+   disk, so they must wait for it);
+4. restore the state machine from ``ready.snapshot`` if any, then apply
+   ``ready.committed_entries`` in order; serve ``ready.read_states`` once the
+   applied index reaches theirs;
+5. call ``advance(ready)``.
+
+Roles::
+
+              timeout            pre-vote quorum          vote quorum
+    FOLLOWER ---------> PRE_CANDIDATE ---------> CANDIDATE ---------> LEADER
+       ^                    |  (term unchanged)      | term+1            |
+       +--------------------+------------------------+-------------------+
+            higher term, a leader's message, lost pre-vote/vote, or
+            (leader) no quorum heard from within an election timeout
+
+Safety rules kept here (Raft paper section in brackets): one vote per term
+[5.2]; a vote only for an up-to-date log [5.4.1]; commit by counting only an
+entry of the current term [5.4.2]; the leader counts its own log only once it
+is on disk (``advance``). Liveness extras: pre-vote and check-quorum, so a
+node cut off from the majority cannot depose a healthy leader when it returns
+(followers in contact with a leader ignore votes for a newer term, the
+"lease"), and a leader that lost the majority steps down.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cachefs.errors import InvalidArgument, NotLeader
+
+from .log import RaftLog
+from .messages import (
+    NONE,
+    Append,
+    AppendResp,
+    Entry,
+    EntryKind,
+    HardState,
+    Heartbeat,
+    HeartbeatResp,
+    InstallSnapshot,
+    Message,
+    Snapshot,
+    SnapshotMeta,
+    Vote,
+    VoteResp,
+)
+
+
+class Role(Enum):
+    FOLLOWER = "follower"
+    PRE_CANDIDATE = "pre-candidate"
+    CANDIDATE = "candidate"
+    LEADER = "leader"
+
+
+@dataclass(frozen=True, slots=True)
+class RaftConfig:
+    election_tick: int = 10  # ticks without a leader before a (pre-)election
+    heartbeat_tick: int = 1  # ticks between a leader's heartbeats
+    max_append_bytes: int = 1 << 20  # entry bytes per Append message
+    max_inflight: int = 256  # unacknowledged Appends per follower
+    check_quorum: bool = True
+    pre_vote: bool = True
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_tick < 1 or self.election_tick <= self.heartbeat_tick:
+            raise InvalidArgument("raft: need 1 <= heartbeat_tick < election_tick")
+        if self.max_inflight < 1 or self.max_append_bytes < 1:
+            raise InvalidArgument("raft: max_inflight and max_append_bytes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SoftState:
+    leader: int
+    role: Role
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadState:
+    """Read request ``seq`` may be served once ``applied >= index``."""
+
+    seq: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    hard_state: HardState | None = None
+    must_sync: bool = False
+    entries: tuple[Entry, ...] = ()
+    snapshot: Snapshot | None = None
+    committed_entries: tuple[Entry, ...] = ()
+    messages: tuple[Message, ...] = ()
+    eager_messages: tuple[Message, ...] = ()
+    read_states: tuple[ReadState, ...] = ()
+    soft_state: SoftState | None = None
+
+
+class _PState(Enum):
+    PROBE = 0  # one Append at a time until we find where the logs match
+    REPLICATE = 1  # stream Appends, up to max_inflight unacknowledged
+    SNAPSHOT = 2  # an InstallSnapshot is on its way; send nothing else
+
+
+class Progress:
+    """The leader's view of one follower (etcd's tracker.Progress)."""
+
+    __slots__ = (
+        "match",
+        "next",
+        "state",
+        "probe_sent",
+        "recent_active",
+        "inflight",
+        "pending_snapshot",
+        "snapshot_elapsed",
+    )
+
+    def __init__(self, next_index: int) -> None:
+        self.match = 0
+        self.next = next_index
+        self.state = _PState.PROBE
+        self.probe_sent = False
+        self.recent_active = True
+        self.inflight: deque[int] = deque()
+        self.pending_snapshot = 0
+        self.snapshot_elapsed = 0
+
+    def paused(self, max_inflight: int) -> bool:
+        if self.state is _PState.PROBE:
+            return self.probe_sent
+        if self.state is _PState.REPLICATE:
+            return len(self.inflight) >= max_inflight
+        return True
+
+    def become_probe(self) -> None:
+        if self.state is _PState.SNAPSHOT:
+            self.next = max(self.match + 1, self.pending_snapshot + 1)
+        else:
+            self.next = self.match + 1
+        self.state = _PState.PROBE
+        self.probe_sent = False
+        self.inflight.clear()
+
+    def become_replicate(self) -> None:
+        self.state = _PState.REPLICATE
+        self.next = self.match + 1
+        self.inflight.clear()
+
+    def become_snapshot(self, index: int) -> None:
+        self.state = _PState.SNAPSHOT
+        self.pending_snapshot = index
+        self.snapshot_elapsed = 0
+        self.inflight.clear()
+
+    def maybe_update(self, index: int) -> bool:
+        self.probe_sent = False
+        if index > self.match:
+            self.match = index
+            self.next = max(self.next, index + 1)
+            return True
+        return False
+
+    def maybe_decr_to(self, rejected: int, match_hint: int) -> bool:
+        """A follower rejected the Append after ``rejected``; False if stale."""
+        if self.state is _PState.REPLICATE:
+            if rejected <= self.match:
+                return False
+            self.next = self.match + 1
+            return True
+        if self.next - 1 != rejected:
+            return False
+        self.next = max(min(rejected, match_hint + 1), self.match + 1)
+        self.probe_sent = False
+        return True
+
+
+@dataclass(slots=True)
+class _Read:
+    seq: int
+    index: int | None  # None until the leader has committed in its term
+
+
+@dataclass(slots=True)
+class _Out:
+    messages: list[Message] = field(default_factory=list)
+    eager: list[Message] = field(default_factory=list)
+    read_states: list[ReadState] = field(default_factory=list)
+
+
+class RaftCore:
+    """One Raft replica, without IO. See the module docstring for the loop."""
+
+    def __init__(
+        self,
+        node_id: int,
+        voters: list[int] | tuple[int, ...],
+        *,
+        rng: random.Random,
+        config: RaftConfig | None = None,
+        hard_state: HardState | None = None,
+        snapshot: Snapshot | None = None,
+        entries: list[Entry] | None = None,
+    ) -> None:
+        if node_id == NONE or node_id not in voters or len(set(voters)) != len(voters):
+            raise InvalidArgument(
+                f"raft: node id {node_id} must be one of distinct voters {voters}"
+            )
+        self.id = node_id
+        self.voters = tuple(sorted(voters))
+        self.quorum = len(self.voters) // 2 + 1
+        self.config = config or RaftConfig()
+        self.rng = rng
+        hs = hard_state or HardState()
+        meta = snapshot.meta if snapshot else SnapshotMeta()
+        self.snapshot = snapshot  # the newest persisted snapshot, sent to laggards
+        self.log = RaftLog(meta.index, meta.term, entries, hs.commit)
+        self.term = hs.term
+        self.vote = hs.vote
+        self.lead = NONE
+        self.role = Role.FOLLOWER
+        self._persisted = HardState(hs.term, hs.vote, self.log.committed)
+        self._out = _Out()
+        self._votes: dict[int, bool] = {}
+        self.prs: dict[int, Progress] = {}
+        self._reads: deque[_Read] = deque()
+        self._read_seq = 0
+        self._read_acked: dict[int, int] = {}
+        self._soft = SoftState(NONE, Role.FOLLOWER, self.term)
+        self._in_ready: Ready | None = None
+        self.election_elapsed = 0
+        self.heartbeat_elapsed = 0
+        self._randomized_timeout = 0
+        self._become_follower(self.term, NONE)
+
+    # ------------------------------------------------------------------ API
+    @property
+    def is_leader(self) -> bool:
+        return self.role is Role.LEADER
+
+    @property
+    def committed(self) -> int:
+        return self.log.committed
+
+    @property
+    def applied(self) -> int:
+        return self.log.applied
+
+    def tick(self) -> None:
+        if self.role is Role.LEADER:
+            self._tick_leader()
+            return
+        self.election_elapsed += 1
+        if self.election_elapsed >= self._randomized_timeout:
+            self.election_elapsed = 0
+            self._campaign(pre=self.config.pre_vote)
+
+    def campaign(self) -> None:
+        """Start an election now (tests, or an operator's transfer)."""
+        if self.role is not Role.LEADER:
+            self._campaign(pre=self.config.pre_vote)
+
+    def propose(self, commands: list[bytes]) -> tuple[int, int]:
+        """Append commands (one batch: one Append to each follower).
+
+        Returns ``(first_index, term)``; command ``k`` is at ``first_index + k``
+        and was committed iff the entry applied at that index has that term.
+
+        Raises:
+            NotLeader: with ``leader_id`` (0 when unknown).
+        """
+        if self.role is not Role.LEADER:
+            raise NotLeader("not the raft leader", leader_id=self.lead)
+        first = self.log.last_index() + 1
+        self.log.append([Entry(self.term, first + k, c) for k, c in enumerate(commands)])
+        self._bcast_append()
+        return first, self.term
+
+    def read_index(self) -> int:
+        """Ask for a linearizable read; returns its ``seq``. A ReadState with
+        that seq comes out in a later Ready, once a quorum has confirmed
+        that we are still the leader.
+
+        Raises:
+            NotLeader: with ``leader_id``.
+        """
+        if self.role is not Role.LEADER:
+            raise NotLeader("not the raft leader", leader_id=self.lead)
+        self._read_seq += 1
+        seq = self._read_seq
+        index = self.log.committed if self._committed_in_term() else None
+        self._reads.append(_Read(seq, index))
+        if len(self.voters) == 1:
+            self._release_reads()
+        else:
+            self._bcast_heartbeat()
+        return seq
+
+    def step(self, m: Message) -> None:
+        if m.dst != self.id or m.src not in self.voters or m.src == self.id:
+            return
+        if m.term > self.term:
+            if isinstance(m, Vote):
+                in_lease = (
+                    self.config.check_quorum
+                    and self.lead != NONE
+                    and self.election_elapsed < self.config.election_tick
+                )
+                if in_lease:
+                    return  # we hear from a live leader: ignore the disruptor
+            if (isinstance(m, Vote) and m.pre) or (isinstance(m, VoteResp) and m.pre and m.granted):
+                pass  # pre-votes never change anyone's term
+            elif isinstance(m, Append | Heartbeat | InstallSnapshot):
+                self._become_follower(m.term, m.src)
+            else:
+                self._become_follower(m.term, NONE)
+        elif m.term < self.term:
+            if isinstance(m, Append | Heartbeat):
+                # A deposed leader: tell it our term so it steps down (without
+                # this, pre-vote + check-quorum could leave it stuck).
+                self._send(AppendResp(self.term, self.id, m.src, 0))
+            elif isinstance(m, Vote) and m.pre:
+                self._send(VoteResp(self.term, self.id, m.src, False, pre=True))
+            return
+
+        if isinstance(m, Vote):
+            self._handle_vote(m)
+        elif self.role is Role.LEADER:
+            self._step_leader(m)
+        elif self.role is Role.FOLLOWER:
+            self._step_follower(m)
+        else:
+            self._step_candidate(m)
+
+    def has_ready(self) -> bool:
+        out = self._out
+        return bool(
+            out.messages
+            or out.eager
+            or out.read_states
+            or self._hard_state() != self._persisted
+            or self.log.stable < self.log.last_index()
+            or self.log.pending_snapshot is not None
+            or self.log.committed > self.log.applied
+            or self._soft_state() != self._soft
+        )
+
+    def ready(self) -> Ready:
+        if self._in_ready is not None:
+            raise AssertionError("ready() called twice without advance()")
+        hs = self._hard_state()
+        entries = tuple(self.log.unstable_entries())
+        hard = hs if hs != self._persisted else None
+        must_sync = (
+            bool(entries)
+            or (
+                hard is not None
+                and (hs.term, hs.vote) != (self._persisted.term, self._persisted.vote)
+            )
+            or self.log.pending_snapshot is not None
+        )
+        soft = self._soft_state()
+        out = self._out
+        rd = Ready(
+            hard_state=hard,
+            must_sync=must_sync,
+            entries=entries,
+            snapshot=self.log.pending_snapshot,
+            committed_entries=tuple(self.log.committed_to_apply()),
+            messages=tuple(out.messages),
+            eager_messages=tuple(out.eager),
+            read_states=tuple(out.read_states),
+            soft_state=soft if soft != self._soft else None,
+        )
+        self._out = _Out()
+        if rd.soft_state is not None:
+            self._soft = rd.soft_state
+        self._in_ready = rd
+        return rd
+
+    def advance(self, rd: Ready) -> None:
+        """The driver has done everything ``rd`` asked for."""
+        if rd is not self._in_ready:
+            raise AssertionError("advance() with a Ready that is not the current one")
+        self._in_ready = None
+        if rd.hard_state is not None:
+            self._persisted = rd.hard_state
+        if rd.snapshot is not None:
+            self.snapshot = rd.snapshot
+            self.log.snapshot_persisted(rd.snapshot.meta.index)
+        if rd.entries:
+            last = rd.entries[-1]
+            self.log.stable_to(last.index, last.term)
+        if rd.committed_entries:
+            self.log.applied_to(rd.committed_entries[-1].index)
+        if self.role is Role.LEADER and rd.entries and self._maybe_commit():
+            self._bcast_append()
+
+    def snapshot_meta(self, index: int) -> SnapshotMeta:
+        """Metadata for a state machine snapshot taken at applied ``index``."""
+        term = self.log.term(index)
+        if term is None or index > self.log.applied:
+            raise InvalidArgument(f"raft: cannot snapshot at {index} (applied {self.log.applied})")
+        return SnapshotMeta(index, term, self.voters)
+
+    def compact(self, snapshot: Snapshot) -> None:
+        """The driver persisted ``snapshot``; drop the log up to it."""
+        if self.snapshot is None or snapshot.meta.index > self.snapshot.meta.index:
+            self.snapshot = snapshot
+        self.log.compact(snapshot.meta.index)
+
+    def persisted_hard_state(self) -> HardState:
+        return self._persisted
+
+    def stable_entries(self) -> list[Entry]:
+        return self.log.entries[: self.log.stable - self.log.snap_index]
+
+    # ------------------------------------------------------------ internals
+    def _hard_state(self) -> HardState:
+        return HardState(self.term, self.vote, self.log.committed)
+
+    def _soft_state(self) -> SoftState:
+        return SoftState(self.lead, self.role, self.term)
+
+    def _send(self, m: Message) -> None:
+        # A leader's replication traffic may leave before the disk write once
+        # the term and vote it rests on are on disk; everything else waits.
+        if (
+            self.role is Role.LEADER
+            and isinstance(m, Append | Heartbeat | InstallSnapshot)
+            and self._persisted.term == self.term
+            and self._persisted.vote == self.vote
+        ):
+            self._out.eager.append(m)
+        else:
+            self._out.messages.append(m)
+
+    def _reset(self, term: int) -> None:
+        if term != self.term:
+            self.term = term
+            self.vote = NONE
+        self.lead = NONE
+        self.election_elapsed = 0
+        self.heartbeat_elapsed = 0
+        et = self.config.election_tick
+        self._randomized_timeout = et + self.rng.randrange(et)
+        self._votes = {}
+        self.prs = {}
+        self._reads.clear()
+        self._read_acked = {}
+
+    def _become_follower(self, term: int, lead: int) -> None:
+        self._reset(term)
+        self.lead = lead
+        self.role = Role.FOLLOWER
+
+    def _campaign(self, pre: bool) -> None:
+        if pre:
+            self._reset(self.term)
+            self.role = Role.PRE_CANDIDATE
+            vote_term = self.term + 1
+        else:
+            self._reset(self.term + 1)
+            self.role = Role.CANDIDATE
+            self.vote = self.id
+            vote_term = self.term
+        self._votes[self.id] = True
+        if self._tally() >= self.quorum:
+            if pre:
+                self._campaign(pre=False)
+            else:
+                self._become_leader()
+            return
+        last_index, last_term = self.log.last_index(), self.log.last_term()
+        for v in self.voters:
+            if v != self.id:
+                self._send(Vote(vote_term, self.id, v, last_index, last_term, pre))
+
+    def _tally(self) -> int:
+        return sum(1 for g in self._votes.values() if g)
+
+    def _become_leader(self) -> None:
+        self._reset(self.term)
+        self.role = Role.LEADER
+        self.lead = self.id
+        nxt = self.log.last_index() + 1
+        self.prs = {v: Progress(nxt) for v in self.voters if v != self.id}
+        # A no-op of our own term: committing it commits every earlier entry
+        # (we may not count replicas of older-term entries, Raft 5.4.2) and
+        # it unblocks read-index.
+        self.log.append([Entry(self.term, nxt, b"", EntryKind.NOOP)])
+        self._bcast_append()
+
+    def _handle_vote(self, m: Vote) -> None:
+        can_vote = (
+            self.vote == m.src
+            or (self.vote == NONE and self.lead == NONE)
+            or (m.pre and m.term > self.term)
+        )
+        if can_vote and self.log.is_up_to_date(m.last_index, m.last_term):
+            self._send(VoteResp(m.term, self.id, m.src, True, m.pre))
+            if not m.pre:
+                self.election_elapsed = 0
+                self.vote = m.src
+        else:
+            self._send(VoteResp(self.term, self.id, m.src, False, m.pre))
+
+    # -- follower / candidate
+    def _step_follower(self, m: Message) -> None:
+        if isinstance(m, Append):
+            self.election_elapsed = 0
+            self.lead = m.src
+            self._handle_append(m)
+        elif isinstance(m, Heartbeat):
+            self.election_elapsed = 0
+            self.lead = m.src
+            self.log.commit_to(min(m.commit, self.log.last_index()))
+            self._send(HeartbeatResp(self.term, self.id, m.src, m.ctx))
+        elif isinstance(m, InstallSnapshot):
+            self.election_elapsed = 0
+            self.lead = m.src
+            self._handle_snapshot(m)
+
+    def _step_candidate(self, m: Message) -> None:
+        if isinstance(m, Append | Heartbeat | InstallSnapshot):
+            self._become_follower(m.term, m.src)  # a leader of our term won
+            self._step_follower(m)
+        elif isinstance(m, VoteResp):
+            if m.pre != (self.role is Role.PRE_CANDIDATE):
+                return
+            self._votes.setdefault(m.src, m.granted)
+            granted = self._tally()
+            if granted >= self.quorum:
+                if self.role is Role.PRE_CANDIDATE:
+                    self._campaign(pre=False)
+                else:
+                    self._become_leader()
+            elif len(self._votes) - granted >= self.quorum:
+                self._become_follower(self.term, NONE)
+
+    def _handle_append(self, m: Append) -> None:
+        log = self.log
+        if m.prev_index < log.committed:
+            self._send(AppendResp(self.term, self.id, m.src, log.committed))
+            return
+        last_new = log.maybe_append(m.prev_index, m.prev_term, m.commit, m.entries)
+        if last_new is not None:
+            self._send(AppendResp(self.term, self.id, m.src, last_new))
+            return
+        hint_index, hint_term = log.find_conflict_by_term(
+            min(m.prev_index, log.last_index()), m.prev_term
+        )
+        self._send(AppendResp(self.term, self.id, m.src, m.prev_index, True, hint_index, hint_term))
+
+    def _handle_snapshot(self, m: InstallSnapshot) -> None:
+        meta = m.snapshot.meta
+        log = self.log
+        if meta.index <= log.committed:
+            self._send(AppendResp(self.term, self.id, m.src, log.committed))
+            return
+        if log.match_term(meta.index, meta.term):
+            # We hold that entry: fast-forward. Our tail beyond it may be from
+            # an older term, so only the commit point is known to match.
+            log.commit_to(meta.index)
+            self._send(AppendResp(self.term, self.id, m.src, log.committed))
+            return
+        log.restore(m.snapshot)
+        self._send(AppendResp(self.term, self.id, m.src, log.last_index()))
+
+    # -- leader
+    def _tick_leader(self) -> None:
+        self.heartbeat_elapsed += 1
+        self.election_elapsed += 1
+        if self.election_elapsed >= self.config.election_tick:
+            self.election_elapsed = 0
+            if self.config.check_quorum:
+                active = 1 + sum(1 for pr in self.prs.values() if pr.recent_active)
+                for pr in self.prs.values():
+                    pr.recent_active = False
+                if active < self.quorum:
+                    self._become_follower(self.term, NONE)
+                    return
+            for to, pr in self.prs.items():
+                if pr.state is _PState.SNAPSHOT:
+                    pr.snapshot_elapsed += 1
+                    if pr.snapshot_elapsed >= 2:  # lost, or slow: probe again
+                        pr.become_probe()
+                        self._send_append(to)
+        if self.heartbeat_elapsed >= self.config.heartbeat_tick:
+            self.heartbeat_elapsed = 0
+            self._bcast_heartbeat()
+
+    def _step_leader(self, m: Message) -> None:
+        pr = self.prs.get(m.src)
+        if pr is None:
+            return
+        if isinstance(m, AppendResp):
+            pr.recent_active = True
+            if m.reject:
+                next_probe = m.hint_index
+                if m.hint_term > 0:
+                    next_probe, _ = self.log.find_conflict_by_term(m.hint_index, m.hint_term)
+                if pr.maybe_decr_to(m.index, next_probe):
+                    if pr.state is _PState.REPLICATE:
+                        pr.become_probe()
+                    self._send_append(m.src)
+                return
+            was_paused = pr.paused(self.config.max_inflight)
+            if not pr.maybe_update(m.index):
+                return
+            if pr.state is _PState.PROBE:
+                pr.become_replicate()
+            elif pr.state is _PState.SNAPSHOT and pr.match >= pr.pending_snapshot:
+                pr.become_probe()
+                pr.become_replicate()
+            elif pr.state is _PState.REPLICATE:
+                while pr.inflight and pr.inflight[0] <= m.index:
+                    pr.inflight.popleft()
+            if self._maybe_commit():
+                self._bcast_append()
+            elif was_paused:
+                self._send_append(m.src)
+            while self._send_append(m.src, send_empty=False):
+                pass
+        elif isinstance(m, HeartbeatResp):
+            pr.recent_active = True
+            pr.probe_sent = False
+            if pr.state is _PState.REPLICATE and len(pr.inflight) >= self.config.max_inflight:
+                pr.inflight.popleft()  # an Append may be lost: make room to probe on
+            if pr.match < self.log.last_index():
+                self._send_append(m.src)
+            if m.ctx > self._read_acked.get(m.src, 0):
+                self._read_acked[m.src] = m.ctx
+                self._release_reads()
+
+    def _send_append(self, to: int, send_empty: bool = True) -> bool:
+        pr = self.prs[to]
+        if pr.paused(self.config.max_inflight):
+            return False
+        log = self.log
+        prev = pr.next - 1
+        prev_term = log.term(prev)
+        if prev_term is None:
+            return self._send_snapshot(to, pr)
+        last = log.last_index()
+        entries = (
+            log.slice(pr.next, last + 1, self.config.max_append_bytes) if pr.next <= last else []
+        )
+        if not entries and not send_empty:
+            return False
+        self._send(Append(self.term, self.id, to, prev, prev_term, tuple(entries), log.committed))
+        if pr.state is _PState.REPLICATE and entries:
+            pr.next = entries[-1].index + 1
+            pr.inflight.append(entries[-1].index)
+        elif pr.state is _PState.PROBE:
+            pr.probe_sent = True
+        return True
+
+    def _send_snapshot(self, to: int, pr: Progress) -> bool:
+        snap = self.snapshot
+        if snap is None or snap.meta.index < self.log.snap_index:
+            raise AssertionError("log compacted without a persisted snapshot")
+        pr.become_snapshot(snap.meta.index)
+        self._send(InstallSnapshot(self.term, self.id, to, snap))
+        return True
+
+    def _bcast_append(self) -> None:
+        for to in self.prs:
+            self._send_append(to)
+
+    def _bcast_heartbeat(self) -> None:
+        commit = self.log.committed
+        ctx = self._read_seq
+        for to, pr in self.prs.items():
+            self._send(Heartbeat(self.term, self.id, to, min(pr.match, commit), ctx))
+
+    def _committed_in_term(self) -> bool:
+        return self.log.term(self.log.committed) == self.term
+
+    def _maybe_commit(self) -> bool:
+        matches = sorted([self.log.stable, *(pr.match for pr in self.prs.values())], reverse=True)
+        index = matches[self.quorum - 1]
+        had = self._committed_in_term()
+        if not self.log.maybe_commit(index, self.term):
+            return False
+        if not had:
+            # First commit of our term: reads that waited for it get their index.
+            for r in self._reads:
+                if r.index is None:
+                    r.index = self.log.committed
+            self._release_reads()
+        return True
+
+    def _release_reads(self) -> None:
+        acked = self._read_acked
+        while self._reads:
+            r = self._reads[0]
+            if r.index is None:
+                return
+            votes = 1 + sum(1 for v in acked.values() if v >= r.seq)
+            if votes < self.quorum:
+                return
+            self._reads.popleft()
+            self._out.read_states.append(ReadState(r.seq, r.index))

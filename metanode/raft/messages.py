@@ -1,0 +1,298 @@
+"""Typed, frozen Raft messages and their msgpack encoding.
+
+The core (``core.py``) only ever sees these classes; bytes exist only at the
+edge (``encode``/``decode``), which is where untrusted input is validated:
+``decode`` rejects anything malformed with :class:`cachefs.errors.ProtocolError`
+so a bad peer can never put a half-formed message into a core.
+
+Every message carries ``term`` (the sender's term, or the term it asks for in
+a pre-vote), ``src`` and ``dst`` (replica ids). Node ids are small positive
+ints; ``0`` means "none" (no vote, no known leader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from cachefs.errors import ProtocolError
+
+NONE = 0  # "no node": no vote cast, no leader known
+
+
+class EntryKind(IntEnum):
+    NORMAL = 0  # a state machine command
+    NOOP = 1  # appended by a new leader to commit entries of earlier terms
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    term: int
+    index: int
+    data: bytes = b""
+    kind: EntryKind = EntryKind.NORMAL
+
+
+@dataclass(frozen=True, slots=True)
+class HardState:
+    """What must be on disk before a node answers anyone (Raft figure 2)."""
+
+    term: int = 0
+    vote: int = NONE
+    commit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMeta:
+    index: int = 0
+    term: int = 0
+    voters: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    meta: SnapshotMeta
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """RequestVote; ``pre`` marks a pre-vote, which changes nobody's term."""
+
+    term: int
+    src: int
+    dst: int
+    last_index: int
+    last_term: int
+    pre: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class VoteResp:
+    term: int
+    src: int
+    dst: int
+    granted: bool
+    pre: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    term: int
+    src: int
+    dst: int
+    prev_index: int
+    prev_term: int
+    entries: tuple[Entry, ...]
+    commit: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResp:
+    """``index``: the follower's last matching index on success, or the
+    rejected ``prev_index``; on reject ``hint_index``/``hint_term`` point at
+    the follower's last entry whose term is <= the leader's ``prev_term``
+    (fast back-off: one round trip per term, not per entry)."""
+
+    term: int
+    src: int
+    dst: int
+    index: int
+    reject: bool = False
+    hint_index: int = 0
+    hint_term: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """``ctx`` is the leader's newest read-index request number; an answer
+    with ``ctx >= n`` proves the follower still followed us after read ``n``."""
+
+    term: int
+    src: int
+    dst: int
+    commit: int
+    ctx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResp:
+    term: int
+    src: int
+    dst: int
+    ctx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstallSnapshot:
+    term: int
+    src: int
+    dst: int
+    snapshot: Snapshot
+
+
+Message = Vote | VoteResp | Append | AppendResp | Heartbeat | HeartbeatResp | InstallSnapshot
+
+# ---------------------------------------------------------------- encoding
+# A message is a msgpack array [tag, term, src, dst, *fields]; entries are
+# [term, index, kind, data]; a snapshot is [index, term, voters, data].
+
+_TAGS: dict[type, int] = {
+    Vote: 1,
+    VoteResp: 2,
+    Append: 3,
+    AppendResp: 4,
+    Heartbeat: 5,
+    HeartbeatResp: 6,
+    InstallSnapshot: 7,
+}
+
+
+def _entry_out(e: Entry) -> list[Any]:
+    return [e.term, e.index, int(e.kind), e.data]
+
+
+def _snapshot_out(s: Snapshot) -> list[Any]:
+    return [s.meta.index, s.meta.term, list(s.meta.voters), s.data]
+
+
+def _to_list(m: Message) -> list[Any]:
+    head = [_TAGS[type(m)], m.term, m.src, m.dst]
+    match m:
+        case Vote():
+            return [*head, m.last_index, m.last_term, m.pre]
+        case VoteResp():
+            return [*head, m.granted, m.pre]
+        case Append():
+            return [*head, m.prev_index, m.prev_term, [_entry_out(e) for e in m.entries], m.commit]
+        case AppendResp():
+            return [*head, m.index, m.reject, m.hint_index, m.hint_term]
+        case Heartbeat():
+            return [*head, m.commit, m.ctx]
+        case HeartbeatResp():
+            return [*head, m.ctx]
+        case InstallSnapshot():
+            return [*head, _snapshot_out(m.snapshot)]
+    raise TypeError(f"not a raft message: {m!r}")
+
+
+def encode(m: Message) -> bytes:
+    return msgpack.packb(_to_list(m), use_bin_type=True)
+
+
+def encode_batch(msgs: list[Message] | tuple[Message, ...]) -> bytes:
+    """Several messages for one peer in one buffer (one RPC call)."""
+    return msgpack.packb([_to_list(m) for m in msgs], use_bin_type=True)
+
+
+def _uint(v: Any, what: str) -> int:
+    if type(v) is not int or v < 0:
+        raise ProtocolError(f"raft message: {what} must be a non-negative int, got {v!r}")
+    return v
+
+
+def _bool(v: Any, what: str) -> bool:
+    if type(v) is not bool:
+        raise ProtocolError(f"raft message: {what} must be a bool, got {v!r}")
+    return v
+
+
+def _bytes(v: Any, what: str) -> bytes:
+    if type(v) is not bytes:
+        raise ProtocolError(f"raft message: {what} must be bytes, got {type(v).__name__}")
+    return v
+
+
+def entry_from_list(raw: Any) -> Entry:
+    if type(raw) is not list or len(raw) != 4:
+        raise ProtocolError("raft message: an entry must be [term, index, kind, data]")
+    kind = _uint(raw[2], "entry kind")
+    if kind not in (EntryKind.NORMAL, EntryKind.NOOP):
+        raise ProtocolError(f"raft message: unknown entry kind {kind}")
+    return Entry(
+        _uint(raw[0], "entry term"),
+        _uint(raw[1], "entry index"),
+        _bytes(raw[3], "entry data"),
+        EntryKind(kind),
+    )
+
+
+def snapshot_from_list(raw: Any) -> Snapshot:
+    if type(raw) is not list or len(raw) != 4 or type(raw[2]) is not list:
+        raise ProtocolError("raft message: a snapshot must be [index, term, voters, data]")
+    voters = tuple(_uint(v, "voter id") for v in raw[2])
+    meta = SnapshotMeta(_uint(raw[0], "snapshot index"), _uint(raw[1], "snapshot term"), voters)
+    return Snapshot(meta, _bytes(raw[3], "snapshot data"))
+
+
+_ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 5, 7: 5}
+
+
+def _from_list(raw: Any) -> Message:
+    if (
+        type(raw) is not list
+        or not raw
+        or type(raw[0]) is not int
+        or _ARITY.get(raw[0]) != len(raw)
+    ):
+        raise ProtocolError("raft message: bad shape")
+    tag = raw[0]
+    term, src, dst = _uint(raw[1], "term"), _uint(raw[2], "src"), _uint(raw[3], "dst")
+    if tag == 1:
+        return Vote(
+            term,
+            src,
+            dst,
+            _uint(raw[4], "last_index"),
+            _uint(raw[5], "last_term"),
+            _bool(raw[6], "pre"),
+        )
+    if tag == 2:
+        return VoteResp(term, src, dst, _bool(raw[4], "granted"), _bool(raw[5], "pre"))
+    if tag == 3:
+        if type(raw[6]) is not list:
+            raise ProtocolError("raft message: entries must be a list")
+        prev_index = _uint(raw[4], "prev_index")
+        entries = tuple(entry_from_list(e) for e in raw[6])
+        for i, e in enumerate(entries):
+            if e.index != prev_index + 1 + i:
+                raise ProtocolError("raft message: entries are not contiguous after prev_index")
+        return Append(
+            term, src, dst, prev_index, _uint(raw[5], "prev_term"), entries, _uint(raw[7], "commit")
+        )
+    if tag == 4:
+        return AppendResp(
+            term,
+            src,
+            dst,
+            _uint(raw[4], "index"),
+            _bool(raw[5], "reject"),
+            _uint(raw[6], "hint_index"),
+            _uint(raw[7], "hint_term"),
+        )
+    if tag == 5:
+        return Heartbeat(term, src, dst, _uint(raw[4], "commit"), _uint(raw[5], "ctx"))
+    if tag == 6:
+        return HeartbeatResp(term, src, dst, _uint(raw[4], "ctx"))
+    return InstallSnapshot(term, src, dst, snapshot_from_list(raw[4]))
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"raft message: undecodable msgpack ({exc})") from None
+
+
+def decode(data: bytes) -> Message:
+    return _from_list(_unpack(data))
+
+
+def decode_batch(data: bytes) -> list[Message]:
+    raw = _unpack(data)
+    if type(raw) is not list:
+        raise ProtocolError("raft message batch: not a list")
+    return [_from_list(m) for m in raw]

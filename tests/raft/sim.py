@@ -1,0 +1,621 @@
+"""A deterministic in-process Raft cluster: simulated clock, network and disk.
+
+Everything random comes from one ``random.Random(seed)``, so a schedule is
+replayed exactly from its seed. The network loses, duplicates, delays and
+reorders messages and can be partitioned (also one-way); nodes crash and
+restart from their simulated disk, which loses whatever was not synced (and
+may keep a torn prefix of it, run through the real WAL codec). Each node
+handles ``Ready`` the way ``driver.RaftNode`` does: eager messages, write,
+sync (a separate event, so crashes can land in between), messages, apply,
+advance.
+
+After every event :class:`Checker` verifies election safety, log matching,
+leader completeness and state machine safety incrementally; client operations
+(put/get/cas on a small key-value store with client sessions) are recorded
+into a history that :func:`check_linearizable` checks at the end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from cachefs.metanode.raft import messages as wire
+from cachefs.metanode.raft import storage
+from cachefs.metanode.raft.core import RaftConfig, RaftCore, Ready, Role
+from cachefs.metanode.raft.messages import EntryKind, Message, Snapshot, SnapshotMeta
+
+from cachefs.errors import NotLeader
+
+TICK = 10  # time units per tick
+
+
+class KV:
+    """The model state machine: a key-value store with client sessions, so a
+    retried mutation (same client, same seq) is applied once and answered
+    with its first result."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, int] = {}
+        self.sessions: dict[str, tuple[int, Any]] = {}
+
+    def apply(self, index: int, command: bytes) -> Any:
+        client, seq, op, key, a, b = msgpack.unpackb(command)
+        last = self.sessions.get(client)
+        if last is not None and seq <= last[0]:
+            return last[1] if seq == last[0] else None
+        if op == "put":
+            self.data[key] = a
+            result: Any = True
+        elif op == "cas":
+            result = self.data.get(key) == a
+            if result:
+                self.data[key] = b
+        else:
+            raise AssertionError(f"bad op {op}")
+        self.sessions[client] = (seq, result)
+        return result
+
+    def snapshot(self) -> bytes:
+        return msgpack.packb([self.data, {c: list(v) for c, v in self.sessions.items()}])
+
+    def restore(self, data: bytes) -> None:
+        d, s = msgpack.unpackb(data)
+        self.data = d
+        self.sessions = {c: (v[0], v[1]) for c, v in s.items()}
+
+
+class SimDisk:
+    def __init__(self) -> None:
+        self.wal = bytearray(storage.encode_base(0, 0))
+        self.synced = len(self.wal)
+        self.snapshot: bytes | None = None
+        self.syncs = 0
+
+    def crash(self, rng: random.Random) -> None:
+        """Lose unsynced bytes; sometimes keep a torn prefix of them."""
+        unsynced = len(self.wal) - self.synced
+        keep = self.synced + (rng.randint(0, unsynced) if unsynced and rng.random() < 0.5 else 0)
+        del self.wal[keep:]
+        self.synced = len(self.wal)
+
+    def replace_wal(self, data: bytes) -> None:  # write tmp + fsync + rename
+        self.wal = bytearray(data)
+        self.synced = len(self.wal)
+
+
+@dataclass
+class Op:
+    client: int
+    kind: str  # put | cas | get
+    key: str
+    a: int | None
+    b: int | None
+    inv: int
+    resp: int | None = None
+    result: Any = None
+    index: int = 0  # the log index that answered (mutations)
+
+
+@dataclass
+class Client:
+    cid: int
+    seq: int = 0
+    op: Op | None = None
+    hint: int = 0
+    attempt_at: int = 0
+
+
+@dataclass
+class Params:
+    nodes: int = 3
+    loss: float = 0.0
+    dup: float = 0.0
+    max_delay: int = 12
+    fault_every: int = 60  # mean time units between faults
+    crash_weight: int = 2
+    disk_delay: int = 4  # max time units an fsync takes
+    drift: int = 0  # each node's tick period is TICK +- drift
+    snapshot_every: int = 0  # 0: never
+    fault_time: int = 600
+    settle_time: int = 1500
+    clients: int = 3
+    max_ops: int = 24
+    election_tick: int = 5
+
+
+class SafetyViolation(AssertionError):
+    pass
+
+
+class Checker:
+    """Raft's safety properties, checked incrementally after every event."""
+
+    def __init__(self) -> None:
+        self.leaders: dict[int, int] = {}  # term -> leader
+        self.entries: dict[tuple[int, int], tuple[bytes, int, int]] = {}  # (index, term) -> (data, kind, prev term)
+        self.applied: dict[int, tuple[int, bytes]] = {}  # index -> (term, data)
+        self.commit_term: dict[int, tuple[int, int]] = {}  # index -> (leader term, entry term)
+        self.max_commit = 0
+
+    def on_ready(self, node: SimNode, rd: Ready) -> None:
+        core = node.core
+        if rd.soft_state is not None and rd.soft_state.role is Role.LEADER:
+            term = rd.soft_state.term
+            other = self.leaders.setdefault(term, node.id)
+            if other != node.id:
+                raise SafetyViolation(f"election safety: {other} and {node.id} both lead term {term}")
+            # Leader completeness: every entry committed in an earlier term is in
+            # the new leader's log. (A leader of an older term can still win,
+            # late, with votes that were delayed in the network.)
+            for index, (c, t) in self.commit_term.items():
+                if c < term and index > core.log.snap_index and core.log.term(index) != t:
+                    raise SafetyViolation(f"leader completeness: leader {node.id} of term {term} "
+                                          f"lacks entry {index} committed in term {c}")
+        if core.log.committed > self.max_commit:
+            # Newly committed, by a leader of a term <= ours (so this record
+            # can only make the completeness check weaker, never wrong).
+            for index in range(self.max_commit + 1, core.log.committed + 1):
+                t = core.log.term(index)
+                if t is None:
+                    t = self.applied[index][0]
+                self.commit_term[index] = (core.term, t)
+            self.max_commit = core.log.committed
+        for e in rd.entries:
+            prev = core.log.term(e.index - 1)
+            if prev is None:
+                raise SafetyViolation(f"node {node.id}: entry {e.index} has no predecessor")
+            key = (e.index, e.term)
+            seen = self.entries.setdefault(key, (e.data, int(e.kind), prev))
+            if seen != (e.data, int(e.kind), prev):
+                raise SafetyViolation(f"log matching: entry {key} differs between logs")
+
+    def on_apply(self, node: SimNode, index: int, term: int, data: bytes) -> None:
+        if index != node.applied + 1:
+            raise SafetyViolation(f"node {node.id} applied {index} after {node.applied}")
+        seen = self.applied.setdefault(index, (term, data))
+        if seen != (term, data):
+            raise SafetyViolation(f"state machine safety: index {index} applied as {seen[0]} and {term}")
+
+
+class SimNode:
+    def __init__(self, sim: Sim, node_id: int) -> None:
+        self.sim = sim
+        self.id = node_id
+        self.disk = SimDisk()
+        self.alive = False
+        self.inbox: list[Any] = []
+        self.paused_until = 0
+        self.tick_period = TICK
+        self.busy: Ready | None = None
+        self.pending: dict[int, tuple[int, Op]] = {}  # index -> (term, op)
+        self.reads: dict[int, Op] = {}  # read seq -> get op
+        self.released: list[tuple[int, Op]] = []  # (index, op) waiting for apply
+        self.applied = 0
+        self.core: RaftCore
+        self.sm = KV()
+        self.start()
+
+    def start(self) -> None:
+        sim = self.sim
+        snap = storage.decode_snapshot(self.disk.snapshot) if self.disk.snapshot else None
+        res = storage.scan(self.disk.wal)
+        if res.problem is not None:  # the cut the real storage does at start-up
+            del self.disk.wal[res.valid_len:]
+            self.disk.synced = len(self.disk.wal)
+        rep = storage.replay(res.records, snap.meta if snap else SnapshotMeta())
+        assert rep.problem is None, rep.problem
+        self.core = RaftCore(self.id, sim.ids, rng=random.Random(sim.rng.random()),
+                             config=sim.config, hard_state=rep.hard_state, snapshot=snap,
+                             entries=rep.entries)
+        self.sm = KV()
+        self.applied = 0
+        if snap is not None:
+            self.sm.restore(snap.data)
+            self.applied = snap.meta.index
+        self.alive = True
+        self.busy = None
+        self.inbox = []
+        self.paused_until = 0
+        self.process()
+
+    def crash(self) -> None:
+        self.alive = False
+        self.disk.crash(self.sim.rng)
+        self.busy = None
+        self.inbox = []
+        self.pending.clear()
+        self.reads.clear()
+        self.released.clear()
+
+    # -- inputs: queued while the node is busy (fsync) or paused (a stall)
+    def _can_run(self) -> bool:
+        return self.alive and self.busy is None and self.paused_until <= self.sim.now
+
+    def deliver(self, m: Message) -> None:
+        if self.alive:
+            self.inbox.append(m)
+            self.process()
+
+    def tick(self) -> None:
+        if self.alive and self.paused_until <= self.sim.now:  # a stalled clock misses ticks
+            self.inbox.append(None)
+            self.process()
+
+    def submit(self, op: Op, command: bytes | None) -> None:
+        if self.alive:
+            self.inbox.append((op, command))
+            self.process()
+
+    def _submit(self, op: Op, command: bytes | None) -> None:
+        """A client attempt; NotLeader comes back as a hint."""
+        client = self.sim.clients[op.client]
+        try:
+            if command is None:
+                self.reads[self.core.read_index()] = op
+            else:
+                first, term = self.core.propose([command])
+                self.pending[first] = (term, op)
+        except NotLeader as exc:
+            client.hint = exc.details.get("leader_id", 0)
+
+    def pause(self, duration: int) -> None:
+        self.paused_until = self.sim.now + duration
+        self.sim.schedule(duration, lambda _: self.process(), None)
+
+    # -- the driver loop
+    def process(self) -> None:
+        sim = self.sim
+        while self._can_run():
+            while self.inbox:
+                m = self.inbox.pop(0)
+                if m is None:
+                    self.core.tick()
+                elif type(m) is tuple:
+                    self._submit(*m)
+                else:
+                    self.core.step(m)
+            if not self.core.has_ready():
+                return
+            rd = self.core.ready()
+            sim.checker.on_ready(self, rd)
+            if rd.soft_state is not None and rd.soft_state.role is not Role.LEADER:
+                self.reads.clear()  # lost leadership: those reads fail, clients retry
+            for m in rd.eager_messages:
+                sim.send(m)
+            if rd.snapshot is not None:
+                self.disk.snapshot = storage.encode_snapshot(rd.snapshot)
+                self.disk.replace_wal(storage.encode_base(rd.snapshot.meta.index, rd.snapshot.meta.term))
+            self.disk.wal += storage.encode_ready(rd.entries, rd.hard_state)
+            if rd.must_sync and sim.rng.random() < 0.7:
+                self.busy = rd
+                sim.schedule(sim.rng.randint(1, sim.params.disk_delay), self.synced, rd)
+                return
+            self.finish(rd)
+
+    def synced(self, rd: Ready) -> None:
+        if self.busy is not rd or not self.alive:
+            return  # crashed meanwhile
+        if self.paused_until > self.sim.now:
+            self.sim.schedule(self.paused_until - self.sim.now, self.synced, rd)
+            return
+        self.busy = None
+        self.finish(rd)
+        self.process()
+
+    def finish(self, rd: Ready) -> None:
+        sim = self.sim
+        if rd.must_sync:
+            self.disk.synced = len(self.disk.wal)
+            self.disk.syncs += 1
+        for m in rd.messages:
+            sim.send(m)
+        if rd.snapshot is not None:
+            self.sm.restore(rd.snapshot.data)
+            self.applied = rd.snapshot.meta.index
+            for idx in [i for i in self.pending if i <= self.applied]:
+                self.pending.pop(idx)  # outcome unknown here: clients retry
+        for e in rd.committed_entries:
+            sim.checker.on_apply(self, e.index, e.term, e.data)
+            self.applied = e.index
+            result = self.sm.apply(e.index, e.data) if e.kind is EntryKind.NORMAL else None
+            waiting = self.pending.pop(e.index, None)
+            if waiting is not None and waiting[0] == e.term:
+                waiting[1].index = e.index
+                sim.complete(waiting[1], result)
+        for rs in rd.read_states:
+            op = self.reads.pop(rs.seq, None)
+            if op is not None:
+                self.released.append((rs.index, op))
+        if self.released:
+            still = []
+            for index, op in self.released:
+                if self.applied >= index:
+                    sim.complete(op, self.sm.data.get(op.key))
+                else:
+                    still.append((index, op))
+            self.released = still
+        self.core.advance(rd)
+        every = sim.params.snapshot_every
+        if every and self.core.applied - self.core.log.snap_index >= every:
+            self.take_snapshot()
+
+    def take_snapshot(self) -> None:
+        index = self.core.applied
+        snap = Snapshot(self.core.snapshot_meta(index), self.sm.snapshot())
+        self.disk.snapshot = storage.encode_snapshot(snap)
+        self.core.compact(snap)
+        self.disk.replace_wal(
+            storage.encode_base(index, snap.meta.term)
+            + storage.encode_ready(self.core.stable_entries(), self.core.persisted_hard_state()))
+
+
+@dataclass(order=True)
+class _Event:
+    at: int
+    seq: int
+    fn: Any = field(compare=False)
+    arg: Any = field(compare=False)
+
+
+class Sim:
+    def __init__(self, seed: int, params: Params) -> None:
+        self.seed = seed
+        self.params = params
+        self.rng = random.Random(seed)
+        self.config = RaftConfig(election_tick=params.election_tick, heartbeat_tick=1,
+                                 max_append_bytes=64, max_inflight=4)
+        self.ids = list(range(1, params.nodes + 1))
+        self.now = 0
+        self.events = 0
+        self._queue: list[_Event] = []
+        self._seq = 0
+        self.blocked: set[tuple[int, int]] = set()
+        self.loss = params.loss
+        self.dup = params.dup
+        self.checker = Checker()
+        self.history: list[Op] = []
+        self.clients = [Client(c) for c in range(params.clients)]
+        self.value = 0
+        self.nodes = {i: SimNode(self, i) for i in self.ids}
+        for n in self.nodes.values():  # clocks drift: each node ticks at its own rate
+            n.tick_period = TICK + self.rng.randint(-params.drift, params.drift)
+        for i in self.ids:  # every node ticks every TICK, with its own phase
+            self.schedule(self.rng.randint(1, TICK), self._tick, i)
+
+    # -- event queue
+    def schedule(self, delay: int, fn: Any, arg: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, _Event(self.now + delay, self._seq, fn, arg))
+
+    def run_until(self, t: int, stop: Any = None) -> bool:
+        while self._queue and self._queue[0].at <= t:
+            ev = heapq.heappop(self._queue)
+            self.now = ev.at
+            self.events += 1
+            ev.fn(ev.arg)
+            if stop is not None and stop():
+                return True
+        self.now = t
+        return False
+
+    def _tick(self, node_id: int) -> None:
+        node = self.nodes[node_id]
+        node.tick()
+        self.schedule(node.tick_period, self._tick, node_id)
+
+    # -- network
+    def send(self, m: Message) -> None:
+        if (m.src, m.dst) in self.blocked or self.rng.random() < self.loss:
+            return
+        if self.rng.random() < 0.2:  # exercise the codec on a share of the traffic
+            decoded = wire.decode(wire.encode(m))
+            assert decoded == m, (decoded, m)
+        self.schedule(self.rng.randint(1, self.params.max_delay), self._deliver, m)
+        if self.rng.random() < self.dup:
+            self.schedule(self.rng.randint(1, self.params.max_delay * 2), self._deliver, m)
+
+    def _deliver(self, m: Message) -> None:
+        if (m.src, m.dst) not in self.blocked:
+            self.nodes[m.dst].deliver(m)
+
+    # -- clients
+    def _client_step(self, cid: int) -> None:
+        client = self.clients[cid]
+        rng = self.rng
+        if client.op is None:
+            if len(self.history) >= self.params.max_ops:
+                return
+            kind = rng.choice(("put", "put", "cas", "get", "get"))
+            if len(self.history) + 1 == self.params.max_ops and self.now >= self.params.fault_time:
+                kind = "put"  # the final probe
+            key = rng.choice(("x", "y"))
+            self.value += 1
+            a: int | None = None
+            b: int | None = None
+            if kind == "put":
+                a = self.value
+            elif kind == "cas":
+                a, b = rng.choice((None, self.value - 1, self.value - 2)), self.value
+            client.seq += 1
+            client.op = Op(cid, kind, key, a, b, inv=self._stamp())
+            self.history.append(client.op)
+        op = client.op
+        alive = [n for n in self.nodes.values() if n.alive]
+        if alive:
+            node = self.nodes.get(client.hint)
+            if node is None or not node.alive or rng.random() < 0.2:
+                node = rng.choice(alive)
+            cmd = None if op.kind == "get" else msgpack.packb(
+                [f"c{cid}", client.seq, op.kind, op.key, op.a, op.b])
+            node.submit(op, cmd)
+        # Retry the same op (same seq) later unless it completed by then.
+        self.schedule(rng.randint(TICK, 6 * TICK), self._client_retry, (cid, op))
+
+    def _client_retry(self, arg: tuple[int, Op]) -> None:
+        cid, op = arg
+        if self.clients[cid].op is op:
+            self._client_step(cid)
+
+    def _client_next(self, cid: int) -> None:
+        if self.clients[cid].op is None:
+            self._client_step(cid)
+
+    def _stamp(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def complete(self, op: Op, result: Any) -> None:
+        if op.resp is not None:
+            return  # an older attempt of the same op answered already
+        op.resp = self._stamp()
+        op.result = result
+        client = self.clients[op.client]
+        if client.op is op:
+            client.op = None
+            self.schedule(self.rng.randint(1, 3 * TICK), self._client_next, op.client)
+
+    # -- faults
+    def _fault(self, _: Any) -> None:
+        rng = self.rng
+        p = self.params
+        choice = rng.choices(
+            ("crash", "crash_leader", "restart", "partition", "isolate_leader", "oneway", "heal",
+             "loss", "pause"),
+            weights=(p.crash_weight, p.crash_weight, 3, 2, 2, 2, 3, 1, 2))[0]
+        dead = [n for n in self.nodes.values() if not n.alive]
+        alive = [n for n in self.nodes.values() if n.alive]
+        leaders = [n for n in alive if n.core.is_leader]
+        if choice == "crash_leader" and leaders:
+            rng.choice(leaders).crash()
+        elif choice == "crash" and alive:
+            rng.choice(alive).crash()
+        elif choice == "restart" and dead:
+            rng.choice(dead).start()
+        elif choice in ("partition", "isolate_leader"):
+            if choice == "isolate_leader" and leaders:
+                side = {rng.choice(leaders).id}
+            else:
+                side = set(rng.sample(self.ids, rng.randint(1, len(self.ids) // 2)))
+            self.blocked = {(a, b) for a in self.ids for b in self.ids
+                            if a != b and ((a in side) != (b in side))}
+        elif choice == "oneway":
+            a, b = rng.sample(self.ids, 2)
+            self.blocked.add((a, b))
+        elif choice == "heal":
+            self.blocked = set()
+        elif choice == "pause" and alive:  # a stalled process (GC, swap): the leader, mostly
+            node = rng.choice(leaders) if leaders and rng.random() < 0.7 else rng.choice(alive)
+            node.pause(rng.randint(1, 20) * TICK)
+        elif choice == "loss":
+            self.loss = rng.choice((0.0, 0.05, 0.3))
+        self.schedule(rng.randint(1, 2 * p.fault_every), self._fault, None)
+
+    # -- the whole schedule
+    def run(self) -> None:
+        p = self.params
+        for c in range(p.clients):
+            self.schedule(self.rng.randint(1, 20 * TICK), self._client_step, c)
+        self.schedule(self.rng.randint(1, 2 * p.fault_every), self._fault, None)
+        self.run_until(p.fault_time)
+        # Heal everything and require progress: liveness after the storm.
+        self._queue = [e for e in self._queue if e.fn != self._fault]
+        heapq.heapify(self._queue)
+        self.blocked = set()
+        self.loss = 0.0
+        self.dup = 0.0
+        for n in self.nodes.values():
+            if not n.alive:
+                n.start()
+
+        def done() -> bool:
+            return all(op.resp is not None for op in self.history)
+
+        deadline = self.now + p.settle_time
+        self.run_until(deadline, stop=done)
+        if not done():
+            raise SafetyViolation(f"liveness: client ops still open after settling "
+                                  f"(leaders {self._leaders()})")
+        # A final write must reach every replica.
+        self.params = p = Params(**{**p.__dict__, "max_ops": len(self.history) + 1})
+        for c in self.clients:
+            if c.op is None:
+                self._client_step(c.cid)
+                break
+        probe = self.history[-1]
+        if not self.run_until(self.now + p.settle_time, stop=lambda: probe.resp is not None):
+            raise SafetyViolation(f"liveness: final write not answered (leaders {self._leaders()})")
+
+        def replicated() -> bool:
+            return all(n.applied >= probe.index for n in self.nodes.values())
+
+        if not self.run_until(self.now + p.settle_time, stop=replicated):
+            raise SafetyViolation(f"liveness: entry {probe.index} not applied everywhere: "
+                                  f"{[(n.id, n.applied) for n in self.nodes.values()]}")
+        by_index: dict[int, set[str]] = {}
+        for n in self.nodes.values():
+            by_index.setdefault(n.applied, set()).add(repr(sorted(n.sm.data.items())))
+        if any(len(states) != 1 for states in by_index.values()):
+            raise SafetyViolation(f"replicas differ at the same applied index: {by_index}")
+
+    def _leaders(self) -> list[tuple[int, int]]:
+        return [(n.id, n.core.term) for n in self.nodes.values() if n.alive and n.core.is_leader]
+
+
+# ------------------------------------------------------- linearizability
+def _step_model(state: int | None, op: Op) -> tuple[bool, int | None]:
+    """Apply ``op`` to one key's value; (result matches, new value)."""
+    if op.kind == "put":
+        return op.resp is None or op.result is True, op.a
+    if op.kind == "get":
+        return op.result == state, state
+    ok = state == op.a
+    if op.resp is not None and op.result != ok:
+        return False, state
+    return True, (op.b if ok else state)
+
+
+def check_linearizable(history: list[Op]) -> None:
+    """Wing & Gong search with memoisation (Lowe's WGL), per key.
+
+    Completed ops must all be linearized inside their [inv, resp] interval;
+    an op that never answered (``resp is None``) may take effect at any point
+    after its invocation, or never. Reads that never answered are dropped.
+    """
+    keys = {op.key for op in history}
+    for key in keys:
+        ops = [op for op in history if op.key == key and not (op.kind == "get" and op.resp is None)]
+        if not _wgl(ops):
+            lines = "\n".join(f"  c{o.client} {o.kind}({o.a},{o.b}) [{o.inv},{o.resp}] -> {o.result}"
+                              for o in sorted(ops, key=lambda o: o.inv))
+            raise SafetyViolation(f"history of key {key!r} is not linearizable:\n{lines}")
+
+
+def _wgl(ops: list[Op]) -> bool:
+    n = len(ops)
+    inf = float("inf")
+    resp = [o.resp if o.resp is not None else inf for o in ops]
+    need = 0
+    for i, o in enumerate(ops):
+        if o.resp is not None:
+            need |= 1 << i
+    seen: set[tuple[int, int | None]] = set()
+    stack: list[tuple[int, int | None]] = [(0, None)]
+    while stack:
+        done, state = stack.pop()
+        if done & need == need:
+            return True
+        if (done, state) in seen:
+            continue
+        seen.add((done, state))
+        horizon = min(resp[i] for i in range(n) if not done >> i & 1)
+        for i in range(n):
+            if done >> i & 1 or ops[i].inv > horizon:
+                continue
+            ok, new = _step_model(state, ops[i])
+            if ok:
+                stack.append((done | 1 << i, new))
+    return False
