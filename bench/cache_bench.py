@@ -1,0 +1,243 @@
+"""Cache node throughput against the bare RPC layer, in one run.
+
+Cases, each with 1, 4 and 16 concurrent readers on one client connection:
+(a) hits of whole 4 MiB blocks, MB/s; (b) hits of 128 KiB ranges at random
+aligned offsets, ranges/s; (c) the same two through a bare RPC server that
+answers ``get`` from one buffer in memory (no store, no checksum): the
+baseline the cache should approach; (d) misses (read-through of blocks never
+seen before from a backing server that serves from memory), MB/s.
+
+The cache node, the bare server and the backing server each run in their own
+process, so client and server get a core each. The cache directory is on the
+local disk (page cache warm after the first touch, as a hot flash cache is).
+
+    python -m bench.cache_bench [--json] [--repeat 3] [--seconds 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+import trio
+
+from bench.common import emit, free_port, median, print_table, ratio, spawn, stop, wait_for_port
+
+MiB = 1 << 20
+BLOCK = 4 * MiB
+RANGE = 128 * 1024
+WARM_BLOCKS = 32
+READERS = (1, 4, 16)
+
+
+def _block_for(key: bytes) -> bytes:
+    """Deterministic block contents without holding many blocks in memory."""
+    return (key * (BLOCK // len(key) + 1))[:BLOCK]
+
+
+# ---------------------------------------------------------------- servers
+
+def serve_backing(port: int) -> None:
+    """Backing storage stand-in: whole blocks from memory (the miss path's far end)."""
+    from cachefs.rpc import Reply, RpcServer, rpc_method
+
+    class Blocks:
+        @rpc_method
+        async def get_block(self, volume: str, key: bytes, offset: int = 0, length: int = -1) -> Reply:
+            return Reply({"size": BLOCK}, payload=_block_for(key))
+
+    trio.run(lambda: RpcServer(Blocks(), name="backing", secret=None).serve("127.0.0.1", port))
+
+
+def serve_bare(port: int) -> None:
+    """The baseline: ``get`` answered from one buffer, no store, no checksums."""
+    from cachefs.rpc import Reply, RpcServer, rpc_method
+
+    data = memoryview(bytes(BLOCK))
+
+    class Bare:
+        @rpc_method
+        async def get(self, volume: str, key: bytes, offset: int = 0, length: int = -1,
+                      policy: str = "wait") -> Reply:
+            end = BLOCK if length == -1 else min(BLOCK, offset + length)
+            return Reply({"size": BLOCK, "hit": True}, payload=data[offset:end])
+
+    trio.run(lambda: RpcServer(Bare(), name="bare", secret=None).serve("127.0.0.1", port))
+
+
+def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, memory: int, inline: int) -> None:
+    from cachefs.cachenode.service import CacheLimits, CacheService
+    from cachefs.cachenode.store import BlockStore
+
+    from cachefs.ids import BlockKey
+    from cachefs.rpc import RpcPool, RpcServer
+
+    class Source:
+        def __init__(self, pool: RpcPool) -> None:
+            self.pool = pool
+
+        async def get_block(self, volume: str, key: BlockKey) -> bytes:
+            reply = await self.pool.call(f"127.0.0.1:{backing_port}", "get_block",
+                                         {"volume": volume, "key": key.to_bytes()})
+            return reply.payload
+
+    async def main() -> None:
+        store = BlockStore.open(cache_dir, capacity, memory_capacity=memory)
+        async with trio.open_nursery() as nursery, RpcPool(secret=None) as pool:
+            service = CacheService(store, Source(pool), nursery=nursery, node="bench",
+                                   limits=CacheLimits(inline_read_max=inline))
+            await RpcServer(service, name="cachenode", secret=None).serve("127.0.0.1", port)
+
+    trio.run(main)
+
+
+# ---------------------------------------------------------------- clients
+
+def _key(i: int) -> bytes:
+    from cachefs.ids import BlockKey
+
+    return BlockKey(1 << 20 | i, 0).to_bytes()
+
+
+async def warm(addr: str, keys: list[bytes]) -> None:
+    from cachefs.rpc import RpcPool
+
+    async with RpcPool(secret=None) as pool:
+        answer = (await pool.call(addr, "prefetch", {"volume": "bench", "keys": keys, "wait": True},
+                                  timeout=120)).result
+        if answer.get("failed"):
+            raise RuntimeError(f"warm-up failed: {answer}")
+
+
+async def readers(addr: str, keys: list[bytes], n: int, seconds: float, length: int,
+                  fresh: bool = False) -> tuple[float, float]:
+    """(bytes/s, calls/s) of ``n`` concurrent readers on one connection."""
+    from cachefs.rpc import RpcPool
+
+    rng = random.Random(n)
+    counter = [0]
+    async with RpcPool(secret=None) as pool:
+        # connect first, so the handshake is not timed
+        await pool.call(addr, "get", {"volume": "bench", "key": keys[0], "offset": 0, "length": 1})
+        moved = calls = 0
+        deadline = time.perf_counter() + seconds
+
+        async def reader() -> None:
+            nonlocal moved, calls
+            while time.perf_counter() < deadline:
+                if fresh:
+                    counter[0] += 1
+                    key = _key(1_000_000 + counter[0] + n * 100_000)
+                else:
+                    key = rng.choice(keys)
+                offset = 0 if length == -1 else rng.randrange(BLOCK // length) * length
+                reply = await pool.call(addr, "get", {"volume": "bench", "key": key,
+                                                      "offset": offset, "length": length}, timeout=60)
+                moved += len(reply.payload)
+                calls += 1
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(reader)
+        elapsed = time.perf_counter() - start
+    return moved / elapsed, calls / elapsed
+
+
+# ---------------------------------------------------------------- main
+
+def run(repeat: int, seconds: float, memory: int, inline: int) -> dict:
+    cache_port, bare_port, backing_port = free_port(), free_port(), free_port()
+    cache_dir = tempfile.mkdtemp(prefix="cache-bench-", dir=os.environ.get("CACHE_BENCH_DIR"))
+    servers = [
+        spawn(["-m", "bench.cache_bench", "--serve-backing", str(backing_port)]),
+        spawn(["-m", "bench.cache_bench", "--serve-bare", str(bare_port)]),
+        spawn(["-m", "bench.cache_bench", "--serve-cache", str(cache_port), "--backing-port",
+               str(backing_port), "--dir", cache_dir, "--memory", str(memory), "--inline-read-max", str(inline)]),
+    ]
+    try:
+        for port, proc in zip((backing_port, bare_port, cache_port), servers, strict=True):
+            wait_for_port(port, proc=proc)
+        cache, bare = f"127.0.0.1:{cache_port}", f"127.0.0.1:{bare_port}"
+        keys = [_key(i) for i in range(WARM_BLOCKS)]
+        trio.run(warm, cache, keys)
+        samples: dict[str, list[float]] = {}
+
+        def sample(name: str, value: float) -> None:
+            samples.setdefault(name, []).append(value)
+
+        for _ in range(repeat):
+            for n in READERS:
+                sample(f"hit4m_{n}", trio.run(readers, cache, keys, n, seconds, -1)[0] / 1e6)
+                sample(f"rpc4m_{n}", trio.run(readers, bare, keys, n, seconds, -1)[0] / 1e6)
+                sample(f"hit128k_{n}", trio.run(readers, cache, keys, n, seconds, RANGE)[1])
+                sample(f"rpc128k_{n}", trio.run(readers, bare, keys, n, seconds, RANGE)[1])
+            sample("miss4m_16", trio.run(readers, cache, keys, 16, seconds, -1, True)[0] / 1e6)
+        med = {k: median(v) for k, v in samples.items()}
+    finally:
+        for p in servers:
+            stop(p)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    out: dict = {"repeat": repeat, "seconds": seconds, "memory_tier_bytes": memory,
+                 "inline_read_max": inline}
+    for n in READERS:
+        out[f"hit_4mib_mb_per_s_{n}"] = round(med[f"hit4m_{n}"], 1)
+        out[f"rpc_4mib_mb_per_s_{n}"] = round(med[f"rpc4m_{n}"], 1)
+        out[f"hit_128k_ranges_per_s_{n}"] = round(med[f"hit128k_{n}"])
+        out[f"rpc_128k_ranges_per_s_{n}"] = round(med[f"rpc128k_{n}"])
+    out["hit_4mib_ratio_vs_rpc"] = ratio(med["hit4m_16"], med["rpc4m_16"])
+    out["hit_128k_ranges_per_s"] = round(med["hit128k_16"])
+    out["hit_128k_ratio_vs_rpc"] = ratio(med["hit128k_16"], med["rpc128k_16"])
+    out["miss_4mib_mb_per_s"] = round(med["miss4m_16"], 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
+    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each run")
+    parser.add_argument("--memory", type=int, default=0, help="cache node memory tier in bytes")
+    parser.add_argument("--inline-read-max", type=int, default=256 * 1024,
+                        help="reads up to this many bytes run on the event loop, larger ones in threads")
+    parser.add_argument("--serve-backing", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-cache", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--backing-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_backing:
+        return serve_backing(args.serve_backing)
+    if args.serve_bare:
+        return serve_bare(args.serve_bare)
+    if args.serve_cache:
+        return serve_cache(args.serve_cache, args.backing_port, args.dir, 1 << 30, args.memory,
+                           args.inline_read_max)
+    r = run(args.repeat, args.seconds, args.memory, args.inline_read_max)
+
+    def show() -> None:
+        rows = []
+        for n in READERS:
+            rows.append([f"4 MiB hits MB/s, {n} readers", r[f"hit_4mib_mb_per_s_{n}"],
+                         r[f"rpc_4mib_mb_per_s_{n}"], ratio(r[f"hit_4mib_mb_per_s_{n}"], r[f"rpc_4mib_mb_per_s_{n}"])])
+        for n in READERS:
+            rows.append([f"128 KiB range hits/s, {n} readers", r[f"hit_128k_ranges_per_s_{n}"],
+                         r[f"rpc_128k_ranges_per_s_{n}"],
+                         ratio(r[f"hit_128k_ranges_per_s_{n}"], r[f"rpc_128k_ranges_per_s_{n}"])])
+        rows.append(["4 MiB misses (read-through) MB/s, 16 readers", r["miss_4mib_mb_per_s"], "", ""])
+        print_table(f"Cache node vs bare RPC (medians of {r['repeat']} x {r['seconds']}s)",
+                    ["case", "cache node", "bare RPC", "cache/bare"], rows,
+                    note="bare RPC: a server answering get from one in-memory buffer; "
+                         "misses read through from a backing server serving from memory")
+
+    emit(r, args.json, show)
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
