@@ -1,0 +1,426 @@
+"""The trio driver: runs a :class:`RaftCore` with real time, disk and RPC.
+
+Theory of operation
+-------------------
+Inputs (peer messages from the ``raft_step`` RPC handler, client proposals
+and read requests, ticks from a ticker task) are appended to plain lists and
+wake the single loop task. The loop drains *all* pending inputs into the core
+(no await while draining, so it is atomic), then handles Readys one at a time
+as ``core.py`` prescribes: eager messages out, one WAL write + fsync in a
+worker thread, messages out, apply, advance. Whatever arrives during the
+fsync waits for the next round, so proposals that arrive together become one
+log append and share one fsync (group commit), and a busy leader batches
+more per round the busier it gets.
+
+Each peer has a sender task that ships everything queued for it in one
+``raft_step`` call (bulk payload, msgpack batch). A failed or slow call just
+drops those messages: Raft tolerates loss and retries by itself.
+
+Proposals resolve with the state machine's apply result once their entry
+(index *and* term) is applied. A :class:`~cachefs.errors.CacheFSError` raised
+by ``apply`` is that command's (deterministic) answer and is raised to the
+proposer; any other exception from the state machine is a bug and stops the
+node. When the node stops being leader, waiting proposals fail with
+``NotLeader``: the entry may or may not commit, and the client retries with
+the same ``(client_id, seq)``, which the state machine answers from its
+session table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, Unavailable
+from cachefs.rpc import RpcPool, rpc_method
+
+from . import messages as wire
+from .core import RaftConfig, RaftCore, Ready, Role
+from .messages import EntryKind, InstallSnapshot, Message, Snapshot
+from .storage import RaftStorage
+
+log = logging.getLogger(__name__)
+
+
+class StateMachine(Protocol):
+    def apply(self, index: int, command: bytes) -> Any: ...
+    def snapshot(self) -> bytes: ...
+    def restore(self, data: bytes) -> None: ...
+
+
+class _Waiter:
+    """A one-shot result slot a caller awaits (trio has no futures)."""
+
+    __slots__ = ("_event", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        if not self._event.is_set():
+            self._value = value
+            self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    async def wait(self) -> Any:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass(frozen=True, slots=True)
+class DriverConfig:
+    tick_interval: float = 0.05  # seconds per Raft tick
+    snapshot_entries: int = 10_000  # applied entries between snapshots
+    rpc_timeout: float = 2.0  # per raft_step call
+    max_outbox: int = 10_000  # messages queued per peer before dropping the oldest
+
+
+class RaftNode:
+    """One replica: ``await RaftNode.create(...)``, then ``propose`` and
+    ``read_index``. Register it on the RPC server (``server.add_service(node)``
+    or ``create(..., server=server)``) so peers can reach ``raft_step``."""
+
+    def __init__(self, node_id: int, peers: dict[int, str], core: RaftCore,
+                 storage: RaftStorage, state_machine: StateMachine, pool: RpcPool,
+                 dconfig: DriverConfig) -> None:
+        self.id = node_id
+        self.peers = dict(peers)
+        self.core = core
+        self.storage = storage
+        self.sm = state_machine
+        self.pool = pool
+        self.dconfig = dconfig
+        self.applied = core.log.snap_index
+        self._wake = trio.Event()
+        self._inbox: list[Message] = []
+        self._ticks = 0
+        self._proposals: list[tuple[bytes, _Waiter]] = []
+        self._read_requests: list[_Waiter] = []
+        self._proposed: dict[int, tuple[int, _Waiter]] = {}  # index -> (term, waiter)
+        self._reads: dict[int, list[_Waiter]] = {}  # read seq -> waiters
+        self._released: list[tuple[int, list[_Waiter]]] = []  # (index, waiters)
+        self._outbox: dict[int, list[Message]] = {p: [] for p in peers if p != node_id}
+        self._send_wake: dict[int, trio.Event] = {p: trio.Event() for p in self._outbox}
+        self._scope: trio.CancelScope | None = None
+        self._closed = False
+        self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
+                      "send_errors": 0}
+
+    @classmethod
+    async def create(cls, node_id: int, peers: dict[int, str], data_dir: str | os.PathLike[str],
+                     state_machine: StateMachine, pool: RpcPool, *, nursery: trio.Nursery,
+                     server: Any = None, config: RaftConfig | None = None,
+                     driver_config: DriverConfig | None = None,
+                     rng: random.Random | None = None) -> RaftNode:
+        """Open the WAL in ``data_dir``, restore the state machine from the
+        newest snapshot, and start the node's tasks in ``nursery``.
+
+        ``peers`` maps every replica id (this one included) to "host:port".
+        Committed entries after the snapshot are re-applied before the first
+        proposal is served.
+
+        Raises:
+            InvalidArgument: ``node_id`` missing from ``peers``.
+            Corrupt: the snapshot or the WAL cannot be used.
+        """
+        if node_id not in peers:
+            raise InvalidArgument(f"raft: node {node_id} is not in peers {sorted(peers)}")
+        storage = await trio.to_thread.run_sync(RaftStorage.open, data_dir)
+        if storage.snapshot is not None:
+            state_machine.restore(storage.snapshot.data)
+        core = RaftCore(node_id, list(peers), rng=rng or random.Random(),
+                        config=config or RaftConfig(), hard_state=storage.hard_state,
+                        snapshot=storage.snapshot, entries=storage.entries)
+        node = cls(node_id, peers, core, storage, state_machine, pool,
+                   driver_config or DriverConfig())
+        log.info("raft node %d: term %d, log %d..%d, commit %d, snapshot %d", node_id,
+                 core.term, core.log.first_index(), core.log.last_index(), core.committed,
+                 core.log.snap_index)
+        if server is not None:
+            server.add_service(node)
+        await nursery.start(node._run)
+        return node
+
+    # ------------------------------------------------------------ public API
+    @property
+    def is_leader(self) -> bool:
+        return self.core.is_leader
+
+    @property
+    def leader_id(self) -> int:
+        return self.core.lead
+
+    @property
+    def leader_addr(self) -> str | None:
+        return self.peers.get(self.core.lead)
+
+    @property
+    def term(self) -> int:
+        return self.core.term
+
+    @property
+    def commit_index(self) -> int:
+        return self.core.committed
+
+    def _not_leader(self) -> NotLeader:
+        addr = self.leader_addr
+        return NotLeader(f"metanode {self.id} is not the leader"
+                         + (f"; try {addr}" if addr else ""), leader=addr)
+
+    async def propose(self, command: bytes) -> Any:
+        """Replicate ``command``; returns the state machine's apply result.
+
+        Raises:
+            NotLeader: not the leader, or lost leadership before the command
+                was applied (it may still commit: retry with the same
+                client session and seq).
+            CacheFSError: whatever ``apply`` raised for this command.
+        """
+        if self._closed:
+            raise Unavailable("raft node is closed")
+        if not self.core.is_leader:
+            raise self._not_leader()
+        waiter = _Waiter()
+        self._proposals.append((command, waiter))
+        self._wake.set()
+        return await waiter.wait()
+
+    async def read_index(self) -> None:
+        """Return once this node may serve a linearizable read from its state
+        machine: a quorum confirmed our leadership after the call began, and
+        everything committed before it is applied here.
+
+        Raises:
+            NotLeader: with the leader's address when known.
+        """
+        if self._closed:
+            raise Unavailable("raft node is closed")
+        if not self.core.is_leader:
+            raise self._not_leader()
+        waiter = _Waiter()
+        self._read_requests.append(waiter)
+        self._wake.set()
+        await waiter.wait()
+
+    def campaign(self) -> None:
+        """Start an election now instead of waiting for a timeout."""
+        self.core.campaign()
+        self._wake.set()
+
+    @rpc_method
+    async def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None) -> None:
+        """Peers' messages: a msgpack batch in the bulk payload."""
+        if payload is None:
+            raise InvalidArgument("raft_step needs a payload")
+        msgs = wire.decode_batch(bytes(payload))
+        if not self._closed:
+            self._inbox.extend(msgs)
+            self._wake.set()
+
+    def close(self) -> None:
+        """Stop the node's tasks; waiting callers get ``Unavailable``."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # ------------------------------------------------------------- the loop
+    async def _run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with trio.CancelScope() as self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._ticker)
+                    for peer in self._outbox:
+                        nursery.start_soon(self._sender, peer)
+                    self._wake.set()  # apply what the WAL says is committed
+                    task_status.started()
+                    await self._loop()
+        finally:
+            self._closed = True
+            self._fail_all(Unavailable(f"raft node {self.id} stopped"))
+            self.storage.close()
+
+    async def _ticker(self) -> None:
+        while True:
+            await trio.sleep(self.dconfig.tick_interval)
+            self._ticks += 1
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        core = self.core
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            # Drain every pending input; no await until the Ready, so atomic.
+            ticks, self._ticks = self._ticks, 0
+            for _ in range(ticks):
+                core.tick()
+            inbox, self._inbox = self._inbox, []
+            for m in inbox:
+                core.step(m)
+            if self._proposals:
+                props, self._proposals = self._proposals, []
+                try:
+                    first, term = core.propose([c for c, _ in props])
+                except NotLeader:
+                    for _, w in props:
+                        w.fail(self._not_leader())
+                else:
+                    self.stats["appends"] += 1
+                    self.stats["entries"] += len(props)
+                    for k, (_, w) in enumerate(props):
+                        self._proposed[first + k] = (term, w)
+            if self._read_requests:
+                reads, self._read_requests = self._read_requests, []
+                try:
+                    self._reads[core.read_index()] = reads
+                except NotLeader:
+                    for w in reads:
+                        w.fail(self._not_leader())
+            while core.has_ready():
+                await self._handle_ready(core.ready())
+
+    async def _handle_ready(self, rd: Ready) -> None:
+        self.stats["readys"] += 1
+        if rd.soft_state is not None:
+            self._on_soft_state(rd)
+        self._send(rd.eager_messages)
+        if rd.snapshot is not None:
+            snap = rd.snapshot
+            await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+            await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
+                                          rd.hard_state or self.core.persisted_hard_state(), [])
+        if rd.entries or rd.hard_state is not None:
+            await trio.to_thread.run_sync(self.storage.save, rd.entries, rd.hard_state,
+                                          rd.must_sync)
+        self._send(rd.messages)
+        if rd.snapshot is not None:
+            self.sm.restore(rd.snapshot.data)
+            self.applied = rd.snapshot.meta.index
+            log.info("raft node %d: installed snapshot at %d from the leader", self.id, self.applied)
+            for index in [i for i in self._proposed if i <= self.applied]:
+                self._proposed.pop(index)[1].fail(self._not_leader())
+        for e in rd.committed_entries:
+            self._apply(e.index, e.term, e.kind, e.data)
+        for rs in rd.read_states:
+            waiters = self._reads.pop(rs.seq, None)
+            if waiters:
+                self._released.append((rs.index, waiters))
+        if self._released:
+            still = []
+            for index, waiters in self._released:
+                if self.applied >= index:
+                    for w in waiters:
+                        w.set(None)
+                else:
+                    still.append((index, waiters))
+            self._released = still
+        self.core.advance(rd)
+        if self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries:
+            await self._snapshot()
+
+    def _apply(self, index: int, term: int, kind: EntryKind, data: bytes) -> None:
+        error: CacheFSError | None = None
+        result: Any = None
+        if kind is EntryKind.NORMAL:
+            try:
+                result = self.sm.apply(index, data)
+            except CacheFSError as exc:  # the command's own answer, same on every replica
+                error = exc
+        self.applied = index
+        self.stats["applied"] += 1
+        waiting = self._proposed.pop(index, None)
+        if waiting is None:
+            return
+        wterm, waiter = waiting
+        if wterm != term:
+            waiter.fail(self._not_leader())  # our entry was overwritten
+        elif error is not None:
+            waiter.fail(error)
+        else:
+            waiter.set(result)
+
+    def _on_soft_state(self, rd: Ready) -> None:
+        ss = rd.soft_state
+        assert ss is not None
+        log.info("raft node %d: %s in term %d (leader %s)", self.id, ss.role.value, ss.term,
+                 ss.leader or "unknown")
+        if ss.role is not Role.LEADER:
+            err = self._not_leader()
+            for waiters in self._reads.values():
+                for w in waiters:
+                    w.fail(err)
+            self._reads.clear()
+            for _, w in self._proposed.values():
+                w.fail(err)
+            self._proposed.clear()
+
+    async def _snapshot(self) -> None:
+        core = self.core
+        index = core.applied
+        snap = Snapshot(core.snapshot_meta(index), self.sm.snapshot())
+        await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+        core.compact(snap)
+        await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
+                                      core.persisted_hard_state(), core.stable_entries())
+        self.stats["snapshots"] += 1
+        log.info("raft node %d: snapshot at %d (%d bytes), log compacted", self.id, index,
+                 len(snap.data))
+
+    def _fail_all(self, err: CacheFSError) -> None:
+        for _, w in self._proposals:
+            w.fail(err)
+        for w in self._read_requests:
+            w.fail(err)
+        for _, w in self._proposed.values():
+            w.fail(err)
+        for waiters in self._reads.values():
+            for w in waiters:
+                w.fail(err)
+        for _, waiters in self._released:
+            for w in waiters:
+                w.fail(err)
+        self._proposals, self._read_requests = [], []
+        self._proposed.clear()
+        self._reads.clear()
+        self._released = []
+
+    # ------------------------------------------------------------- network
+    def _send(self, msgs: tuple[Message, ...]) -> None:
+        for m in msgs:
+            box = self._outbox.get(m.dst)
+            if box is None:
+                continue
+            box.append(m)
+            if len(box) > self.dconfig.max_outbox:
+                del box[: len(box) - self.dconfig.max_outbox]
+            self._send_wake[m.dst].set()
+
+    async def _sender(self, peer: int) -> None:
+        addr = self.peers[peer]
+        while True:
+            await self._send_wake[peer].wait()
+            self._send_wake[peer] = trio.Event()
+            msgs, self._outbox[peer] = self._outbox[peer], []
+            # A snapshot travels alone: it can be large.
+            snaps = [m for m in msgs if isinstance(m, InstallSnapshot)]
+            rest = [m for m in msgs if not isinstance(m, InstallSnapshot)]
+            for batch in ([rest] if rest else []) + [[s] for s in snaps[-1:]]:
+                try:
+                    await self.pool.call(addr, "raft_step", payload=wire.encode_batch(batch),
+                                         timeout=self.dconfig.rpc_timeout)
+                except CacheFSError as exc:
+                    self.stats["send_errors"] += 1
+                    log.debug("raft node %d: %d messages to %s dropped: %s", self.id,
+                              len(batch), addr, exc)
