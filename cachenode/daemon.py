@@ -160,6 +160,21 @@ def lock_dir(cache_dir: Path) -> int:
     return fd
 
 
+def add_rdma(server: RpcServer, service: CacheService) -> bool:
+    """Serve ``rdma_get`` too when this machine has an RDMA device; else TCP only."""
+    from cachefs.client.transport import RdmaUnavailable
+    from cachefs.client.transport.rdma import RdmaResponder, probe_device
+
+    try:
+        device = probe_device()
+        server.add_service(RdmaResponder(device, service.read_range))
+    except RdmaUnavailable as exc:
+        log.info("RDMA not available (%s): serving blocks over TCP only", exc)
+        return False
+    log.info("serving blocks over RDMA on %s as well as TCP", device.name)
+    return True
+
+
 async def serve(
     store: BlockStore,
     *,
@@ -172,6 +187,7 @@ async def serve(
     heartbeat: float,
     limits: CacheLimits,
     admission: SecondMissAdmission | None,
+    rdma: bool = True,
 ) -> None:
     """Run the cache node until SIGINT/SIGTERM, then drain calls in flight."""
     host, port = parse_addr(listen)
@@ -188,6 +204,8 @@ async def serve(
                 store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id
             )
             server = RpcServer(service, name="cachenode", secret=secret, limits=Limits())
+            if rdma:
+                add_rdma(server, service)
             bound = await nursery.start(server.serve, host, port)
             addr = advertise or f"{host}:{bound}"
             log.info(
@@ -322,6 +340,12 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
     show_default=True,
     help="Concurrent whole-block fetches from backing storage.",
 )
+@click.option(
+    "--rdma/--no-rdma",
+    default=True,
+    show_default=True,
+    help="Also serve blocks over RDMA when this machine has an RDMA device.",
+)
 @daemon_options
 def command(
     zone: str,
@@ -339,6 +363,7 @@ def command(
     max_requests: int,
     max_per_client: int,
     max_backing_fetches: int,
+    rdma: bool,
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -386,6 +411,7 @@ def command(
                 heartbeat=heartbeat,
                 limits=limits,
                 admission=SecondMissAdmission(window=admission_window) if admission else None,
+                rdma=rdma,
             )
         )
     finally:

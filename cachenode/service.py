@@ -307,6 +307,15 @@ class CacheService:
         self._m_out.inc(len(view))
         return view, size
 
+    async def read_range(
+        self, volume: str, key: BlockKey, offset: int, length: int, policy: str
+    ) -> memoryview:
+        """The bytes alone, under the node's request limit: what the RDMA responder serves."""
+        _check_volume(volume)
+        with self._slot(None):
+            data, _size, _hit = await self.read(volume, key, offset, length, policy)
+        return data
+
     async def _wait_fill(self, fill: _Fill) -> bytes | bytearray | memoryview:
         await fill.event.wait()
         if fill.error is not None:

@@ -54,6 +54,8 @@ async def test_miss_then_hit_with_ranges(tmp_path: Path) -> None:
         stats = await c.pool.call(c.addr, "stats")
         assert stats.result["hits"] == 6 and stats.result["misses"] == 1
         assert stats.result["backing_fetches"] == 1 and c.backing.fetches[key] == 1
+        # the RDMA responder's entry point serves the same bytes
+        assert bytes(await c.service.read_range("v", key, 10, 20, "wait")) == data[10:30]
         with pytest.raises(NotFound):
             await c.get(BlockKey(9, 9))
         with pytest.raises(InvalidArgument):
