@@ -1,0 +1,146 @@
+"""The WAL and snapshots on a real filesystem: torn tails, bit flips, round trips."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from cachefs.metanode.raft import storage
+from cachefs.metanode.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
+from cachefs.metanode.raft.storage import RaftStorage
+
+from cachefs.errors import Corrupt
+
+
+def entries(first: int, last: int, term: int) -> list[Entry]:
+    return [Entry(term, i, f"cmd{i}".encode() * 3) for i in range(first, last + 1)]
+
+
+def test_round_trip_and_conflicting_suffix(tmp_path: Path) -> None:
+    st = RaftStorage.open(tmp_path)
+    assert (st.hard_state, st.snapshot, st.entries) == (HardState(), None, [])
+    st.save(entries(1, 5, 1), HardState(1, 2, 3), sync=True)
+    st.save([Entry(1, 6, b"", EntryKind.NOOP)], None, sync=True)
+    # A new leader overwrote 4.. with its own entries: replay must cut and append.
+    st.save(entries(4, 7, 2), HardState(2, 1, 5), sync=True)
+    assert st.syncs == 3
+    st.close()
+    st = RaftStorage.open(tmp_path)
+    assert st.hard_state == HardState(2, 1, 5)
+    assert st.entries == entries(1, 3, 1) + entries(4, 7, 2)
+    st.close()
+
+
+def test_group_commit_is_one_write_and_one_fsync(tmp_path: Path) -> None:
+    st = RaftStorage.open(tmp_path)
+    st.save(entries(1, 100, 1), HardState(1, 1, 0), sync=True)
+    st.save([], HardState(1, 1, 100), sync=False)  # a commit-only change needs no fsync
+    assert st.syncs == 1
+    st.close()
+    assert RaftStorage.open(tmp_path).hard_state.commit == 100
+
+
+def test_torn_tail_is_cut_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    st = RaftStorage.open(tmp_path)
+    st.save(entries(1, 10, 1), HardState(1, 1, 10), sync=True)
+    good = st.wal_size()
+    st.save(entries(11, 12, 1), None, sync=True)
+    st.close()
+    wal = tmp_path / storage.WAL_NAME
+    raw = wal.read_bytes()
+    wal.write_bytes(raw[: good + 7])  # a crash in the middle of the next record
+    with caplog.at_level(logging.WARNING, logger="cachefs.metanode.raft.storage"):
+        st = RaftStorage.open(tmp_path)
+    assert st.entries == entries(1, 10, 1)
+    assert st.hard_state == HardState(1, 1, 10)
+    assert wal.stat().st_size == good
+    assert any("torn" in r.getMessage() and f"byte {good}" in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
+    # The cut file takes appends again.
+    st.save(entries(11, 11, 2), None, sync=True)
+    st.close()
+    assert RaftStorage.open(tmp_path).entries == entries(1, 10, 1) + entries(11, 11, 2)
+
+
+def test_bit_flip_in_the_middle_cuts_at_that_record(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    st = RaftStorage.open(tmp_path)
+    offsets = []
+    for i in range(1, 21):
+        offsets.append(st.wal_size())
+        st.save(entries(i, i, 1), HardState(1, 1, i - 1), sync=False)
+    st.close()
+    wal = tmp_path / storage.WAL_NAME
+    raw = bytearray(wal.read_bytes())
+    raw[offsets[9] + 12] ^= 0x10  # inside entry 10's payload
+    wal.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="cachefs.metanode.raft.storage"):
+        st = RaftStorage.open(tmp_path)
+    assert st.entries == entries(1, 9, 1)
+    assert st.hard_state == HardState(1, 1, 8)
+    assert wal.stat().st_size == offsets[9]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "CRC mismatch" in errors[0] and f"byte {offsets[9]}" in errors[0]
+    st.close()
+
+
+def test_snapshot_round_trip_and_compaction(tmp_path: Path) -> None:
+    st = RaftStorage.open(tmp_path)
+    st.save(entries(1, 30, 1) + entries(31, 40, 2), HardState(2, 3, 40), sync=True)
+    data = b"state machine " * 1000
+    snap = Snapshot(SnapshotMeta(35, 2, (1, 2, 3)), data)
+    st.save_snapshot(snap)
+    st.rewrite(snap.meta, HardState(2, 3, 40), entries(1, 30, 1) + entries(31, 40, 2))
+    before = st.wal_size()
+    st.save(entries(41, 42, 2), HardState(2, 3, 42), sync=True)
+    st.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [f"snap-{35:020d}.snap", storage.WAL_NAME]
+    assert (tmp_path / files[0]).stat().st_size < len(data) // 10  # zstd
+    st = RaftStorage.open(tmp_path)
+    assert st.snapshot == snap
+    assert st.entries == entries(36, 40, 2) + entries(41, 42, 2)
+    assert st.hard_state == HardState(2, 3, 42)
+    assert before < 1000  # compaction dropped entries 1..35
+    # A newer snapshot replaces the older file.
+    snap2 = Snapshot(SnapshotMeta(42, 2, (1, 2, 3)), b"newer")
+    st.save_snapshot(snap2)
+    st.rewrite(snap2.meta, HardState(2, 3, 42), st.entries)
+    st.close()
+    st = RaftStorage.open(tmp_path)
+    assert st.snapshot == snap2 and st.entries == []
+    assert len(list(tmp_path.glob("snap-*.snap"))) == 1
+    st.close()
+
+
+def test_corrupt_snapshot_is_refused(tmp_path: Path) -> None:
+    st = RaftStorage.open(tmp_path)
+    st.save_snapshot(Snapshot(SnapshotMeta(5, 1, (1,)), b"x" * 100))
+    st.close()
+    path = next(tmp_path.glob("snap-*.snap"))
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Corrupt):
+        RaftStorage.open(tmp_path)
+
+
+def test_replay_drops_a_tail_that_diverged_before_an_installed_snapshot() -> None:
+    # Crash after the snapshot file landed but before the WAL was rewritten:
+    # our old entries past the snapshot belong to a log that no longer exists.
+    recs = storage.scan(storage.encode_base(0, 0)
+                        + storage.encode_ready(entries(1, 8, 1), HardState(1, 1, 2))).records
+    rep = storage.replay(recs, SnapshotMeta(6, 3))
+    assert rep.entries == [] and rep.hard_state.commit == 6
+    rep = storage.replay(recs, SnapshotMeta(6, 1))  # the same log: keep the tail
+    assert rep.entries == entries(7, 8, 1)
+
+
+def test_scan_reports_where_it_stopped() -> None:
+    buf = storage.encode_base(0, 0) + storage.encode_ready(entries(1, 3, 1), None)
+    assert storage.scan(buf).problem is None
+    for cut in range(1, len(buf)):
+        res = storage.scan(buf[:cut])
+        assert res.valid_len <= cut
+        assert (res.problem is None) == (res.valid_len == cut)
