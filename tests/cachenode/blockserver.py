@@ -7,6 +7,7 @@ talks to it through :class:`RpcBlockSource`, over real TCP on 127.0.0.1.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,8 @@ from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import Reply, RpcPool, RpcServer, rpc_method
+
+_node_ids = itertools.count(1)  # a fresh metrics label per node
 
 
 class MemoryBlockService:
@@ -118,7 +121,7 @@ async def cache_setup(
             nursery=nursery,
             limits=limits or CacheLimits(),
             admission=admission,
-            node=f"test-{id(root)}",
+            node=f"test-{next(_node_ids)}",
         )
         server = RpcServer(service, name="cachenode", secret=None)
         port = await nursery.start(server.serve, "127.0.0.1", 0)

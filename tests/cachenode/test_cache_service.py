@@ -9,6 +9,7 @@ import pytest
 import trio
 from cachefs.cachenode.service import CacheLimits
 from cachefs.cachenode.store import BlockStore, SecondMissAdmission
+from prometheus_client import REGISTRY
 
 from cachefs.errors import Busy, CacheMiss, InvalidArgument, NotFound
 from cachefs.ids import BlockKey
@@ -83,6 +84,13 @@ async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> N
         await _until_cached(c.store, key)
         stats = (await c.pool.call(c.addr, "stats")).result
         assert stats["misses"] == 100 and stats["backing_fetches"] == 1 and stats["blocks"] == 1
+        labels = {"node": c.service.node}
+        assert REGISTRY.get_sample_value("cachefs_cache_misses_total", labels) == 100
+        assert REGISTRY.get_sample_value("cachefs_cache_bytes_in_total", labels) == SIZE
+        assert REGISTRY.get_sample_value("cachefs_cache_bytes_out_total", labels) == 100 * 4096
+        assert REGISTRY.get_sample_value("cachefs_cache_backing_fetch_seconds_count", labels) == 1
+        await c.get(key)
+        assert REGISTRY.get_sample_value("cachefs_cache_hits_total", labels) == 1
 
 
 async def test_backing_fetches_are_bounded(tmp_path: Path) -> None:
