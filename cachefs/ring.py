@@ -173,11 +173,19 @@ class CacheRouter:
         return [n.addr for n in self.owners(key) if self._down_until.get(n.addr, 0.0) <= now]
 
     def mark_down(self, addr: str) -> None:
-        """Skip ``addr`` for a back-off period that doubles on repeated failures."""
+        """Skip ``addr`` for a back-off period that doubles on repeated failures.
+
+        Failures count as repeated while they come within ``max_back_off`` of
+        the end of the last back-off; a node that then stayed healthy for
+        longer starts again from ``back_off`` even if nobody called mark_up.
+        """
+        now = self._clock()
+        if now - self._down_until.get(addr, now) > self.max_back_off:
+            self._strikes.pop(addr, None)
         strikes = self._strikes.get(addr, 0)
         period = min(self.back_off * (2**strikes), self.max_back_off)
         self._strikes[addr] = strikes + 1
-        self._down_until[addr] = self._clock() + period
+        self._down_until[addr] = now + period
 
     def mark_up(self, addr: str) -> None:
         """A call to ``addr`` succeeded: forget its failures."""

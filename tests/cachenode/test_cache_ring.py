@@ -92,6 +92,10 @@ def test_mark_down_backs_off_then_returns() -> None:
     assert router.candidates(key) == [second]
     now[0] += 5.0
     assert router.candidates(key) == [first, second]
+    now[0] += 200.0  # healthy for longer than max_back_off: strikes are forgotten
+    router.mark_down(first)
+    now[0] += 5.1
+    assert router.candidates(key) == [first, second]
     router.mark_down(first)
     router.mark_down(second)
     assert router.candidates(key) == []  # caller goes to backing storage
