@@ -365,6 +365,10 @@ class CacheService:
             fill.error = exc
             if not exc.remote:
                 log.info("%s: fill of %s failed: %s", self.node, key.hex(), exc)
+        except Exception:  # a bug must fail this block's readers, not the node
+            self.counters.backing_errors += 1
+            log.exception("%s: fill of %s failed unexpectedly", self.node, key.hex())
+            fill.error = IOFailure(f"internal error filling {key.hex()}")
         finally:
             fill.event.set()
             fill.settled.set()
@@ -410,6 +414,8 @@ class CacheService:
                         ok = key in self.store or await self._store(volume, key, data)
                 except CacheFSError as exc:
                     log.info("%s: prefetch of %s failed: %s", self.node, key.hex(), exc)
+                except Exception:  # keep the worker alive: one bad block is one failure
+                    log.exception("%s: prefetch of %s failed unexpectedly", self.node, key.hex())
                 finally:
                     self._prefetch_queued -= 1
                     if ok:

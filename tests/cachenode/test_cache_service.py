@@ -230,3 +230,31 @@ async def test_eviction_under_small_capacity_over_rpc(tmp_path: Path) -> None:
             assert c.store.used <= c.store.capacity
         stats = (await c.pool.call(c.addr, "stats")).result
         assert stats["evictions"] > 0 and stats["blocks"] <= 5
+
+
+class _BrokenSource:
+    """A backing source with a bug: it returns something that is not bytes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def get_block(self, volume: str, key: BlockKey) -> bytes:
+        self.calls += 1
+        return 42  # type: ignore[return-value]
+
+
+async def test_a_broken_backing_source_fails_readers_not_the_node(tmp_path: Path) -> None:
+    from cachefs.cachenode.service import CacheService
+
+    from cachefs.errors import IOFailure
+
+    source = _BrokenSource()
+    async with trio.open_nursery() as nursery:
+        service = CacheService(BlockStore.open(tmp_path, 1 << 20), source, nursery=nursery, node="broken")
+        for _ in range(2):
+            with pytest.raises(IOFailure):
+                await service.read("v", BlockKey(1, 0))
+        answer = await service.prefetch_keys("v", [BlockKey(2, 0)], wait=True)
+        assert answer["failed"] == 1
+        assert source.calls == 3
+        nursery.cancel_scope.cancel()
