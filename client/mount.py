@@ -160,27 +160,34 @@ async def serve(
         except CacheFSError as exc:
             ready(describe(exc, meta_addrs, volume))
             return 1
-        async with trio.open_nursery() as nursery:
-            fs = CacheFS(session, options, nursery=nursery)
-            try:
-                pyfuse3.init(fs, mountpoint, fuse_options(volume, options.read_only))
-            except RuntimeError as exc:
-                ready(f"could not mount at {mountpoint}: {exc}")
-                nursery.cancel_scope.cancel()
+        return await run_fs(session, mountpoint, options, ready)
+
+
+async def run_fs(
+    session: Session, mountpoint: str, options: Options, ready: Callable[[str | None], None]
+) -> int:
+    """Mount ``session``'s volume at ``mountpoint`` and serve until unmounted."""
+    async with trio.open_nursery() as nursery:
+        fs = CacheFS(session, options, nursery=nursery)
+        try:
+            pyfuse3.init(fs, mountpoint, fuse_options(session.volume, options.read_only))
+        except RuntimeError as exc:
+            ready(f"could not mount at {mountpoint}: {exc}")
+            nursery.cancel_scope.cancel()
+            await session.close()
+            return 1
+        await nursery.start(session.run)
+        nursery.start_soon(_announce, mountpoint, ready)
+        nursery.start_soon(_on_signals, fs)
+        try:
+            await pyfuse3.main()
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.flush_all()
+            nursery.cancel_scope.cancel()
+            pyfuse3.close(unmount=True)
+            with trio.CancelScope(shield=True):
                 await session.close()
-                return 1
-            await nursery.start(session.run)
-            nursery.start_soon(_announce, mountpoint, ready)
-            nursery.start_soon(_on_signals, fs)
-            try:
-                await pyfuse3.main()
-            finally:
-                with trio.CancelScope(shield=True):
-                    await fs.flush_all()
-                nursery.cancel_scope.cancel()
-                pyfuse3.close(unmount=True)
-                with trio.CancelScope(shield=True):
-                    await session.close()
     log.info("unmounted %s", mountpoint)
     return 0
 

@@ -128,6 +128,10 @@ class Reader:
         if offset >= end:
             return b""
         sequential = ra.on_read(offset, end - offset) if ra is not None else False
+        # Taken before the first await: a run that commits while we fetch is
+        # then either in the slice lists we read or in this list (or both,
+        # which is harmless), never in neither.
+        pending = inode.writer.pending_runs() if inode.writer is not None else []
         buf = bytearray(end - offset)
         view = memoryview(buf)
         jobs: list[Callable[[], Awaitable[None]]] = []
@@ -144,8 +148,8 @@ class Reader:
             await jobs[0]()
         elif jobs:
             await run_all(jobs)
-        if inode.writer is not None:
-            overlay(inode.writer.pending_runs(), offset, view)
+        if pending:
+            overlay(pending, offset, view)
         self.stats["bytes"] += len(buf)
         if sequential and ra is not None and ra.window:
             self._nursery.start_soon(self._readahead, inode, end, ra.window)

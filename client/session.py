@@ -60,22 +60,24 @@ class Session:
     def __init__(
         self,
         meta: MetaClient,
-        pool: RpcPool,
         volume: str,
         session_id: str,
         cluster_map: dict[str, Any],
         *,
         zone: str,
         transport: BlockTransport,
+        backing: BackingClient,
+        view: MetaClusterView | None = None,
     ) -> None:
+        """Parts are injected so tests can run the same session over other parts;
+        :meth:`connect` builds the real ones."""
         self.meta = meta
-        self.pool = pool
         self.volume = volume
         self.session_id = session_id
         self.zone = zone
         self.transport = transport
-        self.view = MetaClusterView(meta.cluster_map)
-        self.backing = BackingClient(pool, self.view, zone=zone)
+        self.view = view
+        self.backing = backing
         self.router = CacheRouter(cluster_map, zone)
         self._set_map(cluster_map)
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
@@ -136,7 +138,8 @@ class Session:
             try:
                 cmap = await self.meta.cluster_map()
                 self._set_map(cmap)
-                await self.view.refresh()
+                if self.view is not None:
+                    await self.view.refresh()
             except CacheFSError as exc:
                 log.warning("cluster map refresh failed, keeping the last one: %s", exc)
 

@@ -1,0 +1,107 @@
+"""Mount fixtures for the client tests.
+
+``localmount`` starts ``tests.client.localfs`` (the real FUSE client over an
+in-process metadata state machine) in its own process; tests do plain
+syscalls against the mount point, as applications do. A mount's log must end
+without errors or tracebacks: a handler that hit something unexpected fails
+the test that caused it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+needs_fuse = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
+)
+
+
+def mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    return any(
+        line.split()[4] == real for line in Path("/proc/self/mountinfo").read_text().splitlines()
+    )
+
+
+class LocalMount:
+    """One ``tests.client.localfs`` process and its mount point."""
+
+    def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
+        # Under /tmp itself, so that other users (the permission tests) can reach it.
+        self.path = Path(tempfile.mkdtemp(prefix="cachefs-mnt-"))
+        self.path.chmod(0o755)
+        self.log_path = root / "mount.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.client.localfs", str(self.path), *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.stop()
+            raise RuntimeError(f"localfs did not mount: {line!r}\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False)
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        deadline = time.monotonic() + 10
+        while mounted(self.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not mounted(self.path):
+            self.path.rmdir()
+        return self.proc.returncode
+
+    def check_log(self) -> None:
+        text = self.log()
+        bad = [
+            line
+            for line in text.splitlines()
+            if line.startswith(("ERROR", "CRITICAL", "Traceback"))
+        ]
+        assert not bad, text
+
+
+@pytest.fixture
+def localmount(tmp_path: Path) -> Iterator[LocalMount]:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse")
+    m = LocalMount(tmp_path)
+    try:
+        yield m
+    finally:
+        status = m.stop()
+    assert status == 0, m.log()
+    m.check_log()
+
+
+@pytest.fixture
+def mnt(localmount: LocalMount) -> Path:
+    return localmount.path

@@ -1,0 +1,212 @@
+"""cachefs's FUSE client over an in-process metadata state machine.
+
+``python -m tests.client.localfs MOUNTPOINT`` mounts the real client (fs,
+reader, writer, session, mount code) with two parts swapped for in-process
+ones: the metanode calls go to a real ``MetaState`` (the state machine the
+metanodes replicate, applied directly, no Raft), and blocks live in a dict.
+POSIX tests run against it in a second process in well under a second per
+test; the same tests run against a mount of a real cluster when one can be
+started (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import sys
+import time
+from typing import Any
+
+import trio
+from cachefs.client.fs import Options
+from cachefs.client.mount import run_fs
+from cachefs.client.session import Session
+from cachefs.client.transport.tcp import TcpTransport
+from cachefs.metanode import commands as C
+from cachefs.metanode.invariants import check
+from cachefs.metanode.namespace import Failure, MetaState
+
+from cachefs.errors import NotFound
+from cachefs.ids import BlockKey
+from cachefs.rpc import RpcPool
+
+VOLUME = "vol"
+
+
+class StateMeta:
+    """The metanode RPC surface of docs/contracts.md over one MetaState."""
+
+    def __init__(self, block_size: int) -> None:
+        self.state = MetaState()
+        self._seq = itertools.count(1)
+        self._index = itertools.count(1)
+        self._do(C.CreateVolume, VOLUME, "replica:1", "none", block_size, 8)
+
+    def _do(self, cls: type[C.Command], *args: Any) -> Any:
+        cmd = cls("localfs", next(self._seq), time.time_ns(), *args)
+        result = self.state.apply(next(self._index), cmd.encode())
+        if isinstance(result, Failure):
+            raise result.error()
+        return result
+
+    async def mount_volume(self, volume: str, client_id: str) -> dict[str, Any]:
+        return self._do(C.MountVolume, volume)
+
+    async def close_session(self, volume: str, session: str) -> None:
+        self._do(C.CloseSession, session)
+        try:
+            check(self.state)  # fsck-style invariants of everything the mount did
+        except Exception:
+            logging.getLogger("localfs").exception("metadata invariants violated")
+
+    async def cluster_map(self) -> dict[str, Any]:
+        return {"epoch": 1, "datanodes": [], "cachenodes": [], "volumes": {}, "pgs": {}}
+
+    async def lookup(self, volume: str, parent: int, name: bytes) -> dict[str, Any]:
+        return self.state.lookup(volume, parent, name)
+
+    async def getattr(self, volume: str, ino: int) -> dict[str, Any]:
+        return self.state.getattr(volume, ino)
+
+    async def setattr(self, volume: str, ino: int, **ch: Any) -> dict[str, Any]:
+        return self._do(
+            C.SetAttr, volume, ino, ch.get("mode"), ch.get("uid"), ch.get("gid"), ch.get("size"),
+            ch.get("atime_ns"), ch.get("mtime_ns"),
+        )  # fmt: skip
+
+    async def mknod(
+        self, volume: str, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> Any:
+        return self._do(C.Mknod, volume, parent, name, mode, rdev, uid, gid)
+
+    async def mkdir(
+        self, volume: str, parent: int, name: bytes, mode: int, uid: int, gid: int
+    ) -> Any:
+        return self._do(C.Mkdir, volume, parent, name, mode, uid, gid)
+
+    async def symlink(
+        self, volume: str, parent: int, name: bytes, target: bytes, uid: int, gid: int
+    ) -> Any:
+        return self._do(C.Symlink, volume, parent, name, target, uid, gid)
+
+    async def link(self, volume: str, ino: int, new_parent: int, new_name: bytes) -> Any:
+        return self._do(C.Link, volume, ino, new_parent, new_name)
+
+    async def unlink(self, volume: str, parent: int, name: bytes) -> None:
+        self._do(C.Unlink, volume, parent, name)
+
+    async def rmdir(self, volume: str, parent: int, name: bytes) -> None:
+        self._do(C.Rmdir, volume, parent, name)
+
+    async def rename(
+        self, volume: str, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int
+    ) -> None:
+        self._do(C.Rename, volume, parent, name, new_parent, new_name, flags, None)
+
+    async def readlink(self, volume: str, ino: int) -> bytes:
+        return self.state.readlink(volume, ino)
+
+    async def readdir(self, volume: str, ino: int, cookie: int, limit: int) -> list:
+        return self.state.readdir(volume, ino, cookie, limit)
+
+    async def statfs(self, volume: str) -> dict[str, Any]:
+        return self.state.statfs(volume)
+
+    async def setxattr(self, volume: str, ino: int, name: bytes, value: bytes) -> None:
+        self._do(C.SetXattr, volume, ino, name, value, 0)
+
+    async def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
+        return self.state.getxattr(volume, ino, name)
+
+    async def listxattr(self, volume: str, ino: int) -> list[bytes]:
+        return self.state.listxattr(volume, ino)
+
+    async def removexattr(self, volume: str, ino: int, name: bytes) -> None:
+        self._do(C.RemoveXattr, volume, ino, name)
+
+    async def open(self, volume: str, ino: int, session: str) -> None:
+        self._do(C.Open, volume, ino, session)
+
+    async def release(self, volume: str, ino: int, session: str) -> None:
+        self._do(C.Release, volume, ino, session)
+
+    async def alloc_slices(self, count: int) -> int:
+        return self._do(C.AllocSlices, count)
+
+    async def write_slice(self, volume, ino, chunk, slice_id, pos, length, offset, mtime_ns) -> Any:
+        return self._do(C.WriteSlice, volume, ino, chunk, slice_id, pos, length, offset, mtime_ns)
+
+    async def read_chunk(self, volume: str, ino: int, chunk: int) -> list:
+        return self.state.read_chunk(volume, ino, chunk)
+
+    async def compact_chunk(self, volume, ino, chunk, expect, slice_id, length) -> Any:
+        return self._do(C.CompactChunk, volume, ino, chunk, list(expect), slice_id, length)
+
+
+class DictBacking:
+    """Blocks in memory, with the BackingClient's get/put/delete signatures."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[str, BlockKey], bytes] = {}
+
+    async def put_block(self, volume: str, key: BlockKey, data: Any) -> None:
+        self.blocks[(volume, key)] = bytes(data)
+
+    async def get_block(
+        self, volume: str, key: BlockKey, offset: int = 0, length: int = -1
+    ) -> bytes:
+        data = self.blocks.get((volume, key))
+        if data is None:
+            raise NotFound(f"no block {key.hex()}")
+        return data[offset:] if length < 0 else data[offset : offset + length]
+
+    async def delete_block(self, volume: str, key: BlockKey) -> None:
+        self.blocks.pop((volume, key), None)
+
+
+async def main_async(mountpoint: str, block_size: int, options: Options) -> int:
+    meta = StateMeta(block_size)
+    info = await meta.mount_volume(VOLUME, "localfs")
+    cmap = {"volumes": {VOLUME: {"block_size": block_size}}, "cachenodes": []}
+    async with RpcPool(secret=None) as pool:
+        session = Session(
+            meta,  # type: ignore[arg-type]
+            VOLUME,
+            info["session"],
+            cmap,
+            zone="",
+            transport=TcpTransport(pool),
+            backing=DictBacking(),  # type: ignore[arg-type]
+        )
+
+        def ready(error: str | None) -> None:
+            print("ready" if error is None else f"error: {error}", flush=True)
+
+        return await run_fs(session, mountpoint, options, ready)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mountpoint")
+    parser.add_argument("--block-size", type=int, default=64 * 1024)
+    parser.add_argument("--write-buffer", type=int, default=1 << 20)
+    parser.add_argument("--l1", type=int, default=4 << 20)
+    parser.add_argument("--compact-after", type=int, default=16)
+    parser.add_argument("--read-only", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    options = Options(
+        l1_bytes=args.l1,
+        readahead_max=4 * args.block_size,
+        write_buffer=args.write_buffer,
+        attr_timeout=0.5,
+        entry_timeout=0.5,
+        read_only=args.read_only,
+        compact_after=args.compact_after,
+    )
+    sys.exit(trio.run(main_async, args.mountpoint, args.block_size, options))
+
+
+if __name__ == "__main__":
+    main()
