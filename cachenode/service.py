@@ -18,6 +18,17 @@ cancels the fetch the others wait for. A fill:
 3. only then leaves the table of fills, so a request arriving during the
    write joins the finished fill instead of fetching again.
 
+The life of one block on a node::
+
+    absent --miss--> fetching --bytes--> writing --stored--> cached
+      ^                 |                   |                   |
+      |     error: every waiter gets it     | refused by        | evicted, expired,
+      |                 |                   | admission/space   | or corrupt on read
+      +-----------------+-------------------+-------------------+
+
+    fetching: readers join the fill and wait;  writing: readers are served from
+    the fill's buffer (a hit);  cached: readers are served from the store.
+
 Miss policies, per request: ``wait`` (above) and ``fast-fail`` (CubeFS's
 choice: start the fill, answer ``CacheMiss`` at once; the client reads backing
 storage itself, so a cold cache never adds a round trip).
