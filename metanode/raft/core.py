@@ -418,7 +418,7 @@ class RaftCore:
         if rd.committed_entries:
             self.log.applied_to(rd.committed_entries[-1].index)
         if self.role is Role.LEADER and rd.entries and self._maybe_commit():
-            self._bcast_append()
+            self._bcast_append(send_empty=False)
 
     def snapshot_meta(self, index: int) -> SnapshotMeta:
         """Metadata for a state machine snapshot taken at applied ``index``."""
@@ -641,7 +641,9 @@ class RaftCore:
                 while pr.inflight and pr.inflight[0] <= m.index:
                     pr.inflight.popleft()
             if self._maybe_commit():
-                self._bcast_append()
+                # Followers learn the new commit index with the next Append or
+                # heartbeat: no extra round of empty Appends per commit.
+                self._bcast_append(send_empty=False)
             elif was_paused:
                 self._send_append(m.src)
             while self._send_append(m.src, send_empty=False):
@@ -688,9 +690,9 @@ class RaftCore:
         self._send(InstallSnapshot(self.term, self.id, to, snap))
         return True
 
-    def _bcast_append(self) -> None:
+    def _bcast_append(self, send_empty: bool = True) -> None:
         for to in self.prs:
-            self._send_append(to)
+            self._send_append(to, send_empty)
 
     def _bcast_heartbeat(self) -> None:
         commit = self.log.committed

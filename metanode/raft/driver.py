@@ -301,9 +301,12 @@ class RaftNode:
             await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
             await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
                                           rd.hard_state or self.core.persisted_hard_state(), [])
-        if rd.entries or rd.hard_state is not None:
-            await trio.to_thread.run_sync(self.storage.save, rd.entries, rd.hard_state,
-                                          rd.must_sync)
+        if rd.must_sync:
+            await trio.to_thread.run_sync(self.storage.save, rd.entries, rd.hard_state, True)
+        elif rd.hard_state is not None:
+            # Only the commit index moved: a few bytes into the page cache,
+            # no fsync, not worth a thread hop (it is relearned after a crash).
+            self.storage.save(rd.entries, rd.hard_state, False)
         self._send(rd.messages)
         if rd.snapshot is not None:
             self.sm.restore(rd.snapshot.data)

@@ -195,6 +195,7 @@ def test_only_entries_of_the_current_term_commit_by_counting() -> None:
     net.settle()
     assert 2 not in net.commits[1]  # never committed 2 before 3 (the no-op)
     assert net.cores[1].committed == 3
+    net.tick()  # followers learn the commit index from the next heartbeat
     assert [e.index for e in net.applied[2]] == [1, 2, 3]
 
 
