@@ -31,10 +31,13 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+import zstandard
+from prometheus_client import Counter, Gauge, Histogram
 
 from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, Unavailable
 from cachefs.rpc import RpcPool, rpc_method
@@ -45,6 +48,16 @@ from .messages import EntryKind, InstallSnapshot, Message, Snapshot
 from .storage import RaftStorage
 
 log = logging.getLogger(__name__)
+
+RAFT_TERM = Gauge("cachefs_raft_term", "Current Raft term", ["node"])
+RAFT_LEADER = Gauge("cachefs_raft_is_leader", "1 while this replica leads", ["node"])
+RAFT_COMMIT = Gauge("cachefs_raft_commit_index", "Highest committed log index", ["node"])
+RAFT_APPLIED = Gauge("cachefs_raft_applied_index", "Highest applied log index", ["node"])
+RAFT_FSYNC = Histogram("cachefs_raft_wal_sync_seconds", "WAL write + fsync per Ready", ["node"],
+                       buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1))
+RAFT_BATCH = Histogram("cachefs_raft_proposals_per_append", "Proposals batched into one append",
+                       ["node"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
+RAFT_SNAPSHOTS = Counter("cachefs_raft_snapshots_total", "Snapshots taken or installed", ["node"])
 
 
 class StateMachine(Protocol):
@@ -86,6 +99,8 @@ class DriverConfig:
     snapshot_entries: int = 10_000  # applied entries between snapshots
     rpc_timeout: float = 2.0  # per raft_step call
     max_outbox: int = 10_000  # messages queued per peer before dropping the oldest
+    snapshot_chunk: int = 4 << 20  # InstallSnapshot travels zstd-compressed in chunks
+    max_snapshot: int = 4 << 30  # refuse to assemble a bigger one
 
 
 class RaftNode:
@@ -115,7 +130,17 @@ class RaftNode:
         self._outbox: dict[int, list[Message]] = {p: [] for p in peers if p != node_id}
         self._send_wake: dict[int, trio.Event] = {p: trio.Event() for p in self._outbox}
         self._scope: trio.CancelScope | None = None
+        self._xfer_out = 0
+        self._xfer_in: dict[int, tuple[int, int, list[bytes]]] = {}  # src -> (xfer, size, parts)
         self._closed = False
+        label = str(node_id)
+        self._m_term = RAFT_TERM.labels(label)
+        self._m_leader = RAFT_LEADER.labels(label)
+        self._m_commit = RAFT_COMMIT.labels(label)
+        self._m_applied = RAFT_APPLIED.labels(label)
+        self._m_fsync = RAFT_FSYNC.labels(label)
+        self._m_batch = RAFT_BATCH.labels(label)
+        self._m_snapshots = RAFT_SNAPSHOTS.labels(label)
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
                       "send_errors": 0}
 
@@ -230,6 +255,38 @@ class RaftNode:
             self._inbox.extend(msgs)
             self._wake.set()
 
+    @rpc_method
+    async def raft_snapshot(self, src: int, xfer: int, chunk: int, chunks: int, *,
+                            payload: bytes | bytearray | memoryview | None = None) -> None:
+        """One chunk of a zstd-compressed InstallSnapshot from leader ``src``;
+        the last one completes the message and steps it."""
+        if payload is None or not 0 <= chunk < chunks:
+            raise InvalidArgument("raft_snapshot: bad chunk")
+        if chunk == 0:
+            self._xfer_in[src] = (xfer, 0, [])
+        cur = self._xfer_in.get(src)
+        if cur is None or cur[0] != xfer or len(cur[2]) != chunk:
+            self._xfer_in.pop(src, None)
+            raise InvalidArgument(f"raft_snapshot: chunk {chunk} of transfer {xfer} out of order")
+        size = cur[1] + len(payload)
+        if size > self.dconfig.max_snapshot:
+            self._xfer_in.pop(src, None)
+            raise InvalidArgument("raft_snapshot: over max_snapshot")
+        cur[2].append(bytes(payload))
+        self._xfer_in[src] = (xfer, size, cur[2])
+        if chunk + 1 < chunks:
+            return
+        del self._xfer_in[src]
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(
+                b"".join(cur[2]), max_output_size=self.dconfig.max_snapshot)
+        except zstandard.ZstdError as exc:
+            raise InvalidArgument(f"raft_snapshot: undecodable ({exc})") from None
+        msgs = wire.decode_batch(raw)
+        if not self._closed:
+            self._inbox.extend(msgs)
+            self._wake.set()
+
     def close(self) -> None:
         """Stop the node's tasks; waiting callers get ``Unavailable``."""
         if self._scope is not None:
@@ -279,6 +336,7 @@ class RaftNode:
                 else:
                     self.stats["appends"] += 1
                     self.stats["entries"] += len(props)
+                    self._m_batch.observe(len(props))
                     for k, (_, w) in enumerate(props):
                         self._proposed[first + k] = (term, w)
             if self._read_requests:
@@ -302,7 +360,9 @@ class RaftNode:
             await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
                                           rd.hard_state or self.core.persisted_hard_state(), [])
         if rd.must_sync:
+            started = time.perf_counter()
             await trio.to_thread.run_sync(self.storage.save, rd.entries, rd.hard_state, True)
+            self._m_fsync.observe(time.perf_counter() - started)
         elif rd.hard_state is not None:
             # Only the commit index moved: a few bytes into the page cache,
             # no fsync, not worth a thread hop (it is relearned after a crash).
@@ -311,6 +371,7 @@ class RaftNode:
         if rd.snapshot is not None:
             self.sm.restore(rd.snapshot.data)
             self.applied = rd.snapshot.meta.index
+            self._m_snapshots.inc()
             log.info("raft node %d: installed snapshot at %d from the leader", self.id, self.applied)
             for index in [i for i in self._proposed if i <= self.applied]:
                 self._proposed.pop(index)[1].fail(self._not_leader())
@@ -330,6 +391,8 @@ class RaftNode:
                     still.append((index, waiters))
             self._released = still
         self.core.advance(rd)
+        self._m_commit.set(self.core.committed)
+        self._m_applied.set(self.applied)
         if self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries:
             await self._snapshot()
 
@@ -357,6 +420,8 @@ class RaftNode:
     def _on_soft_state(self, rd: Ready) -> None:
         ss = rd.soft_state
         assert ss is not None
+        self._m_term.set(ss.term)
+        self._m_leader.set(1 if ss.role is Role.LEADER else 0)
         log.info("raft node %d: %s in term %d (leader %s)", self.id, ss.role.value, ss.term,
                  ss.leader or "unknown")
         if ss.role is not Role.LEADER:
@@ -378,6 +443,7 @@ class RaftNode:
         await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
                                       core.persisted_hard_state(), core.stable_entries())
         self.stats["snapshots"] += 1
+        self._m_snapshots.inc()
         log.info("raft node %d: snapshot at %d (%d bytes), log compacted", self.id, index,
                  len(snap.data))
 
@@ -416,14 +482,37 @@ class RaftNode:
             await self._send_wake[peer].wait()
             self._send_wake[peer] = trio.Event()
             msgs, self._outbox[peer] = self._outbox[peer], []
-            # A snapshot travels alone: it can be large.
+            # A snapshot travels alone (the newest only), in chunks: it can be large.
             snaps = [m for m in msgs if isinstance(m, InstallSnapshot)]
             rest = [m for m in msgs if not isinstance(m, InstallSnapshot)]
-            for batch in ([rest] if rest else []) + [[s] for s in snaps[-1:]]:
+            if rest:
                 try:
-                    await self.pool.call(addr, "raft_step", payload=wire.encode_batch(batch),
+                    await self.pool.call(addr, "raft_step", payload=wire.encode_batch(rest),
                                          timeout=self.dconfig.rpc_timeout)
                 except CacheFSError as exc:
                     self.stats["send_errors"] += 1
                     log.debug("raft node %d: %d messages to %s dropped: %s", self.id,
-                              len(batch), addr, exc)
+                              len(rest), addr, exc)
+            if snaps:
+                await self._send_snapshot(addr, snaps[-1])
+
+    async def _send_snapshot(self, addr: str, m: InstallSnapshot) -> None:
+        blob = await trio.to_thread.run_sync(
+            lambda: zstandard.ZstdCompressor(level=1).compress(wire.encode_batch([m])))
+        size = self.dconfig.snapshot_chunk
+        chunks = max(1, -(-len(blob) // size))
+        self._xfer_out += 1
+        log.info("raft node %d: sending snapshot at %d to %s (%d bytes, %d chunks)", self.id,
+                 m.snapshot.meta.index, addr, len(blob), chunks)
+        for k in range(chunks):
+            try:
+                await self.pool.call(addr, "raft_snapshot",
+                                     {"src": self.id, "xfer": self._xfer_out, "chunk": k,
+                                      "chunks": chunks},
+                                     payload=blob[k * size:(k + 1) * size],
+                                     timeout=self.dconfig.rpc_timeout)
+            except CacheFSError as exc:  # the core resends after a while
+                self.stats["send_errors"] += 1
+                log.warning("raft node %d: snapshot to %s failed at chunk %d/%d: %s",
+                            self.id, addr, k, chunks, exc)
+                return

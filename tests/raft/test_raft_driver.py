@@ -17,7 +17,7 @@ import trio
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 
-from cachefs.errors import NotFound, NotLeader
+from cachefs.errors import InvalidArgument, NotFound, NotLeader
 from cachefs.rpc import RpcPool, RpcServer
 
 from .sim import KV
@@ -180,7 +180,8 @@ async def test_elect_propose_kill_leader_restart(tmp_path: Path) -> None:
 async def test_lagging_follower_gets_a_snapshot(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         cluster = Cluster(nursery, tmp_path,
-                          driver_config=DriverConfig(tick_interval=0.02, snapshot_entries=10))
+                          driver_config=DriverConfig(tick_interval=0.02, snapshot_entries=10,
+                                                        snapshot_chunk=40))
         for i in (1, 2, 3):
             await cluster.start(i)
         leader = await cluster.leader()
@@ -196,4 +197,6 @@ async def test_lagging_follower_gets_a_snapshot(tmp_path: Path) -> None:
         await cluster.converged(leader.node.applied)
         assert back.sm.data == leader.sm.data
         assert back.node.core.log.snap_index >= 20  # it came as a snapshot
+        with pytest.raises(InvalidArgument):  # chunks must come in order
+            await back.node.raft_snapshot(src=1, xfer=7, chunk=1, chunks=2, payload=b"x")
         nursery.cancel_scope.cancel()
