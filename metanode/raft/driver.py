@@ -351,8 +351,6 @@ class RaftNode:
 
     async def _handle_ready(self, rd: Ready) -> None:
         self.stats["readys"] += 1
-        if rd.soft_state is not None:
-            self._on_soft_state(rd)
         self._send(rd.eager_messages)
         if rd.snapshot is not None:
             snap = rd.snapshot
@@ -381,6 +379,8 @@ class RaftNode:
             waiters = self._reads.pop(rs.seq, None)
             if waiters:
                 self._released.append((rs.index, waiters))
+        if rd.soft_state is not None:  # after applying: what committed still answers
+            self._on_soft_state(rd)
         if self._released:
             still = []
             for index, waiters in self._released:
