@@ -258,3 +258,20 @@ async def test_a_broken_backing_source_fails_readers_not_the_node(tmp_path: Path
         assert answer["failed"] == 1
         assert source.calls == 3
         nursery.cancel_scope.cancel()
+
+
+async def test_ttl_blocks_expire_in_the_background(tmp_path: Path) -> None:
+    from cachefs.cachenode.service import CacheService
+
+    store = BlockStore.open(tmp_path, 1 << 20, ttl={"scratch": 0.2})
+    async with trio.open_nursery() as nursery:
+        service = CacheService(store, _BrokenSource(), nursery=nursery, node="ttl", expire_interval=0.05)
+        await service.put("scratch", BlockKey(1, 0).to_bytes(), payload=b"x" * 100)
+        await service.put("keep", BlockKey(2, 0).to_bytes(), payload=b"y" * 100)
+        assert len(store) == 2
+        with trio.fail_after(5):
+            while len(store) == 2:  # noqa: ASYNC110 - waiting for the node's expiry task
+                await trio.sleep(0.05)
+        assert store.cached_keys() == [BlockKey(2, 0)]
+        assert store.stats()["expired"] == 1
+        nursery.cancel_scope.cancel()
