@@ -568,6 +568,10 @@ class MetaState:
         if session is None or session.volume != cmd.volume:
             raise NotFound(f"no session {cmd.session!r} on volume {cmd.volume!r}")
         inode = self._inode(vol, cmd.ino)
+        if inode.is_dir:
+            raise IsADirectory("open tracks regular files only (directories need no open)")
+        if _kind(inode.mode) != _S_IFREG:
+            raise InvalidArgument("open tracks regular files only")
         session.files[cmd.ino] = session.files.get(cmd.ino, 0) + 1
         vol.opens[cmd.ino] = vol.opens.get(cmd.ino, 0) + 1
         return self.attr(inode)
