@@ -200,7 +200,7 @@ class RaftNode:
     def commit_index(self) -> int:
         return self.core.committed
 
-    def _not_leader(self) -> NotLeader:
+    def _not_leader(self) -> CacheFSError:
         addr = self.leader_addr
         return NotLeader(f"metanode {self.id} is not the leader"
                          + (f"; try {addr}" if addr else ""), leader=addr)

@@ -12,11 +12,12 @@ ints; ``0`` means "none" (no vote, no known leader).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from cachefs.errors import ProtocolError
 
@@ -183,7 +184,7 @@ def encode(m: Message) -> bytes:
     return msgpack.packb(_to_list(m), use_bin_type=True)
 
 
-def encode_batch(msgs: list[Message] | tuple[Message, ...]) -> bytes:
+def encode_batch(msgs: Sequence[Message]) -> bytes:
     """Several messages for one peer in one buffer (one RPC call)."""
     return msgpack.packb([_to_list(m) for m in msgs], use_bin_type=True)
 
