@@ -380,6 +380,7 @@ class Sim:
         self.history: list[Op] = []
         self.clients = [Client(c) for c in range(params.clients)]
         self.value = 0
+        self.sent: dict[str, int] = {}  # message type -> count
         self.nodes = {i: SimNode(self, i) for i in self.ids}
         for n in self.nodes.values():  # clocks drift: each node ticks at its own rate
             n.tick_period = TICK + self.rng.randint(-params.drift, params.drift)
@@ -409,6 +410,8 @@ class Sim:
 
     # -- network
     def send(self, m: Message) -> None:
+        name = type(m).__name__
+        self.sent[name] = self.sent.get(name, 0) + 1
         if (m.src, m.dst) in self.blocked or self.rng.random() < self.loss:
             return
         if self.rng.random() < 0.2:  # exercise the codec on a share of the traffic

@@ -76,14 +76,16 @@ def test_replay() -> None:
 
 def test_schedules_exercise_the_faults() -> None:
     """Guard against a simulator that quietly stopped doing its job."""
-    totals = {"terms": 0, "done": 0, "snapshots": 0, "syncs": 0}
+    totals = {"terms": 0, "done": 0, "snapshots": 0, "syncs": 0, "installs": 0}
     for seed in range(40):
         sim = run_schedule(seed, 3)
         totals["terms"] += len(sim.checker.leaders)
         totals["done"] += sum(op.resp is not None for op in sim.history)
         totals["snapshots"] += sum(n.core.log.snap_index > 0 for n in sim.nodes.values())
         totals["syncs"] += sum(n.disk.syncs for n in sim.nodes.values())
+        totals["installs"] += sim.sent.get("InstallSnapshot", 0)
     assert totals["terms"] >= 60, totals
     assert totals["done"] >= 400, totals
     assert totals["snapshots"] >= 20, totals
     assert totals["syncs"] >= 1000, totals
+    assert totals["installs"] >= 10, totals
