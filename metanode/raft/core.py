@@ -683,7 +683,9 @@ class RaftCore:
         return True
 
     def _send_snapshot(self, to: int, pr: Progress) -> bool:
-        snap = self.snapshot
+        # A snapshot installed from the old leader may not be on disk yet if we
+        # won an election since; its data is committed state all the same.
+        snap = self.log.pending_snapshot or self.snapshot
         if snap is None or snap.meta.index < self.log.snap_index:
             raise AssertionError("log compacted without a persisted snapshot")
         pr.become_snapshot(snap.meta.index)
