@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READDIR_BATCH = 256
+COMPACT_DELAY = 0.5
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -179,9 +180,12 @@ class CacheFS(pyfuse3.Operations):
 
     async def _compact(self, inode: Inode, chunk: int) -> None:
         try:
-            await self.session.compact_if_needed(
-                inode, chunk, self.reader, self.options.compact_after
-            )
+            # Let a burst of writes finish first: compacting under a writer
+            # only loses the race (EBUSY) after reading the whole chunk.
+            await trio.sleep(COMPACT_DELAY)
+            if inode.writer is not None and inode.writer.dirty:
+                return
+            await self.session.compact_if_needed(inode, chunk, self.reader, self.options.compact_after)
         except CacheFSError as exc:
             log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
         finally:
@@ -257,6 +261,7 @@ class CacheFS(pyfuse3.Operations):
         node = self.inodes.update(new)
         if fields.update_size:
             node.chunks.clear()
+            node.layout += 1
         return self._entry(node)
 
     @_fuse
@@ -349,6 +354,7 @@ class CacheFS(pyfuse3.Operations):
             await self._flush_inode(node)
             node.set_attr(await self.session.setattr(inode, size=0))
             node.chunks.clear()
+            node.layout += 1
         return self._file_info(fh, node)
 
     @_fuse

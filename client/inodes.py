@@ -108,8 +108,11 @@ class Inode:
     lookups: int = 0
     opens: int = 0
     cached_version: int | None = None
-    # chunk index -> (content version it was read at, slice list)
-    chunks: dict[int, tuple[int, list[Slice]]] = field(default_factory=dict)
+    # chunk index -> ((content version, layout) it was read at, slice list)
+    chunks: dict[int, tuple[tuple[int, int], list[Slice]]] = field(default_factory=dict)
+    # Bumped when a chunk's slices change without a version change (compaction,
+    # our own commits), so a slice list fetched before that is not cached.
+    layout: int = 0
     writer: FileWriter | None = None
 
     @property
@@ -120,6 +123,7 @@ class Inode:
         """Take newer attributes; a content change drops the cached slice lists."""
         if attr.version != self.attr.version:
             self.chunks.clear()
+            self.layout += 1
         self.attr = attr
 
     @property

@@ -112,13 +112,13 @@ class Reader:
 
     async def slices(self, inode: Inode, chunk: int) -> list[Slice]:
         cached = inode.chunks.get(chunk)
-        version = inode.attr.version
-        if cached is not None and cached[0] == version:
+        stamp = (inode.attr.version, inode.layout)
+        if cached is not None and cached[0] == stamp:
             return cached[1]
         slices = await self.source.read_chunk(inode.ino, chunk)
         # The inode may have moved on while we waited; cache only if not.
-        if inode.attr.version == version:
-            inode.chunks[chunk] = (version, slices)
+        if (inode.attr.version, inode.layout) == stamp:
+            inode.chunks[chunk] = (stamp, slices)
         return slices
 
     async def read(

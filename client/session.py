@@ -109,25 +109,31 @@ class Session:
         cmap = await meta.cluster_map()
         if volume not in cmap.get("volumes", {}):
             raise NotFound(f"volume {volume!r} is not in the cluster map")
-        session = cls(
+        view = MetaClusterView(meta.cluster_map)
+        await view.refresh()
+        return cls(
             meta,
-            pool,
             volume,
             str(info["session"]),
             cmap,
             zone=zone,
             transport=open_transport(transport, pool),
+            backing=BackingClient(pool, view, zone=zone),
+            view=view,
         )
-        await session.view.refresh()
-        return session
 
     def _set_map(self, cmap: dict[str, Any]) -> None:
-        vol = cmap.get("volumes", {}).get(self.volume, {})
-        self.block_size = int(vol.get("block_size") or DEFAULT_BLOCK_SIZE)
-        if not 0 < self.block_size <= CHUNK_SIZE or CHUNK_SIZE % self.block_size:
-            raise InvalidArgument(
-                f"volume {self.volume} has an unusable block size {self.block_size}"
-            )
+        """Take a new cluster map. The block size is fixed at mount time: a
+        volume's block size never changes, and a map without it must not make
+        this mount cut or address blocks differently."""
+        if not hasattr(self, "block_size"):
+            vol = cmap.get("volumes", {}).get(self.volume, {})
+            block_size = int(vol.get("block_size") or DEFAULT_BLOCK_SIZE)
+            if not 0 < block_size <= CHUNK_SIZE or CHUNK_SIZE % block_size:
+                raise InvalidArgument(
+                    f"volume {self.volume} has an unusable block size {block_size}"
+                )
+            self.block_size = block_size
         self.router.update(cmap)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -309,6 +315,7 @@ class Session:
             log.info("chunk %d of inode %d changed while compacting; left as is", chunk, inode.ino)
             return
         inode.chunks.pop(chunk, None)
+        inode.layout += 1
         log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
 
     async def _fill(self, part: Any, dest: memoryview) -> None:

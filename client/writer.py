@@ -212,6 +212,7 @@ class FileWriter:
         # when the version only moved by our commit.
         ours = inode.cached_version == inode.attr.version and attr.version == inode.attr.version + 1
         inode.chunks.pop(run.chunk, None)
+        inode.layout += 1
         inode.set_attr(attr)
         inode.cached_version = attr.version if ours else None
         self.stats["slices"] += 1

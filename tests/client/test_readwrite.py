@@ -244,3 +244,66 @@ async def test_failed_upload_is_reported_on_flush(nursery) -> None:
         await writer.flush()
     with pytest.raises(IOFailure):
         await writer.write(100, b"y")
+
+
+compact_ops_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 6 * BLOCK), st.integers(1, 2 * BLOCK)),
+        st.tuples(st.just("read"), st.integers(0, 7 * BLOCK), st.integers(1, 3 * BLOCK)),
+        st.tuples(st.just("flush"), st.just(0), st.just(0)),
+        st.tuples(st.just("compact"), st.just(0), st.just(0)),
+        st.tuples(st.just("truncate"), st.integers(0, 6 * BLOCK), st.just(0)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=compact_ops_st, seed=st.integers(0, 1000))
+def test_session_io_with_compaction_matches_model(ops, seed) -> None:
+    """The real Session (over the in-process namespace) with compactions in between."""
+    from cachefs.client.session import Session
+    from cachefs.client.transport.tcp import TcpTransport
+
+    from cachefs.rpc import RpcPool
+    from tests.client.localfs import VOLUME, DictBacking, StateMeta
+
+    rng = random.Random(seed)
+
+    async def main() -> None:
+        meta = StateMeta(BLOCK)
+        info = await meta.mount_volume(VOLUME, "t")
+        async with RpcPool(secret=None) as pool, trio.open_nursery() as n:
+            session = Session(
+                meta, VOLUME, info["session"], {"volumes": {VOLUME: {"block_size": BLOCK}}},
+                zone="", transport=TcpTransport(pool), backing=DictBacking(),
+            )  # fmt: skip
+            inode = Inode(Attr.from_wire(await meta.mknod(VOLUME, 1, b"f", 0o100644, 0, 0, 0)))
+            reader = Reader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=4 * BLOCK)
+            ra = reader.new_readahead()
+            writer = _writer(session, inode, n)  # type: ignore[arg-type]
+            model = bytearray()
+            for op, a, b in ops:
+                if op == "write":
+                    data = rng.randbytes(b)
+                    await writer.write(a, data)
+                    if len(model) < a + b:
+                        model.extend(bytes(a + b - len(model)))
+                    model[a : a + b] = data
+                elif op == "read":
+                    assert await reader.read(inode, a, b, ra) == bytes(model[a : a + b])
+                elif op == "flush":
+                    await writer.flush()
+                elif op == "compact":
+                    await session.compact_if_needed(inode, 0, reader, threshold=1)
+                else:
+                    await writer.flush()
+                    inode.set_attr(await session.setattr(inode.ino, size=a))
+                    del model[a:]
+                    model.extend(bytes(a - len(model)))
+            await writer.flush()
+            assert await reader.read(inode, 0, len(model) + 10, None) == bytes(model)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
