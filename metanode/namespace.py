@@ -10,7 +10,8 @@ read-index. ``apply`` never raises: a refused mutation returns a
 :class:`Failure` carrying the errno-like code, and it changes nothing, because
 every operation checks all its preconditions before its first write.
 
-Client sessions: a command with a ``client_id`` is answered once; a repeat of
+Client sessions: a command with a ``client_id`` and a ``seq`` above 0 is
+answered once; a repeat of
 the same ``(client_id, seq)`` gets the stored first answer (success or
 failure). The last ``DEDUP_WINDOW`` answers per client are kept, in the
 snapshot too; a seq older than the window is refused rather than re-applied.
@@ -295,7 +296,7 @@ class MetaState:
             cmd = command if isinstance(command, C.Command) else C.decode(command)
         except CacheFSError as err:
             return Failure(err.code, err.message)
-        client = cmd.client_id
+        client = cmd.client_id if cmd.seq else ""  # seq 0: not deduplicated
         if client:
             seen = self.dedup.get(client)
             if seen is not None and cmd.seq in seen:

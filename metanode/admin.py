@@ -1,0 +1,172 @@
+"""``cachefs volume ...``: create and list volumes, set and show directory quotas."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import click
+import trio
+
+from cachefs.config import ADDRS, SIZE, load_secret
+from cachefs.errors import CacheFSError
+from cachefs.rpc import RpcPool
+
+from .client import MetaClient
+from .commands import check_policy
+
+_meta = click.option(
+    "--meta",
+    type=ADDRS,
+    required=True,
+    envvar="CACHEFS_META",
+    help="Metanode addresses, comma-separated.",
+)
+_secret = click.option(
+    "--secret-file",
+    envvar="CACHEFS_SECRET_FILE",
+    type=click.Path(dir_okay=False),
+    help="File holding the cluster secret.",
+)
+_insecure = click.option(
+    "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
+)
+
+
+def _run(
+    meta: list[str],
+    secret_file: str | None,
+    insecure: bool,
+    fn: Callable[[MetaClient], Awaitable[Any]],
+) -> Any:
+    secret = load_secret(secret_file, insecure)
+
+    async def go() -> Any:
+        async with RpcPool(secret=secret) as pool:
+            return await fn(MetaClient(pool, meta, deadline=15.0))
+
+    try:
+        return trio.run(go)
+    except CacheFSError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group()
+def volume() -> None:
+    """Create and inspect volumes (named namespaces with a storage policy)."""
+
+
+@volume.command("create")
+@click.argument("name")
+@click.option(
+    "--policy",
+    default="ec:4+2",
+    show_default=True,
+    help="Redundancy: ec:K+M (erasure coded) or replica:N.",
+)
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "zstd"]),
+    default="none",
+    show_default=True,
+    help="Compress blocks before encoding.",
+)
+@click.option(
+    "--block-size",
+    type=SIZE,
+    default="4M",
+    show_default=True,
+    help="Block size (divides the 64 MiB chunk), e.g. 1M, 4M.",
+)
+@click.option(
+    "--pg-count",
+    type=click.IntRange(1, 65536),
+    default=64,
+    show_default=True,
+    help="Placement groups of the volume.",
+)
+@_meta
+@_secret
+@_insecure
+def create(
+    name: str,
+    policy: str,
+    compression: str,
+    block_size: int,
+    pg_count: int,
+    meta: list[str],
+    secret_file: str | None,
+    insecure: bool,
+) -> None:
+    """Create volume NAME."""
+    try:
+        policy = check_policy(policy, compression, block_size)
+    except CacheFSError as exc:
+        raise click.BadParameter(exc.message, param_hint="--policy/--block-size") from None
+    spec = _run(
+        meta,
+        secret_file,
+        insecure,
+        lambda mc: mc.create_volume(name, policy, compression, block_size, pg_count),
+    )
+    click.echo(f"created volume {name}: {json.dumps(spec)}")
+
+
+@volume.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_meta
+@_secret
+@_insecure
+def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool) -> None:
+    """List the volumes with their policy and usage."""
+    vols = _run(meta, secret_file, insecure, lambda mc: mc.list_volumes())
+    if as_json:
+        click.echo(json.dumps(vols))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="volumes")
+    for col in ("name", "policy", "compression", "block size", "PGs", "bytes", "inodes"):
+        table.add_column(col)
+    for name, v in sorted(vols.items()):
+        table.add_row(
+            name,
+            v["policy"],
+            v["compression"],
+            str(v["block_size"]),
+            str(v["pg_count"]),
+            str(v["used_bytes"]),
+            str(v["used_inodes"]),
+        )
+    Console().print(table)
+
+
+@volume.command("quota")
+@click.argument("name")
+@click.argument("ino", type=click.IntRange(1))
+@click.option("--max-bytes", type=SIZE, default=None, help="Byte limit of the subtree.")
+@click.option("--max-inodes", type=click.IntRange(0), default=None, help="Inode limit.")
+@click.option("--clear", is_flag=True, help="Remove both limits.")
+@_meta
+@_secret
+@_insecure
+def quota(
+    name: str,
+    ino: int,
+    max_bytes: int | None,
+    max_inodes: int | None,
+    clear: bool,
+    meta: list[str],
+    secret_file: str | None,
+    insecure: bool,
+) -> None:
+    """Show (or set) the usage and quota of directory INO of volume NAME."""
+
+    async def go(mc: MetaClient) -> Any:
+        if clear or max_bytes is not None or max_inodes is not None:
+            return await mc.set_quota(name, ino, max_bytes, max_inodes)
+        return await mc.get_usage(name, ino)
+
+    click.echo(json.dumps(_run(meta, secret_file, insecure, go)))

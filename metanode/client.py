@@ -1,0 +1,356 @@
+"""MetaClient: the metanode RPC surface for the FUSE client, tools and benches.
+
+It finds the leader (asking the addresses in turn and following ``NotLeader``
+hints), retries a call that failed for reasons of availability (no leader
+yet, leader died, connection lost, timed out) until its deadline, and raises
+typed errors for everything else. A mutation keeps the same
+``(client_id, seq)`` across all its retries, so the metanodes apply it once
+and answer a retry with the first answer: a create whose reply was lost in a
+failover comes back as the inode it made, not as EEXIST.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import trio
+
+from cachefs.errors import (
+    Busy,
+    CacheFSError,
+    ConnectionLost,
+    NotLeader,
+    TimedOut,
+    Unavailable,
+    Unreachable,
+)
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+_RETRY = (NotLeader, Unreachable, ConnectionLost, TimedOut, Unavailable, Busy)
+
+
+class MetaClient:
+    """One per process (or per mount); safe for many concurrent tasks."""
+
+    def __init__(
+        self,
+        pool: RpcPool,
+        addrs: list[str],
+        *,
+        client_id: str | None = None,
+        deadline: float = 30.0,
+        attempt_timeout: float = 5.0,
+    ) -> None:
+        if not addrs:
+            raise ValueError("MetaClient needs at least one metanode address")
+        self.pool = pool
+        self.addrs = list(addrs)
+        self.client_id = client_id or f"mc-{uuid.uuid4().hex[:16]}"
+        self.deadline = deadline
+        self.attempt_timeout = attempt_timeout
+        self.leader: str | None = None
+        self._seq = itertools.count(1)
+        self.retries = 0
+
+    async def call(
+        self,
+        method: str,
+        args: dict[str, Any],
+        *,
+        mutation: bool = False,
+        deadline: float | None = None,
+    ) -> Any:
+        """Call ``method`` on the leader, retrying availability failures.
+
+        Raises:
+            TimedOut: no leader answered within the deadline (the last
+                availability error is chained).
+            CacheFSError: the metanodes' answer, typed.
+        """
+        if mutation:
+            args = {
+                **args,
+                "client_id": args.get("client_id") or self.client_id,
+                "seq": next(self._seq),
+            }
+        budget = self.deadline if deadline is None else deadline
+        give_up = trio.current_time() + budget
+        backoff = 0.02
+        turn = 0
+        last: CacheFSError | None = None
+        while True:
+            addr = self.leader or self.addrs[turn % len(self.addrs)]
+            left = give_up - trio.current_time()
+            if left <= 0:
+                raise TimedOut(
+                    f"{method}: no metanode leader answered within {budget:.0f}s "
+                    f"(last error: {last})"
+                ) from last
+            try:
+                reply = await self.pool.call(
+                    addr, method, args, timeout=min(self.attempt_timeout, left)
+                )
+                self.leader = addr
+                return reply.result
+            except NotLeader as exc:
+                last = exc
+                hint = exc.details.get("leader")
+                if hint and hint != addr:
+                    self.leader = hint
+                    continue  # follow the redirect at once
+                self.leader = None
+            except _RETRY as exc:
+                last = exc
+                if self.leader == addr:
+                    self.leader = None
+                if isinstance(exc, ConnectionLost | Unreachable | TimedOut):
+                    self.pool.forget(addr)
+            turn += 1
+            self.retries += 1
+            await trio.sleep(min(backoff, max(0.0, give_up - trio.current_time())))
+            backoff = min(backoff * 2, 0.5)
+
+    async def _m(self, method: str, **args: Any) -> Any:
+        return await self.call(method, args, mutation=True)
+
+    async def _r(self, method: str, **args: Any) -> Any:
+        return await self.call(method, args)
+
+    # -- volumes and sessions ---------------------------------------------------------
+
+    async def create_volume(
+        self,
+        name: str,
+        policy: str,
+        compression: str = "none",
+        block_size: int = 4 << 20,
+        pg_count: int = 64,
+    ) -> dict[str, Any]:
+        return await self._m(
+            "create_volume",
+            name=name,
+            policy=policy,
+            compression=compression,
+            block_size=block_size,
+            pg_count=pg_count,
+        )
+
+    async def list_volumes(self) -> dict[str, Any]:
+        return await self._r("list_volumes")
+
+    async def mount_volume(self, volume: str, client_id: str | None = None) -> dict[str, Any]:
+        return await self._m("mount_volume", volume=volume, client_id=client_id or self.client_id)
+
+    async def session_heartbeat(self, session: str) -> bool:
+        return await self._r("session_heartbeat", session=session)
+
+    async def close_session(self, volume: str, session: str) -> None:
+        await self._m("close_session", volume=volume, session=session)
+
+    async def meta_status(self, addr: str) -> dict[str, Any]:
+        """One replica's view (any replica answers)."""
+        return (await self.pool.call(addr, "meta_status", {}, timeout=self.attempt_timeout)).result
+
+    # -- namespace reads ----------------------------------------------------------------
+
+    async def lookup(self, volume: str, parent: int, name: bytes) -> dict[str, Any]:
+        return await self._r("lookup", volume=volume, parent=parent, name=name)
+
+    async def getattr(self, volume: str, ino: int) -> dict[str, Any]:
+        return await self._r("getattr", volume=volume, ino=ino)
+
+    async def readlink(self, volume: str, ino: int) -> bytes:
+        return await self._r("readlink", volume=volume, ino=ino)
+
+    async def readdir(self, volume: str, ino: int, cookie: int = 0, limit: int = 1000) -> list[Any]:
+        return await self._r("readdir", volume=volume, ino=ino, cookie=cookie, limit=limit)
+
+    async def statfs(self, volume: str) -> dict[str, Any]:
+        return await self._r("statfs", volume=volume)
+
+    async def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
+        return await self._r("getxattr", volume=volume, ino=ino, name=name)
+
+    async def listxattr(self, volume: str, ino: int) -> list[bytes]:
+        return await self._r("listxattr", volume=volume, ino=ino)
+
+    async def read_chunk(self, volume: str, ino: int, chunk: int) -> list[list[int]]:
+        return await self._r("read_chunk", volume=volume, ino=ino, chunk=chunk)
+
+    async def get_usage(self, volume: str, ino: int) -> dict[str, Any]:
+        return await self._r("get_usage", volume=volume, ino=ino)
+
+    async def list_trash(
+        self, volume: str, limit: int = 1000, before_ns: int | None = None
+    ) -> list[list[int]]:
+        return await self._r("list_trash", volume=volume, limit=limit, before_ns=before_ns)
+
+    # -- namespace mutations -------------------------------------------------------------
+
+    async def setattr(
+        self,
+        volume: str,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> dict[str, Any]:
+        return await self._m(
+            "setattr",
+            volume=volume,
+            ino=ino,
+            mode=mode,
+            uid=uid,
+            gid=gid,
+            size=size,
+            atime_ns=atime_ns,
+            mtime_ns=mtime_ns,
+        )
+
+    async def mknod(
+        self,
+        volume: str,
+        parent: int,
+        name: bytes,
+        mode: int,
+        rdev: int = 0,
+        uid: int = 0,
+        gid: int = 0,
+    ) -> dict[str, Any]:
+        return await self._m(
+            "mknod", volume=volume, parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid
+        )
+
+    async def mkdir(
+        self, volume: str, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0
+    ) -> dict[str, Any]:
+        return await self._m(
+            "mkdir", volume=volume, parent=parent, name=name, mode=mode, uid=uid, gid=gid
+        )
+
+    async def symlink(
+        self, volume: str, parent: int, name: bytes, target: bytes, uid: int = 0, gid: int = 0
+    ) -> dict[str, Any]:
+        return await self._m(
+            "symlink", volume=volume, parent=parent, name=name, target=target, uid=uid, gid=gid
+        )
+
+    async def link(self, volume: str, ino: int, new_parent: int, new_name: bytes) -> dict[str, Any]:
+        return await self._m(
+            "link", volume=volume, ino=ino, new_parent=new_parent, new_name=new_name
+        )
+
+    async def unlink(self, volume: str, parent: int, name: bytes) -> None:
+        await self._m("unlink", volume=volume, parent=parent, name=name)
+
+    async def rmdir(self, volume: str, parent: int, name: bytes) -> None:
+        await self._m("rmdir", volume=volume, parent=parent, name=name)
+
+    async def rename(
+        self,
+        volume: str,
+        parent: int,
+        name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        flags: int = 0,
+    ) -> None:
+        await self._m(
+            "rename",
+            volume=volume,
+            parent=parent,
+            name=name,
+            new_parent=new_parent,
+            new_name=new_name,
+            flags=flags,
+        )
+
+    async def setxattr(
+        self, volume: str, ino: int, name: bytes, value: bytes, flags: int = 0
+    ) -> None:
+        await self._m("setxattr", volume=volume, ino=ino, name=name, value=value, flags=flags)
+
+    async def removexattr(self, volume: str, ino: int, name: bytes) -> None:
+        await self._m("removexattr", volume=volume, ino=ino, name=name)
+
+    async def open(self, volume: str, ino: int, session: str) -> dict[str, Any]:
+        return await self._m("open", volume=volume, ino=ino, session=session)
+
+    async def release(self, volume: str, ino: int, session: str) -> None:
+        await self._m("release", volume=volume, ino=ino, session=session)
+
+    async def set_quota(
+        self, volume: str, ino: int, max_bytes: int | None = None, max_inodes: int | None = None
+    ) -> dict[str, Any]:
+        return await self._m(
+            "set_quota", volume=volume, ino=ino, max_bytes=max_bytes, max_inodes=max_inodes
+        )
+
+    # -- data -------------------------------------------------------------------------
+
+    async def alloc_slices(self, count: int = 1) -> int:
+        return await self._m("alloc_slices", count=count)
+
+    async def write_slice(
+        self,
+        volume: str,
+        ino: int,
+        chunk: int,
+        slice_id: int,
+        pos: int,
+        length: int,
+        offset: int,
+        mtime_ns: int,
+    ) -> dict[str, Any]:
+        return await self._m(
+            "write_slice",
+            volume=volume,
+            ino=ino,
+            chunk=chunk,
+            slice_id=slice_id,
+            pos=pos,
+            length=length,
+            offset=offset,
+            mtime_ns=mtime_ns,
+        )
+
+    async def compact_chunk(
+        self, volume: str, ino: int, chunk: int, expect: list[int], slice_id: int, length: int
+    ) -> dict[str, Any]:
+        return await self._m(
+            "compact_chunk",
+            volume=volume,
+            ino=ino,
+            chunk=chunk,
+            expect=list(expect),
+            slice_id=slice_id,
+            length=length,
+        )
+
+    async def purge_trash(self, volume: str, slice_ids: list[int]) -> int:
+        return await self._m("purge_trash", volume=volume, slice_ids=list(slice_ids))
+
+    # -- cluster map --------------------------------------------------------------------
+
+    async def cluster_map(self) -> dict[str, Any]:
+        return await self._r("cluster_map")
+
+    async def register_node(self, kind: str, id: str, addr: str, zone: str, capacity: int) -> int:
+        return await self._m(
+            "register_node", kind=kind, id=id, addr=addr, zone=zone, capacity=capacity
+        )
+
+    async def remove_node(self, kind: str, id: str) -> int:
+        return await self._m("remove_node", kind=kind, id=id)
+
+    async def node_heartbeat(self, kind: str, id: str, used: int) -> None:
+        await self._r("node_heartbeat", kind=kind, id=id, used=used)

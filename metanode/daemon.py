@@ -1,0 +1,169 @@
+"""``cachefs metanode``: run one metadata replica (Raft + the namespace state machine).
+
+    cachefs metanode --id 1 --peers 1=10.0.0.1:7100,2=10.0.0.2:7100,3=10.0.0.3:7100 \\
+        --data-dir /var/lib/cachefs/meta --secret-file /etc/cachefs/secret
+
+The replica opens its WAL and newest snapshot in ``--data-dir`` (restoring
+the exact state it had), serves the metanode RPC methods and Raft's own on
+``--listen`` (default: its own entry in ``--peers``), and runs until SIGINT
+or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import click
+import trio
+
+from cachefs.config import ADDR, daemon_options, load_secret, setup_logging
+from cachefs.errors import InvalidArgument
+from cachefs.metrics import start_metrics
+from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
+
+from .commands import check_addr
+from .namespace import MetaState
+from .raft.driver import RaftNode
+from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
+
+log = logging.getLogger(__name__)
+
+
+def parse_peers(text: str) -> dict[int, str]:
+    """``1=host:port,2=host:port,...`` -> {1: "host:port", ...}."""
+    peers: dict[int, str] = {}
+    for part in text.split(","):
+        ident, sep, addr = part.strip().partition("=")
+        if not sep or not ident.strip().isdigit() or int(ident) < 1:
+            raise InvalidArgument(f"peer {part.strip()!r}: expected ID=host:port with ID >= 1")
+        if int(ident) in peers:
+            raise InvalidArgument(f"peer id {ident} given twice")
+        peers[int(ident)] = check_addr(addr.strip())
+    if len(peers) % 2 == 0:
+        log.warning(
+            "%d metanodes: an odd number tolerates as many failures with one fewer", len(peers)
+        )
+    return peers
+
+
+async def serve(
+    node_id: int,
+    peers: dict[int, str],
+    data_dir: Path,
+    listen: str,
+    secret: bytes | None,
+    session_timeout: float,
+    node_timeout: float,
+) -> None:
+    """Run the replica until SIGINT/SIGTERM."""
+    host, port = parse_addr(listen)
+    state = MetaState()
+    service = MetaService(state, session_timeout=session_timeout, node_timeout=node_timeout)
+    server = RpcServer(service, name="metanode", secret=secret, limits=Limits())
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with RpcPool(secret=secret) as pool, trio.open_nursery() as nursery:
+            node = await RaftNode.create(
+                node_id, peers, data_dir, state, pool, nursery=nursery, server=server
+            )
+            service.node = node
+            await nursery.start(server.serve, host, port)
+            await nursery.start(service.run_housekeeping)
+            log.info(
+                "metanode %d serving on %s (peers %s), applied index %d, %d volumes",
+                node_id,
+                listen,
+                peers,
+                state.applied_index,
+                len(state.volumes),
+            )
+            async for signum in signals:
+                log.info("signal %d: shutting down", signum)
+                break
+            await server.shutdown(grace=2.0)
+            node.close()
+            nursery.cancel_scope.cancel()
+
+
+@click.command("metanode")
+@click.option(
+    "--id",
+    "node_id",
+    required=True,
+    type=click.IntRange(1),
+    help="This replica's id (one of the ids in --peers).",
+)
+@click.option(
+    "--peers",
+    required=True,
+    help="Every replica as ID=host:port, comma separated, this one included.",
+)
+@click.option(
+    "--data-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory for the WAL and snapshots (created if missing).",
+)
+@click.option(
+    "--listen",
+    type=ADDR,
+    default=None,
+    help="host:port to serve on (default: this replica's address in --peers).",
+)
+@click.option(
+    "--session-timeout",
+    type=click.FloatRange(1, 86400),
+    default=SESSION_TIMEOUT,
+    show_default=True,
+    help="Seconds without a heartbeat before a client session ends.",
+)
+@click.option(
+    "--node-timeout",
+    type=click.FloatRange(1, 86400),
+    default=NODE_TIMEOUT,
+    show_default=True,
+    help="Seconds without a heartbeat before a node shows as down.",
+)
+@daemon_options
+def command(
+    node_id: int,
+    peers: str,
+    data_dir: str,
+    listen: str | None,
+    session_timeout: float,
+    node_timeout: float,
+    secret_file: str | None,
+    insecure: bool,
+    log_level: str,
+    metrics_port: int,
+) -> None:
+    """Run a metanode: one replica of the namespace and cluster map."""
+    setup_logging("metanode", log_level)
+    secret = load_secret(secret_file, insecure)
+    try:
+        peer_map = parse_peers(peers)
+    except InvalidArgument as exc:
+        raise click.BadParameter(exc.message, param_hint="--peers") from None
+    if node_id not in peer_map:
+        raise click.BadParameter(
+            f"--id {node_id} is not one of the ids in --peers "
+            f"({', '.join(map(str, sorted(peer_map)))})",
+            param_hint="--id",
+        )
+    root = Path(data_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
+    start_metrics(metrics_port)
+    trio.run(
+        serve,
+        node_id,
+        peer_map,
+        root,
+        listen or peer_map[node_id],
+        secret,
+        session_timeout,
+        node_timeout,
+    )
