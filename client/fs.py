@@ -112,6 +112,16 @@ class CacheFS(pyfuse3.Operations):
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
         self._compacting: set[tuple[int, int]] = set()
+        session.on_new_session = self._reopen_all
+
+    async def _reopen_all(self) -> None:
+        """A new metanode session: hold our open files again."""
+        for inode in self.inodes.all():
+            if inode.opens > 0:
+                try:
+                    await self.session.open(inode.ino)
+                except CacheFSError as exc:
+                    log.error("could not re-open inode %d in the new session: %s", inode.ino, exc)
 
     # ------------------------------------------------------------------ helpers
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -80,6 +81,7 @@ class Session:
         self.backing = backing
         self.router = CacheRouter(cluster_map, zone)
         self._set_map(cluster_map)
+        self.on_new_session: Callable[[], Awaitable[None]] | None = None
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
 
     @classmethod
@@ -103,8 +105,8 @@ class Session:
         """
         from cachefs.metanode.client import MetaClient
 
-        meta = MetaClient(pool, meta_addrs)
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
+        meta = MetaClient(pool, meta_addrs, client_id=client_id)
         info = await meta.mount_volume(volume, client_id)
         cmap = await meta.cluster_map()
         if volume not in cmap.get("volumes", {}):
@@ -137,17 +139,27 @@ class Session:
         self.router.update(cmap)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the cluster map fresh (start it in the mount's nursery)."""
+        """Keep the session alive and the cluster map fresh (start it in the
+        mount's nursery). The metanodes close a session silent for a minute,
+        and with it the hold on our unlinked-but-open files; if that happened
+        anyway (a long partition), open a new session and re-open the files
+        through ``on_new_session``."""
         task_status.started()
         while True:
             await trio.sleep(MAP_REFRESH)
             try:
+                if self.session_id and not await self.meta.session_heartbeat(self.session_id):
+                    log.warning("session %s expired; opening a new one", self.session_id)
+                    info = await self.meta.mount_volume(self.volume, self.meta.client_id)
+                    self.session_id = str(info["session"])
+                    if self.on_new_session is not None:
+                        await self.on_new_session()
                 cmap = await self.meta.cluster_map()
                 self._set_map(cmap)
                 if self.view is not None:
                     await self.view.refresh()
             except CacheFSError as exc:
-                log.warning("cluster map refresh failed, keeping the last one: %s", exc)
+                log.warning("session upkeep failed (will retry): %s", exc)
 
     async def close(self) -> None:
         try:

@@ -39,6 +39,7 @@ class StateMeta:
 
     def __init__(self, block_size: int) -> None:
         self.state = MetaState()
+        self.client_id = "localfs"
         self._seq = itertools.count(1)
         self._index = itertools.count(1)
         self._do(C.CreateVolume, VOLUME, "replica:1", "none", block_size, 8)
@@ -52,6 +53,9 @@ class StateMeta:
 
     async def mount_volume(self, volume: str, client_id: str) -> dict[str, Any]:
         return self._do(C.MountVolume, volume)
+
+    async def session_heartbeat(self, session: str) -> bool:
+        return session in self.state.sessions
 
     async def close_session(self, volume: str, session: str) -> None:
         self._do(C.CloseSession, session)
