@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -323,17 +324,10 @@ def mount_command(
 
     def run(ready: Callable[[str | None], None]) -> int:
         try:
-            return trio.run(
-                serve,
-                meta_addrs,
-                volume,
-                mountpoint,
-                options,
-                secret=secret,
-                zone=zone,
-                transport=transport,
-                ready=ready,
+            main = functools.partial(
+                serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready
             )
+            return trio.run(main)
         finally:
             _remove_pid(mountpoint)
 
