@@ -29,7 +29,8 @@ from typing import Any
 import click
 import trio
 
-from cachefs.errors import CacheFSError, NotLeader
+from cachefs.errors import CacheFSError
+from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 
 log = logging.getLogger(__name__)
@@ -194,24 +195,29 @@ class Lab:
                 self.start(node.name)
         trio.run(self._wait_ready, timeout)
 
+    def meta_client(self, pool: RpcPool, **kwargs: Any) -> MetaClient:
+        return MetaClient(pool, self.meta_addrs, **kwargs)
+
     async def _wait_ready(self, timeout: float) -> None:
         async with RpcPool(secret=self.secret) as pool:
+            meta = self.meta_client(pool, deadline=2.0)
             with trio.fail_after(timeout):
-                leader = await self.wait_leader(pool)
-                log.info("metanode leader: %s", leader)
                 want_d, want_c = len(self.of_kind("datanode")), len(self.of_kind("cachenode"))
                 while True:
                     self._check_alive()
-                    cmap = await self.cluster_map(pool)
+                    try:
+                        cmap = await meta.cluster_map()
+                    except CacheFSError:
+                        continue  # no leader yet
                     up_d = sum(1 for n in cmap["datanodes"] if n["state"] == "up")
                     up_c = sum(1 for n in cmap["cachenodes"] if n["state"] == "up")
                     if up_d >= want_d and up_c >= want_c:
                         break
                     await trio.sleep(0.2)
+                log.info("metanode leader: %s", meta.leader)
                 if VOLUME not in cmap["volumes"]:
-                    await self.call_leader(pool, "create_volume", {
-                        "name": VOLUME, "policy": self.config.policy, "compression": self.config.compression,
-                        "block_size": 4 << 20, "pg_count": 64}, mutation=True)
+                    await meta.create_volume(VOLUME, self.config.policy, self.config.compression,
+                                             4 << 20, 64)
 
     def _check_alive(self) -> None:
         dead = [n.name for n in self.nodes if n.pid and not _alive(n.pid)]
@@ -219,50 +225,13 @@ class Lab:
             logs = self.root / "logs"
             raise click.ClickException(f"lab nodes exited during start-up: {', '.join(dead)} (see {logs})")
 
-    async def wait_leader(self, pool: RpcPool) -> str:
-        while True:
-            self._check_alive()
-            try:
-                await self.call_leader(pool, "cluster_map", {})
-                return self._leader
-            except CacheFSError:
-                await trio.sleep(0.2)
-
-    async def cluster_map(self, pool: RpcPool) -> dict[str, Any]:
-        return await self.call_leader(pool, "cluster_map", {})
-
-    async def call_leader(self, pool: RpcPool, method: str, args: dict[str, Any], *,
-                          mutation: bool = False, timeout: float = 5.0) -> Any:
-        """Call the metanode leader, following NotLeader hints."""
-        if mutation:
-            args = {**args, "client_id": "lab-" + secrets.token_hex(4), "seq": 1}
-        candidates = [getattr(self, "_leader", None), *self.meta_addrs]
-        last: CacheFSError | None = None
-        for addr in [a for a in candidates if a]:
-            try:
-                result = (await pool.call(addr, method, args, timeout=timeout)).result
-                self._leader = addr
-                return result
-            except NotLeader as exc:
-                last = exc
-                hint = exc.details.get("leader")
-                if hint and hint != addr:
-                    try:
-                        result = (await pool.call(hint, method, args, timeout=timeout)).result
-                        self._leader = hint
-                        return result
-                    except CacheFSError as exc2:
-                        last = exc2
-            except CacheFSError as exc:
-                last = exc
-        raise last or CacheFSError("no metanode answered")
-
     # ------------------------------------------------------------ mount
 
     def mount(self, mountpoint: str, *extra: str) -> None:
         Path(mountpoint).mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
-                "--background", "--zone", "z1", "--secret-file", str(self.secret_file), *extra]
+                "--background", "--zone", "z1", "--secret-file", str(self.secret_file),
+                "--log-file", str(self.root / "logs" / "mount.log"), *extra]
         logf = self.root / "logs" / "mount.log"
         with open(logf, "ab") as out:
             result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
@@ -312,9 +281,10 @@ class Lab:
                     except CacheFSError as exc:
                         health = {"error": exc.code}
                 out["nodes"].append({**asdict(node), "alive": alive, "health": health})
+            meta = self.meta_client(pool, deadline=3.0)
             try:
-                await self.call_leader(pool, "cluster_map", {}, timeout=2)
-                out["leader"] = self._leader
+                await meta.cluster_map()
+                out["leader"] = meta.leader
             except CacheFSError:
                 pass
             for node in self.of_kind("cachenode"):

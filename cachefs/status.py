@@ -69,7 +69,7 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
     for col in ("kind", "id", "address", "zone", "state", "used", "capacity"):
         table.add_column(col)
     for kind in ("datanodes", "cachenodes"):
-        for n in cmap.get(kind, []):
+        for n in sorted(cmap.get(kind, []), key=lambda n: str(n["id"])):
             table.add_row(kind[:-1], str(n["id"]), n["addr"], n["zone"], n["state"],
                           f"{n.get('used', 0) / 2**30:.2f} GiB", f"{n.get('capacity', 0) / 2**30:.1f} GiB")
     console.print(table)
