@@ -20,6 +20,7 @@ import argparse
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,7 +71,8 @@ def serve_bare(port: int) -> None:
     trio.run(lambda: RpcServer(Bare(), name="bare", secret=None).serve("127.0.0.1", port))
 
 
-def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, memory: int, inline: int) -> None:
+def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, memory: int, inline: int,
+                threads: int) -> None:
     from cachefs.cachenode.service import CacheLimits, CacheService
     from cachefs.cachenode.store import BlockStore
 
@@ -90,13 +92,20 @@ def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, mem
         store = BlockStore.open(cache_dir, capacity, memory_capacity=memory)
         async with trio.open_nursery() as nursery, RpcPool(secret=None) as pool:
             service = CacheService(store, Source(pool), nursery=nursery, node="bench",
-                                   limits=CacheLimits(inline_read_max=inline))
+                                   limits=CacheLimits(inline_read_max=inline, io_threads=threads))
             await RpcServer(service, name="cachenode", secret=None).serve("127.0.0.1", port)
 
     trio.run(main)
 
 
 # ---------------------------------------------------------------- clients
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 def _key(i: int) -> bytes:
     from cachefs.ids import BlockKey
@@ -151,14 +160,14 @@ async def readers(addr: str, keys: list[bytes], n: int, seconds: float, length: 
 
 # ---------------------------------------------------------------- main
 
-def run(repeat: int, seconds: float, memory: int, inline: int) -> dict:
+def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> dict:
     cache_port, bare_port, backing_port = free_port(), free_port(), free_port()
     cache_dir = tempfile.mkdtemp(prefix="cache-bench-", dir=os.environ.get("CACHE_BENCH_DIR"))
     servers = [
         spawn(["-m", "bench.cache_bench", "--serve-backing", str(backing_port)]),
         spawn(["-m", "bench.cache_bench", "--serve-bare", str(bare_port)]),
         spawn(["-m", "bench.cache_bench", "--serve-cache", str(cache_port), "--backing-port",
-               str(backing_port), "--dir", cache_dir, "--memory", str(memory), "--inline-read-max", str(inline)]),
+               str(backing_port), "--dir", cache_dir, "--memory", str(memory), "--inline-read-max", str(inline), "--io-threads", str(threads)]),
     ]
     try:
         for port, proc in zip((backing_port, bare_port, cache_port), servers, strict=True):
@@ -171,12 +180,19 @@ def run(repeat: int, seconds: float, memory: int, inline: int) -> dict:
         def sample(name: str, value: float) -> None:
             samples.setdefault(name, []).append(value)
 
+        def timed(name: str, server: subprocess.Popen, addr: str, n: int, length: int) -> None:
+            """Throughput, and the server's CPU time per call (robust on a busy machine)."""
+            cpu = _cpu_seconds(server.pid)
+            per_s, calls_per_s = trio.run(readers, addr, keys, n, seconds, length)
+            sample(f"{name}_cpu_us", (_cpu_seconds(server.pid) - cpu) / (calls_per_s * seconds) * 1e6)
+            sample(name, per_s / 1e6 if length == -1 else calls_per_s)
+
         for _ in range(repeat):
             for n in READERS:
-                sample(f"hit4m_{n}", trio.run(readers, cache, keys, n, seconds, -1)[0] / 1e6)
-                sample(f"rpc4m_{n}", trio.run(readers, bare, keys, n, seconds, -1)[0] / 1e6)
-                sample(f"hit128k_{n}", trio.run(readers, cache, keys, n, seconds, RANGE)[1])
-                sample(f"rpc128k_{n}", trio.run(readers, bare, keys, n, seconds, RANGE)[1])
+                timed(f"hit4m_{n}", servers[2], cache, n, -1)
+                timed(f"rpc4m_{n}", servers[1], bare, n, -1)
+                timed(f"hit128k_{n}", servers[2], cache, n, RANGE)
+                timed(f"rpc128k_{n}", servers[1], bare, n, RANGE)
             sample("miss4m_16", trio.run(readers, cache, keys, 16, seconds, -1, True)[0] / 1e6)
         med = {k: median(v) for k, v in samples.items()}
     finally:
@@ -184,7 +200,7 @@ def run(repeat: int, seconds: float, memory: int, inline: int) -> dict:
             stop(p)
         shutil.rmtree(cache_dir, ignore_errors=True)
     out: dict = {"repeat": repeat, "seconds": seconds, "memory_tier_bytes": memory,
-                 "inline_read_max": inline}
+                 "inline_read_max": inline, "io_threads": threads}
     for n in READERS:
         out[f"hit_4mib_mb_per_s_{n}"] = round(med[f"hit4m_{n}"], 1)
         out[f"rpc_4mib_mb_per_s_{n}"] = round(med[f"rpc4m_{n}"], 1)
@@ -194,6 +210,11 @@ def run(repeat: int, seconds: float, memory: int, inline: int) -> dict:
     out["hit_128k_ranges_per_s"] = round(med["hit128k_16"])
     out["hit_128k_ratio_vs_rpc"] = ratio(med["hit128k_16"], med["rpc128k_16"])
     out["miss_4mib_mb_per_s"] = round(med["miss4m_16"], 1)
+    # Server CPU per call: what a hit costs beyond the bare RPC answer, whatever the load.
+    out["hit_4mib_server_cpu_us"] = round(med["hit4m_16_cpu_us"])
+    out["rpc_4mib_server_cpu_us"] = round(med["rpc4m_16_cpu_us"])
+    out["hit_128k_server_cpu_us"] = round(med["hit128k_16_cpu_us"])
+    out["rpc_128k_server_cpu_us"] = round(med["rpc128k_16_cpu_us"])
     return out
 
 
@@ -205,6 +226,7 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--memory", type=int, default=0, help="cache node memory tier in bytes")
     parser.add_argument("--inline-read-max", type=int, default=256 * 1024,
                         help="reads up to this many bytes run on the event loop, larger ones in threads")
+    parser.add_argument("--io-threads", type=int, default=2, help="worker threads for larger reads and writes")
     parser.add_argument("--serve-backing", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-cache", type=int, help=argparse.SUPPRESS)
@@ -217,8 +239,8 @@ def main(argv: list[str] | None = None) -> int | None:
         return serve_bare(args.serve_bare)
     if args.serve_cache:
         return serve_cache(args.serve_cache, args.backing_port, args.dir, 1 << 30, args.memory,
-                           args.inline_read_max)
-    r = run(args.repeat, args.seconds, args.memory, args.inline_read_max)
+                           args.inline_read_max, args.io_threads)
+    r = run(args.repeat, args.seconds, args.memory, args.inline_read_max, args.io_threads)
 
     def show() -> None:
         rows = []
@@ -230,6 +252,10 @@ def main(argv: list[str] | None = None) -> int | None:
                          r[f"rpc_128k_ranges_per_s_{n}"],
                          ratio(r[f"hit_128k_ranges_per_s_{n}"], r[f"rpc_128k_ranges_per_s_{n}"])])
         rows.append(["4 MiB misses (read-through) MB/s, 16 readers", r["miss_4mib_mb_per_s"], "", ""])
+        rows.append(["server CPU us per 4 MiB hit, 16 readers", r["hit_4mib_server_cpu_us"],
+                     r["rpc_4mib_server_cpu_us"], ratio(r["hit_4mib_server_cpu_us"], r["rpc_4mib_server_cpu_us"])])
+        rows.append(["server CPU us per 128 KiB hit, 16 readers", r["hit_128k_server_cpu_us"],
+                     r["rpc_128k_server_cpu_us"], ratio(r["hit_128k_server_cpu_us"], r["rpc_128k_server_cpu_us"])])
         print_table(f"Cache node vs bare RPC (medians of {r['repeat']} x {r['seconds']}s)",
                     ["case", "cache node", "bare RPC", "cache/bare"], rows,
                     note="bare RPC: a server answering get from one in-memory buffer; "

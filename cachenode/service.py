@@ -112,9 +112,16 @@ class CacheLimits:
     max_prefetch_queue: int = 1 << 16
     backing_timeout: float = 30.0
     inline_read_max: int = 256 * 1024
+    io_threads: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_requests", "max_per_client", "max_backing_fetches", "prefetch_workers"):
+        for name in (
+            "max_requests",
+            "max_per_client",
+            "max_backing_fetches",
+            "prefetch_workers",
+            "io_threads",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"cache limit {name} must be at least 1")
 
@@ -205,7 +212,7 @@ class CacheService:
         self._fills: dict[BlockKey, _Fill] = {}
         self._background_fills = 0
         self._backing_slots = trio.CapacityLimiter(limits.max_backing_fetches)
-        self._io_threads = trio.CapacityLimiter(max(4, limits.max_backing_fetches))
+        self._io_threads = trio.CapacityLimiter(limits.io_threads)
         self._active = 0
         self._per_client: dict[str, int] = {}
         self._prefetch_send, prefetch_recv = trio.open_memory_channel[

@@ -30,8 +30,12 @@ def _file_size(size: int) -> int:
     return len(encode_header("v", size, SEG, segment_sums(bytes(size), SEG))) + size
 
 
-def test_put_read_ranges_and_miss(tmp_path: Path) -> None:
-    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+MAPPED = pytest.mark.parametrize("mmap_min", [1, 1 << 30], ids=["mapped", "pread"])
+
+
+@MAPPED
+def test_put_read_ranges_and_miss(tmp_path: Path, mmap_min: int) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=mmap_min)
     key = BlockKey(1, 0)
     data = _data(key, 3 * SEG + 123)
     assert store.read(key) is None
@@ -172,8 +176,9 @@ def test_hot_set_survives_a_scan_with_admission(tmp_path_factory, scan: int, see
     assert store.used <= store.capacity
 
 
-def test_corrupt_block_is_dropped_never_served(tmp_path: Path) -> None:
-    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+@MAPPED
+def test_corrupt_block_is_dropped_never_served(tmp_path: Path, mmap_min: int) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=mmap_min)
     key = BlockKey(7, 3)
     data = _data(key, 5 * SEG)
     store.put("v", key, data)
@@ -189,8 +194,9 @@ def test_corrupt_block_is_dropped_never_served(tmp_path: Path) -> None:
     assert store.stats()["corrupt"] == 1 and store.used == 0
 
 
-def test_truncated_file_is_corrupt(tmp_path: Path) -> None:
-    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+@MAPPED
+def test_truncated_file_is_corrupt(tmp_path: Path, mmap_min: int) -> None:
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=mmap_min)
     key = BlockKey(8, 0)
     store.put("v", key, _data(key, 3 * SEG))
     with open(store.path(key), "r+b") as f:
@@ -250,7 +256,9 @@ def test_ttl_per_volume(tmp_path: Path) -> None:
 
 def test_memory_tier_keeps_hottest_blocks(tmp_path: Path) -> None:
     size = 3 * SEG
-    store = BlockStore.open(tmp_path, 1 << 20, memory_capacity=2 * size, segment_size=SEG)
+    store = BlockStore.open(
+        tmp_path, 1 << 20, memory_capacity=2 * size, segment_size=SEG, mmap_min=1
+    )
     keys = [BlockKey(i, 0) for i in range(3)]
     for k in keys:
         store.put("v", k, _data(k, size))
@@ -259,6 +267,7 @@ def test_memory_tier_keeps_hottest_blocks(tmp_path: Path) -> None:
         assert bytes(store.read(k, 10, 20)) == _data(k, size)[10:30]  # second hit promotes
     stats = store.stats()
     assert stats["memory_blocks"] == 2 and stats["memory_used"] == 2 * size
+    assert all(type(d) is bytes for d in store._memory.blocks.values())  # copies, never mappings
     before = stats["memory_hits"]
     assert bytes(store.read(keys[2])) == _data(keys[2], size)
     assert store.stats()["memory_hits"] == before + 1
