@@ -29,6 +29,7 @@ import click
 import trio
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.erasure import keep_large_buffers
 from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
@@ -245,6 +246,7 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
             secret_file: str | None, insecure: bool, log_level: str, metrics_port: int) -> None:
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
     setup_logging("datanode", log_level)
+    keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
     secret = load_secret(secret_file, insecure)
     try:
         check_volume(zone)  # same character rules as volume names: safe in paths and logs

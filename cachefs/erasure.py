@@ -22,6 +22,8 @@ corrupt or mismatched shard can make a read fail, never return wrong bytes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import struct
 from collections.abc import Mapping
@@ -39,6 +41,24 @@ ZSTD_LEVEL = 1  # fast; training data is often already compressed
 _HEADER = struct.Struct(">4sBBBBQQQHQ")
 _MAGIC = b"CFB1"
 HEADER_SIZE = _HEADER.size
+
+# glibc serves allocations over 128 KiB-32 MiB with fresh mmap()s and unmaps
+# them on free, so every 4 MiB encode page-faults ~6 MiB of new zeroed memory:
+# measured 480 MB/s for isa_l_rs_vand on 4 MiB blocks, against 4.5 GB/s with
+# the buffers kept in the heap. Keep them (process wide, set once on import).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_large_buffers() -> None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+keep_large_buffers()
 
 _KIND_CODE = {"ec": 0, "replica": 1}
 _CODE_KIND = {v: k for k, v in _KIND_CODE.items()}
