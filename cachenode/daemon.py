@@ -22,19 +22,22 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import trio
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
-from cachefs.errors import CacheFSError, NotLeader, Unavailable
+from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .service import CacheLimits, CacheService
 from .store import BlockStore, SecondMissAdmission
+
+if TYPE_CHECKING:
+    from cachefs.metanode.client import MetaClient
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,7 @@ class Registrar:
 
     def __init__(
         self,
-        pool: RpcPool,
-        meta: list[str],
+        meta: MetaClient,
         *,
         node_id: str,
         addr: str,
@@ -64,7 +66,6 @@ class Registrar:
         store: BlockStore,
         interval: float,
     ) -> None:
-        self.pool = pool
         self.meta = meta
         self.node_id = node_id
         self.addr = addr
@@ -72,53 +73,18 @@ class Registrar:
         self.store = store
         self.interval = interval
         self.registered = False
-        self._leader: str | None = None
-        self._client_id = f"cachenode-{node_id}"
         self._last_error = ""
-
-    async def _call(self, method: str, args: dict[str, Any]) -> Any:
-        queue = ([self._leader] if self._leader else []) + list(self.meta)
-        tried: set[str] = set()
-        last: CacheFSError = Unavailable("no metanode address given")
-        while queue:
-            addr = queue.pop(0)
-            if addr in tried:
-                continue
-            tried.add(addr)
-            try:
-                result = (await self.pool.call(addr, method, args, timeout=5.0)).result
-                self._leader = addr
-                return result
-            except NotLeader as exc:
-                leader = exc.details.get("leader")
-                if leader:
-                    queue.insert(0, leader)
-                last = exc
-            except CacheFSError as exc:
-                last = exc
-        raise last
 
     async def tick(self) -> None:
         if not self.registered:
-            await self._call(
-                "register_node",
-                {
-                    "kind": "cachenode",
-                    "id": self.node_id,
-                    "addr": self.addr,
-                    "zone": self.zone,
-                    "capacity": self.store.capacity,
-                    "client_id": self._client_id,
-                    "seq": time.time_ns(),
-                },
+            await self.meta.register_node(
+                "cachenode", self.node_id, self.addr, self.zone, self.store.capacity
             )
             self.registered = True
             log.info(
                 "registered as cachenode %s (%s) in zone %s", self.node_id, self.addr, self.zone
             )
-        await self._call(
-            "node_heartbeat", {"kind": "cachenode", "id": self.node_id, "used": self.store.used}
-        )
+        await self.meta.node_heartbeat("cachenode", self.node_id, self.store.used)
 
     async def run(self) -> None:
         while True:
@@ -194,10 +160,16 @@ async def serve(
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery, RpcPool(secret=secret) as pool:
             backing: Any = NoBacking()
+            meta_client = None
             if meta:
-                from cachefs.backing import BackingClient, MetaClusterView, fetch_cluster_map
+                from cachefs.metanode.client import MetaClient
 
-                view = MetaClusterView(lambda: fetch_cluster_map(pool, meta))
+                from cachefs.backing import BackingClient, MetaClusterView
+
+                meta_client = MetaClient(
+                    pool, meta, client_id=f"cachenode-{node_id}", deadline=max(5.0, heartbeat)
+                )
+                view = MetaClusterView(meta_client.cluster_map)
                 nursery.start_soon(view.run)
                 backing = BackingClient(pool, view, zone=zone)
             service = CacheService(
@@ -218,10 +190,9 @@ async def serve(
                 store.used,
                 store.capacity,
             )
-            if meta:
+            if meta_client is not None:
                 registrar = Registrar(
-                    pool,
-                    meta,
+                    meta_client,
                     node_id=node_id,
                     addr=addr,
                     zone=zone,

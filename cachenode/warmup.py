@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 
-1. Resolve. The paths (inside the volume) are walked through the metanodes:
+1. Resolve. The paths (inside the volume) are walked through the metanodes
+   (:class:`cachefs.metanode.client.MetaClient`):
    ``lookup`` from the root, ``readdir`` for directories, and for each regular
    file ``read_chunk`` per 64 MiB chunk. :func:`file_blocks` turns a file's
    slice lists into the blocks a full read of the file touches (newest slice
@@ -29,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import trio
@@ -39,14 +40,15 @@ from cachefs.config import ADDRS, load_secret
 from cachefs.errors import (
     CacheFSError,
     ConnectionLost,
-    NotLeader,
     TimedOut,
-    Unavailable,
     Unreachable,
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
+
+if TYPE_CHECKING:
+    from cachefs.metanode.client import MetaClient
 
 log = logging.getLogger(__name__)
 
@@ -94,39 +96,8 @@ class WarmFile:
 # ---------------------------------------------------------------- resolving paths via the metanodes
 
 
-class MetaReader:
-    """Read-only metanode calls, following leader hints (reads are served by the leader)."""
-
-    def __init__(self, pool: RpcPool, meta: list[str], timeout: float = 10.0) -> None:
-        self.pool = pool
-        self.meta = meta
-        self.timeout = timeout
-        self._leader: str | None = None
-
-    async def call(self, method: str, args: dict[str, Any]) -> Any:
-        queue = ([self._leader] if self._leader else []) + list(self.meta)
-        tried: set[str] = set()
-        last: CacheFSError = Unavailable("no metanode address given")
-        while queue:
-            addr = queue.pop(0)
-            if addr in tried:
-                continue
-            tried.add(addr)
-            try:
-                result = (await self.pool.call(addr, method, args, timeout=self.timeout)).result
-                self._leader = addr
-                return result
-            except NotLeader as exc:
-                if exc.details.get("leader"):
-                    queue.insert(0, exc.details["leader"])
-                last = exc
-            except (Unreachable, ConnectionLost, TimedOut, Unavailable) as exc:
-                last = exc
-        raise last
-
-
 async def resolve_paths(
-    meta: MetaReader,
+    meta: MetaClient,
     volume: str,
     paths: Iterable[str],
     block_size: int,
@@ -340,6 +311,7 @@ async def run_warmup(
     zones: Sequence[str] | None,
     quiet: bool = False,
 ) -> WarmupReport:
+    from cachefs.metanode.client import MetaClient
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -351,11 +323,10 @@ async def run_warmup(
         TransferSpeedColumn,
     )
 
-    from cachefs.backing import fetch_cluster_map
-
     console = Console(stderr=True, quiet=quiet)
     async with RpcPool(secret=secret) as pool:
-        cmap = await fetch_cluster_map(pool, meta)
+        reader = MetaClient(pool, meta, deadline=20.0)
+        cmap = await reader.cluster_map()
         vol = cmap.get("volumes", {}).get(volume)
         if vol is None:
             raise click.UsageError(f"no volume {volume!r} in the cluster map")
@@ -367,7 +338,6 @@ async def run_warmup(
             raise click.UsageError(
                 f"no cache nodes up in zone {unknown[0]!r} (zones: {', '.join(sorted(router.rings))})"
             )
-        reader = MetaReader(pool, meta)
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -28,8 +28,11 @@ def _free_port() -> int:
 
 
 class Node:
-    def __init__(self, cache_dir: Path, zone: str, capacity: str = "64M") -> None:
+    def __init__(
+        self, cache_dir: Path, zone: str, capacity: str = "64M", extra: tuple[str, ...] = ()
+    ) -> None:
         self.cache_dir = cache_dir
+        self.extra = list(extra)
         self.zone = zone
         self.capacity = capacity
         self.port = _free_port()
@@ -55,6 +58,7 @@ class Node:
                 "--insecure",
                 "--log-level",
                 "WARNING",
+                *self.extra,
             ],
             stdout=log,
             stderr=log,
