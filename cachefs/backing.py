@@ -45,7 +45,6 @@ from cachefs.errors import (
     InvalidArgument,
     NoSpace,
     NotFound,
-    NotLeader,
     Unavailable,
 )
 from cachefs.ids import BlockKey
@@ -146,33 +145,11 @@ class ClusterView:
         return pgs[pg_of(key, len(pgs))]
 
 
-async def fetch_cluster_map(pool: RpcPool, meta: list[str], timeout: float = 5.0) -> dict[str, Any]:
-    """``cluster_map()`` from whichever metanode answers (following leader hints)."""
-    last: Exception = Unavailable("no metanode address given")
-    tried: set[str] = set()
-    queue = list(meta)
-    while queue:
-        addr = queue.pop(0)
-        if addr in tried:
-            continue
-        tried.add(addr)
-        try:
-            return (await pool.call(addr, "cluster_map", {}, timeout=timeout)).result
-        except NotLeader as exc:
-            leader = exc.details.get("leader")
-            if leader:
-                queue.insert(0, leader)
-            last = exc
-        except CacheFSError as exc:
-            last = exc
-    raise Unavailable(f"no metanode answered cluster_map: {last}")
-
-
 class MetaClusterView:
     """A :class:`ClusterView` kept fresh from the metanodes.
 
-    ``fetch`` is any coroutine returning the ``cluster_map()`` dict (for
-    instance ``MetaClient.cluster_map`` or :func:`fetch_cluster_map`).
+    ``fetch`` is any coroutine function returning the ``cluster_map()`` dict,
+    normally ``MetaClient.cluster_map``.
     """
 
     def __init__(self, fetch: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:

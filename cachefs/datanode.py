@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import trio
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.erasure import keep_large_buffers
-from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
+from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, Reply, RpcPool, RpcServer, parse_addr, rpc_method
@@ -122,52 +121,28 @@ class Registrar:
 
     Soft failure by design: every error is logged (once per kind) and retried
     on the next tick, because a datanode must keep serving shards whether or
-    not the metadata service is up.
+    not the metadata service is up. Registration is a logged mutation, so it
+    is deduplicated by (client id, seq): the client id is fresh per process,
+    so a restarted datanode (perhaps on a new address) is registered again.
     """
 
-    def __init__(self, pool: RpcPool, meta: list[str], service: DatanodeService, addr: str,
-                 interval: float) -> None:
-        self.pool = pool
-        self.meta = meta
+    def __init__(self, meta: Any, service: DatanodeService, addr: str, interval: float) -> None:
+        self.meta = meta  # a cachefs.metanode.client.MetaClient
         self.service = service
         self.addr = addr
         self.interval = interval
         self.registered = False
-        self._leader: str | None = None
-        self._client_id = f"datanode-{service.node_id}"
         self._last_error = ""
-
-    async def _call(self, method: str, args: dict[str, Any]) -> Any:
-        candidates = ([self._leader] if self._leader else []) + self.meta
-        last: Exception | None = None
-        for addr in candidates:
-            try:
-                return (await self.pool.call(addr, method, args, timeout=5.0)).result
-            except NotLeader as exc:
-                self._leader = exc.details.get("leader") or None
-                if self._leader:
-                    try:
-                        return (await self.pool.call(self._leader, method, args, timeout=5.0)).result
-                    except CacheFSError as inner:
-                        last = inner
-                last = last or exc
-            except CacheFSError as exc:
-                last = exc
-        assert last is not None
-        raise last
 
     async def tick(self) -> None:
         store = self.service.store
         if not self.registered:
-            await self._call("register_node", {
-                "kind": "datanode", "id": self.service.node_id, "addr": self.addr,
-                "zone": self.service.zone, "capacity": store.capacity,
-                "client_id": self._client_id, "seq": time.time_ns()})
+            await self.meta.register_node("datanode", self.service.node_id, self.addr,
+                                          self.service.zone, store.capacity)
             self.registered = True
             log.info("registered as datanode %s (%s) in zone %s", self.service.node_id, self.addr,
                      self.service.zone)
-        await self._call("node_heartbeat", {"kind": "datanode", "id": self.service.node_id,
-                                            "used": store.usage()["used"]})
+        await self.meta.node_heartbeat("datanode", self.service.node_id, store.usage()["used"])
 
     async def run(self) -> None:
         while True:
@@ -210,10 +185,13 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
                      node_id, zone, store.root, addr, store.shard_count, store.used, store.capacity)
             pool: RpcPool | None = None
             if meta:
+                from cachefs.metanode.client import MetaClient
+
                 pool = RpcPool(secret=secret)
                 await pool.__aenter__()
-                registrar = Registrar(pool, meta, service, addr, heartbeat)
-                nursery.start_soon(registrar.run)
+                client = MetaClient(pool, meta, client_id=f"datanode-{node_id}-{uuid.uuid4().hex[:8]}",
+                                    deadline=max(2.0, heartbeat), attempt_timeout=2.0)
+                nursery.start_soon(Registrar(client, service, addr, heartbeat).run)
             try:
                 async for signum in signals:
                     log.info("signal %d: shutting down", signum)

@@ -36,7 +36,7 @@ from typing import Any
 import click
 import trio
 
-from cachefs.backing import BackingClient, ClusterView, MetaClusterView, fetch_cluster_map
+from cachefs.backing import BackingClient, ClusterView, MetaClusterView
 from cachefs.config import ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
@@ -241,8 +241,10 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
         if cluster_map is not None:
             view: Any = ClusterView.from_map(cluster_map)
         else:
+            from cachefs.metanode.client import MetaClient
+
             assert meta
-            view = MetaClusterView(lambda: fetch_cluster_map(pool, meta))
+            view = MetaClusterView(MetaClient(pool, meta, deadline=30.0).cluster_map)
             await view.refresh()
         client = BackingClient(pool, view)
         repairer = Repairer(client, rate=rate, progress=None if quiet else _print_progress)

@@ -38,10 +38,13 @@ def free_port() -> int:
 class Datanodes:
     """A set of `cachefs datanode` processes, each with its own data dir and port."""
 
-    def __init__(self, root: Path, zones: list[str], capacity: str = "4G") -> None:
+    def __init__(self, root: Path, zones: list[str], capacity: str = "4G", *,
+                 insecure: bool = False, extra: list[str] | None = None) -> None:
         self.root = root
         self.zones = zones
         self.capacity = capacity
+        self.insecure = insecure
+        self.extra = extra or []
         self.secret_file = root / "secret"
         self.secret_file.write_bytes(SECRET)
         self.ports = [free_port() for _ in zones]
@@ -67,7 +70,8 @@ class Datanodes:
                 [sys.executable, "-m", "cachefs.cli", "datanode", "--zone", self.zones[i],
                  "--data-dir", str(self.data_dir(i)), "--capacity", self.capacity,
                  "--listen", self.addr(i), "--node-id", f"dn{i}",
-                 "--secret-file", str(self.secret_file)],
+                 *(["--insecure"] if self.insecure else ["--secret-file", str(self.secret_file)]),
+                 *self.extra],
                 stdout=log, stderr=log)
             log.close()
         for i in which or range(len(self.zones)):
