@@ -338,6 +338,16 @@ async def run_warmup(
             raise click.UsageError(
                 f"no cache nodes up in zone {unknown[0]!r} (zones: {', '.join(sorted(router.rings))})"
             )
+        with console.status("resolving paths: 0 files") as status:
+            count = [0]
+
+            def resolved(_: WarmFile) -> None:
+                count[0] += 1
+                status.update(f"resolving paths: {count[0]} files")
+
+            files = await resolve_paths(
+                reader, volume, paths, int(vol["block_size"]), threads=threads, on_file=resolved
+            )
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -348,17 +358,6 @@ async def run_warmup(
             TimeElapsedColumn(),
             console=console,
         ) as progress:
-            found = progress.add_task("resolving", total=None, files="0 files")
-            count = [0]
-
-            def resolved(_: WarmFile) -> None:
-                count[0] += 1
-                progress.update(found, files=f"{count[0]} files")
-
-            files = await resolve_paths(
-                reader, volume, paths, int(vol["block_size"]), threads=threads, on_file=resolved
-            )
-            progress.update(found, total=1, completed=1)
             copies = len(zones) if zones else len(router.rings)
             task = progress.add_task(
                 "warming", total=sum(f.size for f in files) * copies, files=f"0/{len(files)} files"
