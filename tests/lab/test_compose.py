@@ -1,0 +1,362 @@
+"""docker-compose.yml and the Dockerfile, checked against the real code.
+
+No Docker engine runs where these tests run, so everything short of starting
+containers is checked here: every command line in the compose file (service
+commands, shell scripts, healthchecks) parses with the real click commands
+under that service's environment, the environment variables and volumes they
+reference exist, the topology is the one `cachefs lab up` starts, and the
+Dockerfile copies every package directory the distribution needs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+
+from cachefs.cli import main
+from cachefs.config import parse_size
+from cachefs.lab import VOLUME, Lab, LabConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DAEMON_KINDS = ("metanode", "datanode", "cachenode")
+SHELL_OPERATORS = {"&&", "||", "|", ";"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+# ---------------------------------------------------------------- helpers
+
+def env_file_vars(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
+            out[key.strip()] = value.strip()
+    return out
+
+
+def service_env(svc: dict[str, Any]) -> dict[str, str]:
+    """What the container's processes see: env_file(s), then environment."""
+    env: dict[str, str] = {}
+    files = svc.get("env_file", [])
+    for name in [files] if isinstance(files, str) else files:
+        path = ROOT / name
+        assert path.is_file(), f"env_file {name} does not exist"
+        env.update(env_file_vars(path))
+    environment = svc.get("environment", {})
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    env.update({k: str(v) for k, v in environment.items()})
+    return env
+
+
+def expand(word: str, env: dict[str, str], where: str) -> str:
+    """Shell-expand ``$$VAR`` (compose's escape for the container's ``$VAR``)."""
+    def var(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        assert name in env, f"{where}: ${name} is not set in the service's environment or env_file"
+        return env[name]
+
+    return re.sub(r"\$\$(?:\{(\w+)\}|(\w+))", var, word)
+
+
+def command_lines(svc: dict[str, Any], where: str) -> list[list[str]]:
+    """The argv of every program the service runs (a ``sh -c`` script split at operators)."""
+    cmd = svc.get("command")
+    if cmd is None:
+        return []
+    argv = shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+    env = service_env(svc)
+    if argv[:2] != ["sh", "-c"]:
+        return [[expand(a, env, where) for a in argv]]
+    lexer = shlex.shlex(argv[2], posix=True, punctuation_chars="&|;")
+    lexer.whitespace_split = True
+    lines: list[list[str]] = [[]]
+    for token in lexer:
+        if token in SHELL_OPERATORS:
+            lines.append([])
+        else:
+            assert token not in {"&", "|&", ">", "<"}, f"{where}: unexpected shell token {token!r}"
+            lines[-1].append(expand(token, env, where))
+    assert all(lines), f"{where}: empty command in {argv[2]!r}"
+    return lines
+
+
+@dataclass
+class Parsed:
+    path: list[str]  # ["datanode"] or ["volume", "create"]
+    params: dict[str, Any]
+
+
+def parse_cachefs(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Parsed:
+    """Parse ``cachefs ...`` with the real click commands, as the container would.
+
+    Raises click.UsageError (missing or bad options) like the real command.
+    """
+    assert argv[0] == "cachefs", argv
+    for key in [k for k in os.environ if k.startswith("CACHEFS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    ctx = click.Context(main, info_name="cachefs", **main.context_settings)
+    command: click.Command = main
+    args, path = argv[1:], []
+    while isinstance(command, click.Group):
+        assert args, f"{' '.join(argv)}: no subcommand"
+        name, args = args[0], args[1:]
+        sub = command.get_command(ctx, name)
+        if sub is None:
+            raise click.UsageError(f"no such command {name!r}")
+        path.append(name)
+        command = sub
+        if isinstance(command, click.Group):
+            ctx = click.Context(command, info_name=name, parent=ctx)
+    sub_ctx = command.make_context(path[-1], list(args), parent=ctx)
+    return Parsed(path, dict(sub_ctx.params))
+
+
+def all_parsed(services, monkeypatch) -> dict[str, list[Parsed]]:
+    out: dict[str, list[Parsed]] = {}
+    for name, svc in services.items():
+        env = service_env(svc)
+        out[name] = [parse_cachefs(argv, env, monkeypatch)
+                     for argv in command_lines(svc, name) if argv[0] == "cachefs"]
+    return out
+
+
+def daemon(parsed: dict[str, list[Parsed]], name: str) -> Parsed:
+    [p] = [p for p in parsed[name] if p.path[0] in DAEMON_KINDS]
+    return p
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+# ---------------------------------------------------------------- command lines
+
+def test_every_command_line_parses_with_the_real_cli(services, monkeypatch):
+    programs = set()
+    for name, svc in services.items():
+        env = service_env(svc)
+        lines = command_lines(svc, name)
+        assert lines, f"service {name} has no command"
+        health = svc.get("healthcheck", {}).get("test")
+        if health:
+            assert health[0] == "CMD", f"{name}: healthcheck must be exec form"
+            lines.append(health[1:])
+        for argv in lines:
+            programs.add(argv[0])
+            if argv[0] == "cachefs":
+                try:
+                    parse_cachefs(argv, env, monkeypatch)
+                except click.ClickException as exc:
+                    pytest.fail(f"service {name}: `{shlex.join(argv)}` does not parse: {exc.format_message()}")
+    assert programs <= {"cachefs", "fio", "grep"}, f"unexpected programs {programs}"
+
+
+def test_the_validator_rejects_what_the_cli_rejects(services, monkeypatch):
+    data = services["data1"]
+    [argv] = command_lines(data, "data1")
+    env = service_env(data)
+    parse_cachefs(argv, env, monkeypatch)
+    env.pop("CACHEFS_DATANODE_ZONE")
+    with pytest.raises(click.MissingParameter, match="zone"):
+        parse_cachefs(argv, env, monkeypatch)
+    with pytest.raises(click.NoSuchOption):
+        parse_cachefs([*argv, "--no-such-flag"], service_env(data), monkeypatch)
+    with pytest.raises(click.BadParameter):
+        parse_cachefs([*argv, "--capacity", "lots"], service_env(data), monkeypatch)
+    with pytest.raises(AssertionError, match="NOPE"):
+        command_lines({"command": ["sh", "-c", "cachefs status --meta $$NOPE"]}, "x")
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (make setup installs it)")
+def test_fio_job_parses(services):
+    [fio] = [argv for argv in command_lines(services["client"], "client") if argv[0] == "fio"]
+    job = [a if not a.startswith("--directory=") else "--directory=/tmp" for a in fio]
+    result = subprocess.run([*job, "--parse-only"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "--verify=crc32c" in fio and "--do_verify=1" in fio
+
+
+def test_no_host_side_interpolation():
+    """``$VAR`` in compose is read from the host's shell: every variable comes from cachefs.env instead."""
+    bare = re.findall(r"(?<!\$)\$(?!\$)\{?\w+", COMPOSE.read_text())
+    assert not bare, f"host-interpolated variables {bare}: use env_file or $$ escapes"
+
+
+def test_secret_comes_from_the_env_file(services):
+    for name, svc in services.items():
+        env = service_env(svc)
+        secret = env.get("CACHEFS_SECRET", "")
+        assert re.fullmatch(r"[0-9a-f]{64}", secret), f"{name}: CACHEFS_SECRET missing or not 32 random bytes in hex"
+        assert "--insecure" not in str(svc.get("command")), f"{name} runs insecure"
+
+
+# ---------------------------------------------------------------- topology
+
+def test_topology_matches_the_lab(services, monkeypatch, tmp_path):
+    parsed = all_parsed(services, monkeypatch)
+    lab = Lab(LabConfig(root=str(tmp_path)))
+    labels = {name: svc.get("labels", {}) for name, svc in services.items()}
+    want = {(n.name, n.kind, n.zone) for n in lab.nodes}
+    got = {(name, lab_["cachefs.kind"], lab_.get("cachefs.zone", ""))
+           for name, lab_ in labels.items() if lab_.get("cachefs.kind") in DAEMON_KINDS}
+    want_daemons = {(name, kind) for name, kind, _ in want}
+    assert {(name, kind) for name, kind, _ in got} == want_daemons
+    for name, kind, zone in want:
+        p = daemon(parsed, name)
+        assert p.path == [kind], f"{name} runs {p.path}, the lab runs {kind}"
+        if kind != "metanode":
+            assert p.params["zone"] == zone == labels[name]["cachefs.zone"], name
+            assert p.params["node_id"] == name
+    # Metanodes: one per zone, each peer list the same, addresses are service names.
+    metas = {name: daemon(parsed, name) for name, kind, _ in want if kind == "metanode"}
+    peer_lists = {p.params["peers"] for p in metas.values()}
+    assert len(peer_lists) == 1
+    peers = dict(item.split("=") for item in peer_lists.pop().split(","))
+    assert {f"meta{i}" for i in peers} == set(metas)
+    assert {labels[m]["cachefs.zone"] for m in metas} == {n.zone for n in lab.nodes if n.zone}
+    meta_addrs = sorted(peers.values())
+    for name, p in metas.items():
+        assert p.params["node_id"] == int(name.removeprefix("meta"))
+        assert host_port(peers[str(p.params["node_id"])]) == (name, host_port(p.params["listen"])[1])
+    # Data and cache nodes: capacities as in the lab; they advertise their own service name.
+    for name, kind, _ in want:
+        p = daemon(parsed, name)
+        if kind == "metanode":
+            continue
+        assert sorted(p.params["meta"]) == meta_addrs, name
+        assert host_port(p.params["advertise"]) == (name, host_port(p.params["listen"])[1])
+        capacity = lab.config.data_capacity if kind == "datanode" else lab.config.cache_capacity
+        assert p.params["capacity"] == parse_size(capacity), name
+        if kind == "cachenode":
+            assert p.params["memory"] == parse_size(lab.config.cache_memory)
+    # The volume job creates the lab's volume with the lab's policy.
+    [create] = [p for p in parsed["volume-init"] if p.path == ["volume", "create"]]
+    assert create.params["name"] == VOLUME and create.params["policy"] == lab.config.policy
+    assert sorted(create.params["meta"]) == meta_addrs
+    [mount] = [p for p in parsed["client"] if p.path == ["mount"]]
+    assert mount.params["volume"] == VOLUME and sorted(mount.params["meta_addrs"]) == meta_addrs
+    assert mount.params["zone"] == labels["client"]["cachefs.zone"] == "z1"  # Lab.mount's zone
+
+
+def test_healthchecks_ask_the_daemon_itself(services, monkeypatch):
+    parsed = all_parsed(services, monkeypatch)
+    for name, svc in services.items():
+        kind = svc.get("labels", {}).get("cachefs.kind")
+        if kind not in DAEMON_KINDS:
+            assert "healthcheck" not in svc
+            continue
+        test = svc["healthcheck"]["test"]
+        assert test[1:3] == ["cachefs", "health"], name
+        listen_port = host_port(daemon(parsed, name).params["listen"])[1]
+        assert host_port(test[3])[1] == listen_port, f"{name}: healthcheck asks the wrong port"
+
+
+def test_dependencies_and_restart_policies(services):
+    for name, svc in services.items():
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            want = "service_completed_successfully" if dep == "volume-init" else "service_healthy"
+            assert cond["condition"] == want, f"{name} -> {dep}"
+        kind = svc.get("labels", {}).get("cachefs.kind")
+        restart = svc.get("restart")
+        if kind in DAEMON_KINDS:
+            assert restart in {"always", "unless-stopped"}, name
+        elif kind == "job":
+            assert restart == "on-failure", name
+        else:
+            assert restart == "no", name
+    assert set(services["client"]["depends_on"]) >= {"volume-init"}
+    assert all(f"data{i}" in services["volume-init"]["depends_on"] for i in range(1, 7))
+
+
+def test_client_can_mount_fuse(services):
+    client = services["client"]
+    assert "/dev/fuse" in [d.split(":")[0] for d in client["devices"]]
+    assert "SYS_ADMIN" in client["cap_add"]
+    assert "apparmor:unconfined" in client["security_opt"]
+
+
+# ---------------------------------------------------------------- volumes and ports
+
+def test_named_volumes(compose, services, monkeypatch):
+    parsed = all_parsed(services, monkeypatch)
+    declared = set(compose.get("volumes") or {})
+    used: dict[str, str] = {}
+    for name, svc in services.items():
+        for spec in svc.get("volumes", []):
+            source, _, target = spec.partition(":")
+            target = target.split(":")[0]
+            assert not source.startswith(("/", ".")), f"{name}: bind mount {spec}; use a named volume"
+            assert source in declared, f"{name}: volume {source} is not declared"
+            assert source not in used, f"volume {source} is shared by {used[source]} and {name}"
+            used[source] = name
+            p = daemon(parsed, name)
+            data_dir = p.params.get("data_dir") or p.params.get("cache_dir")
+            assert str(data_dir) == target, f"{name}: data dir {data_dir} is not the volume {target}"
+    assert set(used) == declared, f"declared but unused: {declared - set(used)}"
+    daemons = [n for n, s in services.items() if s.get("labels", {}).get("cachefs.kind") in DAEMON_KINDS]
+    assert sorted(used.values()) == sorted(daemons), "every daemon keeps its state in a named volume"
+
+
+def test_metrics_ports(services, monkeypatch):
+    parsed = all_parsed(services, monkeypatch)
+    host_ports = []
+    for name, svc in services.items():
+        if svc.get("labels", {}).get("cachefs.kind") not in DAEMON_KINDS:
+            continue
+        metrics = daemon(parsed, name).params["metrics_port"]
+        assert metrics, f"{name} has no --metrics-port"
+        [mapping] = svc["ports"]
+        published, container = (int(x) for x in str(mapping).split(":"))
+        assert container == metrics, name
+        host_ports.append(published)
+    assert len(set(host_ports)) == len(host_ports), "two services publish the same host port"
+
+
+# ---------------------------------------------------------------- image
+
+def test_dockerfile_copies_every_package_dir(services):
+    text = (ROOT / "Dockerfile").read_text()
+    copied = set()
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            for src in words[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
+                copied.add(src.rstrip("/"))
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert package_dirs | {"pyproject.toml", pyproject["project"]["readme"]} <= copied
+    assert re.search(r"apt-get install .*\bfuse3\b", text) and "fio" in text
+    images = {svc.get("image") for svc in services.values()}
+    builds = {svc.get("build") for svc in services.values()}
+    assert images == {"cachefs:lab"} and builds == {"."}
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
