@@ -243,6 +243,19 @@ class BackingClient:
             raise Unavailable(f"datanode {node_id} is {node.state}")
         return node.addr
 
+    async def _locate(self, volume: str, key: BlockKey) -> tuple[VolumePolicy, tuple[str, ...]]:
+        """Policy and placement group; a view that can refresh is refreshed once
+        when it does not know the volume yet (a map fetched before the volume
+        was created, or not fetched at all yet)."""
+        try:
+            return self.view.policy(volume), self.view.placement(volume, key)
+        except (NotFound, Unavailable):
+            refresh = getattr(self.view, "refresh", None)
+            if refresh is None:
+                raise
+            await refresh()
+            return self.view.policy(volume), self.view.placement(volume, key)
+
     def _hedge_delay(self) -> float:
         return min(self.hedge_max, max(self.hedge_min, 4 * self._latency))
 
@@ -334,10 +347,9 @@ class BackingClient:
             NoSpace: the same, because datanodes are full.
             NotFound: unknown volume.
         """
-        policy = self.view.policy(volume)
+        policy, pg = await self._locate(volume, key)
         if len(data) > policy.block_size:
             raise InvalidArgument(f"block of {len(data)} bytes is over the volume's block size {policy.block_size}")
-        pg = self.view.placement(volume, key)
         header, shards = self.codec(policy).encode(data)
         stored: set[int] = set()
         errors: dict[int, CacheFSError] = {}
@@ -398,7 +410,7 @@ class BackingClient:
             NotFound: every datanode answered and none had a shard.
             Unavailable: some datanode did not answer (retry later).
         """
-        pg = self.view.placement(volume, key)
+        _policy, pg = await self._locate(volume, key)
         removed: list[int] = []
 
         async def one(node: str) -> None:
@@ -420,8 +432,7 @@ class BackingClient:
         """
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range offset={offset} length={length}")
-        policy = self.view.policy(volume)
-        pg = self.view.placement(volume, key)
+        policy, pg = await self._locate(volume, key)
         codec = self.codec(policy)
         whole = offset == 0 and length == -1
         if not whole and policy.kind == "ec":

@@ -43,13 +43,12 @@ async def test_registration_heartbeats_and_cluster_map(tmp_path: Path) -> None:
                 return len(up) == 6 and len(cmap["pgs"].get("data", [])) == 16
 
             await _wait(placed)
-            view = MetaClusterView(mc.cluster_map)
-            await view.refresh()
-            assert {d.addr for d in view.datanodes.values()} == {nodes.addr(i) for i in range(6)}
+            view = MetaClusterView(mc.cluster_map)  # not fetched yet: the client refreshes it
             client = BackingClient(pool, view, zone="a")
             blocks = {BlockKey(77, i): os.urandom(200_000 + i) for i in range(6)}
             for key, data in blocks.items():
                 await client.put_block("data", key, data)
+            assert {d.addr for d in view.datanodes.values()} == {nodes.addr(i) for i in range(6)}
             for key, data in blocks.items():
                 assert await client.get_block("data", key) == data
 
