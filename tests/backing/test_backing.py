@@ -182,6 +182,8 @@ async def test_hedged_read_beats_a_stopped_datanode(cluster: Datanodes, volume: 
         try:
             with trio.fail_after(5):
                 assert await client.get_block(volume, key) == data
+            with trio.fail_after(5):  # a range inside the silent node's data shard
+                assert await client.get_block(volume, key, 600_000, 1000) == data[600_000:601_000]
         finally:
             cluster.resume(node)
         assert client.stats["hedged"] >= 1
