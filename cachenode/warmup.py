@@ -25,6 +25,7 @@ Theory of operation
 from __future__ import annotations
 
 import logging
+import os
 import stat
 import sys
 import time
@@ -40,6 +41,7 @@ from cachefs.config import ADDRS, load_secret
 from cachefs.errors import (
     CacheFSError,
     ConnectionLost,
+    NotFound,
     TimedOut,
     Unreachable,
 )
@@ -110,11 +112,12 @@ async def resolve_paths(
     limiter = trio.CapacityLimiter(threads)
 
     async def lookup(path: str) -> dict[str, Any]:
-        attr = await meta.call("getattr", {"volume": volume, "ino": ROOT_INO})
+        attr = await meta.getattr(volume, ROOT_INO)
         for name in (p for p in path.split("/") if p and p != "."):
-            attr = await meta.call(
-                "lookup", {"volume": volume, "parent": attr["ino"], "name": name.encode()}
-            )
+            try:
+                attr = await meta.lookup(volume, attr["ino"], os.fsencode(name))
+            except NotFound:
+                raise NotFound(f"{path}: no such file or directory in volume {volume!r}") from None
         return attr
 
     async def resolve_file(path: str, attr: dict[str, Any]) -> None:
@@ -122,9 +125,7 @@ async def resolve_paths(
             size = int(attr["size"])
             chunks = {}
             for chunk in range(-(-size // CHUNK_SIZE)):
-                chunks[chunk] = await meta.call(
-                    "read_chunk", {"volume": volume, "ino": attr["ino"], "chunk": chunk}
-                )
+                chunks[chunk] = await meta.read_chunk(volume, attr["ino"], chunk)
         warm = WarmFile(path, size, file_blocks(size, chunks, block_size))
         files.append(warm)
         if on_file is not None:
@@ -138,21 +139,9 @@ async def resolve_paths(
             cookie = 0
             while True:
                 async with limiter:
-                    rows = await meta.call(
-                        "readdir",
-                        {
-                            "volume": volume,
-                            "ino": attr["ino"],
-                            "cookie": cookie,
-                            "limit": READDIR_LIMIT,
-                        },
-                    )
+                    rows = await meta.readdir(volume, attr["ino"], cookie, READDIR_LIMIT)
                 for name, child, next_cookie in rows:
-                    text = (
-                        name.decode(errors="surrogateescape")
-                        if isinstance(name, bytes)
-                        else str(name)
-                    )
+                    text = os.fsdecode(name) if isinstance(name, bytes) else str(name)
                     if text in (".", ".."):
                         continue
                     await walk(f"{path.rstrip('/')}/{text}", child, nursery)

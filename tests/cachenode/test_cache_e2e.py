@@ -184,6 +184,25 @@ async def test_registration_warmup_and_hits(tmp_path: Path) -> None:
             ), first
             second = await _warmup(meta_addr)
             assert "everything was already cached" in second, second
+            missing = await trio.run_process(
+                [
+                    sys.executable,
+                    "-m",
+                    "cachefs.cli",
+                    "warmup",
+                    "/data/nope",
+                    "--volume",
+                    VOLUME,
+                    "--meta",
+                    meta_addr,
+                    "--insecure",
+                ],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            assert missing.returncode != 0
+            assert "/data/nope: no such file or directory" in missing.stderr.decode()
 
             router = CacheRouter(cmap, "a")
             for key, data in contents.items():

@@ -250,7 +250,9 @@ async def test_a_broken_backing_source_fails_readers_not_the_node(tmp_path: Path
 
     source = _BrokenSource()
     async with trio.open_nursery() as nursery:
-        service = CacheService(BlockStore.open(tmp_path, 1 << 20), source, nursery=nursery, node="broken")
+        service = CacheService(
+            BlockStore.open(tmp_path, 1 << 20), source, nursery=nursery, node="broken"
+        )
         for _ in range(2):
             with pytest.raises(IOFailure):
                 await service.read("v", BlockKey(1, 0))
@@ -265,7 +267,9 @@ async def test_ttl_blocks_expire_in_the_background(tmp_path: Path) -> None:
 
     store = BlockStore.open(tmp_path, 1 << 20, ttl={"scratch": 0.2})
     async with trio.open_nursery() as nursery:
-        service = CacheService(store, _BrokenSource(), nursery=nursery, node="ttl", expire_interval=0.05)
+        service = CacheService(
+            store, _BrokenSource(), nursery=nursery, node="ttl", expire_interval=0.05
+        )
         await service.put("scratch", BlockKey(1, 0).to_bytes(), payload=b"x" * 100)
         await service.put("keep", BlockKey(2, 0).to_bytes(), payload=b"y" * 100)
         assert len(store) == 2
