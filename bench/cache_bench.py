@@ -43,13 +43,16 @@ def _block_for(key: bytes) -> bytes:
 
 # ---------------------------------------------------------------- servers
 
+
 def serve_backing(port: int) -> None:
     """Backing storage stand-in: whole blocks from memory (the miss path's far end)."""
     from cachefs.rpc import Reply, RpcServer, rpc_method
 
     class Blocks:
         @rpc_method
-        async def get_block(self, volume: str, key: bytes, offset: int = 0, length: int = -1) -> Reply:
+        async def get_block(
+            self, volume: str, key: bytes, offset: int = 0, length: int = -1
+        ) -> Reply:
             return Reply({"size": BLOCK}, payload=_block_for(key))
 
     trio.run(lambda: RpcServer(Blocks(), name="backing", secret=None).serve("127.0.0.1", port))
@@ -63,16 +66,24 @@ def serve_bare(port: int) -> None:
 
     class Bare:
         @rpc_method
-        async def get(self, volume: str, key: bytes, offset: int = 0, length: int = -1,
-                      policy: str = "wait") -> Reply:
+        async def get(
+            self, volume: str, key: bytes, offset: int = 0, length: int = -1, policy: str = "wait"
+        ) -> Reply:
             end = BLOCK if length == -1 else min(BLOCK, offset + length)
             return Reply({"size": BLOCK, "hit": True}, payload=data[offset:end])
 
     trio.run(lambda: RpcServer(Bare(), name="bare", secret=None).serve("127.0.0.1", port))
 
 
-def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, memory: int, inline: int,
-                threads: int) -> None:
+def serve_cache(
+    port: int,
+    backing_port: int,
+    cache_dir: str,
+    capacity: int,
+    memory: int,
+    inline: int,
+    threads: int,
+) -> None:
     from cachefs.cachenode.service import CacheLimits, CacheService
     from cachefs.cachenode.store import BlockStore
 
@@ -84,21 +95,28 @@ def serve_cache(port: int, backing_port: int, cache_dir: str, capacity: int, mem
             self.pool = pool
 
         async def get_block(self, volume: str, key: BlockKey) -> bytes:
-            reply = await self.pool.call(f"127.0.0.1:{backing_port}", "get_block",
-                                         {"volume": volume, "key": key.to_bytes()})
+            reply = await self.pool.call(
+                f"127.0.0.1:{backing_port}", "get_block", {"volume": volume, "key": key.to_bytes()}
+            )
             return reply.payload
 
     async def main() -> None:
         store = BlockStore.open(cache_dir, capacity, memory_capacity=memory)
         async with trio.open_nursery() as nursery, RpcPool(secret=None) as pool:
-            service = CacheService(store, Source(pool), nursery=nursery, node="bench",
-                                   limits=CacheLimits(inline_read_max=inline, io_threads=threads))
+            service = CacheService(
+                store,
+                Source(pool),
+                nursery=nursery,
+                node="bench",
+                limits=CacheLimits(inline_read_max=inline, io_threads=threads),
+            )
             await RpcServer(service, name="cachenode", secret=None).serve("127.0.0.1", port)
 
     trio.run(main)
 
 
 # ---------------------------------------------------------------- clients
+
 
 def _cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process, from /proc."""
@@ -117,14 +135,18 @@ async def warm(addr: str, keys: list[bytes]) -> None:
     from cachefs.rpc import RpcPool
 
     async with RpcPool(secret=None) as pool:
-        answer = (await pool.call(addr, "prefetch", {"volume": "bench", "keys": keys, "wait": True},
-                                  timeout=120)).result
+        answer = (
+            await pool.call(
+                addr, "prefetch", {"volume": "bench", "keys": keys, "wait": True}, timeout=120
+            )
+        ).result
         if answer.get("failed"):
             raise RuntimeError(f"warm-up failed: {answer}")
 
 
-async def readers(addr: str, keys: list[bytes], n: int, seconds: float, length: int,
-                  fresh: bool = False) -> tuple[float, float]:
+async def readers(
+    addr: str, keys: list[bytes], n: int, seconds: float, length: int, fresh: bool = False
+) -> tuple[float, float]:
     """(bytes/s, calls/s) of ``n`` concurrent readers on one connection."""
     from cachefs.rpc import RpcPool
 
@@ -145,8 +167,12 @@ async def readers(addr: str, keys: list[bytes], n: int, seconds: float, length: 
                 else:
                     key = rng.choice(keys)
                 offset = 0 if length == -1 else rng.randrange(BLOCK // length) * length
-                reply = await pool.call(addr, "get", {"volume": "bench", "key": key,
-                                                      "offset": offset, "length": length}, timeout=60)
+                reply = await pool.call(
+                    addr,
+                    "get",
+                    {"volume": "bench", "key": key, "offset": offset, "length": length},
+                    timeout=60,
+                )
                 moved += len(reply.payload)
                 calls += 1
 
@@ -160,14 +186,31 @@ async def readers(addr: str, keys: list[bytes], n: int, seconds: float, length: 
 
 # ---------------------------------------------------------------- main
 
+
 def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> dict:
     cache_port, bare_port, backing_port = free_port(), free_port(), free_port()
     cache_dir = tempfile.mkdtemp(prefix="cache-bench-", dir=os.environ.get("CACHE_BENCH_DIR"))
     servers = [
         spawn(["-m", "bench.cache_bench", "--serve-backing", str(backing_port)]),
         spawn(["-m", "bench.cache_bench", "--serve-bare", str(bare_port)]),
-        spawn(["-m", "bench.cache_bench", "--serve-cache", str(cache_port), "--backing-port",
-               str(backing_port), "--dir", cache_dir, "--memory", str(memory), "--inline-read-max", str(inline), "--io-threads", str(threads)]),
+        spawn(
+            [
+                "-m",
+                "bench.cache_bench",
+                "--serve-cache",
+                str(cache_port),
+                "--backing-port",
+                str(backing_port),
+                "--dir",
+                cache_dir,
+                "--memory",
+                str(memory),
+                "--inline-read-max",
+                str(inline),
+                "--io-threads",
+                str(threads),
+            ]
+        ),
     ]
     try:
         for port, proc in zip((backing_port, bare_port, cache_port), servers, strict=True):
@@ -184,7 +227,9 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
             """Throughput, and the server's CPU time per call (robust on a busy machine)."""
             cpu = _cpu_seconds(server.pid)
             per_s, calls_per_s = trio.run(readers, addr, keys, n, seconds, length)
-            sample(f"{name}_cpu_us", (_cpu_seconds(server.pid) - cpu) / (calls_per_s * seconds) * 1e6)
+            sample(
+                f"{name}_cpu_us", (_cpu_seconds(server.pid) - cpu) / (calls_per_s * seconds) * 1e6
+            )
             sample(name, per_s / 1e6 if length == -1 else calls_per_s)
 
         for _ in range(repeat):
@@ -199,8 +244,13 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
         for p in servers:
             stop(p)
         shutil.rmtree(cache_dir, ignore_errors=True)
-    out: dict = {"repeat": repeat, "seconds": seconds, "memory_tier_bytes": memory,
-                 "inline_read_max": inline, "io_threads": threads}
+    out: dict = {
+        "repeat": repeat,
+        "seconds": seconds,
+        "memory_tier_bytes": memory,
+        "inline_read_max": inline,
+        "io_threads": threads,
+    }
     for n in READERS:
         out[f"hit_4mib_mb_per_s_{n}"] = round(med[f"hit4m_{n}"], 1)
         out[f"rpc_4mib_mb_per_s_{n}"] = round(med[f"rpc4m_{n}"], 1)
@@ -219,14 +269,22 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int | None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
     parser.add_argument("--seconds", type=float, default=1.5, help="duration of each run")
     parser.add_argument("--memory", type=int, default=0, help="cache node memory tier in bytes")
-    parser.add_argument("--inline-read-max", type=int, default=256 * 1024,
-                        help="reads up to this many bytes run on the event loop, larger ones in threads")
-    parser.add_argument("--io-threads", type=int, default=2, help="worker threads for larger reads and writes")
+    parser.add_argument(
+        "--inline-read-max",
+        type=int,
+        default=256 * 1024,
+        help="reads up to this many bytes run on the event loop, larger ones in threads",
+    )
+    parser.add_argument(
+        "--io-threads", type=int, default=2, help="worker threads for larger reads and writes"
+    )
     parser.add_argument("--serve-backing", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-cache", type=int, help=argparse.SUPPRESS)
@@ -238,28 +296,63 @@ def main(argv: list[str] | None = None) -> int | None:
     if args.serve_bare:
         return serve_bare(args.serve_bare)
     if args.serve_cache:
-        return serve_cache(args.serve_cache, args.backing_port, args.dir, 1 << 30, args.memory,
-                           args.inline_read_max, args.io_threads)
+        return serve_cache(
+            args.serve_cache,
+            args.backing_port,
+            args.dir,
+            1 << 30,
+            args.memory,
+            args.inline_read_max,
+            args.io_threads,
+        )
     r = run(args.repeat, args.seconds, args.memory, args.inline_read_max, args.io_threads)
 
     def show() -> None:
         rows = []
         for n in READERS:
-            rows.append([f"4 MiB hits MB/s, {n} readers", r[f"hit_4mib_mb_per_s_{n}"],
-                         r[f"rpc_4mib_mb_per_s_{n}"], ratio(r[f"hit_4mib_mb_per_s_{n}"], r[f"rpc_4mib_mb_per_s_{n}"])])
+            rows.append(
+                [
+                    f"4 MiB hits MB/s, {n} readers",
+                    r[f"hit_4mib_mb_per_s_{n}"],
+                    r[f"rpc_4mib_mb_per_s_{n}"],
+                    ratio(r[f"hit_4mib_mb_per_s_{n}"], r[f"rpc_4mib_mb_per_s_{n}"]),
+                ]
+            )
         for n in READERS:
-            rows.append([f"128 KiB range hits/s, {n} readers", r[f"hit_128k_ranges_per_s_{n}"],
-                         r[f"rpc_128k_ranges_per_s_{n}"],
-                         ratio(r[f"hit_128k_ranges_per_s_{n}"], r[f"rpc_128k_ranges_per_s_{n}"])])
-        rows.append(["4 MiB misses (read-through) MB/s, 16 readers", r["miss_4mib_mb_per_s"], "", ""])
-        rows.append(["server CPU us per 4 MiB hit, 16 readers", r["hit_4mib_server_cpu_us"],
-                     r["rpc_4mib_server_cpu_us"], ratio(r["hit_4mib_server_cpu_us"], r["rpc_4mib_server_cpu_us"])])
-        rows.append(["server CPU us per 128 KiB hit, 16 readers", r["hit_128k_server_cpu_us"],
-                     r["rpc_128k_server_cpu_us"], ratio(r["hit_128k_server_cpu_us"], r["rpc_128k_server_cpu_us"])])
-        print_table(f"Cache node vs bare RPC (medians of {r['repeat']} x {r['seconds']}s)",
-                    ["case", "cache node", "bare RPC", "cache/bare"], rows,
-                    note="bare RPC: a server answering get from one in-memory buffer; "
-                         "misses read through from a backing server serving from memory")
+            rows.append(
+                [
+                    f"128 KiB range hits/s, {n} readers",
+                    r[f"hit_128k_ranges_per_s_{n}"],
+                    r[f"rpc_128k_ranges_per_s_{n}"],
+                    ratio(r[f"hit_128k_ranges_per_s_{n}"], r[f"rpc_128k_ranges_per_s_{n}"]),
+                ]
+            )
+        rows.append(
+            ["4 MiB misses (read-through) MB/s, 16 readers", r["miss_4mib_mb_per_s"], "", ""]
+        )
+        rows.append(
+            [
+                "server CPU us per 4 MiB hit, 16 readers",
+                r["hit_4mib_server_cpu_us"],
+                r["rpc_4mib_server_cpu_us"],
+                ratio(r["hit_4mib_server_cpu_us"], r["rpc_4mib_server_cpu_us"]),
+            ]
+        )
+        rows.append(
+            [
+                "server CPU us per 128 KiB hit, 16 readers",
+                r["hit_128k_server_cpu_us"],
+                r["rpc_128k_server_cpu_us"],
+                ratio(r["hit_128k_server_cpu_us"], r["rpc_128k_server_cpu_us"]),
+            ]
+        )
+        print_table(
+            f"Cache node vs bare RPC (medians of {r['repeat']} x {r['seconds']}s)",
+            ["case", "cache node", "bare RPC", "cache/bare"],
+            rows,
+            note="bare RPC: a server answering get from one in-memory buffer; "
+            "misses read through from a backing server serving from memory",
+        )
 
     emit(r, args.json, show)
     return None
