@@ -14,7 +14,7 @@ from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 
 from .client import MetaClient
-from .commands import check_policy
+from .commands import CreateVolume, check_policy
 
 _meta = click.option(
     "--meta",
@@ -42,14 +42,17 @@ def _run(
 ) -> Any:
     secret = load_secret(secret_file, insecure)
 
-    async def go() -> Any:
+    async def go() -> tuple[Any, CacheFSError | None]:
         async with RpcPool(secret=secret) as pool:
-            return await fn(MetaClient(pool, meta, deadline=15.0))
+            try:  # caught inside the pool's nursery, so it is not wrapped in a group
+                return await fn(MetaClient(pool, meta, deadline=15.0)), None
+            except CacheFSError as exc:
+                return None, exc
 
-    try:
-        return trio.run(go)
-    except CacheFSError as exc:
-        raise click.ClickException(str(exc)) from None
+    result, error = trio.run(go)
+    if error is not None:
+        raise click.ClickException(str(error))
+    return result
 
 
 @click.group()
@@ -102,8 +105,9 @@ def create(
     """Create volume NAME."""
     try:
         policy = check_policy(policy, compression, block_size)
+        CreateVolume("", 0, 0, name, policy, compression, block_size, pg_count)  # validates all
     except CacheFSError as exc:
-        raise click.BadParameter(exc.message, param_hint="--policy/--block-size") from None
+        raise click.BadParameter(exc.message, param_hint="NAME/--policy/--block-size") from None
     spec = _run(
         meta,
         secret_file,
