@@ -490,7 +490,7 @@ class BlockStore:
             self._unlink([entry])
             log.warning("cache store: block %s failed its checksum, dropped", key.hex())
             raise Corrupt(f"cached block {key.hex()} failed its checksum")
-        if promote:
+        if promote and isinstance(buf, bytes):  # promoted reads use pread: an owned copy
             with self._lock:
                 if self._index.get(key) is entry:
                     self._memory.add(key, buf)
