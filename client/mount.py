@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 RUN_DIR = Path(os.environ.get("CACHEFS_RUN_DIR", "/run/cachefs"))
 READ_AHEAD_KB = 1024
-CONNECT_TIMEOUT = 20.0
+CONNECT_TIMEOUT = 10.0
 
 
 class MountError(click.ClickException):

@@ -1,0 +1,221 @@
+"""The client over a cluster of real processes: consistency, big files, failures.
+
+One cluster (metanodes on Raft, datanodes with ec:2+1, cache nodes in two
+zones) serves the whole module; each test mounts it with ``cachefs mount -d``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, ClusterMount, lab_processes, mounted
+
+FIO_DIR = REPO / "bench" / "fio"
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def test_posix_basics_on_the_cluster(cluster_mount: ClusterMount) -> None:
+    mnt = cluster_mount.path
+    data = os.urandom(5 << 20)
+    os.mkdir(mnt / "d")
+    (mnt / "d" / "f").write_bytes(data)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert (mnt / "d" / "f").read_bytes() == data
+    os.rename(mnt / "d" / "f", mnt / "g")
+    os.symlink("g", mnt / "s")
+    os.link(mnt / "g", mnt / "h")
+    assert sorted(os.listdir(mnt)) == ["d", "g", "h", "s"]
+    fd = os.open(mnt / "g", os.O_RDONLY)
+    os.unlink(mnt / "g")
+    os.unlink(mnt / "h")
+    assert os.pread(fd, 100, 1 << 20) == data[1 << 20 : (1 << 20) + 100]
+    os.close(fd)
+    os.setxattr(mnt / "d", "user.k", b"v")
+    assert os.getxattr(mnt / "d", "user.k") == b"v"
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_verify_crc32c_on_the_cluster(cluster_mount: ClusterMount, tmp_path: Path) -> None:
+    env = {**os.environ, "DIR": str(cluster_mount.path), "SIZE": str(64 << 20)}
+    proc = subprocess.run(["fio", str(FIO_DIR / "verify-mixed.fio")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert proc.stdout.count("err= 0") == 2
+
+
+def test_close_to_open_between_two_mounts(cluster, tmp_path: Path) -> None:
+    a = ClusterMount(cluster, tmp_path)
+    b = ClusterMount(cluster, tmp_path)
+    try:
+        first = os.urandom(3 << 20)
+        (a.path / "shared").write_bytes(first)
+        assert (b.path / "shared").read_bytes() == first  # written and closed on a, opened on b
+        second = os.urandom(2 << 20)
+        with open(a.path / "shared", "r+b") as f:
+            f.write(second)
+        # b's page cache holds the old bytes; its next open must not use them.
+        assert (b.path / "shared").read_bytes() == second + first[len(second) :]
+        with open(b.path / "shared", "ab") as f:
+            f.write(b"tail")
+        assert (a.path / "shared").read_bytes()[-6:] == first[-2:] + b"tail"
+        os.mkdir(a.path / "dir")
+        time.sleep(0.6)  # past the entry timeout
+        assert os.path.isdir(b.path / "dir")
+    finally:
+        a.stop()
+        b.stop()
+    a.check_log()
+    b.check_log()
+
+
+def test_large_file_round_trip(cluster_mount: ClusterMount) -> None:
+    """1 GiB written and read back with the same checksum."""
+    path = cluster_mount.path / "big"
+    h = hashlib.sha256()
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for i in range(1024):
+            piece = block[i % 7 :] + block[: i % 7]
+            h.update(piece)
+            f.write(piece)
+    assert path.stat().st_size == 1 << 30
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert _sha(path) == h.hexdigest()
+    os.unlink(path)
+
+
+def test_reads_go_on_when_the_cache_tier_dies(cluster, cluster_mount: ClusterMount) -> None:
+    path = cluster_mount.path / "cached"
+    data = os.urandom(48 << 20)
+    path.write_bytes(data)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert _sha(path) == hashlib.sha256(data).hexdigest()  # fills the cache tier
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    caches = [n.name for n in cluster.of_kind("cachenode")]
+    got = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for i in range(48):
+                if i == 8:
+                    for name in caches:
+                        cluster.kill(name)
+                got.update(f.read(1 << 20))
+        assert got.hexdigest() == hashlib.sha256(data).hexdigest()
+    finally:
+        with lab_processes():
+            for name in caches:
+                cluster.start(name)
+
+
+METADATA_WORKLOAD = r"""
+import os, sys
+root = sys.argv[1]
+done = open(sys.argv[2], "w", buffering=1)
+for i in range(int(sys.argv[3])):
+    d = os.path.join(root, f"d{i}")
+    os.mkdir(d)
+    with open(os.path.join(d, "f"), "wb") as f:
+        f.write(str(i).encode())
+    done.write(f"{i}\n")
+"""
+
+
+def test_metanode_leader_killed_during_metadata_workload(cluster, cluster_mount: ClusterMount, tmp_path: Path) -> None:
+    root = cluster_mount.path / "meta"
+    os.mkdir(root)
+    progress = tmp_path / "done"
+    proc = subprocess.Popen([sys.executable, "-c", METADATA_WORKLOAD, str(root), str(progress), "150"])
+    leader = None
+    try:
+        deadline = time.monotonic() + 60
+        while (not progress.exists() or len(progress.read_text().split()) < 30) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leader = _leader(cluster)
+        cluster.kill(leader)
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if leader is not None:
+            with lab_processes():
+                cluster.start(leader)
+    acknowledged = [int(x) for x in progress.read_text().split()]
+    assert len(acknowledged) == 150
+    for i in acknowledged:
+        assert (root / f"d{i}" / "f").read_bytes() == str(i).encode()
+
+
+def _leader(cluster) -> str:
+    import trio
+
+    from cachefs.rpc import RpcPool
+
+    async def find() -> str:
+        async with RpcPool(secret=cluster.secret) as pool:
+            meta = cluster.meta_client(pool, deadline=30.0)
+            await meta.cluster_map()
+            addr = meta.leader
+        return next(n.name for n in cluster.of_kind("metanode") if n.addr == addr)
+
+    return trio.run(find)
+
+
+def test_client_killed_with_dirty_data(cluster, tmp_path: Path) -> None:
+    m = ClusterMount(cluster, tmp_path)
+    committed = os.urandom(6 << 20)
+    (m.path / "committed").write_bytes(committed)
+    f = open(m.path / "dirty", "wb")  # noqa: SIM115 - left open on purpose
+    f.write(os.urandom(1 << 20))
+    f.flush()
+    os.kill(m.pid, signal.SIGKILL)
+    try:
+        f.close()
+    except OSError:
+        pass
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=False)
+    deadline = time.monotonic() + 10
+    while mounted(m.path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m2 = ClusterMount(cluster, tmp_path)
+    try:
+        assert (m2.path / "committed").read_bytes() == committed
+    finally:
+        m2.stop()
+    m2.check_log()
+
+
+def test_mount_errors_are_clear(cluster, tmp_path: Path) -> None:
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    base = [sys.executable, "-m", "cachefs.cli", "mount"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*base, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    meta = ",".join(cluster.meta_addrs)
+    r = run(meta, "no-such-volume", str(mp), "-d", "--secret-file", str(cluster.secret_file))
+    assert r.returncode != 0 and "volume 'no-such-volume' does not exist" in r.stderr, r.stderr
+    bad = tmp_path / "bad-secret"
+    bad.write_text("not-the-secret\n")
+    r = run(meta, "lab", str(mp), "-d", "--secret-file", str(bad))
+    assert r.returncode != 0 and "refused the cluster secret" in r.stderr, r.stderr
+    r = run("127.0.0.1:9", "lab", str(mp), "-d", "--insecure")
+    assert r.returncode != 0 and "cannot reach the metanodes at 127.0.0.1:9" in r.stderr, r.stderr
+    assert not mounted(mp)
