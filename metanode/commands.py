@@ -80,6 +80,28 @@ _SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 _REGISTRY: dict[int, type[Command]] = {}
+_INT = (int,)
+_SPECS: dict[type, list[tuple[str, str, tuple[type, ...] | None, bool]]] = {}
+
+
+def _specs(cls: type) -> list[tuple[str, str, tuple[type, ...] | None, bool]]:
+    """(name, annotation, accepted types or None for int tuples, optional) per field,
+    computed once per class: validation runs twice per mutation, so it must be cheap."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = []
+        for field in dataclasses.fields(cls):
+            spec = str(field.type)
+            base = spec.removesuffix(" | None")
+            if base == "tuple[int, ...]":
+                kinds = None
+            elif base in _SIMPLE_TYPES:
+                kinds = _INT if base == "int" else _SIMPLE_TYPES[base]
+            else:  # pragma: no cover - a programming error in this module
+                raise TypeError(f"unsupported field type {spec}")
+            specs.append((field.name, spec, kinds, spec.endswith(" | None")))
+        _SPECS[cls] = specs
+    return specs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,28 +125,22 @@ class Command:
             _REGISTRY[cls.TAG] = cls
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            spec = str(field.type)
-            optional = spec.endswith(" | None")
-            base = spec.removesuffix(" | None")
+        for name, spec, kinds, optional in _specs(type(self)):
+            value = getattr(self, name)
             if value is None and optional:
                 continue
-            if base in _SIMPLE_TYPES:
-                ok = isinstance(value, _SIMPLE_TYPES[base])
-                if base == "int" and isinstance(value, bool):
-                    ok = False
-            elif base == "tuple[int, ...]":
+            if kinds is None:  # tuple[int, ...]
                 ok = isinstance(value, list | tuple) and all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in value
+                    type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
+                    for v in value
                 )
                 if ok and isinstance(value, list):
-                    object.__setattr__(self, field.name, tuple(value))
-            else:  # pragma: no cover - a programming error in this module
-                raise TypeError(f"unsupported field type {spec}")
+                    object.__setattr__(self, name, tuple(value))
+            else:
+                ok = isinstance(value, kinds) and not (kinds is _INT and isinstance(value, bool))
             if not ok:
                 raise InvalidArgument(
-                    f"{type(self).__name__}.{field.name} must be {spec}, got {type(value).__name__}"
+                    f"{type(self).__name__}.{name} must be {spec}, got {type(value).__name__}"
                 )
         if len(self.client_id) > 128:
             raise InvalidArgument("client_id is longer than 128 characters")
@@ -136,7 +152,7 @@ class Command:
         """Range checks specific to the command; raise a CacheFSError."""
 
     def encode(self) -> bytes:
-        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        values = [getattr(self, spec[0]) for spec in _specs(type(self))]
         values = [list(v) if isinstance(v, tuple) else v for v in values]
         return msgpack.packb([self.TAG, values], use_bin_type=True)
 
@@ -156,8 +172,8 @@ def decode(raw: bytes) -> Command:
     cls = _REGISTRY.get(tag) if isinstance(tag, int) else None
     if cls is None or not isinstance(values, list):
         raise InvalidArgument(f"unknown command tag {tag!r}")
-    if len(values) != len(dataclasses.fields(cls)):
-        raise InvalidArgument(f"{cls.__name__} takes {len(dataclasses.fields(cls))} fields")
+    if len(values) != len(_specs(cls)):
+        raise InvalidArgument(f"{cls.__name__} takes {len(_specs(cls))} fields")
     try:
         return cls(*values)
     except TypeError as exc:
