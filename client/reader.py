@@ -31,7 +31,7 @@ from typing import Protocol
 
 import trio
 
-from cachefs.errors import CacheFSError
+from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
 
 from .inodes import Inode
@@ -134,8 +134,26 @@ class Reader:
         pending = inode.writer.pending_runs() if inode.writer is not None else []
         buf = bytearray(end - offset)
         view = memoryview(buf)
+        try:
+            await self._fill(inode, offset, view, sequential)
+        except NotFound:
+            # A slice list read before a compaction elsewhere may name blocks
+            # the garbage collector has since deleted: read the lists again.
+            inode.chunks.clear()
+            inode.layout += 1
+            view[:] = bytes(len(view))
+            await self._fill(inode, offset, view, sequential)
+        if pending:
+            overlay(pending, offset, view)
+        self.stats["bytes"] += len(buf)
+        if sequential and ra is not None and ra.window:
+            self._nursery.start_soon(self._readahead, inode, end, ra.window)
+        return bytes(buf)
+
+    async def _fill(self, inode: Inode, offset: int, view: memoryview, sequential: bool) -> None:
+        """Committed bytes of ``[offset, offset+len(view))`` into ``view`` (holes stay zero)."""
         jobs: list[Callable[[], Awaitable[None]]] = []
-        for chunk, pos, buf_off, n in chunk_ranges(offset, end - offset):
+        for chunk, pos, buf_off, n in chunk_ranges(offset, len(view)):
             slices = await self.slices(inode, chunk)
             for seg in resolve(slices, pos, pos + n):
                 if seg.slice_id == HOLE:
@@ -148,12 +166,6 @@ class Reader:
             await jobs[0]()
         elif jobs:
             await run_all(jobs)
-        if pending:
-            overlay(pending, offset, view)
-        self.stats["bytes"] += len(buf)
-        if sequential and ra is not None and ra.window:
-            self._nursery.start_soon(self._readahead, inode, end, ra.window)
-        return bytes(buf)
 
     def _copy_from_l1(self, part: BlockPart, dest: memoryview) -> bool:
         block = self.l1.get(part.key)

@@ -219,3 +219,50 @@ def test_mount_errors_are_clear(cluster, tmp_path: Path) -> None:
     r = run("127.0.0.1:9", "lab", str(mp), "-d", "--insecure")
     assert r.returncode != 0 and "cannot reach the metanodes at 127.0.0.1:9" in r.stderr, r.stderr
     assert not mounted(mp)
+
+
+def _gc(cluster, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "cachefs.cli", "gc", "--meta", ",".join(cluster.meta_addrs),
+            "--volume", "lab", "--secret-file", str(cluster.secret_file), *args]  # fmt: skip
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster_mount: ClusterMount) -> None:
+    import trio
+    from cachefs.client.gc import record_block_keys
+    from cachefs.client.slicemap import Slice
+
+    from cachefs.backing import BackingClient, MetaClusterView
+    from cachefs.rpc import RpcPool
+
+    mnt = cluster_mount.path
+    keep = os.urandom(9 << 20)
+    (mnt / "keep").write_bytes(os.urandom(9 << 20))
+    (mnt / "keep").write_bytes(keep)  # O_TRUNC: the first 9 MiB go to the trash
+    (mnt / "gone").write_bytes(os.urandom(5 << 20))
+    os.unlink(mnt / "gone")
+    r = _gc(cluster, "--grace", "0")
+    assert r.returncode == 0, r.stderr
+    purged = int(r.stdout.split("purged ")[1].split()[0])
+    assert purged >= 2, r.stdout
+    r = _gc(cluster, "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "missing: 0" in r.stdout
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    assert (mnt / "keep").read_bytes() == keep
+
+    async def drop_one_block() -> str:
+        async with RpcPool(secret=cluster.secret) as pool:
+            meta = cluster.meta_client(pool)
+            view = MetaClusterView(meta.cluster_map)
+            await view.refresh()
+            ino = (await meta.lookup("lab", 1, b"keep"))["ino"]
+            rec = Slice.from_wire((await meta.read_chunk("lab", ino, 0))[0])
+            key = sorted(record_block_keys(rec, 4 << 20))[0]
+            await BackingClient(pool, view).delete_block("lab", key)
+            return key.hex()
+
+    lost = trio.run(drop_one_block)
+    r = _gc(cluster, "--check")
+    assert r.returncode == 1 and "missing: 1" in r.stdout and lost in r.stdout, r.stdout + r.stderr
+    os.unlink(mnt / "keep")

@@ -1,0 +1,266 @@
+"""Garbage collection of trashed slices, and ``cachefs gc [--check]``.
+
+Theory of operation
+-------------------
+Overwritten, truncated, compacted and deleted data leaves the namespace as
+*trashed slices* (``[slice_id, slice_size, deleted_ns]`` in the metanodes'
+trash list). :class:`GarbageCollector` deletes the blocks of every slice that
+has been in the trash longer than a grace period from backing storage, then
+purges those slices from the trash (``purge_trash``). The order matters: a
+crash between the two leaves slices in the trash whose blocks are gone, and
+the next run deletes nothing twice but purges them.
+
+Why a grace period: a client that read a chunk's slice list before it changed
+may still read the old blocks for a moment (its slice-list cache lives until
+the file's version changes or the client reopens it, and a reader that finds
+a block gone re-reads the slice list). Ten minutes is far beyond that window,
+and sessions that hold unlinked files keep those slices out of the trash
+altogether (the metanodes trash them only at the last close).
+
+``--check`` walks the namespace (readdir + read_chunk), lists every datanode's
+shards, and reports *missing* blocks (referenced, with no shard anywhere) and
+*unreferenced* ones (stored, yet neither referenced nor trashed: writes in
+flight, files open but unlinked, or leaks). It changes nothing.
+
+The metanode leader is meant to run :meth:`GarbageCollector.run_forever`;
+``cachefs gc`` runs one pass on demand.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import trio
+
+from cachefs.config import ADDRS, load_secret, setup_logging
+from cachefs.errors import CacheFSError, NotFound
+from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.rpc import RpcPool
+
+from .slicemap import HOLE, Slice
+from .tasks import run_all
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE = 600.0
+TRASH_PAGE = 1000
+LIST_PAGE = 5000
+ROOT = 1
+
+
+@dataclass(slots=True)
+class GcReport:
+    volume: str
+    slices_purged: int = 0
+    blocks_deleted: int = 0
+    bytes_freed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CheckReport:
+    volume: str
+    files: int = 0
+    referenced_blocks: int = 0
+    stored_blocks: int = 0
+    trashed_slices: int = 0
+    missing: list[str] = field(default_factory=list)
+    unreferenced: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def slice_block_keys(slice_id: int, size: int, block_size: int) -> list[BlockKey]:
+    """Every block of a slice object of ``size`` bytes."""
+    return [BlockKey(slice_id, i) for i in range(math.ceil(size / block_size))]
+
+
+def record_block_keys(rec: Slice, block_size: int) -> set[BlockKey]:
+    """The blocks a slice-list record needs: those covering ``[offset, offset+length)``."""
+    if rec.id == HOLE or rec.length <= 0:
+        return set()
+    first = rec.offset // block_size
+    last = (rec.offset + rec.length - 1) // block_size
+    return {BlockKey(rec.id, i) for i in range(first, last + 1)}
+
+
+class GarbageCollector:
+    """Deletes the blocks of trashed slices after ``grace`` seconds (see module docstring)."""
+
+    def __init__(self, meta: Any, backing: Any, *, grace: float = DEFAULT_GRACE, parallel: int = 16) -> None:
+        self.meta = meta
+        self.backing = backing
+        self.grace = grace
+        self._limit = trio.Semaphore(parallel)
+
+    async def _block_size(self, volume: str) -> int:
+        cmap = await self.meta.cluster_map()
+        try:
+            return int(cmap["volumes"][volume]["block_size"])
+        except KeyError:
+            raise NotFound(f"volume {volume!r} does not exist") from None
+
+    async def _delete(self, volume: str, key: BlockKey, report: GcReport) -> None:
+        async with self._limit:
+            try:
+                await self.backing.delete_block(volume, key)
+                report.blocks_deleted += 1
+            except NotFound:
+                pass  # deleted by an earlier, interrupted run
+
+    async def collect(self, volume: str) -> GcReport:
+        """One pass over the trash of ``volume``."""
+        report = GcReport(volume)
+        block_size = await self._block_size(volume)
+        before = time.time_ns() - int(self.grace * 1e9)
+        while True:
+            rows = await self.meta.list_trash(volume, limit=TRASH_PAGE, before_ns=before)
+            if not rows:
+                break
+            ids = []
+            for slice_id, size, _deleted_ns in rows:
+                keys = slice_block_keys(int(slice_id), int(size), block_size)
+                try:
+                    await run_all(functools.partial(self._delete, volume, k, report) for k in keys)
+                except CacheFSError as exc:
+                    report.errors.append(f"slice {slice_id}: {exc}")
+                    continue  # stays in the trash for the next run
+                ids.append(int(slice_id))
+                report.bytes_freed += int(size)
+            if not ids:
+                break
+            report.slices_purged += await self.meta.purge_trash(volume, ids)
+            if len(rows) < TRASH_PAGE:
+                break
+        log.info("gc of %s: %d slices, %d blocks, %d bytes freed", volume, report.slices_purged,
+                 report.blocks_deleted, report.bytes_freed)  # fmt: skip
+        return report
+
+    async def run_forever(self, volumes: list[str], interval: float = 60.0) -> None:
+        """Collect every ``interval`` seconds (run it on the metanode leader)."""
+        while True:
+            for volume in volumes:
+                try:
+                    await self.collect(volume)
+                except CacheFSError as exc:
+                    log.warning("gc of %s failed, will retry: %s", volume, exc)
+            await trio.sleep(interval)
+
+    # ------------------------------------------------------------------ check
+
+    async def check(self, volume: str, datanode_addrs: list[str]) -> CheckReport:
+        report = CheckReport(volume)
+        block_size = await self._block_size(volume)
+        referenced: set[BlockKey] = set()
+        dirs = [ROOT]
+        while dirs:
+            ino = dirs.pop()
+            cookie = 0
+            while True:
+                rows = await self.meta.readdir(volume, ino, cookie, 1000)
+                for _name, attr, next_cookie in rows:
+                    cookie = next_cookie
+                    mode = int(attr["mode"])
+                    if mode & 0o170000 == 0o040000:
+                        dirs.append(int(attr["ino"]))
+                    elif mode & 0o170000 == 0o100000:
+                        report.files += 1
+                        for chunk in range(math.ceil(int(attr["size"]) / CHUNK_SIZE)):
+                            for row in await self.meta.read_chunk(volume, int(attr["ino"]), chunk):
+                                referenced |= record_block_keys(Slice.from_wire(row), block_size)
+                if len(rows) < 1000:
+                    break
+        trashed: set[int] = set()
+        for slice_id, _size, _ns in await self.meta.list_trash(volume, limit=100_000):
+            trashed.add(int(slice_id))
+        stored: set[BlockKey] = set()
+        for addr in datanode_addrs:
+            try:
+                stored |= await self._inventory(addr, volume)
+            except CacheFSError as exc:
+                report.errors.append(f"listing {addr}: {exc}")
+        referenced_slices = {k.slice_id for k in referenced}
+        report.referenced_blocks = len(referenced)
+        report.stored_blocks = len(stored)
+        report.trashed_slices = len(trashed)
+        if not report.errors:  # a datanode we could not list would make everything look missing
+            report.missing = sorted(k.hex() for k in referenced - stored)
+        report.unreferenced = sorted(
+            k.hex() for k in stored if k.slice_id not in referenced_slices and k.slice_id not in trashed
+        )
+        return report
+
+    async def _inventory(self, addr: str, volume: str) -> set[BlockKey]:
+        keys: set[BlockKey] = set()
+        cursor = ""
+        while True:
+            reply = await self.backing.pool.call(
+                addr, "list", {"volume": volume, "cursor": cursor, "limit": LIST_PAGE}, timeout=60.0
+            )
+            for key, _index, _size in reply.result["shards"]:
+                keys.add(BlockKey.from_bytes(key))
+            cursor = reply.result["cursor"]
+            if not cursor:
+                return keys
+
+
+async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: bytes | None, grace: float,
+                 check: bool) -> list[GcReport | CheckReport]:  # fmt: skip
+    from cachefs.metanode.client import MetaClient
+
+    from cachefs.backing import BackingClient, MetaClusterView
+
+    async with RpcPool(secret=secret) as pool:
+        meta = MetaClient(pool, meta_addrs)
+        view = MetaClusterView(meta.cluster_map)
+        await view.refresh()
+        gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
+        cmap = await meta.cluster_map()
+        names = list(volumes) or sorted(cmap["volumes"])
+        if check:
+            addrs = [n["addr"] for n in cmap["datanodes"] if n.get("state", "up") == "up"]
+            return [await gc.check(v, addrs) for v in names]
+        return [await gc.collect(v) for v in names]
+
+
+@click.command("gc")
+@click.option("--meta", type=ADDRS, required=True, help="Metanode addresses (host:port,...).")
+@click.option("--volume", "volumes", multiple=True, help="Volume to collect (repeatable; default: all).")
+@click.option("--grace", type=click.FloatRange(0), default=DEFAULT_GRACE, show_default=True,
+              help="Seconds a slice stays in the trash before its blocks are deleted.")  # fmt: skip
+@click.option("--check", is_flag=True, help="Change nothing; report missing and unreferenced blocks.")
+@click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
+              help="File holding the cluster secret (or set CACHEFS_SECRET).")  # fmt: skip
+@click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster.")
+@click.option("--log-level", default="WARNING", show_default=True)
+def command(meta: list[str], volumes: tuple[str, ...], grace: float, check: bool, secret_file: str | None,
+            insecure: bool, log_level: str) -> None:  # fmt: skip
+    """Delete the blocks of trashed slices (or, with --check, audit block storage)."""
+    setup_logging("gc", log_level)
+    secret = load_secret(secret_file, insecure)
+    try:
+        reports = trio.run(functools.partial(run_gc, meta, volumes, secret=secret, grace=grace, check=check))
+    except CacheFSError as exc:
+        raise click.ClickException(str(exc)) from None
+    failed = False
+    for r in reports:
+        if isinstance(r, CheckReport):
+            click.echo(f"{r.volume}: {r.files} files, {r.referenced_blocks} referenced blocks, "
+                       f"{r.stored_blocks} stored, {r.trashed_slices} trashed slices")  # fmt: skip
+            click.echo(f"  missing: {len(r.missing)}" + "".join(f"\n    {k}" for k in r.missing[:50]))
+            click.echo(f"  unreferenced (writes in flight, open unlinked files, or leaks): {len(r.unreferenced)}"
+                       + "".join(f"\n    {k}" for k in r.unreferenced[:50]))  # fmt: skip
+            failed |= bool(r.missing)
+        else:
+            click.echo(f"{r.volume}: purged {r.slices_purged} slices, deleted {r.blocks_deleted} blocks, "
+                       f"freed {r.bytes_freed} bytes")  # fmt: skip
+        for err in r.errors:
+            click.echo(f"  error: {err}", err=True)
+        failed |= bool(r.errors)
+    if failed:
+        raise SystemExit(1)
