@@ -7,6 +7,11 @@ typed errors for everything else. A mutation keeps the same
 ``(client_id, seq)`` across all its retries, so the metanodes apply it once
 and answer a retry with the first answer: a create whose reply was lost in a
 failover comes back as the inode it made, not as EEXIST.
+
+A mounted session must heartbeat, or the leader ends it after its timeout
+(and frees the unlinked files it held open). ``mount_volume`` therefore
+starts a heartbeat task for the session, in the injected ``nursery`` if one
+was given, else as a trio system task; ``close_session`` stops it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class MetaClient:
         client_id: str | None = None,
         deadline: float = 30.0,
         attempt_timeout: float = 5.0,
+        heartbeat_interval: float = 10.0,
+        nursery: trio.Nursery | None = None,
     ) -> None:
         if not addrs:
             raise ValueError("MetaClient needs at least one metanode address")
@@ -56,6 +63,9 @@ class MetaClient:
         self.leader: str | None = None
         self._seq = itertools.count(1)
         self.retries = 0
+        self.heartbeat_interval = heartbeat_interval
+        self._nursery = nursery
+        self._heartbeats: dict[str, trio.CancelScope] = {}
 
     async def call(
         self,
@@ -144,13 +154,55 @@ class MetaClient:
         return await self._r("list_volumes")
 
     async def mount_volume(self, volume: str, client_id: str | None = None) -> dict[str, Any]:
-        return await self._m("mount_volume", volume=volume, client_id=client_id or self.client_id)
+        info = await self._m("mount_volume", volume=volume, client_id=client_id or self.client_id)
+        session = str(info["session"])
+        if session not in self._heartbeats:
+            scope = trio.CancelScope()
+            self._heartbeats[session] = scope
+            if self._nursery is not None:
+                self._nursery.start_soon(self._heartbeat, session, scope)
+            else:
+                trio.lowlevel.spawn_system_task(self._heartbeat, session, scope)
+        return info
+
+    async def _heartbeat(self, session: str, scope: trio.CancelScope) -> None:
+        """Keep ``session`` alive until it is closed; never raises."""
+        warned = False
+        with scope:
+            while True:
+                await trio.sleep(self.heartbeat_interval)
+                try:
+                    alive = await self.call(
+                        "session_heartbeat", {"session": session}, deadline=self.heartbeat_interval
+                    )
+                except CacheFSError as exc:
+                    if not warned:
+                        log.warning("session %s: heartbeat failed: %s", session, exc)
+                    warned = True
+                    continue
+                warned = False
+                if not alive:
+                    log.error(
+                        "session %s was ended by the metanodes (silent too long); "
+                        "files it held open after unlink are gone",
+                        session,
+                    )
+                    return
 
     async def session_heartbeat(self, session: str) -> bool:
         return await self._r("session_heartbeat", session=session)
 
     async def close_session(self, volume: str, session: str) -> None:
+        scope = self._heartbeats.pop(session, None)
+        if scope is not None:
+            scope.cancel()
         await self._m("close_session", volume=volume, session=session)
+
+    def close(self) -> None:
+        """Stop every heartbeat (the sessions then expire on the metanodes)."""
+        for scope in self._heartbeats.values():
+            scope.cancel()
+        self._heartbeats.clear()
 
     async def meta_status(self, addr: str) -> dict[str, Any]:
         """One replica's view (any replica answers)."""

@@ -27,6 +27,9 @@ class Single:
         self.service = service
         self.mc = mc
 
+    def client(self, **kw: float) -> MetaClient:
+        return MetaClient(self.mc.pool, self.mc.addrs, **kw)
+
 
 @pytest.fixture
 async def meta(tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[Single]:
@@ -54,8 +57,10 @@ async def meta(tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[Single]:
 
 async def test_silent_sessions_expire_and_free_their_unlinked_files(meta: Single) -> None:
     mc = meta.mc
-    quiet = (await mc.mount_volume(VOL, "quiet"))["session"]
-    alive = (await mc.mount_volume(VOL, "alive"))["session"]
+    quiet_client = meta.client(heartbeat_interval=30.0)
+    alive_client = meta.client(heartbeat_interval=0.1)
+    quiet = (await quiet_client.mount_volume(VOL))["session"]
+    alive = (await alive_client.mount_volume(VOL))["session"]
     f = await mc.mknod(VOL, 1, b"f", 0o100644)
     g = await mc.mknod(VOL, 1, b"g", 0o100644)
     sid = await mc.alloc_slices(2)
@@ -66,16 +71,16 @@ async def test_silent_sessions_expire_and_free_their_unlinked_files(meta: Single
     await mc.unlink(VOL, 1, b"f")
     await mc.unlink(VOL, 1, b"g")
     assert (await mc.getattr(VOL, f["ino"]))["nlink"] == 0
-    for _ in range(15):  # 1.5 s: the quiet session misses its 0.6 s deadline
-        assert await mc.session_heartbeat(alive)
-        await trio.sleep(0.1)
+    await trio.sleep(1.5)  # the quiet session misses its 0.6 s deadline; the other beats
+    assert await mc.session_heartbeat(alive)
     with pytest.raises(CacheFSError) as info:
         await mc.getattr(VOL, f["ino"])
     assert info.value.errno == errno.ENOENT
     assert not await mc.session_heartbeat(quiet)
     assert (await mc.getattr(VOL, g["ino"]))["size"] == 10
     assert [r[0] for r in await mc.list_trash(VOL)] == [sid]
-    await mc.close_session(VOL, alive)
+    await alive_client.close_session(VOL, alive)
+    quiet_client.close()
     assert [r[0] for r in await mc.list_trash(VOL)] == [sid, sid + 1]
     assert await mc.purge_trash(VOL, [sid, sid + 1]) == 2
     assert await mc.list_trash(VOL) == []
