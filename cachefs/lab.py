@@ -29,6 +29,7 @@ from typing import Any
 import click
 import trio
 
+from cachefs import netns
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
@@ -70,6 +71,7 @@ class LabConfig:
     nodes: list[Node] = field(default_factory=list)
     mountpoint: str | None = None
     mount_pid: int | None = None
+    netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
 
 
 class Lab:
@@ -78,6 +80,7 @@ class Lab:
     def __init__(self, config: LabConfig) -> None:
         self.config = config
         self.root = Path(config.root)
+        self._net: netns.Network | None = None
         if not config.nodes:
             config.nodes = self._plan()
 
@@ -87,7 +90,8 @@ class Lab:
         c = self.config
         nodes = []
         for i in range(1, c.metanodes + 1):
-            nodes.append(Node(f"meta{i}", "metanode", f"127.0.0.1:{c.base_port + i}"))
+            nodes.append(Node(f"meta{i}", "metanode", f"127.0.0.1:{c.base_port + i}",
+                              zone=f"z{(i - 1) % c.zones + 1}"))
         for i in range(1, c.datanodes + 1):
             nodes.append(Node(f"data{i}", "datanode", f"127.0.0.1:{c.base_port + 100 + i}",
                               zone=f"z{(i - 1) % c.zones + 1}"))
@@ -97,6 +101,9 @@ class Lab:
         if c.metrics:
             for node in nodes:
                 node.metrics_port = node.port + 1000
+        if c.netns:  # same ports, each node on its own address in its own namespace
+            for i, node in enumerate(nodes, 1):
+                node.addr = f"{netns.node_ip(c.netns, i)}:{node.port}"
         return nodes
 
     @property
@@ -168,7 +175,8 @@ class Lab:
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
         logf = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(self._argv(node), stdout=logf, stderr=subprocess.STDOUT,
+        argv = self.network.wrap(name, self._argv(node)) if self.config.netns else self._argv(node)
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
         logf.close()
         node.pid = proc.pid
@@ -190,10 +198,27 @@ class Lab:
             self.secret_file.write_text(secrets.token_hex(32) + "\n")
             self.secret_file.chmod(0o600)
         self.save()
+        if self.config.netns:
+            self._net = netns.ensure(self.root, self.config.netns, [(n.name, n.zone) for n in self.nodes])
         for node in self.nodes:
             if not (node.pid and _alive(node.pid)):
                 self.start(node.name)
-        trio.run(self._wait_ready, timeout)
+        self.run(self._wait_ready, timeout)
+
+    @property
+    def network(self) -> netns.Network:
+        """The lab's network namespaces (``--netns`` labs only)."""
+        if self._net is None:
+            self._net = netns.Network.load(self.root)
+            if self._net is None:
+                raise click.ClickException(f"lab {self.root} has no network namespaces ({netns.STATE_FILE})")
+        return self._net
+
+    def run(self, async_fn: Any, *args: Any) -> Any:
+        """``trio.run`` from where the lab's addresses are reachable (the client namespace with --netns)."""
+        if self.config.netns:
+            return self.network.run_in(netns.CLIENT, trio.run, async_fn, *args)
+        return trio.run(async_fn, *args)
 
     def meta_client(self, pool: RpcPool, **kwargs: Any) -> MetaClient:
         return MetaClient(pool, self.meta_addrs, **kwargs)
@@ -232,6 +257,8 @@ class Lab:
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--secret-file", str(self.secret_file),
                 "--log-file", str(self.root / "logs" / "mount.log"), *extra]
+        if self.config.netns:
+            argv = self.network.wrap(netns.CLIENT, argv)
         logf = self.root / "logs" / "mount.log"
         with open(logf, "ab") as out:
             result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
@@ -264,6 +291,9 @@ class Lab:
         for node in self.nodes:
             node.pid = None
         self.save()
+        if self.config.netns:
+            netns.destroy(self.root)
+            self._net = None
         if wipe:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -346,8 +376,14 @@ def lab() -> None:
               help="Metanodes listen on base+1.., datanodes on base+101.., cache nodes on base+201..")
 @click.option("--cache-capacity", default="2G", show_default=True, help="Flash capacity of each cache node.")
 @click.option("--workload", is_flag=True, help="Run a short fio job on the mount and print the status.")
+@click.option("--netns", "use_netns", is_flag=True,
+              help="Each daemon in its own network namespace on a bridge (root; see `lab cut`).")
+@click.option("--subnet", default=netns.DEFAULT_SUBNET, show_default=True,
+              help="Private range for the namespaces' addresses (with --netns).")
+@click.option("--latency", multiple=True, metavar="ZONE=DELAY",
+              help="With --netns: delay packets to a zone's nodes, e.g. z3=20ms (repeatable; needs sch_netem).")
 def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
-           cache_capacity: str, workload: bool) -> None:
+           cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...]) -> None:
     """Start the lab cluster (and mount it with --mount)."""
     from cachefs.config import setup_logging
 
@@ -358,12 +394,17 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         if running:
             raise click.ClickException(f"a lab is already running in {root} ({len(running)} processes); "
                                        f"`cachefs lab down --dir {root}` first")
+    delays = dict(item.split("=", 1) for item in latency if "=" in item)
+    if len(delays) != len(latency) or (latency and not use_netns):
+        raise click.UsageError("--latency takes ZONE=DELAY and needs --netns")
     the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
-                            cache_capacity=cache_capacity))
+                            cache_capacity=cache_capacity, netns=subnet if use_netns else ""))
     click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
     started = time.monotonic()
     try:
         the_lab.up()
+        for zone, delay in delays.items():
+            the_lab.network.set_latency(zone, delay)
     except BaseException:
         click.echo(f"start-up failed; stopping what started (logs in {root}/logs)", err=True)
         the_lab.down()
@@ -401,7 +442,7 @@ def _print_status(the_lab: Lab) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    st = trio.run(the_lab.status)
+    st = the_lab.run(the_lab.status)
     table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}")
     for col in ("node", "kind", "zone", "address", "pid", "state"):
         table.add_column(col)
@@ -439,7 +480,7 @@ def lab_status(root: str, as_json: bool) -> None:
     """Every process, the metanode leader, cache usage and hit rates."""
     the_lab = Lab.load(root)
     if as_json:
-        click.echo(json.dumps(trio.run(the_lab.status)))
+        click.echo(json.dumps(the_lab.run(the_lab.status)))
     else:
         _print_status(the_lab)
 
@@ -452,3 +493,8 @@ def lab_down(root: str, wipe: bool) -> None:
     the_lab = Lab.load(root)
     the_lab.down(wipe=wipe)
     click.echo("lab stopped" + (" and wiped" if wipe else ""))
+
+
+lab.add_command(netns.cut_command)
+lab.add_command(netns.heal_command)
+lab.add_command(netns.latency_command)
