@@ -86,7 +86,8 @@ async def _loop(inflight: int, seconds: float, op) -> float:
         nonlocal moved
         n = 0
         while time.perf_counter() < deadline:
-            moved += await op(w, n)
+            done = await op(w, n)  # not `moved += await ...`: that reads `moved` before the await
+            moved += done
             n += 1
 
     start = time.perf_counter()
@@ -111,6 +112,14 @@ async def cluster_round(addrs: list[str], blob_addr: str, seconds: float, round_
     data = os.urandom(BLOCK)
     out: dict[str, float] = {}
     async with RpcPool(secret=SECRET) as pool:
+
+        async def baseline(w: int, n: int) -> int:
+            reply = await pool.call(blob_addr, "get", {"size": BLOCK})
+            return len(reply.payload)
+
+        # The baseline first, before the puts leave dirty pages to write back.
+        out["rpc_get_8"] = await _loop(8, seconds, baseline)
+        out["rpc_get_1"] = await _loop(1, seconds, baseline)
         client = BackingClient(pool, view, zone="a")
         base = (round_no + 1) << 32
         for name in policies:
@@ -133,12 +142,7 @@ async def cluster_round(addrs: list[str], blob_addr: str, seconds: float, round_
                 async def get_degraded(w: int, n: int, keys=keys, slow=slow) -> int:
                     return len(await slow.get_block("ec", random.choice(keys)))
                 out["ec_get_degraded_8"] = await _loop(8, seconds, get_degraded)
-
-        async def baseline(w: int, n: int) -> int:
-            reply = await pool.call(blob_addr, "get", {"size": BLOCK})
-            return len(reply.payload)
-        out["rpc_get_8"] = await _loop(8, seconds, baseline)
-        out["rpc_get_1"] = await _loop(1, seconds, baseline)
+        out["rpc_get_8_after"] = await _loop(8, seconds, baseline)
     return out
 
 
