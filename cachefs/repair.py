@@ -28,7 +28,7 @@ import json
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 import click
 import trio
 
-from cachefs.backing import BackingClient, ClusterView, MetaClusterView
+from cachefs.backing import BackingClient, ClusterView, MetaClusterView, MissingShard
 from cachefs.config import ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
@@ -166,6 +166,27 @@ class Repairer:
             if self.progress is not None:
                 self.progress(report)
         log.info("repair of %s: %s", volume, {k: v for k, v in asdict(report).items() if v})
+        return report
+
+    async def repair_missing(self, missing: Iterable[MissingShard]) -> RepairReport:
+        """Repair just the blocks a client recorded as stored short (``BackingClient.missing``).
+
+        The fast path after a node outage: no listing of whole datanodes, one
+        ``stat`` per shard of each named block.
+        """
+        report = RepairReport(volume="(recorded)")
+        for volume, key in sorted({(m.volume, m.key) for m in missing}):
+            pg = self.view.placement(volume, key)
+            held: dict[int, set[str]] = {}
+            for i, node in enumerate(pg):
+                try:
+                    await self.client.pool.call(
+                        self.client._addr(node), "stat",
+                        {"volume": volume, "key": key.to_bytes(), "index": i}, timeout=self.client.timeout)
+                except CacheFSError:
+                    continue  # missing, corrupt or unreachable: repair_block sorts it out
+                held[i] = {node}
+            await self.repair_block(volume, key, pg, held, report)
         return report
 
     async def repair_block(self, volume: str, key: BlockKey, pg: tuple[str, ...],
