@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from prometheus_client import Counter
 
 from cachefs.erasure import BlockHeader, Codec, ShardRange
 from cachefs.errors import (
@@ -53,6 +54,20 @@ from cachefs.policy import VolumePolicy
 from cachefs.rpc import RpcPool
 
 log = logging.getLogger(__name__)
+
+_EVENTS = Counter("cachefs_backing_events_total",
+                  "Backing-storage client events: degraded reads, hedges, range reads and "
+                  "fallbacks, shards left missing by puts", ["event"])
+
+
+class _Stats(collections.Counter[str]):
+    """Per-client counts (tests read them) mirrored into the process's Prometheus counter."""
+
+    def __setitem__(self, key: str, value: int) -> None:
+        delta = value - self.get(key, 0)
+        super().__setitem__(key, value)
+        if delta > 0:
+            _EVENTS.labels(key).inc(delta)
 
 
 # ---------------------------------------------------------------- cluster view
@@ -223,7 +238,7 @@ class BackingClient:
         self.hedge_max = hedge_max
         self.put_grace = put_grace
         self.missing: collections.deque[MissingShard] = collections.deque(maxlen=100_000)
-        self.stats = collections.Counter[str]()
+        self.stats = _Stats()
         self._codecs: dict[VolumePolicy, Codec] = {}
         self._latency = 0.05  # EWMA of shard read latency, seconds
 
@@ -326,7 +341,7 @@ class BackingClient:
             nursery.cancel_scope.cancel()
         return outcome
 
-    def _failure(self, what: str, policy: VolumePolicy, outcome: _Outcome, answered: int = 0) -> CacheFSError:
+    def _failure(self, what: str, policy: VolumePolicy, outcome: _Outcome) -> CacheFSError:
         """The error for a read that got too few shards."""
         errors = list(outcome.errors.values())
         denied = sum(isinstance(e, NotFound) for e in errors)
@@ -519,7 +534,10 @@ class BackingClient:
             codec.check_header(header)
             real = codec.plan_range(header, offset, length)
             if real == plan:
-                return b"".join(pieces.shards[n].data for n in range(len(plan)))
+                parts = [pieces.shards[n].data for n in range(len(plan))]
+                if any(len(p) != r.length for p, r in zip(parts, plan, strict=True)):
+                    raise _Fallback  # a shard shorter than its header says: rebuild instead
+                return b"".join(parts)
             plan = real
         raise _Fallback
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 import trio
+from prometheus_client import Gauge
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.erasure import keep_large_buffers
@@ -39,6 +40,11 @@ log = logging.getLogger(__name__)
 
 IO_THREADS = 8
 SCRUB_PAGE = 256
+
+_CAPACITY = Gauge("cachefs_datanode_capacity_bytes", "Bytes this datanode may store")
+_USED = Gauge("cachefs_datanode_used_bytes", "Bytes of shards stored")
+_SHARDS = Gauge("cachefs_datanode_shards", "Shards stored")
+_CORRUPT = Gauge("cachefs_datanode_corrupt_shards_found", "Corrupt shards detected (and dropped) since start")
 
 
 def _key_hex(key: bytes) -> str:
@@ -56,6 +62,10 @@ class DatanodeService:
         self.node_id = node_id
         self.zone = zone
         self._io = trio.CapacityLimiter(IO_THREADS)
+        _CAPACITY.set_function(lambda: store.capacity)
+        _USED.set_function(lambda: store.used)
+        _SHARDS.set_function(lambda: store.shard_count)
+        _CORRUPT.set_function(lambda: store.corrupt_found)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._io)
@@ -111,7 +121,8 @@ class DatanodeService:
 
     @rpc_method
     async def stats(self) -> dict:
-        return {"id": self.node_id, "zone": self.zone, **self.store.usage()}
+        return {"id": self.node_id, "zone": self.zone, **self.store.usage(),
+                "corrupt_found": self.store.corrupt_found}
 
 
 # ---------------------------------------------------------------- cluster map

@@ -35,6 +35,7 @@ from typing import Any
 
 import click
 import trio
+from prometheus_client import Counter
 
 from cachefs.backing import BackingClient, ClusterView, MetaClusterView, MissingShard
 from cachefs.config import ADDRS, SIZE, daemon_options, load_secret, setup_logging
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 
 LIST_PAGE = 2000
 MAX_REPORTED_KEYS = 100
+
+_REBUILT = Counter("cachefs_repair_shards_rebuilt_total", "Shards rebuilt by repair")
+_REBUILT_BYTES = Counter("cachefs_repair_bytes_written_total", "Bytes written by repair")
+_UNRECOVERABLE = Counter("cachefs_repair_unrecoverable_blocks_total", "Blocks repair found with too few shards")
 
 
 @dataclass
@@ -214,6 +219,7 @@ class Repairer:
                                                                avoid=missing)
                 rebuilt = self.client.codec(policy).rebuild(header, shards, missing)
             except CacheFSError as exc:
+                _UNRECOVERABLE.inc()
                 if len(report.unrecoverable) < MAX_REPORTED_KEYS:
                     report.unrecoverable.append(f"{key.hex()}: {exc}")
                 log.error("repair: block %s/%s cannot be rebuilt: %s", volume, key.hex(), exc)
@@ -228,6 +234,8 @@ class Repairer:
                 held.setdefault(i, set()).add(pg[i])
                 report.shards_rebuilt += 1
                 report.bytes_written += len(shard)
+                _REBUILT.inc()
+                _REBUILT_BYTES.inc(len(shard))
         # Stray copies: shard i somewhere other than pg[i], once pg[i] has it.
         for i, nodes in held.items():
             for node in sorted(nodes):

@@ -114,6 +114,7 @@ class ShardStore:
         self.capacity = capacity
         self.durable = durable
         self._lock = threading.Lock()
+        self.corrupt_found = 0
         self._shards_dir = self.root / "shards"
         self._tmp_dir = self.root / "tmp"
         self._shards_dir.mkdir(parents=True, exist_ok=True)
@@ -298,6 +299,8 @@ class ShardStore:
     def _corrupt(self, path: Path, why: str) -> NoReturn:
         """Drop a bad shard, leave a marker that says so, and raise Corrupt."""
         log.warning("corrupt shard %s: %s; removing it", path, why)
+        with self._lock:
+            self.corrupt_found += 1
         try:
             self._marker(path).touch()
             size = path.stat().st_size

@@ -86,10 +86,18 @@ async def test_scrub_finds_and_repairs_corrupt_shards(cluster: Datanodes, volume
                     path.write_bytes(raw)
                     damaged += 1
                     break
+        async def corrupt_found() -> int:
+            total = 0
+            for i in range(6):
+                total += (await pool.call(cluster.addr(i), "stats")).result["corrupt_found"]
+            return total
+
+        before = await corrupt_found()
         progress = []
         report = await Repairer(client, progress=lambda r: progress.append(r.pgs_done)).repair_volume(
             volume, scrub=True)
         assert report.shards_corrupt == damaged and report.shards_rebuilt == damaged
+        assert await corrupt_found() == before + damaged
         assert report.healthy and progress == list(range(1, 9))
         await _assert_full_redundancy(client, view, volume, blocks)
 
