@@ -15,6 +15,8 @@ answered once; a repeat of
 the same ``(client_id, seq)`` gets the stored first answer (success or
 failure). The last ``DEDUP_WINDOW`` answers per client are kept, in the
 snapshot too; a seq older than the window is refused rather than re-applied.
+A client silent for ten minutes (by the leaders' clocks in the log) is
+forgotten, so departed clients do not accumulate.
 
 Memory (the state is all in RAM, so it is kept compact, as JuiceFS/CubeFS do):
 
@@ -88,6 +90,8 @@ INO_BITS = 40
 INO_MASK = (1 << INO_BITS) - 1
 MAX_INO = INO_MASK
 DEDUP_WINDOW = 1024
+DEDUP_SWEEP_NS = 60 * 10**9
+DEDUP_IDLE_NS = 600 * 10**9
 FLAT_MAX_RECORDS = 64
 INDEX_MIN_ENTRIES = 64
 LINK_MAX = 65000
@@ -264,6 +268,8 @@ class MetaState:
         self.sessions: dict[str, Session] = {}
         self.dedup: dict[str, dict[int, Any]] = {}
         self.dedup_floor: dict[str, int] = {}
+        self.dedup_last: dict[str, int] = {}  # client -> now_ns of its last command
+        self.dedup_swept_ns = 0
         self.next_slice = 1
         self.applied_index = 0
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
@@ -314,7 +320,20 @@ class MetaState:
             result = Failure(err.code, err.message)
         if client:
             self._remember(client, cmd.seq, result)
+            self.dedup_last[client] = cmd.now_ns
+            if cmd.now_ns - self.dedup_swept_ns > DEDUP_SWEEP_NS:
+                self._sweep_dedup(cmd.now_ns)
         return result
+
+    def _sweep_dedup(self, now: int) -> None:
+        """Forget clients silent for DEDUP_IDLE_NS (leader time from the log, so
+        every replica forgets the same ones at the same entry). A client's
+        retries end within its deadline (30 s), far inside that horizon."""
+        self.dedup_swept_ns = now
+        for client in [c for c, last in self.dedup_last.items() if now - last > DEDUP_IDLE_NS]:
+            del self.dedup_last[client]
+            self.dedup.pop(client, None)
+            self.dedup_floor.pop(client, None)
 
     def _remember(self, client: str, seq: int, result: Any) -> None:
         seen = self.dedup.get(client)
@@ -322,7 +341,7 @@ class MetaState:
             seen = self.dedup[client] = {}
         seen[seq] = result
         if len(seen) > DEDUP_WINDOW:
-            oldest = min(seen)
+            oldest = next(iter(seen))  # the first answered (seqs arrive nearly in order)
             del seen[oldest]
             self.dedup_floor[client] = max(self.dedup_floor.get(client, 0), oldest + 1)
 
@@ -1134,15 +1153,18 @@ class MetaState:
                     answers.append([seq, 1, [result.code, result.message]])
                 else:
                     answers.append([seq, 0, result])
-            dedup.append([client, self.dedup_floor.get(client, 0), answers])
+            dedup.append(
+                [client, self.dedup_floor.get(client, 0), self.dedup_last.get(client, 0), answers]
+            )
         state = [
-            2,
+            3,
             self.applied_index,
             self.next_slice,
             self.cluster.dump(),
             volumes,
             sessions,
             dedup,
+            self.dedup_swept_ns,
         ]
         raw = msgpack.packb(state, use_bin_type=True)
         return zstandard.ZstdCompressor(level=3).compress(raw)
@@ -1150,8 +1172,8 @@ class MetaState:
     def restore(self, data: bytes) -> None:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
         state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        version, applied, next_slice, cluster, volumes, sessions, dedup = state
-        if version != 2:
+        version, applied, next_slice, cluster, volumes, sessions, dedup, swept = state
+        if version != 3:
             raise InvalidArgument(f"unknown snapshot version {version}")
         self.applied_index = applied
         self.next_slice = next_slice
@@ -1205,7 +1227,10 @@ class MetaState:
             self.sessions[sid] = session
         self.dedup = {}
         self.dedup_floor = {}
-        for client, floor, answers in dedup:
+        self.dedup_last = {}
+        self.dedup_swept_ns = swept
+        for client, floor, last, answers in dedup:
+            self.dedup_last[client] = last
             self.dedup[client] = {
                 seq: Failure(*value) if failed else value for seq, failed, value in answers
             }

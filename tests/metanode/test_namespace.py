@@ -449,3 +449,17 @@ def test_snapshot_round_trip_is_exact(ns: Driver) -> None:
     cmd = C.Mknod("x", 1, 5, VOL, d, b"new", 0o644, 0, 0, 0).encode()
     assert copy.apply(5000, cmd) == ns.state.apply(5000, cmd)
     assert copy.snapshot() == ns.state.snapshot()
+
+
+def test_silent_clients_are_forgotten_deterministically(ns: Driver) -> None:
+    minute = 60 * 10**9
+    old = C.Mknod("gone", 1, 1 * minute, VOL, 1, b"a", 0o644, 0, 0, 0).encode()
+    first = ns.state.apply(10, old)
+    ns.state.apply(11, C.Mknod("busy", 1, 5 * minute, VOL, 1, b"b", 0o644, 0, 0, 0).encode())
+    assert ns.state.apply(12, old) == first  # still remembered after 4 minutes
+    ns.state.apply(13, C.Mknod("busy", 2, 12 * minute, VOL, 1, b"c", 0o644, 0, 0, 0).encode())
+    assert "gone" not in ns.state.dedup and "busy" in ns.state.dedup
+    copy = MetaState()
+    copy.restore(ns.state.snapshot())
+    assert copy.snapshot() == ns.state.snapshot()
+    assert copy.dedup_swept_ns == 12 * minute
