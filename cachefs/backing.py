@@ -214,7 +214,7 @@ class MissingShard:
 @dataclass(slots=True)
 class _Shard:
     header: BlockHeader
-    data: bytearray | bytes
+    data: bytes | bytearray | memoryview
 
 
 @dataclass(slots=True)
@@ -467,7 +467,7 @@ class BackingClient:
     async def read_shards(self, volume: str, key: BlockKey, *, pg: tuple[str, ...] | None = None,
                           need: int | None = None, avoid: Iterable[int] = (),
                           sources: Mapping[int, str] | None = None,
-                          ) -> tuple[BlockHeader, dict[int, bytes | bytearray]]:
+                          ) -> tuple[BlockHeader, dict[int, bytes | bytearray | memoryview]]:
         """At least ``need`` (default K) intact shards of a block, data shards first.
 
         Shard ``i`` is read from ``pg[i]``, or from ``sources[i]`` when given

@@ -96,8 +96,8 @@ class DatanodeService:
         """Delete one shard, or every shard of the key held here (index -1)."""
         return {"removed": await self._run(self.store.delete, volume, _key_hex(key), index)}
 
-    @rpc_method
-    async def list(self, volume: str, cursor: str = "", limit: int = 1000) -> dict:
+    @rpc_method(name="list")
+    async def list_shards(self, volume: str, cursor: str = "", limit: int = 1000) -> dict:
         """A page of ``[key, index, bytes]``; page on with the returned cursor until it is ""."""
         limit = min(max(1, limit), 10_000)
         page, cursor = await self._run(self.store.list, volume, cursor, limit)

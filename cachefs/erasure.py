@@ -174,7 +174,7 @@ class Codec:
                 f"shard header says {header.kind}:{header.k}+{header.m}, volume is {p}"
             )
 
-    def decode(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray]) -> bytes:
+    def decode(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray | memoryview]) -> bytes:
         """Rebuild the whole block from the shards at hand (index -> shard bytes).
 
         Raises:
@@ -195,7 +195,7 @@ class Codec:
             raise Corrupt("rebuilt block fails its checksum")
         return self._inflate(header, stored)
 
-    def _decode_ec(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray]) -> bytes:
+    def _decode_ec(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray | memoryview]) -> bytes:
         off, size = header.frag_offset, header.frag_size
         if all(i in shards for i in range(header.k)):
             view = b"".join(memoryview(shards[i])[off : off + size] for i in range(header.k))
@@ -219,7 +219,7 @@ class Codec:
             raise Corrupt(f"block decompressed to {len(data)} bytes, header says {header.orig_len}")
         return data
 
-    def rebuild(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray],
+    def rebuild(self, header: BlockHeader, shards: Mapping[int, bytes | bytearray | memoryview],
                 missing: list[int]) -> dict[int, bytes]:
         """Recreate the ``missing`` shards, bit for bit, from the ones at hand.
 

@@ -114,6 +114,7 @@ class ShardStore:
         self.capacity = capacity
         self.durable = durable
         self._lock = threading.Lock()
+        self._stripes = [threading.Lock() for _ in range(64)]
         self.corrupt_found = 0
         self._shards_dir = self.root / "shards"
         self._tmp_dir = self.root / "tmp"
@@ -176,6 +177,10 @@ class ShardStore:
         if len(meta) > MAX_META:
             raise InvalidArgument(f"shard meta is {len(meta)} bytes, at most {MAX_META}")
         pieces = encode_shard_file(bytes(meta), data)
+        with self._stripe(path):
+            self._put_locked(path, key, index, pieces)
+
+    def _put_locked(self, path: Path, key: str, index: int, pieces: list[bytes | memoryview]) -> None:
         size = sum(len(p) for p in pieces)
         try:
             old_size = path.stat().st_size
@@ -249,12 +254,12 @@ class ShardStore:
             chunk_end = min(data_len, (last + 1) * CHUNK_SIZE)
             raw = os.pread(fd, chunk_end - chunk_start, data_start + chunk_start)
             if len(raw) != chunk_end - chunk_start:
-                self._corrupt(path, "truncated data")
+                self._corrupt(fd, path, "truncated data")
             view = memoryview(raw)
             for n in range(first, last + 1):
                 piece = view[(n - first) * CHUNK_SIZE : (n - first + 1) * CHUNK_SIZE]
                 if xxhash.xxh3_64_intdigest(piece) != table[n]:
-                    self._corrupt(path, f"chunk {n} fails its checksum")
+                    self._corrupt(fd, path, f"chunk {n} fails its checksum")
             if start == chunk_start and end == chunk_end:
                 return meta, raw, data_len
             return meta, bytes(view[start - chunk_start : end - chunk_start]), data_len
@@ -267,22 +272,22 @@ class ShardStore:
         file_size = os.fstat(fd).st_size
         prefix = os.pread(fd, _PREFIX + MAX_META + 256, 0)
         if len(prefix) < _PREFIX:
-            self._corrupt(path, "truncated header")
+            self._corrupt(fd, path, "truncated header")
         magic, version, meta_len, data_len, chunk_size, count = _HEAD.unpack_from(prefix)
         if magic != _MAGIC or version != _VERSION or chunk_size != CHUNK_SIZE or meta_len > MAX_META:
-            self._corrupt(path, "bad header")
+            self._corrupt(fd, path, "bad header")
         if count != (data_len + CHUNK_SIZE - 1) // CHUNK_SIZE:
-            self._corrupt(path, "bad chunk count")
+            self._corrupt(fd, path, "bad chunk count")
         rest = meta_len + 8 * count
         if len(prefix) < _PREFIX + rest:
             prefix = os.pread(fd, _PREFIX + rest, 0)
         body = prefix[_PREFIX : _PREFIX + rest]
         (csum,) = _CSUM.unpack_from(prefix, _HEAD.size)
         if len(body) != rest or xxhash.xxh3_64_intdigest(prefix[: _HEAD.size] + body) != csum:
-            self._corrupt(path, "header checksum mismatch")
+            self._corrupt(fd, path, "header checksum mismatch")
         data_start = _PREFIX + rest
         if file_size != data_start + data_len:
-            self._corrupt(path, f"file is {file_size} bytes, header says {data_start + data_len}")
+            self._corrupt(fd, path, f"file is {file_size} bytes, header says {data_start + data_len}")
         meta = bytes(body[:meta_len])
         table = list(struct.unpack_from(f">{count}Q", body, meta_len))
         return meta, table, data_start, data_len, file_size
@@ -296,19 +301,30 @@ class ShardStore:
             raise Corrupt(f"shard {volume}/{key}.{index} was found corrupt and awaits repair")
         raise NotFound(f"shard {volume}/{key}.{index} not on this datanode")
 
-    def _corrupt(self, path: Path, why: str) -> NoReturn:
-        """Drop a bad shard, leave a marker that says so, and raise Corrupt."""
+    def _corrupt(self, fd: int, path: Path, why: str) -> NoReturn:
+        """Drop a bad shard, leave a marker that says so, and raise Corrupt.
+
+        Only the file that was read (same inode) is dropped: a put may have
+        replaced it with a good shard meanwhile.
+        """
         log.warning("corrupt shard %s: %s; removing it", path, why)
         with self._lock:
             self.corrupt_found += 1
-        try:
-            self._marker(path).touch()
-            size = path.stat().st_size
-            path.unlink()
-            self._release(size, 1)
-        except FileNotFoundError:
-            pass
+        bad_inode = os.fstat(fd).st_ino
+        with self._stripe(path):
+            try:
+                st = path.stat()
+                if st.st_ino == bad_inode:
+                    self._marker(path).touch()
+                    path.unlink()
+                    self._release(st.st_size, 1)
+            except FileNotFoundError:
+                pass
         raise Corrupt(f"shard {path.name}: {why}")
+
+    def _stripe(self, path: Path) -> threading.Lock:
+        """Serialises changes to one shard path (put, delete, drop) across threads."""
+        return self._stripes[hash(path.name) % len(self._stripes)]
 
     def stat(self, volume: str, key: str, index: int) -> tuple[bytes, int]:
         """``(meta, data length)`` of a shard, checking its header only."""
@@ -347,13 +363,14 @@ class ShardStore:
             if path.name.endswith(".corrupt"):
                 path.unlink(missing_ok=True)
                 continue
-            self._marker(path).unlink(missing_ok=True)
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            self._release(size, 1)
+            with self._stripe(path):
+                self._marker(path).unlink(missing_ok=True)
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                self._release(size, 1)
             removed += 1
         return removed
 

@@ -181,3 +181,21 @@ def test_kill_9_mid_write_leaves_only_whole_shards(tmp_path: Path) -> None:
     for info in shards:
         meta, data, total = store.get("vol", info.key, info.index)
         assert meta == b"m" and total == len(data) == 3 << 20
+
+
+def test_concurrent_puts_and_deletes_keep_exact_accounting(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = ShardStore(tmp_path, 1 << 30, durable=False)
+
+    def work(n: int) -> None:
+        for i in range(30):
+            key = BlockKey(i % 3, 0).hex()
+            store.put("vol", key, n % 2, b"m", os.urandom(1000 + 37 * n + i))
+            if i % 7 == 0:
+                store.delete("vol", key, n % 2)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    rescanned = ShardStore(tmp_path, 1 << 30)
+    assert (store.used, store.shard_count) == (rescanned.used, rescanned.shard_count)
