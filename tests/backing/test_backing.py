@@ -234,3 +234,24 @@ async def test_delete_block(cluster: Datanodes, volume: str) -> None:
             await client.get_block(volume, key)
         with pytest.raises(NotFound):
             await client.delete_block(volume, key)
+
+
+async def test_datanode_rejects_bad_input_and_keeps_serving(cluster: Datanodes) -> None:
+    from cachefs.errors import InvalidArgument
+
+    addr = cluster.addr(0)
+    good = BlockKey(5, 5).to_bytes()
+    async with RpcPool(secret=SECRET) as pool:
+        for args, fragment in [
+            ({"volume": "../etc", "key": good, "index": 0}, "volume"),
+            ({"volume": "v", "key": b"short", "index": 0}, "12 bytes"),
+            ({"volume": "v", "key": good, "index": 999}, "index"),
+            ({"volume": "v", "key": good, "index": 0, "offset": -5}, "range"),
+            ({"volume": "v", "key": "text", "index": 0}, "bytes"),
+        ]:
+            with pytest.raises(InvalidArgument, match=fragment):
+                await pool.call(addr, "get", args)
+        with pytest.raises(InvalidArgument, match="meta"):
+            await pool.call(addr, "put", {"volume": "v", "key": good, "index": 0, "meta": b"x" * 5000},
+                            payload=b"data")
+        assert (await pool.call(addr, "stats")).result["id"] == "dn0"
