@@ -255,3 +255,24 @@ async def test_datanode_rejects_bad_input_and_keeps_serving(cluster: Datanodes) 
             await pool.call(addr, "put", {"volume": "v", "key": good, "index": 0, "meta": b"x" * 5000},
                             payload=b"data")
         assert (await pool.call(addr, "stats")).result["id"] == "dn0"
+
+
+async def test_replicas_are_read_from_the_nearest_zone_first(cluster: Datanodes, volume: str) -> None:
+    view = cluster.view({volume: VolumePolicy.parse("replica:3")})
+    key, data = new_key(), os.urandom(300_000)
+    async with RpcPool(secret=SECRET) as pool:
+        await BackingClient(pool, view).put_block(volume, key, data)
+        pg = view.placement(volume, key)
+        zones = {view.datanodes[n].zone: n for n in pg}
+        assert sorted(zones) == ["a", "b", "c"]  # one replica per zone
+        client = BackingClient(pool, view, zone="c", hedge_min=1.0, hedge_max=1.0)
+        for z in ("a", "b"):
+            cluster.pause(int(zones[z][2:]))
+        try:
+            with trio.fail_after(0.9):  # before any hedge: only the zone-c replica was asked
+                assert await client.get_block(volume, key) == data
+                assert await client.get_block(volume, key, 1000, 10) == data[1000:1010]
+        finally:
+            for z in ("a", "b"):
+                cluster.resume(int(zones[z][2:]))
+        assert client.stats["hedged"] == 0
