@@ -25,7 +25,7 @@ from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .commands import check_addr
 from .namespace import MetaState
-from .raft.driver import RaftNode
+from .raft.driver import DriverConfig, RaftNode
 from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ async def serve(
     secret: bytes | None,
     session_timeout: float,
     node_timeout: float,
+    snapshot_entries: int = DriverConfig().snapshot_entries,
 ) -> None:
     """Run the replica until SIGINT/SIGTERM."""
     host, port = parse_addr(listen)
@@ -65,7 +66,14 @@ async def serve(
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with RpcPool(secret=secret) as pool, trio.open_nursery() as nursery:
             node = await RaftNode.create(
-                node_id, peers, data_dir, state, pool, nursery=nursery, server=server
+                node_id,
+                peers,
+                data_dir,
+                state,
+                pool,
+                nursery=nursery,
+                server=server,
+                driver_config=DriverConfig(snapshot_entries=snapshot_entries),
             )
             service.node = node
             await nursery.start(server.serve, host, port)
@@ -125,6 +133,13 @@ async def serve(
     show_default=True,
     help="Seconds without a heartbeat before a node shows as down.",
 )
+@click.option(
+    "--snapshot-entries",
+    type=click.IntRange(100),
+    default=DriverConfig().snapshot_entries,
+    show_default=True,
+    help="Applied log entries between snapshots (the WAL is cut at each).",
+)
 @daemon_options
 def command(
     node_id: int,
@@ -133,6 +148,7 @@ def command(
     listen: str | None,
     session_timeout: float,
     node_timeout: float,
+    snapshot_entries: int,
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -166,4 +182,5 @@ def command(
         secret,
         session_timeout,
         node_timeout,
+        snapshot_entries,
     )

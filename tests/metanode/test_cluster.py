@@ -20,7 +20,9 @@ VOL = "v"
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    c = MetaCluster(tmp_path)
+    # snapshots every 500 entries: the WAL is cut many times, and the replica
+    # restarted after the kill may need an InstallSnapshot to catch up
+    c = MetaCluster(tmp_path, extra=["--snapshot-entries", "500"])
     c.start_all()
     try:
         yield c
