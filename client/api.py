@@ -1,0 +1,959 @@
+"""The native Python API: a cachefs volume as a library, without FUSE.
+
+Training code that reads through the mount pays a kernel round trip (and a
+copy) per 128 KiB-1 MiB request; reading in-process skips both, as 3FS's
+native API and CubeFS's AI-framework plugin do beside their FUSE clients.
+The library is the mount's own machinery, not a second implementation:
+:class:`~.session.Session` (metanode calls, cache-ring routing, backing
+storage fallback, the same transports), :class:`~.reader.Reader` (L1 block
+cache, readahead, one fetch per block however many readers ask) and
+:class:`~.writer.FileWriter` (buffered writes cut into slices, committed in
+order). So what the library writes, a mount sees after close, and the other
+way round (close-to-open: every ``open``/``stat`` asks the metanodes).
+
+Two entry points:
+
+- trio-native: ``async with open_volume(meta_addrs, volume, secret=...) as fs``
+  gives an :class:`AsyncFileSystem` whose workers (session upkeep, readahead,
+  uploads) live in a nursery of the caller's run;
+- synchronous: ``connect(meta_addrs, volume, secret=...)`` gives a
+  :class:`FileSystem` that runs that same object on a trio loop in a
+  background thread (one per client object) and calls into it with
+  ``trio.from_thread``. It is safe to use from many threads at once. It does
+  not survive ``fork``: a child process must connect on its own (the torch
+  Dataset and the fsspec filesystem do that lazily per process).
+
+Paths are volume paths (``"a/b.bin"`` or ``"/a/b.bin"``); ``..`` is resolved
+lexically and symbolic links are not followed (``stat`` is ``lstat``).
+Errors are raised as :class:`OSError` with the POSIX errno (so
+``FileNotFoundError``, ``FileExistsError``...), the cachefs error chained as
+``__cause__``: the library boundary is an edge, like the FUSE one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import queue
+import stat as stat_mod
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from cachefs.errors import CacheFSError, Exists, IsADirectory, NotADirectory, NotFound
+from cachefs.rpc import RpcPool
+
+from .inodes import Attr, Inode
+from .l1 import L1Cache
+from .reader import Readahead, Reader
+from .session import Session
+from .writer import FileWriter
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ROOT_INO = 1
+READDIR_BATCH = 1024
+CONNECT_TIMEOUT = 10.0
+IDLE_INODES = 65536  # slice lists of closed files kept for their next open
+BUFFER_SIZE = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """Tunables of one client; the defaults are the mount's except a smaller L1,
+    since a training job often runs one client per DataLoader worker."""
+
+    l1_bytes: int = 256 << 20
+    readahead_max: int = 32 << 20
+    write_buffer: int = 64 << 20
+    write_through: bool = False
+    upload_parallel: int = 8
+    entry_timeout: float = 1.0  # how long a resolved directory name is trusted
+    transport: str = "tcp"
+
+
+def _oserror(exc: CacheFSError, path: str | None = None) -> OSError:
+    err = (
+        OSError(exc.errno, exc.message, path)
+        if path is not None
+        else OSError(exc.errno, exc.message)
+    )
+    err.__cause__ = exc
+    return err
+
+
+@contextlib.contextmanager
+def _edge(path: str | None = None) -> Iterator[None]:
+    """Map the cachefs error tree to OSError at the library boundary."""
+    try:
+        yield
+    except CacheFSError as exc:
+        raise _oserror(exc, path) from exc
+
+
+def split_path(path: str | os.PathLike[str]) -> list[str]:
+    """Volume path -> names; ``.`` and empty parts dropped, ``..`` resolved lexically."""
+    parts: list[str] = []
+    for name in os.fspath(path).split("/"):
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(name)
+    return parts
+
+
+def _norm(path: str | os.PathLike[str]) -> str:
+    return "/" + "/".join(split_path(path))
+
+
+def to_stat(attr: Attr, block_size: int = 4096) -> os.stat_result:
+    """Attributes as an ``os.stat_result`` (st_dev 0), so os.path-style code works on them."""
+    return os.stat_result(
+        (attr.mode, attr.ino, 0, attr.nlink, attr.uid, attr.gid, attr.size,
+         attr.atime_ns // 10**9, attr.mtime_ns // 10**9, attr.ctime_ns // 10**9),
+        {
+            "st_atime": attr.atime_ns / 1e9, "st_mtime": attr.mtime_ns / 1e9,
+            "st_ctime": attr.ctime_ns / 1e9, "st_atime_ns": attr.atime_ns,
+            "st_mtime_ns": attr.mtime_ns, "st_ctime_ns": attr.ctime_ns,
+            "st_blksize": block_size, "st_blocks": (attr.size + 511) // 512, "st_rdev": attr.rdev,
+        },
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DirEntry:
+    """One directory entry with its attributes (readdir already carries them)."""
+
+    name: str
+    path: str
+    stat: os.stat_result
+
+    def is_dir(self) -> bool:
+        return stat_mod.S_ISDIR(self.stat.st_mode)
+
+    def is_file(self) -> bool:
+        return stat_mod.S_ISREG(self.stat.st_mode)
+
+
+_MODES = {"rb": (True, False), "wb": (False, True), "ab": (False, True), "xb": (False, True),
+          "r+b": (True, True)}  # fmt: skip
+
+
+def _parse_mode(mode: str) -> str:
+    """Binary modes only; ``"r"``/``"rb"``, ``"rb+"``/``"r+b"`` and the like are one mode each."""
+    core = "".join(sorted(set(mode) - {"b"}))
+    m = {"r": "rb", "w": "wb", "a": "ab", "x": "xb", "+r": "r+b"}.get(core)
+    if m is None or len(mode) != len(set(mode)):
+        raise ValueError(f"unsupported mode {mode!r}: use one of rb, wb, ab, xb, r+b")
+    return m
+
+
+class AsyncFileSystem:
+    """One volume, trio-native. Make it with :func:`open_volume`."""
+
+    def __init__(self, session: Session, nursery: trio.Nursery, options: ClientOptions) -> None:
+        self.session = session
+        self.options = options
+        self.volume = session.volume
+        self._nursery = nursery
+        self.l1 = L1Cache(options.l1_bytes)
+        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self._open: dict[int, Inode] = {}  # inodes with open files or dirty writers
+        self._idle: OrderedDict[int, Inode] = OrderedDict()  # LRU of closed ones
+        self._dentries: dict[tuple[int, str], tuple[int, float]] = {}
+        self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
+        self._uid, self._gid = os.getuid(), os.getgid()
+        self.closed = False
+
+    @property
+    def block_size(self) -> int:
+        return self.session.block_size
+
+    # ------------------------------------------------------------------ inodes
+
+    def _inode(self, attr: Attr) -> Inode:
+        """The one Inode object for ``attr.ino`` (shared by all its open files)."""
+        inode = self._open.get(attr.ino)
+        if inode is None:
+            inode = self._idle.pop(attr.ino, None)
+            if inode is None:
+                inode = Inode(attr)
+            self._idle[attr.ino] = inode
+            while len(self._idle) > IDLE_INODES:
+                self._idle.popitem(last=False)
+        inode.set_attr(attr)
+        return inode
+
+    def _pin(self, inode: Inode) -> None:
+        self._idle.pop(inode.ino, None)
+        self._open[inode.ino] = inode
+
+    def _unpin(self, inode: Inode) -> None:
+        if inode.opens <= 0 and (inode.writer is None or not inode.writer.dirty):
+            inode.writer = None
+            self._open.pop(inode.ino, None)
+            self._idle[inode.ino] = inode
+
+    # ------------------------------------------------------------------ names
+
+    async def _dir_ino(self, names: Sequence[str]) -> int:
+        """Inode number of the directory ``names``; names resolved less than
+        ``entry_timeout`` ago are taken from the cache (like the kernel's dentry
+        cache under a mount)."""
+        ino = ROOT_INO
+        now = trio.current_time()
+        for name in names:
+            hit = self._dentries.get((ino, name))
+            if hit is not None and hit[1] > now:
+                ino = hit[0]
+                continue
+            attr = await self.session.lookup(ino, os.fsencode(name))
+            if not attr.is_dir:
+                raise NotADirectory(f"{name} is not a directory")
+            self._dentries[(ino, name)] = (attr.ino, now + self.options.entry_timeout)
+            ino = attr.ino
+        if len(self._dentries) > IDLE_INODES:
+            self._dentries = {k: v for k, v in self._dentries.items() if v[1] > now}
+        return ino
+
+    async def _parent(self, path: str | os.PathLike[str]) -> tuple[int, str]:
+        names = split_path(path)
+        if not names:
+            raise IsADirectory("the volume root has no parent")
+        return await self._dir_ino(names[:-1]), names[-1]
+
+    def _forget_name(self, parent: int, name: str) -> None:
+        self._dentries.pop((parent, name), None)
+
+    async def _attr(self, path: str | os.PathLike[str]) -> Attr:
+        """Fresh attributes of ``path`` (always asks the metanodes for the last name)."""
+        names = split_path(path)
+        if not names:
+            return await self.session.getattr(ROOT_INO)
+        parent = await self._dir_ino(names[:-1])
+        try:
+            return await self.session.lookup(parent, os.fsencode(names[-1]))
+        except NotFound:
+            self._forget_name(parent, names[-1])
+            raise
+
+    # ------------------------------------------------------------------ metadata
+
+    async def stat(self, path: str | os.PathLike[str]) -> os.stat_result:
+        with _edge(os.fspath(path)):
+            return to_stat(await self._attr(path), self.block_size)
+
+    async def exists(self, path: str | os.PathLike[str]) -> bool:
+        try:
+            await self.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    async def isdir(self, path: str | os.PathLike[str]) -> bool:
+        try:
+            return stat_mod.S_ISDIR((await self.stat(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def isfile(self, path: str | os.PathLike[str]) -> bool:
+        try:
+            return stat_mod.S_ISREG((await self.stat(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    async def scandir(self, path: str | os.PathLike[str] = "/") -> list[DirEntry]:
+        """Entries of a directory with their attributes, in readdir order."""
+        base = _norm(path)
+        with _edge(os.fspath(path)):
+            names = split_path(path)
+            if names:
+                attr = await self._attr(path)
+                if not attr.is_dir:
+                    raise NotADirectory(f"{base} is not a directory")
+                ino = attr.ino
+            else:
+                ino = ROOT_INO
+            out: list[DirEntry] = []
+            cookie = 0
+            while True:
+                rows = await self.session.readdir(ino, cookie, READDIR_BATCH)
+                for raw, attr, next_cookie in rows:
+                    cookie = next_cookie
+                    name = os.fsdecode(raw)
+                    if name in (".", ".."):
+                        continue
+                    out.append(
+                        DirEntry(name, f"{base.rstrip('/')}/{name}", to_stat(attr, self.block_size))
+                    )
+                if len(rows) < READDIR_BATCH:
+                    return out
+
+    async def listdir(self, path: str | os.PathLike[str] = "/") -> list[str]:
+        return [e.name for e in await self.scandir(path)]
+
+    async def walk(
+        self, top: str | os.PathLike[str] = "/"
+    ) -> AsyncIterator[tuple[str, list[str], list[str]]]:
+        """``os.walk`` top-down: ``(dirpath, dirnames, filenames)``; pruning
+        ``dirnames`` in place skips those subtrees."""
+        stack = [_norm(top)]
+        while stack:
+            where = stack.pop()
+            try:
+                entries = await self.scandir(where)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            dirs = [e.name for e in entries if e.is_dir()]
+            files = [e.name for e in entries if not e.is_dir()]
+            yield where, dirs, files
+            stack.extend(f"{where.rstrip('/')}/{d}" for d in reversed(dirs))
+
+    async def mkdir(self, path: str | os.PathLike[str], mode: int = 0o755) -> None:
+        with _edge(os.fspath(path)):
+            parent, name = await self._parent(path)
+            await self.session.mkdir(
+                parent, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
+            )
+
+    async def makedirs(
+        self, path: str | os.PathLike[str], mode: int = 0o755, exist_ok: bool = False
+    ) -> None:
+        with _edge(os.fspath(path)):
+            names = split_path(path)
+            ino = ROOT_INO
+            for i, name in enumerate(names):
+                try:
+                    attr = await self.session.mkdir(
+                        ino, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
+                    )
+                except Exists:
+                    attr = await self.session.lookup(ino, os.fsencode(name))
+                    if not attr.is_dir:
+                        raise NotADirectory(
+                            f"{'/'.join(names[: i + 1])} is not a directory"
+                        ) from None
+                    if i == len(names) - 1 and not exist_ok:
+                        raise
+                ino = attr.ino
+
+    async def remove(self, path: str | os.PathLike[str]) -> None:
+        with _edge(os.fspath(path)):
+            parent, name = await self._parent(path)
+            await self.session.unlink(parent, os.fsencode(name))
+
+    unlink = remove
+
+    async def rmdir(self, path: str | os.PathLike[str]) -> None:
+        with _edge(os.fspath(path)):
+            parent, name = await self._parent(path)
+            self._forget_name(parent, name)
+            await self.session.rmdir(parent, os.fsencode(name))
+
+    async def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        """Atomic rename; an existing ``dst`` file (or empty directory) is replaced."""
+        with _edge(os.fspath(src)):
+            parent, name = await self._parent(src)
+            new_parent, new_name = await self._parent(dst)
+            self._forget_name(parent, name)
+            self._forget_name(new_parent, new_name)
+            await self.session.rename(
+                parent, os.fsencode(name), new_parent, os.fsencode(new_name), 0
+            )
+
+    async def statfs(self) -> dict[str, Any]:
+        with _edge():
+            return await self.session.statfs()
+
+    # ------------------------------------------------------------------ data
+
+    async def read_bytes(
+        self, path: str | os.PathLike[str], start: int = 0, end: int | None = None
+    ) -> bytes:
+        """Bytes ``[start, end)`` of a file (negative offsets count from its end).
+
+        A whole-file read fetches whole blocks into L1 (the next epoch finds
+        them there); a range read fetches only the range.
+        """
+        with _edge(os.fspath(path)):
+            attr = await self._attr(path)
+            if attr.is_dir:
+                raise IsADirectory(f"{_norm(path)} is a directory")
+            inode = self._inode(attr)
+            size = inode.size
+            lo = max(0, size + start) if start < 0 else min(start, size)
+            hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+            if hi <= lo:
+                return b""
+            whole = lo == 0 and hi == size
+            ra = Readahead(self.block_size, self.options.readahead_max) if whole else None
+            return await self.reader.read(inode, lo, hi - lo, ra)
+
+    async def write_bytes(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview
+    ) -> None:
+        """Create or replace a file with ``data``; committed when this returns."""
+        f = await self.open(path, "wb")
+        try:
+            await f.write(data)
+        finally:
+            await f.close()
+
+    async def open(self, path: str | os.PathLike[str], mode: str = "rb") -> AsyncFile:
+        """Open a file: ``rb``, ``r+b``, ``wb`` (create or truncate), ``ab``, ``xb``.
+
+        Written bytes are committed (visible to every mount and client) when
+        ``flush``/``close`` returns.
+        """
+        m = _parse_mode(mode)
+        spath = os.fspath(path)
+        with _edge(spath):
+            if m[0] == "r":
+                attr = await self._attr(path)
+            else:
+                parent, name = await self._parent(path)
+                raw = os.fsencode(name)
+                try:
+                    attr = await self.session.mknod(
+                        parent, raw, 0o644 | stat_mod.S_IFREG, 0, self._uid, self._gid
+                    )
+                except Exists:
+                    if m == "xb":
+                        raise
+                    attr = await self.session.lookup(parent, raw)
+            if attr.is_dir:
+                raise IsADirectory(f"{_norm(path)} is a directory")
+            inode = self._inode(attr)
+            await self.session.open(inode.ino)
+            inode.opens += 1
+            self._pin(inode)
+            try:
+                if m == "wb" and inode.size:
+                    if inode.writer is not None:
+                        await inode.writer.flush()
+                    inode.set_attr(await self.session.setattr(inode.ino, size=0))
+                    inode.chunks.clear()
+                    inode.layout += 1
+            except BaseException:
+                await self._release(inode)
+                raise
+        f = AsyncFile(self, inode, _norm(path), m)
+        self._files.add(f)
+        return f
+
+    def _writer(self, inode: Inode) -> FileWriter:
+        if inode.writer is None:
+            inode.writer = FileWriter(
+                self.session,
+                inode,
+                nursery=self._nursery,
+                buffer_limit=self.options.write_buffer,
+                upload_limit=self._upload_limit,
+                write_through=self.options.write_through,
+            )
+        return inode.writer
+
+    async def _release(self, inode: Inode) -> None:
+        inode.opens -= 1
+        try:
+            await self.session.release(inode.ino)
+        finally:
+            self._unpin(inode)
+
+    async def aclose(self) -> None:
+        """Close open files (committing what they wrote) and the session."""
+        if self.closed:
+            return
+        self.closed = True
+        for f in list(self._files):
+            try:
+                await f.close()
+            except OSError as exc:
+                log.error("could not commit %s at close: %s", f.path, exc)
+        await self.session.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the read path (L1, fetches) and block chain (cache vs backing)."""
+        s = self.l1.stats
+        return {
+            **self.reader.stats,
+            **self.session.stats,
+            "l1_hits": s.hits,
+            "l1_misses": s.misses,
+            "l1_used": self.l1.used,
+        }
+
+
+class AsyncFile:
+    """An open file of an :class:`AsyncFileSystem` (position, readahead state)."""
+
+    def __init__(self, fs: AsyncFileSystem, inode: Inode, path: str, mode: str) -> None:
+        self.fs = fs
+        self.inode = inode
+        self.path = path
+        self.mode = mode
+        self.readable, self.writable = _MODES[mode]
+        self.pos = inode.size if mode == "ab" else 0
+        self._ra: Readahead = fs.reader.new_readahead()
+        self.closed = False
+
+    @property
+    def size(self) -> int:
+        return self.inode.size
+
+    def _check(self, want: str) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if want == "r" and not self.readable:
+            raise io.UnsupportedOperation("file not open for reading")
+        if want == "w" and not self.writable:
+            raise io.UnsupportedOperation("file not open for writing")
+
+    async def read(self, size: int = -1) -> bytes:
+        self._check("r")
+        if size is None or size < 0:
+            size = max(0, self.inode.size - self.pos)
+        data = await self.pread(self.pos, size)
+        self.pos += len(data)
+        return data
+
+    async def pread(self, offset: int, size: int) -> bytes:
+        self._check("r")
+        with _edge(self.path):
+            return await self.fs.reader.read(self.inode, offset, size, self._ra)
+
+    async def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._check("w")
+        if self.mode == "ab":
+            self.pos = self.inode.size
+        n = await self.pwrite(self.pos, data)
+        self.pos += n
+        return n
+
+    async def pwrite(self, offset: int, data: bytes | bytearray | memoryview) -> int:
+        self._check("w")
+        if not data:
+            return 0
+        with _edge(self.path):
+            await self.fs._writer(self.inode).write(offset, bytes(data))
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.inode.size}[whence]
+        if base + offset < 0:
+            raise OSError(22, "negative seek position", self.path)
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    async def flush(self) -> None:
+        """Commit what this client wrote to the file so far."""
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if self.inode.writer is not None:
+            with _edge(self.path):
+                await self.inode.writer.flush()
+
+    async def truncate(self, size: int | None = None) -> int:
+        self._check("w")
+        size = self.pos if size is None else size
+        await self.flush()
+        with _edge(self.path):
+            self.inode.set_attr(await self.fs.session.setattr(self.inode.ino, size=size))
+        self.inode.chunks.clear()
+        self.inode.layout += 1
+        return size
+
+    async def close(self) -> None:
+        """Commit and release; raises OSError if the data could not be stored."""
+        if self.closed:
+            return
+        self.closed = True
+        self.fs._files.discard(self)
+        try:
+            if self.writable and self.inode.writer is not None:
+                with _edge(self.path):
+                    await self.inode.writer.flush()
+        finally:
+            with _edge(self.path):
+                await self.fs._release(self.inode)
+
+    async def __aenter__(self) -> AsyncFile:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+@contextlib.asynccontextmanager
+async def open_volume(
+    meta_addrs: Sequence[str] | str,
+    volume: str,
+    *,
+    secret: bytes | str | None = None,
+    zone: str = "",
+    options: ClientOptions | None = None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+) -> AsyncIterator[AsyncFileSystem]:
+    """Connect to ``volume`` for the duration of the block (trio-native).
+
+    Raises:
+        OSError: the volume does not exist (ENOENT), the secret was refused
+            (EACCES), no metanode answered in ``connect_timeout`` (ETIMEDOUT).
+    """
+    addrs = _addrs(meta_addrs)
+    options = options or ClientOptions()
+    failure: BaseException | None = None
+    async with RpcPool(secret=_secret(secret)) as pool:
+        try:
+            with trio.fail_after(connect_timeout):
+                session = await Session.connect(
+                    pool, addrs, volume, zone=zone, transport=options.transport,
+                    client_id=f"api-{uuid.uuid4().hex[:12]}",
+                )  # fmt: skip
+        except trio.TooSlowError:
+            failure = TimeoutError(
+                110, f"no metanode at {','.join(addrs)} answered within {connect_timeout:.0f}s"
+            )
+        except CacheFSError as exc:
+            failure = _oserror(exc, f"cachefs:{volume}")
+        else:
+            async with trio.open_nursery() as nursery:
+                fs = AsyncFileSystem(session, nursery, options)
+                await nursery.start(session.run)
+                try:
+                    yield fs
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await fs.aclose()
+                    nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+def _addrs(meta_addrs: Sequence[str] | str) -> list[str]:
+    addrs = meta_addrs.split(",") if isinstance(meta_addrs, str) else list(meta_addrs)
+    addrs = [a.strip() for a in addrs if a.strip()]
+    if not addrs:
+        raise ValueError("no metanode addresses given")
+    return addrs
+
+
+def _secret(secret: bytes | str | None) -> bytes | None:
+    if isinstance(secret, str):
+        return secret.encode()
+    return secret
+
+
+# ---------------------------------------------------------------------- sync
+
+
+def _stop_loop(token: trio.lowlevel.TrioToken, stop: trio.Event, thread: threading.Thread) -> None:
+    with contextlib.suppress(trio.RunFinishedError, RuntimeError):
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+    thread.join(timeout=60)
+
+
+class FileSystem:
+    """A volume for synchronous code: :class:`AsyncFileSystem` on a trio loop
+    in a background thread. Make it with :func:`connect`; close it (or use it
+    as a context manager) to commit open files and end the session."""
+
+    def __init__(
+        self,
+        meta_addrs: Sequence[str] | str,
+        volume: str,
+        *,
+        secret: bytes | str | None = None,
+        zone: str = "",
+        options: ClientOptions | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        self.volume = volume
+        self.pid = os.getpid()
+        ready: queue.Queue[Any] = queue.Queue(1)
+        args = (meta_addrs, volume, secret, zone, options, connect_timeout, ready)
+        self._thread = threading.Thread(
+            target=self._main, args=args, name=f"cachefs-{volume}", daemon=True
+        )
+        self._thread.start()
+        result = ready.get()
+        if isinstance(result, BaseException):
+            self._thread.join()
+            raise result
+        self._token, self._afs, self._stop = result
+        self.aio: AsyncFileSystem = self._afs
+        self._finalizer = weakref.finalize(self, _stop_loop, self._token, self._stop, self._thread)
+
+    @staticmethod
+    def _main(meta_addrs: Any, volume: str, secret: Any, zone: str, options: Any,
+              connect_timeout: float, ready: queue.Queue[Any]) -> None:  # fmt: skip
+        told = False
+
+        async def main() -> None:
+            nonlocal told
+            async with open_volume(meta_addrs, volume, secret=secret, zone=zone, options=options,
+                                   connect_timeout=connect_timeout) as afs:  # fmt: skip
+                stop = trio.Event()
+                ready.put((trio.lowlevel.current_trio_token(), afs, stop))
+                told = True
+                await stop.wait()
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # handed to the thread that called connect()
+            if not told:
+                ready.put(exc)
+            else:
+                log.exception("cachefs client loop for %s ended with an error", volume)
+
+    # -- plumbing
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` on this client's trio loop and return its result."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                "a cachefs FileSystem does not survive fork(); connect again in the child"
+            )
+        if not self._finalizer.alive:
+            raise ValueError("this cachefs FileSystem is closed")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise ValueError("this cachefs FileSystem is closed") from None
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Start ``fn(*args)`` as a background task of this client; returns at once."""
+        self.call(self._spawn, fn, args)
+
+    async def _spawn(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        self._afs._nursery.start_soon(fn, *args)
+
+    def close(self) -> None:
+        """Commit open files, end the session and stop the loop thread."""
+        if os.getpid() == self.pid:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> FileSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the API (see AsyncFileSystem for the meaning of each)
+
+    def stat(self, path: str | os.PathLike[str]) -> os.stat_result:
+        return self.call(self._afs.stat, path)
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.call(self._afs.exists, path)
+
+    def isdir(self, path: str | os.PathLike[str]) -> bool:
+        return self.call(self._afs.isdir, path)
+
+    def isfile(self, path: str | os.PathLike[str]) -> bool:
+        return self.call(self._afs.isfile, path)
+
+    def scandir(self, path: str | os.PathLike[str] = "/") -> list[DirEntry]:
+        return self.call(self._afs.scandir, path)
+
+    def listdir(self, path: str | os.PathLike[str] = "/") -> list[str]:
+        return self.call(self._afs.listdir, path)
+
+    def walk(self, top: str | os.PathLike[str] = "/") -> Iterator[tuple[str, list[str], list[str]]]:
+        """``os.walk`` top-down; prune ``dirnames`` in place to skip subtrees."""
+        stack = [_norm(top)]
+        while stack:
+            where = stack.pop()
+            try:
+                entries = self.scandir(where)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            dirs = [e.name for e in entries if e.is_dir()]
+            files = [e.name for e in entries if not e.is_dir()]
+            yield where, dirs, files
+            stack.extend(f"{where.rstrip('/')}/{d}" for d in reversed(dirs))
+
+    def mkdir(self, path: str | os.PathLike[str], mode: int = 0o755) -> None:
+        self.call(self._afs.mkdir, path, mode)
+
+    def makedirs(
+        self, path: str | os.PathLike[str], mode: int = 0o755, exist_ok: bool = False
+    ) -> None:
+        self.call(self._afs.makedirs, path, mode, exist_ok)
+
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        self.call(self._afs.remove, path)
+
+    unlink = remove
+
+    def rmdir(self, path: str | os.PathLike[str]) -> None:
+        self.call(self._afs.rmdir, path)
+
+    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        self.call(self._afs.rename, src, dst)
+
+    def statfs(self) -> dict[str, Any]:
+        return self.call(self._afs.statfs)
+
+    def read_bytes(
+        self, path: str | os.PathLike[str], start: int = 0, end: int | None = None
+    ) -> bytes:
+        return self.call(self._afs.read_bytes, path, start, end)
+
+    def write_bytes(
+        self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview
+    ) -> None:
+        self.call(self._afs.write_bytes, path, data)
+
+    def open(self, path: str | os.PathLike[str], mode: str = "rb", buffering: int = -1) -> Any:
+        """Like the builtin ``open`` in binary modes: buffered unless ``buffering=0``
+        (then a :class:`File`, the raw object). Closing commits what was written."""
+        m = _parse_mode(mode)
+        raw = File(self, self.call(self._afs.open, path, m))
+        if buffering == 0:
+            return raw
+        size = BUFFER_SIZE if buffering in (-1, 1) else buffering
+        if m == "rb":
+            return io.BufferedReader(raw, size)
+        if m == "r+b":
+            return io.BufferedRandom(raw, size)
+        return io.BufferedWriter(raw, size)
+
+    def stats(self) -> dict[str, Any]:
+        return self.call(_async_stats, self._afs)
+
+
+async def _async_stats(afs: AsyncFileSystem) -> dict[str, Any]:
+    return afs.stats()
+
+
+class File(io.RawIOBase):
+    """A raw binary file of a :class:`FileSystem` (each call crosses to the loop thread)."""
+
+    def __init__(self, fs: FileSystem, afile: AsyncFile) -> None:
+        super().__init__()
+        self._fs = fs
+        self._f = afile
+        self.name = afile.path
+        self.mode = afile.mode
+
+    @property
+    def size(self) -> int:
+        return self._f.size
+
+    def readable(self) -> bool:
+        return self._f.readable
+
+    def writable(self) -> bool:
+        return self._f.writable
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        return self._fs.call(self._f.read, -1 if size is None else size)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def pread(self, offset: int, size: int) -> bytes:
+        return self._fs.call(self._f.pread, offset, size)
+
+    def write(self, data: Any) -> int:
+        return self._fs.call(self._f.write, bytes(data))
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def truncate(self, size: int | None = None) -> int:
+        return self._fs.call(self._f.truncate, size)
+
+    def flush(self) -> None:
+        """Commit written bytes (the mount's fsync)."""
+        if self.closed or self._f.closed or not self._f.writable:
+            return
+        self._fs.call(self._f.flush)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if not self._f.closed and not self._fs.closed and os.getpid() == self._fs.pid:
+                self._fs.call(self._f.close)
+        finally:
+            super().close()
+
+
+def connect(
+    meta_addrs: Sequence[str] | str,
+    volume: str,
+    *,
+    secret: bytes | str | None = None,
+    zone: str = "",
+    options: ClientOptions | None = None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    **tunables: Any,
+) -> FileSystem:
+    """Connect to ``volume`` of the cluster whose metanodes are ``meta_addrs``.
+
+    ``tunables`` are :class:`ClientOptions` fields (``l1_bytes=...``) applied
+    over ``options``.
+
+    Raises:
+        OSError: see :func:`open_volume`.
+    """
+    if tunables:
+        base = options or ClientOptions()
+        options = ClientOptions(
+            **{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **tunables}
+        )
+    return FileSystem(meta_addrs, volume, secret=secret, zone=zone, options=options,
+                      connect_timeout=connect_timeout)  # fmt: skip
+
+
+__all__ = [
+    "AsyncFile",
+    "AsyncFileSystem",
+    "ClientOptions",
+    "DirEntry",
+    "File",
+    "FileSystem",
+    "connect",
+    "open_volume",
+    "split_path",
+    "to_stat",
+]
