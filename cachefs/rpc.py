@@ -693,7 +693,10 @@ class RpcPool:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         assert self._nursery is not None
         self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(*exc_info)
+        # The body's exception is not the nursery's business: handing it over
+        # would wrap it in an ExceptionGroup, and callers want the typed error.
+        await self._nursery_cm.__aexit__(None, None, None)
+        return False
 
     async def connection(self, addr: str) -> ClientConnection:
         conn = self._conns.get(addr)

@@ -41,7 +41,9 @@ def health(addr: str, secret_file: str | None, insecure: bool, timeout: float) -
 @click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False))
 @click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE")
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster map as one JSON object.")
-def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool) -> None:
+@click.option("--timeout", type=click.FloatRange(0.1, 600), default=10.0, show_default=True,
+              help="Give up when no metanode leader answers within this many seconds.")
+def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool, timeout: float) -> None:
     """The cluster as the metanodes see it: leader, nodes, volumes."""
     from cachefs.metanode.client import MetaClient
 
@@ -49,7 +51,7 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
 
     async def fetch() -> tuple[dict, str | None]:
         async with RpcPool(secret=secret) as pool:
-            client = MetaClient(pool, meta)
+            client = MetaClient(pool, meta, deadline=timeout)
             cmap = await client.cluster_map()
             return cmap, client.leader
 

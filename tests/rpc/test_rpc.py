@@ -307,3 +307,10 @@ async def test_every_server_answers_health(nursery):
     async with RpcPool(secret=SECRET) as pool:
         health = (await pool.call(addr, "health")).result
     assert health["service"] == "test" and health["connections"] == 1 and not health["draining"]
+
+
+async def test_errors_in_the_pool_body_propagate_unwrapped(nursery):
+    _, addr = await start_server(nursery)
+    with pytest.raises(NotLeader):
+        async with RpcPool(secret=SECRET) as pool:
+            await pool.call(addr, "fail", {"code": "ENOTLEADER"})
