@@ -180,6 +180,9 @@ class MetaClient:
                         log.warning("session %s: heartbeat failed: %s", session, exc)
                     warned = True
                     continue
+                except Exception as exc:  # noqa: BLE001 - a system task must not raise
+                    log.warning("session %s: heartbeats stop: %r", session, exc)
+                    return
                 warned = False
                 if not alive:
                     log.error(
