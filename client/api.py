@@ -839,10 +839,10 @@ class FileSystem:
             return raw
         size = BUFFER_SIZE if buffering in (-1, 1) else buffering
         if m == "rb":
-            return io.BufferedReader(raw, size)
+            return BufferedReader(raw, size)
         if m == "r+b":
-            return io.BufferedRandom(raw, size)
-        return io.BufferedWriter(raw, size)
+            return BufferedRandom(raw, size)
+        return BufferedWriter(raw, size)
 
     def stats(self) -> dict[str, Any]:
         return self.call(_async_stats, self._afs)
@@ -916,6 +916,28 @@ class File(io.RawIOBase):
                 self._fs.call(self._f.close)
         finally:
             super().close()
+
+
+class _Sized:
+    """``.size`` (the file's size as this client sees it), which fsspec code reads."""
+
+    raw: File
+
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
+
+class BufferedReader(_Sized, io.BufferedReader):
+    pass
+
+
+class BufferedWriter(_Sized, io.BufferedWriter):
+    pass
+
+
+class BufferedRandom(_Sized, io.BufferedRandom):
+    pass
 
 
 def connect(
