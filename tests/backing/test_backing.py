@@ -276,3 +276,20 @@ async def test_replicas_are_read_from_the_nearest_zone_first(cluster: Datanodes,
             for z in ("a", "b"):
                 cluster.resume(int(zones[z][2:]))
         assert client.stats["hedged"] == 0
+
+
+async def test_losing_a_whole_zone_loses_nothing(cluster: Datanodes, volume: str) -> None:
+    """6 datanodes in 3 zones: every PG spreads its shards 2-2-2 (ec:4+2) or 1-1-1 (replica:3)."""
+    volumes = {volume: VolumePolicy.parse("ec:4+2"), volume + "r": VolumePolicy.parse("replica:3")}
+    view = cluster.view(volumes, pg_count=32)
+    blocks = {name: {new_key(): os.urandom(random.randrange(200_000)) for _ in range(12)} for name in volumes}
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view, timeout=3.0)
+        for name, items in blocks.items():
+            for key, data in items.items():
+                await client.put_block(name, key, data)
+        cluster.kill(2)
+        cluster.kill(3)  # zone b is gone
+        for name, items in blocks.items():
+            for key, data in items.items():
+                assert await client.get_block(name, key) == data
