@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import os
+import ssl
 import time
 import types
 import typing
@@ -208,15 +209,16 @@ _conn_ids = itertools.count(1)
 
 
 class Connection:
-    """One authenticated stream, used by both the server and the client.
+    """One stream's framing, outbox and writer task, for server and client.
 
-    The caller runs :meth:`run` in a nursery; it returns when the stream
-    closes. ``on_event`` receives every frame after the handshake.
+    Over plain TCP it receives with ``recv_into`` straight into the decoder's
+    buffers and sends with ``sendmsg``; over TLS (``trio.SSLStream``) it goes
+    through the stream's own calls, since the bytes must be decrypted anyway.
     """
 
-    def __init__(self, stream: trio.SocketStream, peer: str, limits: Limits) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream, peer: str, limits: Limits) -> None:
         self.stream = stream
-        self.sock = stream.socket
+        self.sock = stream.socket if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
         self.limits = limits
         self.conn_id = next(_conn_ids)
@@ -264,6 +266,14 @@ class Connection:
             await self._drained.wait()
 
     async def _send_buffers(self, bufs: list[wire.Payload]) -> None:
+        if self.sock is None:
+            try:
+                for buf in bufs:
+                    await self.stream.send_all(buf)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.debug("send to %s failed: %s", self.peer, exc)
+                self.closed = True
+            return
         views = [memoryview(b).cast("B") for b in bufs]
         while views:
             batch = views[:IOV_BATCH]
@@ -299,6 +309,15 @@ class Connection:
             if event is not None:
                 self.last_activity = time.monotonic()
                 return event
+            if self.sock is None:
+                try:
+                    data = await self.stream.receive_some(256 * 1024)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    raise ConnectionLost(f"{self.peer}: TLS stream failed: {exc}") from None
+                if not data:
+                    raise ConnectionLost(f"{self.peer} closed the connection")
+                decoder.receive_data(data)
+                continue
             buf = decoder.get_buffer()
             try:
                 n = await self.sock.recv_into(buf)
@@ -335,9 +354,11 @@ class RpcServer:
     """Serves the ``@rpc_method`` handlers of one or more service objects."""
 
     def __init__(self, *services: Any, name: str, secret: bytes | None,
-                 limits: Limits = Limits(), methods: dict[str, Method] | None = None) -> None:
+                 limits: Limits = Limits(), methods: dict[str, Method] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.name = name
         self.secret = secret
+        self.tls = tls
         self.limits = limits
         self.methods = methods if methods is not None else collect_methods(*services)
         self.started = time.monotonic()
@@ -370,7 +391,9 @@ class RpcServer:
         """Listen and serve until cancelled or :meth:`shutdown` finishes."""
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
-        log.info("%s listening on %s:%d", self.name, host, self.port)
+        log.info("%s listening on %s:%d%s", self.name, host, self.port, " (TLS)" if self.tls else "")
+        if self.tls is not None:
+            listeners = [trio.SSLListener(lst, self.tls, https_compatible=False) for lst in listeners]
         async with trio.open_nursery() as conn_nursery:
             self.conn_nursery = conn_nursery
             self._conn_scope = conn_nursery.cancel_scope
@@ -394,9 +417,11 @@ class RpcServer:
         if self._conn_scope is not None:
             self._conn_scope.cancel()
 
-    async def _serve_connection(self, stream: trio.SocketStream, *, conn_nursery: trio.Nursery) -> None:
+    async def _serve_connection(self, stream: trio.SocketStream | trio.SSLStream, *,
+                                conn_nursery: trio.Nursery) -> None:
+        raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         try:
-            host, port = stream.socket.getpeername()[:2]
+            host, port = raw.socket.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
             await stream.aclose()
@@ -547,7 +572,7 @@ class ClientConnection:
 
     @classmethod
     async def connect(cls, addr: str, *, secret: bytes | None, limits: Limits,
-                      nursery: trio.Nursery) -> ClientConnection:
+                      nursery: trio.Nursery, tls: ssl.SSLContext | None = None) -> ClientConnection:
         """Open and authenticate a connection whose tasks live in ``nursery``.
 
         Raises:
@@ -562,6 +587,15 @@ class ClientConnection:
             raise TimedOut(f"connecting to {addr} took over {limits.connect_timeout}s") from None
         except OSError as exc:
             raise Unreachable(f"cannot connect to {addr}: {exc.strerror or exc}") from None
+        if tls is not None:
+            stream = trio.SSLStream(stream, tls, server_hostname=host, https_compatible=False)
+            try:
+                with trio.fail_after(limits.handshake_timeout):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+                await stream.aclose()
+                cause = exc.__cause__ or exc
+                raise AuthFailed(f"TLS handshake with {addr} failed: {cause}") from None
         conn = Connection(stream, addr, limits)
         try:
             with trio.fail_after(limits.handshake_timeout):
@@ -675,8 +709,10 @@ class RpcPool:
     """
 
     def __init__(self, *, secret: bytes | None, limits: Limits = Limits(),
-                 backoff_initial: float = 0.05, backoff_max: float = 2.0) -> None:
+                 backoff_initial: float = 0.05, backoff_max: float = 2.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.secret = secret
+        self.tls = tls
         self.limits = limits
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
@@ -715,7 +751,7 @@ class RpcPool:
                 raise RuntimeError("RpcPool used outside 'async with'")
             try:
                 conn = await ClientConnection.connect(addr, secret=self.secret, limits=self.limits,
-                                                      nursery=self._nursery)
+                                                      nursery=self._nursery, tls=self.tls)
             except (Unreachable, TimedOut):
                 delay = min(self.backoff_max, max(self.backoff_initial, delay * 2))
                 self._backoff[addr] = (trio.current_time() + delay, delay)
@@ -737,3 +773,23 @@ class RpcPool:
     def forget(self, addr: str) -> None:
         """Drop the connection to ``addr`` (e.g. after the peer restarted)."""
         self._conns.pop(addr, None)
+
+
+# ---------------------------------------------------------------- TLS
+
+def server_tls(cert_file: str, key_file: str, client_ca_file: str | None = None) -> ssl.SSLContext:
+    """A server context; with ``client_ca_file`` clients must show a certificate too."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        ctx.load_verify_locations(client_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_tls(ca_file: str, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
+    """A client context that trusts only ``ca_file`` (the cluster's own CA)."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
