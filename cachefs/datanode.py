@@ -30,7 +30,7 @@ from prometheus_client import Gauge
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.erasure import keep_large_buffers
-from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.errors import CacheFSError, InvalidArgument, NotFound
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, Reply, RpcPool, RpcServer, parse_addr, rpc_method
@@ -153,7 +153,11 @@ class Registrar:
             self.registered = True
             log.info("registered as datanode %s (%s) in zone %s", self.service.node_id, self.addr,
                      self.service.zone)
-        await self.meta.node_heartbeat("datanode", self.service.node_id, store.usage()["used"])
+        try:
+            await self.meta.node_heartbeat("datanode", self.service.node_id, store.usage()["used"])
+        except NotFound:
+            self.registered = False  # the map forgot us (removed by an operator?): register again
+            raise
 
     async def run(self) -> None:
         while True:

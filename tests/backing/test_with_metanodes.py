@@ -58,6 +58,15 @@ async def test_registration_heartbeats_and_cluster_map(tmp_path: Path) -> None:
 
             await _wait(usage_reported)
 
+            # An operator removes a datanode that is still alive: it registers again.
+            await mc.remove_node("datanode", "dn5")
+
+            async def back() -> bool:
+                cmap = await mc.cluster_map()
+                return any(d["id"] == "dn5" and d["state"] == "up" for d in cmap["datanodes"])
+
+            await _wait(back)
+
             # Wipe one datanode; `cachefs repair --meta` rebuilds it from the cluster map.
             nodes.kill(4)
             nodes.wipe(4)
