@@ -932,11 +932,22 @@ class BufferedReader(_Sized, io.BufferedReader):
     pass
 
 
-class BufferedWriter(_Sized, io.BufferedWriter):
+class _Committing:
+    """``flush()`` commits, as fsync does on the mount (io's own flush only
+    hands the buffer to the raw file)."""
+
+    raw: File
+
+    def flush(self) -> None:
+        super().flush()  # type: ignore[misc]
+        self.raw.flush()
+
+
+class BufferedWriter(_Sized, _Committing, io.BufferedWriter):
     pass
 
 
-class BufferedRandom(_Sized, io.BufferedRandom):
+class BufferedRandom(_Sized, _Committing, io.BufferedRandom):
     pass
 
 
