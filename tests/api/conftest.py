@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from cachefs.client.api import FileSystem, connect
 
 needs_fuse = pytest.mark.skipif(
