@@ -81,6 +81,9 @@ class Lab:
         self.config = config
         self.root = Path(config.root)
         self._net: netns.Network | None = None
+        # Popen objects of the nodes this Lab started: dropping one while its
+        # process runs is a ResourceWarning (an error under pytest).
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
         if not config.nodes:
             config.nodes = self._plan()
 
@@ -179,6 +182,7 @@ class Lab:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
         logf.close()
+        self._procs[name] = proc
         node.pid = proc.pid
         self.save()
 
@@ -188,8 +192,14 @@ class Lab:
         if node.pid and _alive(node.pid):
             os.kill(node.pid, sig)
             _reap(node.pid, timeout=10)
+        self._forget(name)
         node.pid = None
         self.save()
+
+    def _forget(self, name: str) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is not None:
+            proc.poll()  # records the exit (or ECHILD: _alive reaped it already)
 
     def up(self, *, timeout: float = 60.0) -> None:
         """Start every node, wait until the cluster is ready, create the volume."""
@@ -289,6 +299,7 @@ class Lab:
                 os.kill(node.pid, signal.SIGKILL)
                 _reap(node.pid, timeout=5)
         for node in self.nodes:
+            self._forget(node.name)
             node.pid = None
         self.save()
         if self.config.netns:
