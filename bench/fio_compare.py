@@ -115,6 +115,9 @@ def cachefs_mount(args: argparse.Namespace, mountpoint: Path) -> Iterator[Path]:
     if args.mount:
         yield Path(args.mount)
         return
+    if args.lab:
+        yield from _lab_mount(args, mountpoint)
+        return
     mountpoint.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -144,6 +147,23 @@ def cachefs_mount(args: argparse.Namespace, mountpoint: Path) -> Iterator[Path]:
             check=False,
             timeout=180,
         )
+
+
+def _lab_mount(args: argparse.Namespace, mountpoint: Path) -> Iterator[Path]:
+    """A whole lab cluster (cachefs.lab: 3 metanodes, 6 datanodes, 6 cache nodes, ec:4+2) for this run."""
+    import warnings
+
+    from cachefs.lab import Lab, LabConfig
+
+    lab = Lab(LabConfig(root=str(mountpoint.parent / "lab"), base_port=args.lab_port, metrics=False))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.up(timeout=180)
+        lab.mount(str(mountpoint), "--l1-size", args.l1_size, "--no-write-through")
+        yield mountpoint
+    finally:
+        lab.down()
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument(
         "--meta", help="metanode addresses (host:port,...): mount a volume for the run"
     )
+    where.add_argument("--lab", action="store_true", help="start a lab cluster (cachefs.lab) for the run")
+    parser.add_argument("--lab-port", type=int, default=26000, help="base port of the --lab cluster")
     parser.add_argument("--volume", default="vol", help="volume to mount with --meta")
     parser.add_argument("--secret-file")
     parser.add_argument("--insecure", action="store_true")

@@ -47,6 +47,7 @@ T = TypeVar("T")
 
 READDIR_BATCH = 256
 COMPACT_DELAY = 0.5
+FLUSH_IDLE = 5.0
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -113,6 +114,14 @@ class CacheFS(pyfuse3.Operations):
         self._next_fh = 1
         self._compacting: set[tuple[int, int]] = set()
         session.on_new_session = self._reopen_all
+        nursery.start_soon(self._seal_idle_writes)
+
+    async def _seal_idle_writes(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            for inode in self.inodes.all():
+                if inode.writer is not None:
+                    inode.writer.seal_idle(FLUSH_IDLE)
 
     async def _reopen_all(self) -> None:
         """A new metanode session: hold our open files again."""

@@ -36,7 +36,7 @@ from cachefs.ids import CHUNK_SIZE, BlockKey
 
 from .inodes import Inode
 from .l1 import L1Cache
-from .slicemap import HOLE, BlockPart, Slice, chunk_ranges, overlay, resolve, segment_blocks
+from .slicemap import HOLE, BlockPart, Run, Slice, chunk_ranges, overlay, resolve, segment_blocks
 from .tasks import run_all
 
 log = logging.getLogger(__name__)
@@ -135,14 +135,14 @@ class Reader:
         buf = bytearray(end - offset)
         view = memoryview(buf)
         try:
-            await self._fill(inode, offset, view, sequential)
+            await self._fill(inode, offset, view, sequential, pending)
         except NotFound:
             # A slice list read before a compaction elsewhere may name blocks
             # the garbage collector has since deleted: read the lists again.
             inode.chunks.clear()
             inode.layout += 1
             view[:] = bytes(len(view))
-            await self._fill(inode, offset, view, sequential)
+            await self._fill(inode, offset, view, sequential, pending)
         if pending:
             overlay(pending, offset, view)
         self.stats["bytes"] += len(buf)
@@ -150,15 +150,24 @@ class Reader:
             self._nursery.start_soon(self._readahead, inode, end, ra.window)
         return bytes(buf)
 
-    async def _fill(self, inode: Inode, offset: int, view: memoryview, sequential: bool) -> None:
-        """Committed bytes of ``[offset, offset+len(view))`` into ``view`` (holes stay zero)."""
+    async def _fill(
+        self, inode: Inode, offset: int, view: memoryview, sequential: bool, pending: list[Run]
+    ) -> None:
+        """Committed bytes of ``[offset, offset+len(view))`` into ``view`` (holes stay zero).
+
+        Parts that one pending run covers entirely are skipped: the overlay
+        replaces them anyway (a file being rewritten in place reads from memory).
+        """
         jobs: list[Callable[[], Awaitable[None]]] = []
         for chunk, pos, buf_off, n in chunk_ranges(offset, len(view)):
+            covers = [(r.pos, r.end) for r in pending if r.chunk == chunk]
             slices = await self.slices(inode, chunk)
             for seg in resolve(slices, pos, pos + n):
                 if seg.slice_id == HOLE:
                     continue
                 for part in segment_blocks(seg, self.source.block_size):
+                    if any(a <= part.pos and part.pos + part.length <= b for a, b in covers):
+                        continue
                     dest = view[buf_off + part.pos - pos : buf_off + part.pos - pos + part.length]
                     if not self._copy_from_l1(part, dest):
                         jobs.append(self._job(part, dest, whole=sequential))

@@ -175,55 +175,116 @@ class Run:
 
 
 class WritePlan:
-    """Merges writes into runs; sealed runs come out in the order they must commit.
+    """Dirty extents of one file; sealed runs come out in the order they must commit.
 
-    ``max_run`` bounds one slice (and so the memory one run pins); a run is
-    also sealed as soon as a write does not touch it, so writes that arrive in
-    order become few large slices and random writes become small ones.
+    The open extents are disjoint and all newer than every sealed run, so
+    they can be overwritten in place: a region rewritten many times before a
+    flush is stored once (what a kernel's dirty pages give a local
+    filesystem). Three things seal extents:
+
+    - streaming: an extent grown at its end to ``max_run`` bytes is sealed, so
+      a sequential writer uploads while it writes;
+    - memory: past ``open_limit`` open bytes the oldest extents are sealed;
+    - ``seal()`` (flush, fsync, close) seals everything.
+
+    Each sealed extent becomes one slice holding exactly its bytes, so a small
+    random write never rewrites a whole block.
     """
 
-    def __init__(self, max_run: int, chunk_size: int = CHUNK_SIZE) -> None:
+    def __init__(self, max_run: int, chunk_size: int = CHUNK_SIZE, open_limit: int | None = None) -> None:
         if max_run <= 0:
             raise ValueError("max_run must be positive")
         self.max_run = max_run
         self.chunk_size = chunk_size
-        self.open: Run | None = None
+        self.open_limit = open_limit if open_limit is not None else 4 * max_run
+        self.extents: list[Run] = []  # sorted by (chunk, pos), disjoint
+        self._keys: list[tuple[int, int]] = []
+        self._age: dict[int, int] = {}  # id(run) -> creation order
+        self._clock = 0
+        self.open_bytes = 0
+
+    @property
+    def open(self) -> Run | None:
+        """The most recently created open extent (None when all are sealed)."""
+        if not self.extents:
+            return None
+        return max(self.extents, key=lambda r: self._age[id(r)])
+
+    def _insert(self, run: Run, age: int | None = None) -> None:
+        i = bisect.bisect_left(self._keys, (run.chunk, run.pos))
+        self.extents.insert(i, run)
+        self._keys.insert(i, (run.chunk, run.pos))
+        if age is None:
+            self._clock += 1
+            age = self._clock
+        self._age[id(run)] = age
+        self.open_bytes += len(run.data)
+
+    def _remove(self, i: int) -> tuple[Run, int]:
+        run = self.extents.pop(i)
+        del self._keys[i]
+        self.open_bytes -= len(run.data)
+        return run, self._age.pop(id(run))
 
     def add(self, offset: int, data: bytes | memoryview) -> list[Run]:
         """Take one write; return the runs it sealed (oldest first)."""
         sealed: list[Run] = []
         view = memoryview(data)
         for chunk, pos, buf_off, n in chunk_ranges(offset, len(view), self.chunk_size):
-            piece = view[buf_off : buf_off + n]
-            run = self.open
-            if (
-                run is not None
-                and run.chunk == chunk
-                and run.pos <= pos <= run.end
-                and max(run.end, pos + n) - run.pos <= self.max_run
-            ):
-                rel = pos - run.pos
-                run.data[rel : rel + n] = piece
-                continue
-            if run is not None:
-                sealed.append(run)
-            # A piece longer than max_run is split into several runs.
-            for start in range(0, n, self.max_run):
-                part = piece[start : start + self.max_run]
-                self.open = Run(chunk, pos + start, bytearray(part))
-                if start + self.max_run < n:
-                    sealed.append(self.open)
-            # The last part stays open for the next contiguous write.
+            self._add_piece(chunk, pos, view[buf_off : buf_off + n], sealed)
+        while self.open_bytes > self.open_limit and self.extents:
+            oldest = min(range(len(self.extents)), key=lambda i: self._age[id(self.extents[i])])
+            sealed.append(self._remove(oldest)[0])
         return sealed
 
-    def seal(self) -> list[Run]:
-        """Seal the open run (flush/fsync/close)."""
-        run, self.open = self.open, None
-        return [run] if run is not None and run.data else []
+    def _add_piece(self, chunk: int, pos: int, piece: memoryview, sealed: list[Run]) -> None:
+        end = pos + len(piece)
+        # Extents of this chunk that overlap or touch [pos, end].
+        lo = bisect.bisect_left(self._keys, (chunk, pos))
+        if lo > 0 and self.extents[lo - 1].chunk == chunk and self.extents[lo - 1].end >= pos:
+            lo -= 1
+        hi = lo
+        while hi < len(self.extents) and self.extents[hi].chunk == chunk and self.extents[hi].pos <= end:
+            hi += 1
+        if hi - lo == 1:
+            run = self.extents[lo]
+            if run.pos <= pos and end <= run.end:  # inside one extent: overwrite in place
+                run.data[pos - run.pos : end - run.pos] = piece
+                return
+            if run.pos <= pos and pos <= run.end:  # grows one extent at its end (streaming)
+                grow = end - run.end
+                run.data[pos - run.pos :] = piece
+                self.open_bytes += grow
+                if len(run.data) >= self.max_run:
+                    sealed.append(self._remove(lo)[0])
+                return
+        touched = [self._remove(lo) for _ in range(hi - lo)]
+        start = min([pos] + [r.pos for r, _ in touched])
+        stop = max([end] + [r.end for r, _ in touched])
+        merged = Run(chunk, start, bytearray(stop - start))
+        for r, _ in touched:
+            merged.data[r.pos - start : r.end - start] = r.data
+        merged.data[pos - start : end - start] = piece
+        self._insert(merged, min((age for _, age in touched), default=None))
+        if len(merged.data) >= self.max_run and end == stop and pos > start:
+            i = bisect.bisect_left(self._keys, (chunk, start))
+            sealed.append(self._remove(i)[0])
 
-    @property
-    def open_bytes(self) -> int:
-        return len(self.open.data) if self.open is not None else 0
+    def seal(self) -> list[Run]:
+        """Seal every open extent (flush/fsync/close)."""
+        runs = sorted(self.extents, key=lambda r: self._age[id(r)])
+        self.extents.clear()
+        self._keys.clear()
+        self._age.clear()
+        self.open_bytes = 0
+        return runs
+
+    def seal_oldest(self) -> list[Run]:
+        """Seal the oldest open extent (the write buffer is full)."""
+        if not self.extents:
+            return []
+        oldest = min(range(len(self.extents)), key=lambda i: self._age[id(self.extents[i])])
+        return [self._remove(oldest)[0]]
 
 
 def overlay(

@@ -92,7 +92,7 @@ class FileWriter:
         max_run = max(
             sink.block_size, min(CHUNK_SIZE, buffer_limit // 4 // sink.block_size * sink.block_size)
         )
-        self.plan = WritePlan(max_run)
+        self.plan = WritePlan(max_run, open_limit=buffer_limit // 2)
         self._nursery = nursery
         self._upload_limit = upload_limit
         self._queue: deque[_Pending] = deque()
@@ -100,6 +100,7 @@ class FileWriter:
         self._changed = trio.Condition()
         self.error: CacheFSError | None = None
         self.buffered = 0  # bytes written and not yet committed
+        self.last_write = 0.0
         self.stats = {"slices": 0, "bytes": 0, "blocks": 0}
 
     @property
@@ -108,10 +109,8 @@ class FileWriter:
 
     def pending_runs(self) -> list[Run]:
         """Uncommitted runs, oldest first (the order in which they win)."""
-        runs = [p.run for p in self._queue]
-        if self.plan.open is not None:
-            runs.append(self.plan.open)
-        return runs
+        # Open extents are disjoint and newer than every queued run.
+        return [p.run for p in self._queue] + self.plan.extents
 
     def pending_end(self) -> int:
         return runs_end(self.pending_runs())
@@ -125,10 +124,11 @@ class FileWriter:
         self._check()
         async with self._changed:
             while self.buffered and self.buffered + len(data) > self.buffer_limit:
-                if self.plan.open is not None and not self._queue:
-                    self._submit(self.plan.seal())
+                if self.plan.extents and not self._queue:
+                    self._submit(self.plan.seal_oldest())
                 await self._changed.wait()
                 self._check()
+        self.last_write = trio.current_time()
         # No await from here on: the plan and the byte count change together.
         old_open = self.plan.open_bytes
         sealed = self.plan.add(offset, data)
@@ -148,6 +148,12 @@ class FileWriter:
             previous, self._last = self._last, pending
             self._queue.append(pending)
             self._nursery.start_soon(self._upload, pending, previous)
+
+    def seal_idle(self, idle: float) -> None:
+        """Start uploading extents nobody wrote to for ``idle`` seconds, so
+        data in a file left open does not wait for its close."""
+        if self.plan.extents and trio.current_time() - self.last_write >= idle:
+            self._submit(self.plan.seal())
 
     async def flush(self) -> None:
         """Commit everything written so far; returns after the last commit.

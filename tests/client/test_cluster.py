@@ -266,3 +266,33 @@ def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster
     r = _gc(cluster, "--check")
     assert r.returncode == 1 and "missing: 1" in r.stdout and lost in r.stdout, r.stdout + r.stderr
     os.unlink(mnt / "keep")
+
+
+HOLDER = r"""
+import sys, time
+f = open(sys.argv[1], "wb")
+f.write(b"u" * (3 << 20))
+f.flush()  # into the mount's write buffer; the file stays open, nothing committed yet
+print("written", flush=True)
+time.sleep(120)
+"""
+
+
+def test_umount_commits_dirty_data_of_open_files(cluster, tmp_path: Path) -> None:
+    m = ClusterMount(cluster, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(m.path / "open")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "written"
+        m.stop()  # cachefs umount: the daemon commits, then unmounts
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    m2 = ClusterMount(cluster, tmp_path)
+    try:
+        assert (m2.path / "open").read_bytes() == b"u" * (3 << 20)
+    finally:
+        m2.stop()
+    m.check_log()
+    m2.check_log()

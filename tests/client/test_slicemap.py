@@ -97,12 +97,12 @@ writes_st = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(writes=writes_st, max_run=st.integers(1, 48))
-def test_write_plan_commit_and_overlay_match_model(writes, max_run) -> None:
+@settings(max_examples=300, deadline=None)
+@given(writes=writes_st, max_run=st.integers(1, 48), open_limit=st.integers(0, 200))
+def test_write_plan_commit_and_overlay_match_model(writes, max_run, open_limit) -> None:
     """Writes cut into runs, committed as slices, read back (with pending runs
     overlaid) equal a bytearray that took the same writes."""
-    plan = WritePlan(max_run, CHUNK)
+    plan = WritePlan(max_run, CHUNK, open_limit=open_limit)
     model = bytearray()
     chunks: dict[int, list[Slice]] = {}
     objects: dict[int, bytes] = {}
@@ -114,12 +114,17 @@ def test_write_plan_commit_and_overlay_match_model(writes, max_run) -> None:
         sealed = plan.add(offset, data)
         if flush:
             sealed += plan.seal()
+        # Open extents: sorted, disjoint, counted, within the memory limit.
+        keys = [(r.chunk, r.pos, r.end) for r in plan.extents]
+        assert keys == sorted(keys)
+        assert all(a[0] != b[0] or a[2] < b[1] for a, b in zip(keys, keys[1:], strict=False))
+        assert plan.open_bytes == sum(len(r.data) for r in plan.extents) <= max(open_limit, 0)
         for run in sealed:
-            assert 0 < len(run.data) <= max_run and run.end <= CHUNK
+            assert len(run.data) > 0 and run.end <= CHUNK
             objects[next_id] = bytes(run.data)
             chunks.setdefault(run.chunk, []).append(Slice(next_id, run.pos, len(run.data), 0))
             next_id += 1
-    pending = [plan.open] if plan.open is not None else []
+    pending = list(plan.extents)
     committed_end = max(
         (c * CHUNK + s.pos + s.length for c, sl in chunks.items() for s in sl), default=0
     )
@@ -138,7 +143,22 @@ def test_write_plan_commit_and_overlay_match_model(writes, max_run) -> None:
 def test_small_random_write_is_a_small_slice() -> None:
     plan = WritePlan(4 << 20)
     assert plan.add(10 << 20, b"x" * 4096) == []
-    sealed = plan.add(0, b"y" * 4096)  # not touching the open run: seals it
-    assert [(r.chunk, r.pos, len(r.data)) for r in sealed] == [(0, 10 << 20, 4096)]
-    assert [len(r.data) for r in plan.seal()] == [4096]
+    assert plan.add(0, b"y" * 4096) == []
+    assert sorted((r.pos, len(r.data)) for r in plan.seal()) == [(0, 4096), (10 << 20, 4096)]
     assert plan.seal() == []
+
+
+def test_rewrites_before_a_flush_are_stored_once() -> None:
+    plan = WritePlan(1 << 20, open_limit=8 << 20)
+    for i in range(100):
+        assert plan.add((i * 7919 * 4096) % (4 << 20), bytes([i]) * 65536) == []
+    assert plan.open_bytes <= (4 << 20) + 65536
+    assert sum(len(r.data) for r in plan.seal()) <= (4 << 20) + 65536
+
+
+def test_a_streaming_writer_seals_full_runs() -> None:
+    plan = WritePlan(1 << 20)
+    sealed = []
+    for i in range(40):
+        sealed += plan.add(i * 131072, b"s" * 131072)
+    assert [len(r.data) for r in sealed] == [1 << 20] * 5 and plan.open_bytes == 0
