@@ -9,7 +9,8 @@ run against the same leader, is the RPC layer's built-in ``health`` call: the
 floor any metadata call pays for framing and a round trip. Latencies are
 p50/p99 per call; rates are the median over ``--repeat`` runs.
 
-``--inodes N`` also measures the state machine's memory: N files of one slice
+``--no-read-lease`` runs the metanodes with one read-index round per read
+instead of the leader lease. ``--inodes N`` also measures the state machine's memory: N files of one slice
 each, built in a fresh process, resident bytes per inode.
 
     python -m bench.meta_bench [--json] [--seconds 2] [--repeat 3] [--inodes 1000000]
@@ -37,7 +38,7 @@ CLIENTS = (1, 32)
 LISTING = 10_000
 
 
-def _start_cluster(root: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def _start_cluster(root: Path, extra: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     ports = [free_port() for _ in range(3)]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     peers = ",".join(f"{i + 1}={a}" for i, a in enumerate(addrs))
@@ -59,6 +60,7 @@ def _start_cluster(root: Path) -> tuple[list[subprocess.Popen], list[str]]:
                     "--insecure",
                     "--log-level",
                     "warning",
+                    *extra,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -255,13 +257,18 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument(
         "--inodes", type=int, default=0, help="also measure bytes per inode at N files"
     )
+    parser.add_argument(
+        "--no-read-lease",
+        action="store_true",
+        help="run the metanodes with a read-index round per read",
+    )
     parser.add_argument("--memory-only", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_only:
         print(json.dumps(measure_memory(args.memory_only)))
         return 0
     root = Path(tempfile.mkdtemp(prefix="meta-bench-"))
-    procs, addrs = _start_cluster(root)
+    procs, addrs = _start_cluster(root, ["--no-read-lease"] if args.no_read_lease else [])
     try:
         res = trio.run(_bench, addrs, args.seconds, args.repeat)
     finally:

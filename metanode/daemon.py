@@ -57,11 +57,14 @@ async def serve(
     session_timeout: float,
     node_timeout: float,
     snapshot_entries: int = DriverConfig().snapshot_entries,
+    read_lease: bool = True,
 ) -> None:
     """Run the replica until SIGINT/SIGTERM."""
     host, port = parse_addr(listen)
     state = MetaState()
-    service = MetaService(state, session_timeout=session_timeout, node_timeout=node_timeout)
+    service = MetaService(
+        state, session_timeout=session_timeout, node_timeout=node_timeout, read_lease=read_lease
+    )
     server = RpcServer(service, name="metanode", secret=secret, limits=Limits())
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with RpcPool(secret=secret) as pool, trio.open_nursery() as nursery:
@@ -140,6 +143,13 @@ async def serve(
     show_default=True,
     help="Applied log entries between snapshots (the WAL is cut at each).",
 )
+@click.option(
+    "--read-lease/--no-read-lease",
+    default=True,
+    show_default=True,
+    help="Serve reads under a leader lease (half an election timeout) instead of a "
+    "heartbeat round per read.",
+)
 @daemon_options
 def command(
     node_id: int,
@@ -149,6 +159,7 @@ def command(
     session_timeout: float,
     node_timeout: float,
     snapshot_entries: int,
+    read_lease: bool,
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -183,4 +194,5 @@ def command(
         session_timeout,
         node_timeout,
         snapshot_entries,
+        read_lease,
     )

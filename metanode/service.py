@@ -4,7 +4,15 @@ Mutations are validated by constructing their :mod:`commands` class (a bad
 argument is refused here, before it reaches the log), stamped with the
 leader's clock, and proposed; the apply result comes back, or its
 :class:`~cachefs.metanode.namespace.Failure` is raised as the typed error.
-Reads wait for ``read_index`` (linearizable) and then read the local state.
+Reads are linearizable: they wait for ``read_index`` and then read the
+local state. With ``read_lease`` on (the default), a leader that had its
+leadership confirmed by a quorum at most half an election timeout ago serves
+reads without another round (the issue's "leader lease bounded by the
+election timeout"): followers that confirmed it ignore votes for an election
+timeout after hearing from it (check-quorum in ``raft/core.py``), so no other
+leader can exist yet. As with etcd's lease reads this trusts clock rates, and
+a follower that crashes and restarts inside the lease forgets it; turn the
+lease off (``--no-read-lease``) to pay one heartbeat round per read instead.
 A follower answers everything with ``NotLeader(leader=addr)``.
 
 Soft state lives here, on the leader only: the last heartbeat of every
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 SESSION_TIMEOUT = 60.0
 NODE_TIMEOUT = 15.0
 MAX_READDIR = 10_000
+LEASE_FRACTION = 0.5  # of the shortest election timeout
 
 
 class MetaService:
@@ -49,8 +58,12 @@ class MetaService:
         *,
         session_timeout: float = SESSION_TIMEOUT,
         node_timeout: float = NODE_TIMEOUT,
+        read_lease: bool = True,
     ) -> None:
         self.state = state
+        self.read_lease = read_lease
+        self._lease_term = -1
+        self._lease_until = 0.0
         self.node = node
         self.session_timeout = session_timeout
         self.node_timeout = node_timeout
@@ -72,7 +85,21 @@ class MetaService:
         return result
 
     async def _read(self) -> MetaState:
-        await self._raft().read_index()
+        node = self._raft()
+        if (
+            self.read_lease
+            and node.is_leader
+            and node.term == self._lease_term
+            and time.monotonic() < self._lease_until
+        ):
+            return self.state
+        start = time.monotonic()  # the confirming heartbeats leave after this
+        await node.read_index()
+        if self.read_lease and node.is_leader:
+            lease = LEASE_FRACTION * node.core.config.election_tick * node.dconfig.tick_interval
+            if node.term != self._lease_term or start + lease > self._lease_until:
+                self._lease_term = node.term
+                self._lease_until = start + lease
         return self.state
 
     def _check_leadership(self) -> None:
