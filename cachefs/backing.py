@@ -228,6 +228,8 @@ class _Outcome:
 class BackingClient:
     """put/get/delete whole blocks on the datanodes (see the module docstring)."""
 
+    SEARCH_LIMIT = 64  # shard reads spent looking outside the PG when it comes up short
+
     def __init__(self, pool: RpcPool, view: Any, *, zone: str | None = None, timeout: float = 10.0,
                  hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5) -> None:
         self.pool = pool
@@ -484,6 +486,8 @@ class BackingClient:
             order = self._replica_order(tuple(where.get(i, "") for i in range(policy.n)), order)
         jobs = [(i, _job(self.read_shard, where[i], volume, key, i)) for i in order]
         outcome = await self._race(jobs, need or policy.k)
+        if len(outcome.shards) < (need or policy.k) and sources is None:
+            await self._search_elsewhere(volume, key, policy, pg, outcome, need or policy.k)
         if len(outcome.shards) < (need or policy.k):
             raise self._failure(f"block {key.hex()}", policy, outcome)
         header = _consensus(outcome)
@@ -491,6 +495,32 @@ class BackingClient:
         if outcome.errors:
             self.stats["degraded_reads"] += 1
         return header, {i: s.data for i, s in outcome.shards.items() if s.header == header}
+
+    async def _search_elsewhere(self, volume: str, key: BlockKey, policy: VolumePolicy,
+                                pg: tuple[str, ...], outcome: _Outcome, need: int) -> None:
+        """Look for the missing shards on datanodes outside their PG slot.
+
+        After a datanode joins or leaves, the cluster map's placement moves at
+        most a few slots per PG, but the shards move only when repair runs;
+        until then a moved shard still sits on its old node. Only reached when
+        the PG itself came up short, and capped at :attr:`SEARCH_LIMIT` calls.
+        """
+        # A node that stays in a PG keeps its slot (placement's `previous`),
+        # so a moved shard can only be on a node that is no longer in the PG.
+        others = [n.id for n in self.view.datanodes.values() if n.state == "up" and n.id not in pg]
+        jobs = []
+        for i in range(policy.n):
+            if i in outcome.shards:
+                continue
+            jobs += [(i, _job(self.read_shard, node, volume, key, i)) for node in others]
+        jobs = jobs[: self.SEARCH_LIMIT]
+        if not jobs:
+            return
+        self.stats["searches"] += 1
+        found = await self._race(jobs, need - len(outcome.shards))
+        for i, shard in found.shards.items():
+            outcome.shards.setdefault(i, shard)
+            outcome.errors.pop(i, None)
 
     def _replica_order(self, pg: tuple[str, ...], order: list[int]) -> list[int]:
         if self.zone is None:
@@ -511,7 +541,8 @@ class BackingClient:
             jobs = [(i, _job(self.read_shard, pg[i], volume, key, i)) for i in order]
         outcome = await self._race(jobs, 1)
         if not outcome.shards:
-            raise self._failure(f"block {key.hex()}", policy, outcome)
+            header, shards = await self.read_shards(volume, key, pg=pg)  # searches other nodes
+            return _slice(codec.decode(header, shards), offset, length)
         shard = next(iter(outcome.shards.values()))
         codec.check_header(shard.header)
         if ranged and not shard.header.compressed:
