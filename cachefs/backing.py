@@ -20,6 +20,9 @@ is slow is *hedged*: after a delay adapted to recent shard latencies one more
 shard is requested per outstanding slow one, and the first K answers win.
 Byte ranges of uncompressed blocks read only the covering data shards,
 unless something fails, in which case the whole block is rebuilt and sliced.
+When the PG itself comes up short, the missing shards are looked for on the
+datanodes outside it: after a join or leave the map moves slots at once but
+the shards only move when repair runs.
 
 Errors: ``NotFound`` when enough datanodes deny having the block that an
 acknowledged write cannot exist; ``Unavailable`` when too few shards can be
