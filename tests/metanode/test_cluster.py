@@ -145,3 +145,39 @@ async def test_followers_redirect_and_retries_are_answered_once(cluster: MetaClu
         with pytest.raises(CacheFSError) as info:
             await pool.call(cluster.addrs[leader], "mknod", {**args, "mode": "rw"})
         assert info.value.errno == errno.EINVAL
+
+
+async def test_a_paused_leader_never_serves_a_stale_read(cluster: MetaCluster) -> None:
+    """SIGSTOP the leader (a long GC pause), change a file through the new leader,
+    SIGCONT the old one and read from it at once: its read lease has expired, so
+    it must refuse (NotLeader) or answer the new value, never the old one."""
+    import signal
+
+    async with RpcPool(secret=None) as pool:
+        old = await cluster.wait_leader(pool)
+        mc = MetaClient(pool, cluster.addrs)
+        await mc.create_volume(VOL, "replica:3")
+        ino = (await mc.mknod(VOL, 1, b"x", 0o100644))["ino"]
+        for _ in range(20):  # reads that keep the old leader's lease warm
+            assert (
+                await pool.call(cluster.addrs[old], "getattr", {"volume": VOL, "ino": ino})
+            ).result["size"] == 0
+        cluster.procs[old].send_signal(signal.SIGSTOP)
+        try:
+            others = MetaClient(
+                pool, [a for i, a in enumerate(cluster.addrs) if i != old], deadline=20.0
+            )
+            await others.setattr(VOL, ino, size=5)
+        finally:
+            cluster.procs[old].send_signal(signal.SIGCONT)
+        answers = []
+        with trio.move_on_after(1.5):
+            while True:
+                try:
+                    reply = await pool.call(
+                        cluster.addrs[old], "getattr", {"volume": VOL, "ino": ino}, timeout=1.0
+                    )
+                    answers.append(reply.result["size"])
+                except CacheFSError as exc:
+                    answers.append(exc.code)
+        assert answers and 0 not in answers, answers
