@@ -211,7 +211,8 @@ def test_zone_cut_under_reads_and_writes(tmp_path):
         if reader.errors:
             zone_cut_gaps.append(f"{len(reader.errors)} of {reader.done} reads failed, e.g. {reader.errors[0]}")
         if verify_during.returncode != 0:
-            zone_cut_gaps.append("fio could not re-read and verify the phase-1 files")
+            zone_cut_gaps.append("fio could not re-read and verify the phase-1 files: "
+                                 + verify_during.stderr.strip().splitlines()[-1][:200])
         if during.returncode != 0:
             zone_cut_gaps.append("fio writes failed: " + during.stderr.strip().splitlines()[-1][:200])
 
