@@ -55,6 +55,11 @@ def fio(mnt: Path, name: str, *, verify_only: bool = False, timeout: float = 90)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
+def last_line(result: subprocess.CompletedProcess) -> str:
+    lines = (result.stderr or result.stdout).strip().splitlines()
+    return lines[-1][:200] if lines else f"exit {result.returncode}"
+
+
 def write_file(path: Path, size: int) -> str:
     data = os.urandom(size)
     with open(path, "wb") as f:
@@ -212,9 +217,9 @@ def test_zone_cut_under_reads_and_writes(tmp_path):
             zone_cut_gaps.append(f"{len(reader.errors)} of {reader.done} reads failed, e.g. {reader.errors[0]}")
         if verify_during.returncode != 0:
             zone_cut_gaps.append("fio could not re-read and verify the phase-1 files: "
-                                 + verify_during.stderr.strip().splitlines()[-1][:200])
+                                 + last_line(verify_during))
         if during.returncode != 0:
-            zone_cut_gaps.append("fio writes failed: " + during.stderr.strip().splitlines()[-1][:200])
+            zone_cut_gaps.append("fio writes failed: " + last_line(during))
 
         # Heal: the map shows everything up, writes work, every acknowledged byte is intact.
         t0 = time.monotonic()
