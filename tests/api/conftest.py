@@ -8,6 +8,7 @@ seconds on two shared cores. Each module works in its own top directory.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import tempfile
 import warnings
@@ -22,12 +23,31 @@ needs_fuse = pytest.mark.skipif(
 )
 
 
+def _ports_free(ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _free_base() -> int:
+    """A base port whose lab ports are all free now (other suites run labs too)."""
+    for k in range(30):
+        base = 21000 + ((os.getpid() + k) % 30) * 300
+        if _ports_free([base + off for off in (1, 2, 3, 101, 102, 103, 201, 202)]):
+            return base
+    raise RuntimeError("no free port range for the lab in 21000-29999")
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from cachefs.lab import Lab, LabConfig
 
     root = tmp_path_factory.mktemp("apilab")
-    base = 21000 + (os.getpid() % 30) * 300
+    base = _free_base()
     lab = Lab(LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, base_port=base,
                         policy="ec:2+1", metrics=False, data_capacity="4G", cache_capacity="1G",
                         cache_memory="32M"))  # fmt: skip
