@@ -1,0 +1,63 @@
+"""The pure part of cachefs/netns.py: names, addresses and targets of a lab network."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import click
+import pytest
+
+from cachefs import netns
+from cachefs.lab import Lab, LabConfig
+
+
+def lab_network(tmp_path) -> tuple[Lab, netns.Network]:
+    lab = Lab(LabConfig(root=str(tmp_path), netns=netns.DEFAULT_SUBNET))
+    return lab, netns.Network.plan(tmp_path, netns.DEFAULT_SUBNET, [(n.name, n.zone) for n in lab.nodes])
+
+
+def test_every_name_fits_the_kernel_and_carries_the_prefix(tmp_path):
+    _, net = lab_network(tmp_path)
+    names = [net.bridge] + [ep.veth for ep in net.endpoints]
+    assert all(len(n) <= 15 for n in names), "interface names are limited to 15 bytes (IFNAMSIZ - 1)"
+    assert all(n.startswith(net.prefix + "-") for n in names + [ep.ns for ep in net.endpoints])
+    assert len(set(names)) == len(names) and len({ep.ns for ep in net.endpoints}) == len(net.endpoints)
+    other = netns.Network.plan(tmp_path, netns.DEFAULT_SUBNET, [])
+    assert other.prefix != net.prefix
+
+
+def test_addresses_match_the_lab_and_stay_private(tmp_path):
+    lab, net = lab_network(tmp_path)
+    subnet = ipaddress.ip_network(netns.DEFAULT_SUBNET)
+    ips = [ipaddress.ip_address(ep.ip) for ep in net.endpoints]
+    assert all(ip in subnet and ip.is_private for ip in ips) and len(set(ips)) == len(ips)
+    assert [n.addr.rsplit(":", 1)[0] for n in lab.nodes] == [ep.ip for ep in net.endpoints[1:]]
+    assert len({n.port for n in lab.nodes}) == len(lab.nodes)
+    with pytest.raises(click.UsageError, match="private"):
+        netns.node_ip("8.8.8.0/24", 1)
+    with pytest.raises(click.UsageError, match="too small"):
+        netns.node_ip("10.1.2.0/29", 1)
+
+
+def test_targets(tmp_path):
+    _, net = lab_network(tmp_path)
+    assert [ep.name for ep in net.targets("z2")] == ["meta2", "data2", "data5", "cache2", "cache5"]
+    assert [ep.name for ep in net.targets("data3")] == ["data3"]
+    assert netns.CLIENT not in [ep.name for ep in net.targets(netns.CLIENT_ZONE)]
+    with pytest.raises(click.UsageError, match="neither a lab node nor a zone"):
+        net.targets("z9")
+    with pytest.raises(click.UsageError, match="link or loss"):
+        net.cut("z1", how="unplug")
+    with pytest.raises(click.UsageError, match="duration"):
+        net.set_latency("z1", "fast")
+
+
+def test_state_round_trip_and_foreign_prefix_refused(tmp_path):
+    _, net = lab_network(tmp_path)
+    net.cut_links["data1"] = "link"
+    net.save()
+    assert netns.Network.load(tmp_path) == net
+    net.prefix = "eth"  # a state file that would name someone else's interfaces
+    net.save()
+    with pytest.raises(netns.NetnsError, match="not a lab prefix"):
+        netns.Network.load(tmp_path)
