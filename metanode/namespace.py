@@ -1200,16 +1200,17 @@ class MetaState:
                     version,
                     parent,
                     xattrs,
-                    data,
+                    payload,
                 ) = inodes[k : k + _NFIELDS]
                 if mode & _S_IFMT == _S_IFDIR:
-                    flat, next_cookie, ubytes, uinodes, qbytes, qinodes = data
-                    d = Dir()
-                    d.entries = dict(zip(flat[::2], flat[1::2], strict=True))
-                    d.next_cookie = next_cookie
-                    d.ubytes, d.uinodes, d.qbytes, d.qinodes = ubytes, uinodes, qbytes, qinodes
-                    data = d
-                inode = Inode(ino, mode, uid, gid, ctime, data)
+                    pairs, next_cookie, ubytes, uinodes, qbytes, qinodes = payload
+                    directory = Dir()
+                    directory.entries = dict(zip(pairs[::2], pairs[1::2], strict=True))
+                    directory.next_cookie = next_cookie
+                    directory.ubytes, directory.uinodes = ubytes, uinodes
+                    directory.qbytes, directory.qinodes = qbytes, qinodes
+                    payload = directory
+                inode = Inode(ino, mode, uid, gid, ctime, payload)
                 inode.nlink = nlink
                 inode.size = size
                 # share one int object between equal stamps, as a fresh inode does
