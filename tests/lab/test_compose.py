@@ -15,7 +15,9 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -360,3 +362,31 @@ def test_dockerfile_copies_every_package_dir(services):
     assert images == {"cachefs:lab"} and builds == {"."}
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_the_image_build_step_makes_a_complete_wheel(tmp_path):
+    """`pip wheel .` on exactly what the Dockerfile copies: every subcommand's module is in it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            for name in words[1:-1]:
+                path = ROOT / name
+                if path.is_dir():
+                    shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+                else:
+                    shutil.copy(path, src / name)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                             "-w", str(tmp_path / "out"), str(src)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [wheel] = (tmp_path / "out").glob("cachefs-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    from cachefs.cli import SUBCOMMANDS
+
+    for target in SUBCOMMANDS.values():
+        module = target.partition(":")[0]
+        assert module.replace(".", "/") + ".py" in names or module.replace(".", "/") + "/__init__.py" in names, module
+    assert "cachefs = cachefs.cli:main" in entry_points
