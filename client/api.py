@@ -64,6 +64,7 @@ T = TypeVar("T")
 ROOT_INO = 1
 READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
+CLOSE_TIMEOUT = 5.0
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
 
@@ -484,7 +485,10 @@ class AsyncFileSystem:
                 await f.close()
             except OSError as exc:
                 log.error("could not commit %s at close: %s", f.path, exc)
-        await self.session.close()
+        # Ending the session early only saves the metanodes its timeout; a
+        # cluster that is already gone must not hold the caller for 30 s.
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            await self.session.close()
 
     def stats(self) -> dict[str, Any]:
         """Counters of the read path (L1, fetches) and block chain (cache vs backing)."""
