@@ -11,9 +11,11 @@ back intact, before, during and after. Everything the test creates
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,6 +78,14 @@ def read_sha(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (orphans of a killed `lab up` wait for init to reap them)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def lab_leftovers(prefix: str) -> list[str]:
@@ -261,6 +271,36 @@ def test_netns_lab_cleans_up_after_a_crash(tmp_path):
     assert lab_leftovers(net.prefix) == []
     assert netns.Network.load(tmp_path) is None
     assert netns.destroy(tmp_path) == []  # idempotent
+
+
+def test_lab_down_after_lab_up_was_killed(tmp_path):
+    """`cachefs lab up --netns` killed -9 while starting: `cachefs lab down` still removes it all."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path / "lab"
+    cli = [sys.executable, "-m", "cachefs.cli", "lab"]
+    up = subprocess.Popen([*cli, "up", "--netns", "--dir", str(root)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        while time.monotonic() < deadline and len(pids) < 6:
+            time.sleep(0.1)
+            try:
+                pids = [n["pid"] for n in json.loads((root / "lab.json").read_text())["nodes"] if n["pid"]]
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        assert len(pids) >= 6, "lab up did not start its daemons"
+    finally:
+        up.kill()
+        up.wait()
+    prefix = netns.Network.load(root).prefix
+    assert lab_leftovers(prefix)
+    down = subprocess.run([*cli, "down", "--dir", str(root)], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert lab_leftovers(prefix) == []
+    assert not [pid for pid in pids if running(pid)]
 
 
 def test_cut_and_heal_a_single_node(tmp_path):
