@@ -5,7 +5,9 @@ over 3 zones (real processes on 127.0.0.1, each with its own data directory
 and log file), creates an ``ec:4+2`` volume and mounts it. ``lab status``
 shows every process, the metanode leader and the cache tier's usage and hit
 rates; ``lab down`` unmounts and stops everything, also after ``lab up``
-itself crashed, since every PID is recorded in a state file first.
+itself crashed, since every PID is recorded in a state file first. With
+``--netns`` every daemon runs in its own network namespace on its own
+address (:mod:`cachefs.netns`), so zones can be cut off and healed.
 
 The same :class:`Lab` class is what the end-to-end tests and benchmarks use
 to start, kill and restart nodes, so the lab people run is the lab we test.

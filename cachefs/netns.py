@@ -72,7 +72,10 @@ class NetnsError(click.ClickException):
 
 def node_ip(subnet: str, index: int) -> str:
     """Address of endpoint ``index``: 0 is the client (.2), daemons are .10, .11, ..."""
-    net = ipaddress.ip_network(subnet)
+    try:
+        net = ipaddress.ip_network(subnet)
+    except ValueError as exc:
+        raise click.UsageError(f"subnet {subnet!r}: {exc}") from None
     host = 2 if index == 0 else 9 + index
     if host >= net.num_addresses - 1:
         raise click.UsageError(f"subnet {subnet} is too small for {index} lab nodes")

@@ -35,6 +35,8 @@ def test_addresses_match_the_lab_and_stay_private(tmp_path):
     assert len({n.port for n in lab.nodes}) == len(lab.nodes)
     with pytest.raises(click.UsageError, match="private"):
         netns.node_ip("8.8.8.0/24", 1)
+    with pytest.raises(click.UsageError, match="subnet 'ten'"):
+        netns.node_ip("ten", 1)
     with pytest.raises(click.UsageError, match="too small"):
         netns.node_ip("10.1.2.0/29", 1)
 
