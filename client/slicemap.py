@@ -164,6 +164,8 @@ class Run:
     chunk: int
     pos: int
     data: bytearray = field(default_factory=bytearray)
+    # Only ever appended to: a sequential writer's extent, sealed when full.
+    stream: bool = True
 
     @property
     def end(self) -> int:
@@ -250,25 +252,35 @@ class WritePlan:
             run = self.extents[lo]
             if run.pos <= pos and end <= run.end:  # inside one extent: overwrite in place
                 run.data[pos - run.pos : end - run.pos] = piece
+                run.stream = False
                 return
-            if run.pos <= pos and pos <= run.end:  # grows one extent at its end (streaming)
+            if run.pos <= pos and pos <= run.end:  # grows one extent at its end
                 grow = end - run.end
                 run.data[pos - run.pos :] = piece
                 self.open_bytes += grow
-                if len(run.data) >= self.max_run:
+                if run.stream and len(run.data) >= self.max_run:
                     sealed.append(self._remove(lo)[0])
                 return
         touched = [self._remove(lo) for _ in range(hi - lo)]
-        start = min([pos] + [r.pos for r, _ in touched])
-        stop = max([end] + [r.end for r, _ in touched])
-        merged = Run(chunk, start, bytearray(stop - start))
-        for r, _ in touched:
-            merged.data[r.pos - start : r.end - start] = r.data
-        merged.data[pos - start : end - start] = piece
-        self._insert(merged, min((age for _, age in touched), default=None))
-        if len(merged.data) >= self.max_run and end == stop and pos > start:
-            i = bisect.bisect_left(self._keys, (chunk, start))
-            sealed.append(self._remove(i)[0])
+        if not touched:
+            self._insert(Run(chunk, pos, bytearray(piece)))
+            return
+        stop = max(end, touched[-1][0].end)
+        base = touched[0][0]
+        if base.pos <= pos:
+            # Grow the first extent in place: copying its bytes again would
+            # make every random write cost the size of the extent it lands in.
+            merged = base
+            merged.data.extend(bytes(stop - merged.end))
+            rest = touched[1:]
+        else:
+            merged = Run(chunk, pos, bytearray(stop - pos))
+            rest = touched
+        for r, _ in rest:
+            merged.data[r.pos - merged.pos : r.end - merged.pos] = r.data
+        merged.data[pos - merged.pos : end - merged.pos] = piece
+        merged.stream = False
+        self._insert(merged, min(age for _, age in touched))
 
     def seal(self) -> list[Run]:
         """Seal every open extent (flush/fsync/close)."""

@@ -296,3 +296,32 @@ def test_umount_commits_dirty_data_of_open_files(cluster, tmp_path: Path) -> Non
         m2.stop()
     m.check_log()
     m2.check_log()
+
+
+def _cache_stats(cluster) -> dict[str, dict]:
+    import trio
+
+    from cachefs.rpc import RpcPool
+
+    async def get() -> dict[str, dict]:
+        async with RpcPool(secret=cluster.secret) as pool:
+            return {n.name: (await pool.call(n.addr, "stats", timeout=10)).result for n in cluster.of_kind("cachenode")}
+
+    return trio.run(get)
+
+
+def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: Path) -> None:
+    m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0")
+    try:
+        before = _cache_stats(cluster)
+        data = os.urandom(16 << 20)
+        (m.path / "ckpt").write_bytes(data)
+        after = _cache_stats(cluster)
+        assert sum(a["puts"] - b["puts"] for a, b in zip(after.values(), before.values(), strict=True)) >= 4
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        assert (m.path / "ckpt").read_bytes() == data
+        read = _cache_stats(cluster)
+        assert sum(r["hits"] - a["hits"] for r, a in zip(read.values(), after.values(), strict=True)) >= 4
+    finally:
+        m.stop()
+    m.check_log()
