@@ -463,3 +463,46 @@ def test_silent_clients_are_forgotten_deterministically(ns: Driver) -> None:
     copy.restore(ns.state.snapshot())
     assert copy.snapshot() == ns.state.snapshot()
     assert copy.dedup_swept_ns == 12 * minute
+
+
+def test_remaining_error_cases(ns: Driver) -> None:
+    st = ns.state
+    f = ns.create(1, b"f")["ino"]
+    d = ns.mkdir(1, b"d")["ino"]
+    s = ns.do(C.Symlink, VOL, 1, b"s", b"f", 0, 0)["ino"]
+    fifo = ns.create(1, b"p", stat.S_IFIFO | 0o644)["ino"]
+    session = ns.do(C.MountVolume, VOL)["session"]
+    assert errno_of(st.statfs, "nope") == errno.ENOENT
+    assert errno_of(st.listxattr, VOL, 999) == errno.ENOENT
+    assert errno_of(st.getxattr, VOL, 999, b"user.a") == errno.ENOENT
+    assert errno_of(st.readlink, VOL, 999) == errno.ENOENT
+    assert errno_of(st.read_chunk, VOL, 999, 0) == errno.ENOENT
+    assert errno_of(st.read_chunk, VOL, s, 0) == errno.EINVAL
+    assert errno_of(st.read_chunk, VOL, f, -1) == errno.EINVAL
+    assert errno_of(st.usage, VOL, f) == errno.ENOTDIR
+    assert errno_of(st.trash, "nope", 10) == errno.ENOENT
+    assert errno_of(ns.do, C.Open, VOL, d, session) == errno.EISDIR
+    assert errno_of(ns.do, C.Open, VOL, fifo, session) == errno.EINVAL
+    assert errno_of(ns.do, C.Open, VOL, 999, session) == errno.ENOENT
+    assert errno_of(ns.do, C.Open, VOL, f, "no-such-session") == errno.ENOENT
+    assert errno_of(ns.do, C.Release, VOL, f, "no-such-session") == errno.ENOENT
+    assert errno_of(ns.do, C.MountVolume, "nope") == errno.ENOENT
+    assert errno_of(ns.do, C.AllocSlices, 0) == errno.EINVAL
+    assert errno_of(ns.do, C.AllocSlices, C.MAX_SLICE_ALLOC + 1) == errno.EINVAL
+    assert errno_of(ns.do, C.PurgeTrash, "nope", [1]) == errno.ENOENT
+    new = ns.do(C.AllocSlices, 1)
+    assert errno_of(ns.do, C.CompactChunk, VOL, d, 0, [1], new, 10) == errno.EINVAL
+    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [1], new + 5, 10) == errno.EINVAL
+    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [], new, 10) == errno.EINVAL
+    assert errno_of(ns.do, C.WriteSlice, VOL, s, 0, new, 0, 1, 0, 0) == errno.EINVAL
+    assert errno_of(ns.do, C.SetQuota, VOL, 999, 1, 1) == errno.ENOENT
+    assert errno_of(ns.do, C.SetQuota, VOL, d, -1, None) == errno.EINVAL
+    assert errno_of(ns.do, C.Mkdir, VOL, 1, b"x", stat.S_IFREG | 0o755, 0, 0) == errno.EINVAL
+    assert errno_of(ns.do, C.Unlink, VOL, 1, b"nope") == errno.ENOENT
+    assert errno_of(ns.do, C.Unlink, VOL, f, b"x") == errno.ENOTDIR
+    assert errno_of(ns.do, C.Rename, VOL, f, b"x", 1, b"y") == errno.ENOTDIR
+    assert errno_of(ns.do, C.Rename, VOL, 1, b"f", 999, b"y") == errno.ENOENT
+    assert errno_of(ns.do, C.Link, VOL, f, 1, b"x" * 256) == errno.ENAMETOOLONG
+    assert errno_of(ns.do, C.Rename, VOL, 1, b"f", 1, b"y" * 256) == errno.ENAMETOOLONG
+    assert errno_of(ns.do, C.Mknod, "nope", 1, b"x", 0o644, 0, 0, 0) == errno.ENOENT
+    ns.check()
