@@ -7,11 +7,13 @@ import collections
 import os
 
 import pytest
-import torch
-from cachefs.client.api import FileSystem
-from torch.utils.data import DataLoader, DistributedSampler
 
-from cachefs.torch import CacheFSDataset, OrderBoard, PrefetchSampler, make_loader
+torch = pytest.importorskip("torch")  # the [torch] extra; `make venv` installs it
+
+from cachefs.client.api import FileSystem  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from cachefs.torch import CacheFSDataset, OrderBoard, PrefetchSampler, make_loader  # noqa: E402
 
 N = 96
 
@@ -140,3 +142,11 @@ def test_order_board_round_trip() -> None:
     assert board.read() == (1, [3, 1, 2])
     board.publish(list(range(12)))  # longer than the board: cut to capacity
     assert board.read() == (2, list(range(10)))
+
+
+def test_benchmark_case_reports_each_epoch(lab, dataset_dir: str) -> None:
+    from bench.native_case import run_native
+
+    rates = run_native(lab.meta_addrs, "lab", dataset_dir, secret=lab.secret, zone="z1", epochs=2, workers=2,
+                       batch_size=8)  # fmt: skip
+    assert len(rates) == 2 and all(r > 0 for r in rates)
