@@ -117,6 +117,25 @@ def create(
     click.echo(f"created volume {name}: {json.dumps(spec)}")
 
 
+@volume.command("set")
+@click.argument("name")
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "zstd"]),
+    required=True,
+    help="Compression of blocks written from now on (old blocks keep theirs).",
+)
+@_meta
+@_secret
+@_insecure
+def set_(
+    name: str, compression: str, meta: list[str], secret_file: str | None, insecure: bool
+) -> None:
+    """Change volume NAME's settings (redundancy and block size are fixed)."""
+    spec = _run(meta, secret_file, insecure, lambda mc: mc.set_volume(name, compression))
+    click.echo(f"volume {name}: {json.dumps(spec)}")
+
+
 @volume.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_meta

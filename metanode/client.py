@@ -150,6 +150,9 @@ class MetaClient:
             pg_count=pg_count,
         )
 
+    async def set_volume(self, name: str, compression: str) -> dict[str, Any]:
+        return await self._m("set_volume", name=name, compression=compression)
+
     async def list_volumes(self) -> dict[str, Any]:
         return await self._r("list_volumes")
 

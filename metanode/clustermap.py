@@ -137,6 +137,15 @@ class ClusterMap:
         self.epoch += 1
         self._place(name)
 
+    def set_compression(self, name: str, compression: str) -> dict[str, Any]:
+        spec = self.volumes.get(name)
+        if spec is None:
+            raise NotFound(f"no volume {name!r}")
+        if spec.compression != compression:
+            spec.compression = compression
+            self.epoch += 1
+        return spec.to_dict()
+
     def _place(self, name: str) -> None:
         spec = self.volumes[name]
         nodes = [(n.id, n.zone, float(max(n.capacity, 1))) for n in self.datanodes.values()]

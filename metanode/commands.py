@@ -205,6 +205,23 @@ class CreateVolume(Command):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SetVolumeCompression(Command):
+    """Change a volume's compression for blocks written from now on; blocks
+    describe their own encoding in their header, so old ones stay readable.
+    (Redundancy and block size are fixed at creation: placement and the
+    block keys of existing data depend on them.)"""
+
+    TAG: ClassVar[int] = 4
+    MUTATES_VOLUME: ClassVar[bool] = False
+    name: str
+    compression: str
+
+    def validate(self) -> None:
+        if self.compression not in ("none", "zstd"):
+            raise InvalidArgument(f"compression must be none or zstd, got {self.compression!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class MountVolume(Command):
     """Open a client session on a volume (its open files live in the session)."""
 

@@ -274,6 +274,7 @@ class MetaState:
         self.applied_index = 0
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
             C.CreateVolume: self._create_volume,
+            C.SetVolumeCompression: self._set_volume_compression,
             C.MountVolume: self._mount_volume,
             C.CloseSession: self._close_session,
             C.SetAttr: self._setattr,
@@ -554,6 +555,10 @@ class MetaState:
         self.cluster.add_volume(cmd.name, spec)
         self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
         return spec.to_dict()
+
+    def _set_volume_compression(self, cmd: C.SetVolumeCompression) -> dict[str, Any]:
+        self._vol(cmd.name)
+        return self.cluster.set_compression(cmd.name, cmd.compression)
 
     def _mount_volume(self, cmd: C.MountVolume) -> dict[str, Any]:
         self._vol(cmd.volume)

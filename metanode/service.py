@@ -178,6 +178,13 @@ class MetaService:
         )
 
     @rpc_method
+    async def set_volume(
+        self, name: str, compression: str, client_id: str = "", seq: int = 0
+    ) -> dict:
+        """Change a volume's compression (for new blocks)."""
+        return await self._propose(C.SetVolumeCompression, client_id, seq, name, compression)
+
+    @rpc_method
     async def list_volumes(self) -> dict:
         state = await self._read()
         out = {}

@@ -81,10 +81,12 @@ async def test_volume_commands_against_real_metanodes(tmp_path: Path) -> None:
         assert made.returncode == 0, made.stderr
         again = await trio.to_thread.run_sync(lambda: run("create", "data"))
         assert again.returncode == 1 and "EEXIST" in again.stderr
+        changed = await trio.to_thread.run_sync(lambda: run("set", "data", "--compression", "none"))
+        assert changed.returncode == 0, changed.stderr
         listed = await trio.to_thread.run_sync(lambda: run("list", "--json"))
         vols = json.loads(listed.stdout)
         assert vols["data"]["policy"] == "ec:4+2" and vols["data"]["block_size"] == 1 << 20
-        assert vols["data"]["compression"] == "zstd" and vols["data"]["used_inodes"] == 1
+        assert vols["data"]["compression"] == "none" and vols["data"]["used_inodes"] == 1
         quota = await trio.to_thread.run_sync(
             lambda: run("quota", "data", "1", "--max-inodes", "5")
         )

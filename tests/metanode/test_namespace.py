@@ -381,6 +381,10 @@ def test_volumes_and_cluster_map() -> None:
     assert errno_of(ns.do, C.RemoveNode, "datanode", "dn5") == errno.ENOENT
     assert errno_of(ns.do, C.RegisterNode, "tape", "x", "h:1", "z", 1) == errno.EINVAL
     assert errno_of(ns.do, C.RegisterNode, "datanode", "x", "nohost", "z", 1) == errno.EINVAL
+    assert ns.do(C.SetVolumeCompression, "a", "none")["compression"] == "none"
+    assert ns.state.cluster.to_dict()["volumes"]["a"]["compression"] == "none"
+    assert errno_of(ns.do, C.SetVolumeCompression, "zz", "none") == errno.ENOENT
+    assert errno_of(ns.do, C.SetVolumeCompression, "a", "lz4") == errno.EINVAL
     st = ns.state.statfs("a")
     assert st["blocks"] * st["bsize"] == 5 << 30 and st["namemax"] == 255
     ns.state.cluster.heartbeat("datanode", "dn1", 123, now=10.0)
