@@ -1,0 +1,35 @@
+"""Shared by the fault, fuzz and security suites: where a lab may run, and a free port range."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+
+
+def needs_fuse_root() -> None:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse")
+    if shutil.which("fusermount3") is None:
+        pytest.skip("fusermount3 is not installed")
+
+
+def _ports_free(ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_base(first: int) -> int:
+    """A lab base port in [first, first+3000) whose node ports are all free now."""
+    for k in range(10):
+        base = first + ((os.getpid() + k) % 10) * 300
+        if _ports_free([base + off for off in (1, 2, 3, 101, 102, 103, 104, 201, 202)]):
+            return base
+    raise RuntimeError(f"no free lab port range in {first}-{first + 3000}")

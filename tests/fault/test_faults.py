@@ -1,0 +1,92 @@
+"""The fault matrix as tests: the scenarios of ``python -m bench.chaos`` on the quick lab.
+
+One lab of real processes (3 metanodes, 3 datanodes with ec:2+1, 2 cache
+nodes) and one FUSE mount for the whole module; each test injects one fault
+while a workload runs through the mount (fsynced files, creates, renames and
+unlinks, a fio job with crc32c verification) and then checks everything
+acknowledged so far. The tests run in file order and each leaves the cluster
+whole again for the next.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import Chaos, quick_config
+
+from .conftest import free_base, needs_fuse_root
+
+pytestmark = [pytest.mark.slow, pytest.mark.fuse]
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory):
+    needs_fuse_root()
+    root = tmp_path_factory.mktemp("chaos")
+    mnt = Path(tempfile.mkdtemp(prefix="cachefs-fault-mnt-"))
+    c = Chaos(quick_config(str(root), free_base(23000)), mnt, quick=True, seed=7)
+    c._ops = 15  # keep CI short; bench.chaos runs the long version
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
+        if not mnt.is_mount():
+            shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _ok(row) -> None:
+    assert row.lost == 0, f"{row.fault}: {row.lost_detail}"
+    assert row.verified > 0
+
+
+def test_kill_metanode_leader(chaos: Chaos) -> None:
+    row = chaos.kill_leader()
+    _ok(row)
+    assert row.acknowledged > 0
+
+
+def test_kill_metanode_follower(chaos: Chaos) -> None:
+    _ok(chaos.kill_follower())
+
+
+def test_two_of_three_metanodes_stop_writes_and_restart_goes_on(chaos: Chaos) -> None:
+    row = chaos.kill_two_metanodes()
+    _ok(row)
+    assert row.note == "writes refused without quorum"
+
+
+def test_restart_all_metanodes(chaos: Chaos) -> None:
+    _ok(chaos.restart_all_metanodes())
+
+
+def test_cache_nodes_down_to_none_reads_continue(chaos: Chaos) -> None:
+    _ok(chaos.kill_caches())
+
+
+def test_kill_m_datanodes_reads_continue(chaos: Chaos) -> None:
+    _ok(chaos.kill_m_datanodes())
+
+
+def test_wiped_datanode_repaired(chaos: Chaos) -> None:
+    row = chaos.wipe_and_repair()
+    _ok(row)
+    assert row.note.startswith("repair exit 0"), row.note
+
+
+def test_corrupt_shards_read_back_intact(chaos: Chaos) -> None:
+    row = chaos.corrupt_shards(count=8)
+    _ok(row)
+    assert row.injected > 0
+
+
+def test_kill_fuse_client_during_writes(chaos: Chaos) -> None:
+    _ok(chaos.kill_client())
+
+
+def test_full_cache_flash(chaos: Chaos) -> None:
+    _ok(chaos.fill_cache())
