@@ -171,7 +171,7 @@ class Prefetcher:
                 break
             if path not in self._ready and path not in self._inflight:
                 self._inflight[path] = trio.Event()
-                self.afs._nursery.start_soon(self._fetch, path)
+                self.afs.start_soon(self._fetch, path)
 
     async def _fetch(self, path: str) -> None:
         event = self._inflight[path]

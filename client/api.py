@@ -184,6 +184,10 @@ class AsyncFileSystem:
     def block_size(self) -> int:
         return self.session.block_size
 
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` as a background task of this client (it ends with the client)."""
+        self._nursery.start_soon(fn, *args)
+
     # ------------------------------------------------------------------ inodes
 
     def _inode(self, attr: Attr) -> Inode:
@@ -670,7 +674,20 @@ def _secret(secret: bytes | str | None) -> bytes | None:
 # ---------------------------------------------------------------------- sync
 
 
-def _stop_loop(token: trio.lowlevel.TrioToken, stop: trio.Event, thread: threading.Thread) -> None:
+def _stop_loop(
+    token: trio.lowlevel.TrioToken, stop: trio.Event, thread: threading.Thread, pid: int
+) -> None:
+    """The finalizer of a :class:`FileSystem` (close, garbage collection, exit).
+
+    Only in the process that made it: a forked child holds a copy of the
+    object but not the loop thread, and the token's wake-up socket is shared
+    with the parent, so calling into it from the child would wait forever.
+    """
+    if os.getpid() != pid:
+        return
+    if thread.ident == threading.get_ident():  # dropped on its own loop: just ask it to stop
+        stop.set()
+        return
     with contextlib.suppress(trio.RunFinishedError, RuntimeError):
         trio.from_thread.run_sync(stop.set, trio_token=token)
     thread.join(timeout=60)
@@ -705,7 +722,9 @@ class FileSystem:
             raise result
         self._token, self._afs, self._stop = result
         self.aio: AsyncFileSystem = self._afs
-        self._finalizer = weakref.finalize(self, _stop_loop, self._token, self._stop, self._thread)
+        self._finalizer = weakref.finalize(
+            self, _stop_loop, self._token, self._stop, self._thread, self.pid
+        )
 
     @staticmethod
     def _main(meta_addrs: Any, volume: str, secret: Any, zone: str, options: Any,
@@ -749,7 +768,11 @@ class FileSystem:
         self.call(self._spawn, fn, args)
 
     async def _spawn(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
-        self._afs._nursery.start_soon(fn, *args)
+        self._afs.start_soon(fn, *args)
+
+    @property
+    def in_loop_thread(self) -> bool:
+        return threading.get_ident() == self._thread.ident
 
     def close(self) -> None:
         """Commit open files, end the session and stop the loop thread."""
@@ -917,7 +940,12 @@ class File(io.RawIOBase):
             return
         try:
             if not self._f.closed and not self._fs.closed and os.getpid() == self._fs.pid:
-                self._fs.call(self._f.close)
+                if self._fs.in_loop_thread:
+                    # Garbage-collected on the loop thread, which cannot block
+                    # on itself: commit in the background instead.
+                    self._fs.aio.start_soon(self._f.close)
+                else:
+                    self._fs.call(self._f.close)
         finally:
             super().close()
 

@@ -240,3 +240,43 @@ def test_library_writes_are_visible_to_the_mount(fs: FileSystem, mount: Path) ->
     # and the mount's writes reach the library's next open
     (mount / "ckpt" / "final" / "model.pt").write_bytes(b"from the mount")
     assert fs.read_bytes("ckpt/final/model.pt") == b"from the mount"
+
+
+def test_a_forked_child_connects_on_its_own(lab) -> None:
+    """The parent's client does not work in a child (no loop thread there), is
+    dropped there without touching the parent's loop, and the child's own
+    connection works; the parent's client goes on working."""
+    import gc
+
+    c = connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z1")
+    c.write_bytes("native/fork", b"parent")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            try:
+                c.read_bytes("native/fork")
+                code = 2
+            except RuntimeError:
+                del c
+                gc.collect()
+                with connect(lab.meta_addrs, "lab", secret=lab.secret) as own:
+                    code = 0 if own.read_bytes("native/fork") == b"parent" else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert c.read_bytes("native/fork") == b"parent"
+    c.close()
+    assert c.closed
+    with pytest.raises(ValueError, match="closed"):
+        c.stat("native/fork")

@@ -81,6 +81,19 @@ def test_shuffled_epochs_with_two_workers_yield_each_sample_once(lab, dataset_di
     del loader
 
 
+def test_workers_forked_after_the_main_process_read(lab, dataset_dir: str) -> None:
+    """A dataset that already holds a connection in the main process forks
+    into workers that open their own (and leave the parent's alone)."""
+    ds = _dataset(lab, dataset_dir, prefetch_depth=8)
+    try:
+        first = ds[0]
+        loader = make_loader(ds, batch_size=16, num_workers=2)
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(N))
+        assert ds[0] == first  # the main process's connection still works
+    finally:
+        ds.close()
+
+
 @pytest.mark.filterwarnings(
     "ignore:This DataLoader will create:UserWarning"
 )  # 3 workers on 2 cores
