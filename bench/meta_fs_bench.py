@@ -107,16 +107,16 @@ def targets(bed: Testbed, work: Path, names: list[str]) -> Iterator[dict[str, Pa
 
 
 def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    size = parse_size(args.size)
+    size = parse_size(args.meta_size)
     bed.set_link(RTT2)
     runs: dict[str, dict[str, dict[str, list[float]]]] = {}
-    with targets(bed, work, args.targets) as dirs:
-        for procs in args.procs:
+    with targets(bed, work, args.meta_targets) as dirs:
+        for procs in args.meta_procs:
             for rep in range(args.repeat):
                 for name, base in dirs.items():
-                    _progress(f"{name}: {args.files} files of {size} B in {args.dirs} dirs, {procs} processes")
-                    rates = run_target(base / f"mdtest-p{procs}-r{rep}-{os.getpid()}", procs, args.files,
-                                       args.dirs, size)
+                    _progress(f"{name}: {args.meta_files} files of {size} B in {args.meta_dirs} dirs, {procs} processes")
+                    rates = run_target(base / f"mdtest-p{procs}-r{rep}-{os.getpid()}", procs, args.meta_files,
+                                       args.meta_dirs, size)
                     for phase, value in rates.items():
                         runs.setdefault(name, {}).setdefault(f"p{procs}", {}).setdefault(phase, []).append(value)
     table = {t: {p: {ph: {"median": round(median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
@@ -126,13 +126,13 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
         return table.get(target, {}).get(f"p{procs}", {}).get(phase, {}).get("median", float("nan"))
 
     result: dict[str, Any] = {
-        "files": args.files, "dirs": args.dirs, "file_bytes": size, "procs": args.procs,
+        "files": args.meta_files, "dirs": args.meta_dirs, "file_bytes": size, "procs": args.meta_procs,
         "repeat": args.repeat, "link": RTT2.describe(), "files_per_s": table,
     }
     for phase in PHASES:
         result[f"meta_{phase}_vs_juicefs"] = ratio(med("cachefs", phase), med("juicefs", phase))
         result[f"meta_{phase}_vs_passthrough"] = ratio(med("cachefs", phase), med("passthrough", phase))
-        if 4 in args.procs:
+        if 4 in args.meta_procs:
             result[f"meta_{phase}_vs_juicefs_p4"] = ratio(med("cachefs", phase, 4), med("juicefs", phase, 4))
     return result
 
@@ -150,18 +150,18 @@ def show(result: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--meta-files", dest="files", type=int, default=2000, help="files per run")
-    parser.add_argument("--meta-dirs", dest="dirs", type=int, default=20, help="directories per run")
-    parser.add_argument("--meta-size", dest="size", default="110K", help="bytes per file")
-    parser.add_argument("--meta-procs", dest="procs", default="1,4", help="process counts, comma separated")
-    parser.add_argument("--meta-targets", dest="targets", default=",".join(TARGETS))
+    parser.add_argument("--meta-files", dest="meta_files", type=int, default=2000, help="files per run")
+    parser.add_argument("--meta-dirs", dest="meta_dirs", type=int, default=20, help="directories per run")
+    parser.add_argument("--meta-size", dest="meta_size", default="110K", help="bytes per file")
+    parser.add_argument("--meta-procs", dest="meta_procs", default="1,4", help="process counts, comma separated")
+    parser.add_argument("--meta-targets", dest="meta_targets", default=",".join(TARGETS))
 
 
 def finish_args(args: argparse.Namespace) -> None:
-    args.procs = [int(p) for p in str(args.procs).split(",")]
-    args.targets = [t for t in str(args.targets).split(",") if t]
+    args.meta_procs = [int(p) for p in str(args.meta_procs).split(",")]
+    args.meta_targets = [t for t in str(args.meta_targets).split(",") if t]
     if args.quick:
-        args.files, args.dirs = min(args.files, 40), min(args.dirs, 4)
+        args.meta_files, args.meta_dirs = min(args.meta_files, 40), min(args.meta_dirs, 4)
 
 
 def main(argv: list[str] | None = None) -> None:

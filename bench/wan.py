@@ -213,6 +213,8 @@ def wan_lab(root: Path, base_port: int, cachenodes: int = 2) -> Any:
             argv = super()._argv(node)
             if node.kind == "datanode":
                 argv += ["--advertise", f"127.0.0.1:{node.port + RELAY_OFFSET}"]
+            elif node.kind == "metanode":  # stopping the cache tier (case a) shows within seconds
+                argv += ["--node-timeout", "5"]
             return argv
 
     return WanLab(LabConfig(root=str(root), base_port=base_port, cachenodes=cachenodes, metrics=False,

