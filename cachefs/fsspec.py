@@ -25,7 +25,7 @@ Conventions kept: names in listings carry no protocol (``"vol/dir/file"``),
 the end); ``open`` modes are ``rb``, ``wb``, ``ab``, ``xb`` (text via
 fsspec's wrapper); a missing path raises ``FileNotFoundError``. Listings are
 not cached (``dircache`` stays empty): like the mount, every call sees the
-metanodes' current namespace.
+metanodes' current namespace. The root (``cachefs://``) lists the volumes.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import trio
 from fsspec import AbstractFileSystem
 
 from cachefs.client.api import AsyncFileSystem, ClientOptions, DirEntry, FileSystem, connect
+from cachefs.errors import CacheFSError
 
 PARALLEL_RANGES = 16
 
@@ -157,11 +158,34 @@ class CacheFSFileSystem(AbstractFileSystem):
 
     # ------------------------------------------------------------------ reading the namespace
 
+    def volumes(self) -> list[str]:
+        """The cluster's volumes (what ``ls("")`` lists): asked of the metanodes
+        on a short-lived connection, since no volume session is needed."""
+        from cachefs.metanode.client import MetaClient
+        from cachefs.rpc import RpcPool
+
+        async def ask() -> dict[str, Any]:
+            async with RpcPool(secret=self._secret) as pool:
+                return await MetaClient(pool, self.meta, deadline=10.0).list_volumes()
+
+        try:
+            return sorted(trio.run(ask))
+        except CacheFSError as exc:
+            raise OSError(exc.errno, exc.message) from exc
+
+    def _is_root(self, path: str) -> bool:
+        return not self._strip_protocol(path).strip("/")
+
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        if self._is_root(path):
+            return {"name": "", "size": 0, "type": "directory"}
         fs, volume, inner = self._split(path)
         return self._info(self._name(volume, inner), fs.stat(inner))
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        if self._is_root(path):
+            vols = [{"name": v, "size": 0, "type": "directory"} for v in self.volumes()]
+            return vols if detail else [v["name"] for v in vols]
         fs, volume, inner = self._split(path)
         try:
             entries: list[DirEntry] = fs.scandir(inner)

@@ -65,6 +65,7 @@ ROOT_INO = 1
 READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0
+COMPACT_DELAY = 0.5
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
 
@@ -80,6 +81,7 @@ class ClientOptions:
     write_through: bool = False
     upload_parallel: int = 8
     entry_timeout: float = 1.0  # how long a resolved directory name is trusted
+    compact_after: int = 64  # slices in a chunk before it is rewritten as one
     transport: str = "tcp"
 
 
@@ -177,6 +179,7 @@ class AsyncFileSystem:
         self._idle: OrderedDict[int, Inode] = OrderedDict()  # LRU of closed ones
         self._dentries: dict[tuple[int, str], tuple[int, float]] = {}
         self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
+        self._compacting: set[tuple[int, int]] = set()
         self._uid, self._gid = os.getuid(), os.getgid()
         self.closed = False
 
@@ -469,8 +472,30 @@ class AsyncFileSystem:
                 buffer_limit=self.options.write_buffer,
                 upload_limit=self._upload_limit,
                 write_through=self.options.write_through,
+                on_commit=self._maybe_compact,
             )
         return inode.writer
+
+    def _maybe_compact(self, inode: Inode, chunk: int, version: int) -> None:
+        """As the mount does: many small writes leave a chunk with many slices,
+        which every later read must resolve; rewrite it as one in the background."""
+        key = (inode.ino, chunk)
+        if key not in self._compacting:
+            self._compacting.add(key)
+            self._nursery.start_soon(self._compact, inode, chunk)
+
+    async def _compact(self, inode: Inode, chunk: int) -> None:
+        try:
+            await trio.sleep(COMPACT_DELAY)  # let a burst of writes finish first
+            if inode.writer is not None and inode.writer.dirty:
+                return
+            await self.session.compact_if_needed(
+                inode, chunk, self.reader, self.options.compact_after
+            )
+        except CacheFSError as exc:
+            log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
+        finally:
+            self._compacting.discard((inode.ino, chunk))
 
     async def _release(self, inode: Inode) -> None:
         inode.opens -= 1

@@ -64,6 +64,8 @@ def test_ls_info_and_names(cfs: CacheFSFileSystem) -> None:
     ]  # a file lists itself
     assert cfs.info("lab/fsspec/ls/sub/b.bin")["size"] == 20
     assert cfs.info("lab")["type"] == "directory"
+    assert cfs.ls("cachefs://", detail=False) == ["lab"]
+    assert cfs.ls("")[0] == {"name": "lab", "size": 0, "type": "directory"}
     assert cfs.isdir("lab/fsspec/ls/sub") and cfs.isfile("lab/fsspec/ls/a.bin")
     assert cfs.size("lab/fsspec/ls/sub/b.bin") == 20
     assert cfs.find("lab/fsspec/ls") == ["lab/fsspec/ls/a.bin", "lab/fsspec/ls/sub/b.bin"]

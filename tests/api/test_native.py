@@ -280,3 +280,29 @@ def test_a_forked_child_connects_on_its_own(lab) -> None:
     assert c.closed
     with pytest.raises(ValueError, match="closed"):
         c.stat("native/fork")
+
+
+def test_many_small_writes_are_compacted(fs: FileSystem) -> None:
+    """Each committed run is a slice; past ``compact_after`` the chunk is
+    rewritten as one slice in the background, and the bytes stay the same."""
+    want = bytearray(64 * 1024)
+    fs.makedirs("native", exist_ok=True)
+    with fs.open("native/compact", "wb") as f:
+        f.write(bytes(want))
+    with fs.open("native/compact", "r+b", buffering=0) as f:
+        for i in range(70):
+            piece = bytes([i + 1]) * 100
+            f.seek(i * 900)
+            f.write(piece)
+            f.flush()  # one committed slice each
+            want[i * 900 : i * 900 + 100] = piece
+    ino = fs.stat("native/compact").st_ino
+
+    async def slices() -> int:
+        return len(await fs.aio.session.read_chunk(ino, 0))
+
+    deadline = time.monotonic() + 20
+    while fs.call(slices) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fs.call(slices) == 1
+    assert fs.read_bytes("native/compact") == bytes(want)
