@@ -12,7 +12,9 @@ segments make up the range (:mod:`.slicemap`), then serves each block piece:
    window starts at one block and doubles on every sequential read up to
    ``readahead_max``, so a streaming reader has several blocks in flight;
 3. for a *random* reader, by fetching exactly the byte range it needs, which
-   is not cached (a 4 KiB read costs 4 KiB of transfer, not a block).
+   is not cached (a 4 KiB read costs 4 KiB of transfer, not a block) -- unless
+   the block was read at random before (second touch: a hot block), which is
+   then fetched whole into L1.
 
 Fetches go to the session's block chain (own zone's cache node, next zone's,
 then backing storage; see :mod:`.session`). Everything runs as trio tasks on
@@ -25,6 +27,7 @@ sees its own writes before they are committed.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,6 +45,7 @@ from .tasks import run_all
 log = logging.getLogger(__name__)
 
 SEQ_SLACK = 256 * 1024
+TOUCH_MEMORY = 8192
 
 
 class BlockSource(Protocol):
@@ -97,6 +101,7 @@ class Reader:
         self.readahead_max = readahead_max
         self._nursery = nursery
         self._inflight: dict[BlockKey, trio.Event] = {}
+        self._touched: OrderedDict[BlockKey, None] = OrderedDict()
         self._failed: dict[BlockKey, CacheFSError] = {}
         self._prefetch_limit = trio.Semaphore(max_parallel)
         self.stats = {
@@ -170,11 +175,24 @@ class Reader:
                         continue
                     dest = view[buf_off + part.pos - pos : buf_off + part.pos - pos + part.length]
                     if not self._copy_from_l1(part, dest):
-                        jobs.append(self._job(part, dest, whole=sequential))
+                        jobs.append(self._job(part, dest, whole=sequential or self._seen_before(part.key)))
         if len(jobs) == 1:
             await jobs[0]()
         elif jobs:
             await run_all(jobs)
+
+    def _seen_before(self, key: BlockKey) -> bool:
+        """Second-touch admission for random readers: the first random read of
+        a block fetches only its range; a block read at random again (a hot
+        file, a small dataset read in shuffled order) is fetched whole into L1.
+        A random reader of a large cold dataset so never pays for whole blocks."""
+        if key in self._touched:
+            del self._touched[key]
+            return True
+        self._touched[key] = None
+        if len(self._touched) > TOUCH_MEMORY:
+            self._touched.popitem(last=False)
+        return False
 
     def _copy_from_l1(self, part: BlockPart, dest: memoryview) -> bool:
         block = self.l1.get(part.key)

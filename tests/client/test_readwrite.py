@@ -307,3 +307,19 @@ def test_session_io_with_compaction_matches_model(ops, seed) -> None:
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+async def test_a_block_read_at_random_twice_is_cached_whole(nursery) -> None:
+    src = InProcess()
+    inode = src.new_file()
+    data = random.randbytes(16 * BLOCK)
+    writer = _writer(src, inode, nursery, limit=64 * BLOCK)
+    await writer.write(0, data)
+    await writer.flush()
+    reader = Reader(src, L1Cache(64 * BLOCK), nursery=nursery, readahead_max=8 * BLOCK)
+    ra = reader.new_readahead()
+    # Far enough apart not to look sequential (SEQ_SLACK).
+    for off in (10 * BLOCK + 100, 5000, 10 * BLOCK + 9000, 10 * BLOCK + 20000):
+        assert await reader.read(inode, off, 4096, ra) == data[off : off + 4096]
+    # range, range, then the second touch of block 2 fetches it whole, then L1
+    assert [length for _, _, length in src.fetches] == [4096, 4096, -1]
