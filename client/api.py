@@ -23,8 +23,9 @@ Two entry points:
   not survive ``fork``: a child process must connect on its own (the torch
   Dataset and the fsspec filesystem do that lazily per process).
 
-Paths are volume paths (``"a/b.bin"`` or ``"/a/b.bin"``); ``..`` is resolved
-lexically and symbolic links are not followed (``stat`` is ``lstat``).
+Paths are volume paths (``"a/b.bin"`` or ``"/a/b.bin"``); ``..`` in a path
+is resolved lexically, symbolic links are followed (``lstat`` and
+``readlink`` do not), and directory listings describe links as links.
 Errors are raised as :class:`OSError` with the POSIX errno (so
 ``FileNotFoundError``, ``FileExistsError``...), the cachefs error chained as
 ``__cause__``: the library boundary is an edge, like the FUSE one.
@@ -48,7 +49,15 @@ from typing import Any, TypeVar
 
 import trio
 
-from cachefs.errors import CacheFSError, Exists, IsADirectory, NotADirectory, NotFound
+from cachefs.errors import (
+    CacheFSError,
+    Exists,
+    InvalidArgument,
+    IsADirectory,
+    NotADirectory,
+    NotFound,
+    TooManyLinks,
+)
 from cachefs.rpc import RpcPool
 
 from .inodes import Attr, Inode
@@ -68,6 +77,7 @@ CLOSE_TIMEOUT = 5.0
 COMPACT_DELAY = 0.5
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
+MAX_LINKS = 40  # symbolic links followed in one path, as Linux
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,52 +228,113 @@ class AsyncFileSystem:
 
     # ------------------------------------------------------------------ names
 
-    async def _dir_ino(self, names: Sequence[str]) -> int:
-        """Inode number of the directory ``names``; names resolved less than
-        ``entry_timeout`` ago are taken from the cache (like the kernel's dentry
-        cache under a mount)."""
-        ino = ROOT_INO
-        now = trio.current_time()
-        for name in names:
-            hit = self._dentries.get((ino, name))
-            if hit is not None and hit[1] > now:
-                ino = hit[0]
+    async def _resolve(
+        self, path: str | os.PathLike[str], *, follow_last: bool = True, dir_only: bool = False
+    ) -> tuple[int, int, Attr | None]:
+        """Walk ``path`` from the root: ``(parent ino, ino, attributes)``.
+
+        Symbolic links are followed on the way (and at the end with
+        ``follow_last``), at most ``MAX_LINKS`` of them. Directory names
+        resolved less than ``entry_timeout`` ago come from the name cache (the
+        kernel's dentry cache does the same under a mount); the last name is
+        always asked fresh, except with ``dir_only`` (a parent directory, whose
+        attributes are then not returned).
+
+        Raises:
+            NotFound, NotADirectory, TooManyLinks
+        """
+        pending = split_path(path)
+        stack = [ROOT_INO]  # the directories from the root down to where we are
+        hops = 0
+        while pending:
+            name = pending.pop(0)
+            last = not pending
+            here = stack[-1]
+            if name == "..":  # only from a link target: user paths are resolved lexically
+                if len(stack) > 1:
+                    stack.pop()
                 continue
-            attr = await self.session.lookup(ino, os.fsencode(name))
-            if not attr.is_dir:
+            if not last or dir_only:
+                hit = self._dentries.get((here, name))
+                if hit is not None and hit[1] > trio.current_time():
+                    stack.append(hit[0])
+                    continue
+            try:
+                attr = await self.session.lookup(here, os.fsencode(name))
+            except NotFound:
+                self._forget_name(here, name)
+                raise
+            if stat_mod.S_ISLNK(attr.mode) and (follow_last or not last):
+                hops += 1
+                if hops > MAX_LINKS:
+                    raise TooManyLinks(f"too many levels of symbolic links in {os.fspath(path)}")
+                target = os.fsdecode(await self.session.readlink(attr.ino))
+                if target.startswith("/"):
+                    stack = [ROOT_INO]
+                pending = [p for p in target.split("/") if p not in ("", ".")] + pending
+                continue
+            if attr.is_dir:
+                self._dentries[(here, name)] = (
+                    attr.ino,
+                    trio.current_time() + self.options.entry_timeout,
+                )
+            elif not last or dir_only:
                 raise NotADirectory(f"{name} is not a directory")
-            self._dentries[(ino, name)] = (attr.ino, now + self.options.entry_timeout)
-            ino = attr.ino
+            if last:
+                return here, attr.ino, attr
+            stack.append(attr.ino)
         if len(self._dentries) > IDLE_INODES:
+            now = trio.current_time()
             self._dentries = {k: v for k, v in self._dentries.items() if v[1] > now}
-        return ino
+        parent = stack[-2] if len(stack) > 1 else ROOT_INO
+        if dir_only:
+            return parent, stack[-1], None
+        return parent, stack[-1], await self.session.getattr(stack[-1])
 
     async def _parent(self, path: str | os.PathLike[str]) -> tuple[int, str]:
+        """The directory that holds (or will hold) ``path``'s last name, and that name."""
         names = split_path(path)
         if not names:
             raise IsADirectory("the volume root has no parent")
-        return await self._dir_ino(names[:-1]), names[-1]
+        if len(names) == 1:
+            return ROOT_INO, names[0]
+        _, ino, _ = await self._resolve("/".join(names[:-1]), dir_only=True)
+        return ino, names[-1]
 
     def _forget_name(self, parent: int, name: str) -> None:
         self._dentries.pop((parent, name), None)
 
-    async def _attr(self, path: str | os.PathLike[str]) -> Attr:
-        """Fresh attributes of ``path`` (always asks the metanodes for the last name)."""
-        names = split_path(path)
-        if not names:
-            return await self.session.getattr(ROOT_INO)
-        parent = await self._dir_ino(names[:-1])
-        try:
-            return await self.session.lookup(parent, os.fsencode(names[-1]))
-        except NotFound:
-            self._forget_name(parent, names[-1])
-            raise
+    async def _attr(self, path: str | os.PathLike[str], *, follow: bool = True) -> Attr:
+        """Fresh attributes of ``path`` (symbolic links followed unless ``follow`` is False)."""
+        attr = (await self._resolve(path, follow_last=follow))[2]
+        assert attr is not None  # only dir_only leaves it out
+        return attr
 
     # ------------------------------------------------------------------ metadata
 
     async def stat(self, path: str | os.PathLike[str]) -> os.stat_result:
         with _edge(os.fspath(path)):
             return to_stat(await self._attr(path), self.block_size)
+
+    async def lstat(self, path: str | os.PathLike[str]) -> os.stat_result:
+        """Like :meth:`stat`, but a symbolic link is described, not followed."""
+        with _edge(os.fspath(path)):
+            return to_stat(await self._attr(path, follow=False), self.block_size)
+
+    async def symlink(self, target: str, path: str | os.PathLike[str]) -> None:
+        """Make ``path`` a symbolic link to ``target`` (as ``os.symlink``)."""
+        with _edge(os.fspath(path)):
+            parent, name = await self._parent(path)
+            await self.session.symlink(
+                parent, os.fsencode(name), os.fsencode(target), self._uid, self._gid
+            )
+
+    async def readlink(self, path: str | os.PathLike[str]) -> str:
+        with _edge(os.fspath(path)):
+            attr = await self._attr(path, follow=False)
+            if not stat_mod.S_ISLNK(attr.mode):
+                raise InvalidArgument(f"{_norm(path)} is not a symbolic link")
+            return os.fsdecode(await self.session.readlink(attr.ino))
 
     async def exists(self, path: str | os.PathLike[str]) -> bool:
         try:
@@ -350,7 +421,7 @@ class AsyncFileSystem:
                         ino, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
                     )
                 except Exists:
-                    attr = await self.session.lookup(ino, os.fsencode(name))
+                    attr = await self._attr("/".join(names[: i + 1]))  # a link to a dir will do
                     if not attr.is_dir:
                         raise NotADirectory(
                             f"{'/'.join(names[: i + 1])} is not a directory"
@@ -820,6 +891,15 @@ class FileSystem:
 
     def stat(self, path: str | os.PathLike[str]) -> os.stat_result:
         return self.call(self._afs.stat, path)
+
+    def lstat(self, path: str | os.PathLike[str]) -> os.stat_result:
+        return self.call(self._afs.lstat, path)
+
+    def symlink(self, target: str, path: str | os.PathLike[str]) -> None:
+        self.call(self._afs.symlink, target, path)
+
+    def readlink(self, path: str | os.PathLike[str]) -> str:
+        return self.call(self._afs.readlink, path)
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
         return self.call(self._afs.exists, path)

@@ -240,6 +240,11 @@ def test_library_writes_are_visible_to_the_mount(fs: FileSystem, mount: Path) ->
     # and the mount's writes reach the library's next open
     (mount / "ckpt" / "final" / "model.pt").write_bytes(b"from the mount")
     assert fs.read_bytes("ckpt/final/model.pt") == b"from the mount"
+    fs.symlink("final/model.pt", "ckpt/latest")
+    assert os.readlink(mount / "ckpt" / "latest") == "final/model.pt"
+    assert (mount / "ckpt" / "latest").read_bytes() == b"from the mount"
+    os.symlink("final", mount / "ckpt" / "dirlink")
+    assert fs.read_bytes("ckpt/dirlink/model.pt") == b"from the mount"
 
 
 def test_a_forked_child_connects_on_its_own(lab) -> None:
@@ -306,3 +311,35 @@ def test_many_small_writes_are_compacted(fs: FileSystem) -> None:
         time.sleep(0.2)
     assert fs.call(slices) == 1
     assert fs.read_bytes("native/compact") == bytes(want)
+
+
+def test_symbolic_links_are_followed(fs: FileSystem) -> None:
+    fs.makedirs("native/links/real/deep", exist_ok=True)
+    fs.write_bytes("native/links/real/deep/f", b"target bytes")
+    fs.symlink("real/deep", "native/links/rel")  # relative to the link's directory
+    fs.symlink("/native/links/real", "native/links/abs")
+    fs.symlink("../rel/f", "native/links/real/up")  # '..' inside a target
+    fs.symlink("loop2", "native/links/loop1")
+    fs.symlink("loop1", "native/links/loop2")
+    fs.symlink("nowhere", "native/links/dangling")
+    assert fs.read_bytes("native/links/rel/f") == b"target bytes"
+    assert fs.read_bytes("native/links/abs/deep/f") == b"target bytes"
+    assert fs.read_bytes("native/links/real/up") == b"target bytes"
+    assert sorted(fs.listdir("native/links/abs")) == ["deep", "up"]
+    assert fs.stat("native/links/rel").st_ino == fs.stat("native/links/real/deep").st_ino
+    assert stat.S_ISLNK(fs.lstat("native/links/rel").st_mode)
+    assert fs.readlink("native/links/rel") == "real/deep"
+    with pytest.raises(OSError) as err:
+        fs.readlink("native/links/real")
+    assert err.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as err:
+        fs.stat("native/links/loop1")
+    assert err.value.errno == errno.ELOOP
+    assert not fs.exists("native/links/dangling") and stat.S_ISLNK(
+        fs.lstat("native/links/dangling").st_mode
+    )
+    fs.write_bytes("native/links/abs/new", b"through a link")  # parent reached through a link
+    assert fs.read_bytes("native/links/real/new") == b"through a link"
+    fs.makedirs("native/links/abs/deep", exist_ok=True)  # an existing directory behind a link
+    entries = {e.name: e for e in fs.scandir("native/links")}
+    assert stat.S_ISLNK(entries["rel"].stat.st_mode) and not entries["rel"].is_dir()
