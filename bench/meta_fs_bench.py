@@ -150,8 +150,8 @@ def show(result: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--meta-files", dest="meta_files", type=int, default=2000, help="files per run")
-    parser.add_argument("--meta-dirs", dest="meta_dirs", type=int, default=20, help="directories per run")
+    parser.add_argument("--meta-files", dest="meta_files", type=int, default=1000, help="files per run")
+    parser.add_argument("--meta-dirs", dest="meta_dirs", type=int, default=10, help="directories per run")
     parser.add_argument("--meta-size", dest="meta_size", default="110K", help="bytes per file")
     parser.add_argument("--meta-procs", dest="meta_procs", default="1,4", help="process counts, comma separated")
     parser.add_argument("--meta-targets", dest="meta_targets", default=",".join(TARGETS))
