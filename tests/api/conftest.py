@@ -1,4 +1,4 @@
-"""One real cluster for the whole tests/api run, and a FUSE mount of it.
+"""One real cluster for the tests/api package (torn down when pytest leaves it), and a FUSE mount of it.
 
 The cluster is the lab's (metanodes on Raft, datanodes with ec:2+1, cache
 nodes in two zones), smaller than ``cachefs lab up``'s so that it starts in
@@ -42,7 +42,7 @@ def _free_base() -> int:
     raise RuntimeError("no free port range for the lab in 21000-29999")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from cachefs.lab import Lab, LabConfig
 
@@ -62,7 +62,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         lab.down()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def mount(lab) -> Iterator[Path]:
     """``cachefs mount -d`` of the lab's volume (short kernel caches)."""
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
