@@ -7,11 +7,23 @@ shards that a put could not store.
 
 Writes. ``put_block`` encodes the block (:mod:`cachefs.erasure`) and sends
 shard ``i`` to the ``i``-th datanode of the key's placement group, all in
-parallel. It returns once ``policy.write_quorum`` shards are durable (K+1 of
-K+M, or 2 replicas: one more failure still loses nothing); stragglers get a
-short grace period, then are cancelled and recorded in :attr:`missing` for
-repair. Below quorum the put fails (``Unavailable``, or ``NoSpace`` when
-datanodes are full) and what was written is removed again.
+parallel. It returns once the block is durable: ``policy.write_quorum``
+shards stored (K+1 of K+M, or 2 replicas) and losing any one node still
+leaves K (one more failure loses nothing). Stragglers get a short grace
+period, then are cancelled and recorded in :attr:`missing` for repair.
+
+Handoff (as Dynamo's hinted handoff or Ceph's acting set): when PG members
+are down in the map, fail, or stay silent past the handoff delay (a few times
+the first shard's latency), and the members left cannot make the block
+durable, their shards go to substitute datanodes, in the deterministic order
+of :func:`cachefs.placement.handoff_order` (outside the PG first, nodes in
+zones with no failing node preferred, fewest shards of the block first). With
+a whole zone down and every datanode in the PG (6 nodes, ec:4+2) the four
+left hold all six shards, two each at most, which is as durable as five on
+distinct nodes. Handed-off shards are recorded in :attr:`missing` with their
+holder; repair rebuilds them on their PG member and removes the copy. Below
+that the put fails (``Unavailable``, or ``NoSpace`` when datanodes are full)
+and what was written is removed again.
 
 Reads. ``get_block`` asks for the K data shards first (a replica in the
 nearest zone first). A shard that fails (missing, corrupt, node down) is
@@ -20,9 +32,10 @@ is slow is *hedged*: after a delay adapted to recent shard latencies one more
 shard is requested per outstanding slow one, and the first K answers win.
 Byte ranges of uncompressed blocks read only the covering data shards,
 unless something fails, in which case the whole block is rebuilt and sliced.
-When the PG itself comes up short, the missing shards are looked for on the
-datanodes outside it: after a join or leave the map moves slots at once but
-the shards only move when repair runs.
+When the PG itself comes up short, the missing shards are looked for on
+their first few handoff substitutes, then on the datanodes outside the PG:
+after a join or leave the map moves slots at once but the shards only move
+when repair runs.
 
 Errors: ``NotFound`` when enough datanodes deny having the block that an
 acknowledged write cannot exist; ``Unavailable`` when too few shards can be
@@ -52,7 +65,7 @@ from cachefs.errors import (
     Unavailable,
 )
 from cachefs.ids import BlockKey
-from cachefs.placement import pg_of, place_pgs
+from cachefs.placement import handoff_order, pg_of, place_pgs
 from cachefs.policy import VolumePolicy
 from cachefs.rpc import RpcPool
 
@@ -212,6 +225,7 @@ class MissingShard:
     index: int
     node: str
     reason: str
+    handoff: str | None = None  # the substitute datanode that holds it meanwhile, if any
 
 
 @dataclass(slots=True)
@@ -232,9 +246,12 @@ class BackingClient:
     """put/get/delete whole blocks on the datanodes (see the module docstring)."""
 
     SEARCH_LIMIT = 64  # shard reads spent looking outside the PG when it comes up short
+    HANDOFF_SEARCH = 8  # substitutes per shard a put may use and a read looks at (handoff_order's first)
+    HANDOFF_TRIES = 3  # substitutes a put tries per shard before it gives that shard up
 
     def __init__(self, pool: RpcPool, view: Any, *, zone: str | None = None, timeout: float = 10.0,
-                 hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5) -> None:
+                 hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5,
+                 suspect_for: float = 5.0) -> None:
         self.pool = pool
         self.view = view
         self.zone = zone
@@ -242,6 +259,8 @@ class BackingClient:
         self.hedge_min = hedge_min
         self.hedge_max = hedge_max
         self.put_grace = put_grace
+        self.suspect_for = suspect_for
+        self._suspect: dict[str, float] = {}  # datanode -> until when puts hand its shards off at once
         self.missing: collections.deque[MissingShard] = collections.deque(maxlen=100_000)
         self.stats = _Stats()
         self._codecs: dict[VolumePolicy, Codec] = {}
@@ -262,6 +281,25 @@ class BackingClient:
         if node.state != "up":
             raise Unavailable(f"datanode {node_id} is {node.state}")
         return node.addr
+
+    def _usable(self, node_id: str) -> bool:
+        node = self.view.datanodes.get(node_id)
+        return node is not None and node.state == "up"
+
+    def _substitutes(self, key: BlockKey, index: int, pg: tuple[str, ...]) -> list[str]:
+        """The datanodes that may hold shard ``index`` in place of ``pg[index]``."""
+        return handoff_order(key, index, self.view.datanodes, pg)[: self.HANDOFF_SEARCH]
+
+    def _substitute(self, key: BlockKey, index: int, pg: tuple[str, ...], tried: set[str],
+                    suspect: set[str], load: Mapping[str, int]) -> str | None:
+        """The substitute for shard ``index`` of a put: up, not tried, in a zone
+        with no suspect node if possible, holding the fewest shards of the block."""
+        nodes = self.view.datanodes
+        bad_zones = {nodes[n].zone for n in suspect if n in nodes}
+        ranked = [(nodes[n].zone in bad_zones, load.get(n, 0), rank, n)
+                  for rank, n in enumerate(self._substitutes(key, index, pg))
+                  if n not in tried and n not in suspect and self._usable(n)]
+        return min(ranked)[3] if ranked else None
 
     async def _locate(self, volume: str, key: BlockKey) -> tuple[VolumePolicy, tuple[str, ...]]:
         """Policy and placement group; a view that can refresh is refreshed once
@@ -360,10 +398,15 @@ class BackingClient:
     # -- API ------------------------------------------------------------------
 
     async def put_block(self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
-        """Store a block; returns once ``write_quorum`` shards are durable.
+        """Store a block; returns once it is durable (see :func:`_durable`).
+
+        Shards whose PG member is down, fails or stays silent past the
+        handoff delay go to substitute datanodes (:func:`handoff_order`)
+        when the PG members alone cannot make the write durable; they are
+        recorded in :attr:`missing` with their holder, for repair to move.
 
         Raises:
-            Unavailable: fewer than the write quorum of datanodes stored a shard.
+            Unavailable: too few datanodes stored a shard for the block to be durable.
             NoSpace: the same, because datanodes are full.
             NotFound: unknown volume.
         """
@@ -371,47 +414,127 @@ class BackingClient:
         if len(data) > policy.block_size:
             raise InvalidArgument(f"block of {len(data)} bytes is over the volume's block size {policy.block_size}")
         header, shards = self.codec(policy).encode(data)
-        stored: set[int] = set()
-        errors: dict[int, CacheFSError] = {}
+        placed: dict[int, set[str]] = {}  # index -> nodes holding it durably
+        inflight: set[tuple[int, str]] = set()
+        tried: dict[int, set[str]] = collections.defaultdict(set)
+        errors: dict[tuple[int, str], CacheFSError] = {}
+        load: collections.Counter[str] = collections.Counter()  # shards of this block per node
+        now = trio.current_time()
+        suspect = {n for n in dict.fromkeys(pg) if not self._usable(n) or self._suspect.get(n, 0.0) > now}
+        began = now
+        first_ack = trio.Event()
+        ack_at = 0.0
+
+        def durable() -> bool:
+            return _durable(placed, policy.write_quorum)
 
         async with trio.open_nursery() as nursery:
+            watchdog = trio.CancelScope()
 
-            async def put_one(index: int) -> None:
+            def launch(index: int, node: str) -> None:
+                tried[index].add(node)
+                inflight.add((index, node))  # counted at once, so plan() does not pick it twice
+                load[node] += 1
+                nursery.start_soon(write, index, node)
+
+            async def write(index: int, node: str) -> None:
+                nonlocal ack_at
                 try:
-                    await self.write_shard(pg[index], volume, key, index, header, shards[index])
+                    await self.write_shard(node, volume, key, index, header, shards[index])
                 except CacheFSError as exc:
-                    errors[index] = exc
+                    errors[(index, node)] = exc
+                    load[node] -= 1
+                    suspect.add(node)
+                    if not isinstance(exc, NoSpace):
+                        self._suspect[node] = trio.current_time() + self.suspect_for
+                    plan()
                     return
-                stored.add(index)
-                if len(stored) == policy.write_quorum and len(stored) < policy.n:
-                    # Durable enough: give the stragglers a grace period, no more.
-                    elapsed = trio.current_time() - began
-                    nursery.cancel_scope.deadline = trio.current_time() + max(self.put_grace, 2 * elapsed)
+                else:
+                    placed.setdefault(index, set()).add(node)
+                    if not first_ack.is_set():
+                        ack_at = trio.current_time()
+                        first_ack.set()
+                    if durable() and nursery.cancel_scope.deadline == math.inf:
+                        # Durable enough: give the stragglers a grace period, no more.
+                        elapsed = trio.current_time() - began
+                        nursery.cancel_scope.deadline = trio.current_time() + max(self.put_grace, 2 * elapsed)
+                finally:
+                    inflight.discard((index, node))
+                    if not inflight:
+                        watchdog.cancel()
 
-            began = trio.current_time()
+            def plan() -> None:
+                """Start handoffs until placed + hopeful writes would be durable."""
+                if durable():
+                    return
+                hopeful = {i: set(nodes) for i, nodes in placed.items()}
+                for i, node in inflight:
+                    if node not in suspect:
+                        hopeful.setdefault(i, set()).add(node)
+                for index in range(policy.n):
+                    if _durable(hopeful, policy.write_quorum):
+                        return
+                    if hopeful.get(index) or len(tried[index]) > self.HANDOFF_TRIES:
+                        continue
+                    node = self._substitute(key, index, pg, tried[index], suspect, load)
+                    if node is None:
+                        continue
+                    hopeful[index] = {node}
+                    self.stats["handoffs_started"] += 1
+                    launch(index, node)
+
+            async def watch() -> None:
+                """Suspect PG members still silent after the handoff delay, and hand off."""
+                with watchdog:
+                    await first_ack.wait()
+                    delay = max(self.put_grace, 3 * (ack_at - began))
+                    while not durable():
+                        await trio.sleep(delay)
+                        slow = {node for _index, node in inflight} - suspect
+                        suspect.update(slow)
+                        until = trio.current_time() + self.suspect_for
+                        for node in slow:
+                            self._suspect[node] = max(self._suspect.get(node, 0.0), until)
+                        plan()
+
             for index in range(policy.n):
-                nursery.start_soon(put_one, index)
+                if self._usable(pg[index]):
+                    launch(index, pg[index])
+                else:
+                    tried[index].add(pg[index])
+            nursery.start_soon(watch)
+            plan()
+            if not inflight:
+                watchdog.cancel()
 
-        if len(stored) < policy.write_quorum:
-            await self._undo(volume, key, pg, stored)
+        if not durable():
+            await self._undo(volume, key, placed)
             full = sum(isinstance(e, NoSpace) for e in errors.values())
-            causes = "; ".join(f"shard {i} on {pg[i]}: {e}" for i, e in sorted(errors.items()))
+            causes = "; ".join(f"shard {i} on {n}: {e}" for (i, n), e in sorted(errors.items()))
             cls = NoSpace if full and 2 * full >= len(errors) else Unavailable
-            raise cls(f"block {key.hex()}: only {len(stored)} of {policy.n} shards stored, "
-                      f"{policy.write_quorum} needed ({causes or 'timed out'})")
+            stored = sum(1 for nodes in placed.values() if nodes)
+            raise cls(f"block {key.hex()}: only {stored} of {policy.n} shards stored durably, "
+                      f"{policy.write_quorum} on distinct nodes needed ({causes or 'timed out'})")
         for index in range(policy.n):
-            if index not in stored:
-                reason = str(errors.get(index, "cancelled after quorum"))
-                self.missing.append(MissingShard(volume, key, index, pg[index], reason))
-                self.stats["shards_missing"] += 1
-                log.info("block %s/%s stored without shard %d on %s (%s); left for repair",
-                         volume, key.hex(), index, pg[index], reason)
+            holders = placed.get(index, set())
+            if pg[index] in holders:
+                continue
+            holder = min(holders) if holders else None
+            reason = str(errors.get((index, pg[index]), "down" if pg[index] in suspect else "cancelled after quorum"))
+            self.missing.append(MissingShard(volume, key, index, pg[index], reason, holder))
+            self.stats["shards_missing"] += 1
+            if holder is not None:
+                self.stats["handoffs"] += 1
+            log.info("block %s/%s stored without shard %d on %s (%s)%s; left for repair",
+                     volume, key.hex(), index, pg[index], reason,
+                     f", handed off to {holder}" if holder else "")
 
-    async def _undo(self, volume: str, key: BlockKey, pg: tuple[str, ...], stored: set[int]) -> None:
+    async def _undo(self, volume: str, key: BlockKey, placed: Mapping[int, Iterable[str]]) -> None:
         with trio.move_on_after(self.timeout):
             async with trio.open_nursery() as nursery:
-                for index in stored:
-                    nursery.start_soon(self._delete_shard, pg[index], volume, key, index)
+                for index, nodes in placed.items():
+                    for node in nodes:
+                        nursery.start_soon(self._delete_shard, node, volume, key, index)
 
     async def _delete_shard(self, node: str, volume: str, key: BlockKey, index: int) -> int:
         try:
@@ -430,15 +553,24 @@ class BackingClient:
             NotFound: every datanode answered and none had a shard.
             Unavailable: some datanode did not answer (retry later).
         """
-        _policy, pg = await self._locate(volume, key)
+        policy, pg = await self._locate(volume, key)
         removed: list[int] = []
+        # Handed-off shards too (best effort: repair removes any left behind).
+        extra = {n for i in range(policy.n) for n in self._substitutes(key, i, pg)
+                 if n not in pg and self._usable(n)}
 
         async def one(node: str) -> None:
             removed.append(await self._delete_shard(node, volume, key, -1))
 
+        async def best_effort(node: str) -> None:
+            if await self._delete_shard(node, volume, key, -1) > 0:
+                removed.append(1)
+
         async with trio.open_nursery() as nursery:
             for node in dict.fromkeys(pg):
                 nursery.start_soon(one, node)
+            for node in sorted(extra):
+                nursery.start_soon(best_effort, node)
         if -1 in removed:
             raise Unavailable(f"block {key.hex()}: some datanodes could not delete their shards")
         if not any(removed):
@@ -487,6 +619,8 @@ class BackingClient:
         order += sorted(i for i in known_bad if i in where and 0 <= i < policy.n)
         if policy.kind == "replica":
             order = self._replica_order(tuple(where.get(i, "") for i in range(policy.n)), order)
+        now = trio.current_time()
+        order.sort(key=lambda i: self._suspect.get(where[i], 0.0) > now)  # stable: silent nodes last
         jobs = [(i, _job(self.read_shard, where[i], volume, key, i)) for i in order]
         outcome = await self._race(jobs, need or policy.k)
         if len(outcome.shards) < (need or policy.k) and sources is None:
@@ -508,14 +642,19 @@ class BackingClient:
         until then a moved shard still sits on its old node. Only reached when
         the PG itself came up short, and capped at :attr:`SEARCH_LIMIT` calls.
         """
-        # A node that stays in a PG keeps its slot (placement's `previous`),
-        # so a moved shard can only be on a node that is no longer in the PG.
+        # First where a put hands a shard off when its slot is down (the
+        # first few of handoff_order), then, since a node that stays in a PG
+        # keeps its slot (placement's `previous`), the nodes no longer in it.
         others = [n.id for n in self.view.datanodes.values() if n.state == "up" and n.id not in pg]
-        jobs = []
-        for i in range(policy.n):
-            if i in outcome.shards:
-                continue
-            jobs += [(i, _job(self.read_shard, node, volume, key, i)) for node in others]
+        wanted = [i for i in range(policy.n) if i not in outcome.shards]
+        jobs, seen = [], set()
+        for i in wanted:
+            for node in self._substitutes(key, i, pg):
+                if self._usable(node):
+                    seen.add((i, node))
+                    jobs.append((i, _job(self.read_shard, node, volume, key, i)))
+        for i in wanted:
+            jobs += [(i, _job(self.read_shard, node, volume, key, i)) for node in others if (i, node) not in seen]
         jobs = jobs[: self.SEARCH_LIMIT]
         if not jobs:
             return
@@ -605,3 +744,19 @@ def _consensus(outcome: _Outcome) -> BlockHeader:
 
 def _slice(data: bytes, offset: int, length: int) -> bytes:
     return data[offset:] if length == -1 else data[offset : offset + length]
+
+
+def _durable(placed: Mapping[int, set[str]], quorum: int) -> bool:
+    """Whether a block whose shard ``i`` sits on the nodes ``placed[i]`` is
+    durable: ``quorum`` distinct shards stored, and losing any one node still
+    leaves ``quorum - 1`` (K for ``ec:K+M``, one copy for replicas). With
+    every shard on its own node this is "``quorum`` shards stored"; with
+    handoffs a node may hold two shards of a block, and then more are needed.
+    """
+    held = [nodes for nodes in placed.values() if nodes]
+    if len(held) < quorum:
+        return False
+    for node in set().union(*held):
+        if sum(1 for nodes in held if nodes - {node}) < quorum - 1:
+            return False
+    return True

@@ -146,3 +146,20 @@ def place_pgs(
         prev = previous[pg] if previous is not None and pg < len(previous) else None
         out.append(place_pg(pg, checked, width, prev))
     return out
+
+
+def handoff_order(key: BlockKey | bytes, index: int, node_ids: Iterable[str], pg: Sequence[str]) -> list[str]:
+    """Where shard ``index`` of ``key`` goes when its PG slot cannot take it.
+
+    Every datanode but ``pg[index]``, nodes outside the PG first (a shard
+    there keeps every shard on a distinct node), then the other PG members;
+    within each group by rendezvous score over ``(key, index, node)``. It
+    depends only on the key and the node ids, never on which nodes are up, so
+    a reader finds a handed-off shard among the first few entries that the
+    writer could have used (the writer skips those that are down).
+    """
+    raw = (key.to_bytes() if isinstance(key, BlockKey) else bytes(key)).hex()
+    home = pg[index] if 0 <= index < len(pg) else None
+    members = set(pg)
+    others = [n for n in node_ids if n != home]
+    return sorted(others, key=lambda n: (n in members, -_unit("handoff", raw, index, n)))

@@ -13,8 +13,8 @@ Then it walks the placement groups in order. For each block of a PG, shard
   shards bit for bit (pyeclib ``reconstruct``; a copy for replicas) and write
   each to its datanode.
 - misplaced: a node other than ``pg[i]`` holds shard ``i`` (placement changed
-  when a datanode joined or left). Once ``pg[i]`` has it, the stray copy is
-  deleted.
+  when a datanode joined or left, or a put handed the shard off while
+  ``pg[i]`` was down). Once ``pg[i]`` has it, the stray copy is deleted.
 - unrecoverable: fewer than K shards exist anywhere. Reported, never deleted.
 
 Slots on datanodes that are down are skipped (counted), since nothing can be
@@ -180,17 +180,22 @@ class Repairer:
         ``stat`` per shard of each named block.
         """
         report = RepairReport(volume="(recorded)")
-        for volume, key in sorted({(m.volume, m.key) for m in missing}):
+        handoffs: dict[tuple[str, BlockKey], set[tuple[int, str]]] = defaultdict(set)
+        for m in missing:
+            entry = handoffs[(m.volume, m.key)]  # every recorded block, handed off or not
+            if m.handoff is not None:
+                entry.add((m.index, m.handoff))
+        for (volume, key), extra in sorted(handoffs.items()):
             pg = self.view.placement(volume, key)
             held: dict[int, set[str]] = {}
-            for i, node in enumerate(pg):
+            for i, node in [*enumerate(pg), *sorted(extra)]:
                 try:
                     await self.client.pool.call(
                         self.client._addr(node), "stat",
                         {"volume": volume, "key": key.to_bytes(), "index": i}, timeout=self.client.timeout)
                 except CacheFSError:
                     continue  # missing, corrupt or unreachable: repair_block sorts it out
-                held[i] = {node}
+                held.setdefault(i, set()).add(node)
             await self.repair_block(volume, key, pg, held, report)
         return report
 

@@ -163,9 +163,14 @@ async def test_dead_datanodes_and_quorum(cluster: Datanodes, volume: str) -> Non
         assert await client.get_block(volume, key) == data
         assert await client.get_block(volume, other, 7, 100) == data[7:107]
         cluster.kill(second)
-        # Two down: reads still work (any 4 of 6), writes do not (no quorum).
+        # Two down: reads still work (any 4 of 6); writes hand the two shards
+        # off to the other PG members (test_handoff.py covers that).
         assert await client.get_block(volume, other) == data
-        with pytest.raises(Unavailable, match="5 needed"):
+        # Four down: two nodes cannot hold a block so that losing one keeps 4 shards.
+        third, fourth = int(pg[2][2:]), int(pg[3][2:])
+        cluster.kill(third)
+        cluster.kill(fourth)
+        with pytest.raises(Unavailable, match="5 on distinct nodes needed"):
             await client.put_block(volume, other._replace(index=other.index + 1000), data)
 
 
