@@ -61,7 +61,7 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.compare", "--quick", "--json", "--out", str(out),
-         "--workdir", str(tmp_path), "--base-port", "28400"],
+         "--workdir", str(tmp_path), "--base-port", "31000"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
