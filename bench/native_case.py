@@ -91,7 +91,7 @@ def run_fuse(
     from torch.utils.data import DataLoader
 
     ds = FilesDataset(directory)
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers,  # type: ignore[arg-type]
+    loader: DataLoader[bytes] = DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers,  # type: ignore[arg-type]
                         persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))  # fmt: skip
     try:
         return _epochs(loader, epochs)

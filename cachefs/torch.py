@@ -342,11 +342,11 @@ class CacheFSDataset(torch.utils.data.Dataset[Any]):
                 w.position = {}
                 for pos, i in enumerate(order):
                     w.position.setdefault(i, pos)
-            pos = w.position.get(batch[0])
-            if pos is None:
+            found = w.position.get(batch[0])
+            if found is None:
                 w.cursor = -1
                 return []
-            w.cursor = pos
+            w.cursor = found
         stride = nworkers * size
         start = w.cursor
         w.cursor += stride

@@ -45,7 +45,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 
@@ -1055,37 +1055,40 @@ class File(io.RawIOBase):
             super().close()
 
 
-class _Sized:
-    """``.size`` (the file's size as this client sees it), which fsspec code reads."""
+# Buffered files as the builtin open() returns them, plus ``.size`` (the file's
+# size as this client sees it, which fsspec code reads) and a ``flush()`` that
+# commits, as fsync does on the mount (io's own flush only hands the buffer to
+# the raw file).
 
-    raw: File
 
+def _size(raw: Any) -> int:
+    return cast(File, raw).size
+
+
+class BufferedReader(io.BufferedReader):
     @property
     def size(self) -> int:
-        return self.raw.size
+        return _size(self.raw)
 
 
-class BufferedReader(_Sized, io.BufferedReader):
-    pass
-
-
-class _Committing:
-    """``flush()`` commits, as fsync does on the mount (io's own flush only
-    hands the buffer to the raw file)."""
-
-    raw: File
+class BufferedWriter(io.BufferedWriter):
+    @property
+    def size(self) -> int:
+        return _size(self.raw)
 
     def flush(self) -> None:
-        super().flush()  # type: ignore[misc]
+        super().flush()
         self.raw.flush()
 
 
-class BufferedWriter(_Sized, _Committing, io.BufferedWriter):
-    pass
+class BufferedRandom(io.BufferedRandom):
+    @property
+    def size(self) -> int:
+        return _size(self.raw)
 
-
-class BufferedRandom(_Sized, _Committing, io.BufferedRandom):
-    pass
+    def flush(self) -> None:
+        super().flush()
+        self.raw.flush()
 
 
 def connect(
