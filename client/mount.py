@@ -135,6 +135,44 @@ def describe(exc: CacheFSError, meta_addrs: list[str], volume: str) -> str:
     return f"mount failed: {exc}"
 
 
+class MountCollector:
+    """Prometheus view of one mount: L1, read path, block chain, write path.
+
+    Read from the metrics thread while the FUSE loop runs; the counters are
+    plain ints, so a scrape sees each one whole (no lock needed).
+    """
+
+    def __init__(self, fs: CacheFS) -> None:
+        self.fs = fs
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fs = self.fs
+        l1 = GaugeMetricFamily("cachefs_mount_l1_bytes", "Bytes in the L1 block cache", labels=["kind"])
+        l1.add_metric(["used"], fs.l1.used)
+        l1.add_metric(["capacity"], fs.l1.capacity)
+        yield l1
+        l1c = CounterMetricFamily("cachefs_mount_l1_events", "L1 cache events", labels=["event"])
+        for name in ("hits", "misses", "evictions"):
+            l1c.add_metric([name], getattr(fs.l1.stats, name))
+        yield l1c
+        reads = CounterMetricFamily("cachefs_mount_read", "Read path counters", labels=["what"])
+        for name, value in fs.reader.stats.items():
+            reads.add_metric([name], value)
+        yield reads
+        chain = CounterMetricFamily("cachefs_mount_blocks", "Block fetches by source", labels=["what"])
+        for name, value in fs.session.stats.items():
+            chain.add_metric([name], value)
+        yield chain
+        dirty = GaugeMetricFamily("cachefs_mount_dirty_bytes", "Bytes written and not yet committed")
+        dirty.add_metric([], sum(i.writer.buffered for i in fs.inodes.all() if i.writer is not None))
+        yield dirty
+        inodes = GaugeMetricFamily("cachefs_mount_inodes", "Inodes the kernel knows or has open")
+        inodes.add_metric([], len(fs.inodes))
+        yield inodes
+
+
 async def serve(
     meta_addrs: list[str],
     volume: str,
@@ -145,6 +183,7 @@ async def serve(
     zone: str,
     transport: str,
     ready: Callable[[str | None], None],
+    metrics_port: int = 0,
 ) -> int:
     """Run one mount until it is unmounted or signalled; returns an exit status."""
     async with RpcPool(secret=secret) as pool:
@@ -161,11 +200,15 @@ async def serve(
         except CacheFSError as exc:
             ready(describe(exc, meta_addrs, volume))
             return 1
-        return await run_fs(session, mountpoint, options, ready)
+        return await run_fs(session, mountpoint, options, ready, metrics_port)
 
 
 async def run_fs(
-    session: Session, mountpoint: str, options: Options, ready: Callable[[str | None], None]
+    session: Session,
+    mountpoint: str,
+    options: Options,
+    ready: Callable[[str | None], None],
+    metrics_port: int = 0,
 ) -> int:
     """Mount ``session``'s volume at ``mountpoint`` and serve until unmounted."""
     async with trio.open_nursery() as nursery:
@@ -178,6 +221,13 @@ async def run_fs(
             await session.close()
             return 1
         await nursery.start(session.run)
+        if metrics_port:
+            from prometheus_client import REGISTRY
+
+            from cachefs.metrics import start_metrics
+
+            REGISTRY.register(MountCollector(fs))
+            start_metrics(metrics_port)
         nursery.start_soon(_announce, mountpoint, ready)
         nursery.start_soon(_on_signals, fs)
         try:
@@ -284,6 +334,7 @@ def _remove_pid(mountpoint: str) -> None:
     "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
 )
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, help="Serve Prometheus metrics on this port (0: off).")
 @click.option(
     "--log-file",
     type=click.Path(dir_okay=False),
@@ -307,6 +358,7 @@ def mount_command(
     insecure: bool,
     log_level: str,
     log_file: str | None,
+    metrics_port: int,
 ) -> None:
     """Mount VOLUME of the cluster whose metanodes are META_ADDRS at MOUNTPOINT."""
     secret = load_secret(secret_file, insecure)
@@ -325,7 +377,8 @@ def mount_command(
     def run(ready: Callable[[str | None], None]) -> int:
         try:
             main = functools.partial(
-                serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready
+                serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready,
+                metrics_port=metrics_port
             )
             return trio.run(main)
         finally:

@@ -311,7 +311,13 @@ def _cache_stats(cluster) -> dict[str, dict]:
 
 
 def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: Path) -> None:
-    m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0")
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0", "--metrics-port", str(port))
     try:
         before = _cache_stats(cluster)
         data = os.urandom(16 << 20)
@@ -322,6 +328,9 @@ def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: 
         assert (m.path / "ckpt").read_bytes() == data
         read = _cache_stats(cluster)
         assert sum(r["hits"] - a["hits"] for r, a in zip(read.values(), after.values(), strict=True)) >= 4
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'cachefs_mount_l1_bytes{kind="capacity"} 0.0' in metrics
+        assert 'cachefs_mount_blocks_total{what="write_through"}' in metrics
     finally:
         m.stop()
     m.check_log()
