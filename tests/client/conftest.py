@@ -159,6 +159,24 @@ def lab_processes() -> Iterator[None]:
             gc.collect()  # any dropped Popen still in a cycle warns now, not in a later test
 
 
+def _free_base() -> int:
+    """A base port whose lab ports (base+1.., +101.., +201..) are all free now."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(30000, 60000, 1000)
+        ports = [base + off + i for off in (0, 100, 200) for i in range(1, 8)]
+        try:
+            for port in ports:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range for the test cluster")
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1)."""
@@ -167,7 +185,7 @@ def cluster(tmp_path_factory):
     from cachefs.lab import Lab, LabConfig
 
     root = tmp_path_factory.mktemp("cluster")
-    base = 30000 + (os.getpid() % 300) * 100
+    base = _free_base()
     lab = Lab(LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, base_port=base,
                         policy="ec:2+1", metrics=False, data_capacity="8G", cache_capacity="2G",
                         cache_memory="32M"))  # fmt: skip
