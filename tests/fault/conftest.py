@@ -30,6 +30,7 @@ def free_base(first: int) -> int:
     """A lab base port in [first, first+3000) whose node ports are all free now."""
     for k in range(10):
         base = first + ((os.getpid() + k) % 10) * 300
-        if _ports_free([base + off for off in (1, 2, 3, 101, 102, 103, 104, 201, 202)]):
+        offsets = (1, 2, 3, 101, 102, 103, 104, 201, 202)
+        if _ports_free([base + off + m for off in offsets for m in (0, 1000)]):  # metrics: port + 1000
             return base
     raise RuntimeError(f"no free lab port range in {first}-{first + 3000}")

@@ -44,7 +44,7 @@ def mnt(lab) -> Iterator[Path]:
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         pytest.skip("needs /dev/fuse and fusermount3")
     path = Path(tempfile.mkdtemp(prefix="cachefs-fuzz-mnt-"))
-    lab.mount(str(path), "--attr-timeout", "0", "--entry-timeout", "0")
+    lab.mount(str(path), "--attr-timeout", "0.1", "--entry-timeout", "0.1")
     try:
         yield path
     finally:
