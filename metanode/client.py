@@ -42,6 +42,10 @@ _RETRY = (NotLeader, Unreachable, ConnectionLost, TimedOut, Unavailable, Busy)
 class MetaClient:
     """One per process (or per mount); safe for many concurrent tasks."""
 
+    MIN_ATTEMPT = 0.25  # seconds: an attempt never gets less, unless the deadline has less left
+    BACKOFF_MIN = 1.0  # seconds an address that did not answer is skipped, doubling ...
+    BACKOFF_MAX = 8.0  # ... up to this while it stays silent
+
     def __init__(
         self,
         pool: RpcPool,
@@ -61,6 +65,8 @@ class MetaClient:
         self.deadline = deadline
         self.attempt_timeout = attempt_timeout
         self.leader: str | None = None
+        self._failed: dict[str, tuple[float, float]] = {}  # addr -> (skip until, back-off)
+        self._turn = 0
         self._seq = itertools.count(1)
         self.retries = 0
         self.heartbeat_interval = heartbeat_interval
@@ -77,6 +83,14 @@ class MetaClient:
     ) -> Any:
         """Call ``method`` on the leader, retrying availability failures.
 
+        One unreachable or frozen metanode costs a bounded share of the
+        deadline, not all of it: an attempt on the known leader gets at most
+        half of what is left while other addresses remain, an attempt while
+        the leader is unknown gets an equal share among the addresses, and
+        connecting counts against it. An address that failed that way is
+        skipped for a back-off (:meth:`_pick`), so the next calls go to the
+        others at once.
+
         Raises:
             TimedOut: no leader answered within the deadline (the last
                 availability error is chained).
@@ -91,39 +105,80 @@ class MetaClient:
         budget = self.deadline if deadline is None else deadline
         give_up = trio.current_time() + budget
         backoff = 0.02
-        turn = 0
         last: CacheFSError | None = None
         while True:
-            addr = self.leader or self.addrs[turn % len(self.addrs)]
             left = give_up - trio.current_time()
             if left <= 0:
                 raise TimedOut(
                     f"{method}: no metanode leader answered within {budget:.0f}s "
                     f"(last error: {last})"
                 ) from last
+            addr, alternatives = self._pick()
+            if not alternatives:
+                share = left
+            elif addr == self.leader:
+                share = left / 2
+            else:
+                share = left / (alternatives + 1)
+            timeout = min(self.attempt_timeout, left, max(self.MIN_ATTEMPT, share))
             try:
-                reply = await self.pool.call(
-                    addr, method, args, timeout=min(self.attempt_timeout, left)
-                )
+                with trio.fail_after(timeout + 0.05):  # connecting included
+                    reply = await self.pool.call(addr, method, args, timeout=timeout)
                 self.leader = addr
+                self._failed.pop(addr, None)
                 return reply.result
+            except trio.TooSlowError:
+                last = TimedOut(f"{method} to {addr}: connecting took over {timeout:.2f}s")
+                self._fail(addr)
             except NotLeader as exc:
                 last = exc
+                self._failed.pop(addr, None)  # it answered
                 hint = exc.details.get("leader")
-                if hint and hint != addr:
+                if hint and hint != addr and not self._backed_off(hint):
                     self.leader = hint
                     continue  # follow the redirect at once
                 self.leader = None
+                self._turn += 1
             except _RETRY as exc:
                 last = exc
-                if self.leader == addr:
-                    self.leader = None
                 if isinstance(exc, ConnectionLost | Unreachable | TimedOut):
-                    self.pool.forget(addr)
-            turn += 1
+                    self._fail(addr)
+                else:
+                    if self.leader == addr:
+                        self.leader = None
+                    self._turn += 1
             self.retries += 1
             await trio.sleep(min(backoff, max(0.0, give_up - trio.current_time())))
             backoff = min(backoff * 2, 0.5)
+
+    def _backed_off(self, addr: str) -> bool:
+        entry = self._failed.get(addr)
+        return entry is not None and entry[0] > trio.current_time()
+
+    def _fail(self, addr: str) -> None:
+        """``addr`` did not answer: skip it for a while (doubling while it stays silent)."""
+        _until, delay = self._failed.get(addr, (0.0, 0.0))
+        delay = min(self.BACKOFF_MAX, max(self.BACKOFF_MIN, 2 * delay))
+        self._failed[addr] = (trio.current_time() + delay, delay)
+        if self.leader == addr:
+            self.leader = None
+        self._turn += 1
+        self.pool.forget(addr)
+
+    def _pick(self) -> tuple[str, int]:
+        """The address to try next, and how many others are worth trying after it.
+
+        The known leader first, else the addresses in turn; those that failed
+        recently are skipped until their back-off ends, unless all have
+        failed, and then the one whose back-off ends first is tried.
+        """
+        live = [a for a in self.addrs if not self._backed_off(a)]
+        if self.leader is not None and not self._backed_off(self.leader):
+            return self.leader, len([a for a in live if a != self.leader])
+        if not live:
+            return min(self.addrs, key=lambda a: self._failed[a][0]), 0
+        addr = live[self._turn % len(live)]
+        return addr, len(live) - 1
 
     async def _m(self, method: str, **args: Any) -> Any:
         return await self.call(method, args, mutation=True)
