@@ -166,11 +166,13 @@ _MODES = {"rb": (True, False), "wb": (False, True), "ab": (False, True), "xb": (
 
 
 def _parse_mode(mode: str) -> str:
-    """Binary modes only; ``"r"``/``"rb"``, ``"rb+"``/``"r+b"`` and the like are one mode each."""
-    core = "".join(sorted(set(mode) - {"b"}))
+    """The binary mode for ``mode``: ``"r"``/``"rb"``/``"rt"`` -> ``"rb"``,
+    ``"rb+"``/``"r+"`` -> ``"r+b"``, and so on (text is a wrapper, see
+    :meth:`FileSystem.open`)."""
+    core = "".join(sorted(set(mode) - {"b", "t"}))
     m = {"r": "rb", "w": "wb", "a": "ab", "x": "xb", "+r": "r+b"}.get(core)
-    if m is None or len(mode) != len(set(mode)):
-        raise ValueError(f"unsupported mode {mode!r}: use one of rb, wb, ab, xb, r+b")
+    if m is None or len(mode) != len(set(mode)) or ("b" in mode and "t" in mode):
+        raise ValueError(f"unsupported mode {mode!r}: use r, w, a, x or r+, binary or text")
     return m
 
 
@@ -493,7 +495,8 @@ class AsyncFileSystem:
             await f.close()
 
     async def open(self, path: str | os.PathLike[str], mode: str = "rb") -> AsyncFile:
-        """Open a file: ``rb``, ``r+b``, ``wb`` (create or truncate), ``ab``, ``xb``.
+        """Open a file (always binary): ``rb``, ``r+b``, ``wb`` (create or
+        truncate), ``ab``, ``xb``.
 
         Written bytes are committed (visible to every mount and client) when
         ``flush``/``close`` returns.
@@ -718,6 +721,10 @@ async def open_volume(
     connect_timeout: float = CONNECT_TIMEOUT,
 ) -> AsyncIterator[AsyncFileSystem]:
     """Connect to ``volume`` for the duration of the block (trio-native).
+
+    The client's own tasks (session upkeep, readahead, uploads) run in a
+    nursery inside this block, so, as with any nursery, an exception leaving
+    the block comes out in an ``ExceptionGroup``.
 
     Raises:
         OSError: the volume does not exist (ENOENT), the secret was refused
@@ -962,19 +969,37 @@ class FileSystem:
     ) -> None:
         self.call(self._afs.write_bytes, path, data)
 
-    def open(self, path: str | os.PathLike[str], mode: str = "rb", buffering: int = -1) -> Any:
-        """Like the builtin ``open`` in binary modes: buffered unless ``buffering=0``
-        (then a :class:`File`, the raw object). Closing commits what was written."""
+    def open(
+        self,
+        path: str | os.PathLike[str],
+        mode: str = "rb",
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+    ) -> Any:
+        """Like the builtin ``open`` (but binary by default, as fsspec): text
+        unless the mode has ``b``, buffered
+        unless ``buffering=0`` (binary only; then a :class:`File`, the raw
+        object). Closing (or ``flush``) commits what was written."""
         m = _parse_mode(mode)
+        text = "b" not in mode
+        if text and buffering == 0:
+            raise ValueError("can't have unbuffered text I/O")
         raw = File(self, self.call(self._afs.open, path, m))
         if buffering == 0:
             return raw
         size = BUFFER_SIZE if buffering in (-1, 1) else buffering
+        buffered: io.BufferedIOBase
         if m == "rb":
-            return BufferedReader(raw, size)
-        if m == "r+b":
-            return BufferedRandom(raw, size)
-        return BufferedWriter(raw, size)
+            buffered = BufferedReader(raw, size)
+        elif m == "r+b":
+            buffered = BufferedRandom(raw, size)
+        else:
+            buffered = BufferedWriter(raw, size)
+        if text:
+            return io.TextIOWrapper(buffered, encoding or "utf-8", errors, newline)
+        return buffered
 
     def stats(self) -> dict[str, Any]:
         return self.call(_async_stats, self._afs)

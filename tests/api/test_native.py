@@ -75,6 +75,21 @@ def test_errors_are_oserrors_with_errno(fs: FileSystem) -> None:
         fs.remove("native/err/missing")
     with pytest.raises(ValueError, match="mode"):
         fs.open("native/err/file", "w+")
+    with pytest.raises(ValueError, match="mode"):
+        fs.open("native/err/file", "rbt")
+    with pytest.raises(ValueError, match="unbuffered"):
+        fs.open("native/err/file", "r", buffering=0)
+
+
+def test_text_mode(fs: FileSystem) -> None:
+    fs.makedirs("native", exist_ok=True)
+    with fs.open("native/text.txt", "w") as f:
+        f.write("eins\nzwei ü\n")
+    assert fs.read_bytes("native/text.txt") == "eins\nzwei ü\n".encode()
+    with fs.open("native/text.txt", "r") as f:  # text, like the builtin (the default is "rb")
+        assert f.readlines() == ["eins\n", "zwei ü\n"]
+    with fs.open("native/text.txt", "rb") as f:
+        assert f.read(4) == b"eins"
 
 
 def test_connect_errors(lab) -> None:
