@@ -16,7 +16,8 @@ generation number, then yields it unchanged. Every index reaches a worker
 after the order holding it was published, so a worker that sees a new
 generation knows the whole epoch.
 
-The DataLoader hands batches to its ``W`` workers round-robin: worker ``w``
+The DataLoader hands batches to its ``W`` workers round-robin, starting
+again at worker 0 each epoch (``in_order=True``, the default): worker ``w``
 gets batches ``w, w+W, w+2W...``. A worker therefore predicts its own next
 indices (the next ``prefetch_depth`` samples of its coming batches), and its
 :class:`Prefetcher` reads those files in parallel into memory on the worker's
