@@ -130,8 +130,9 @@ class Prefetcher:
     """Files kept ready in memory for one process; lives on its client's trio loop.
 
     ``step(batch, window)`` returns the batch's bytes and keeps ``window`` (the
-    predicted next paths) in flight: at most ``parallel`` reads at once and
-    about ``max_bytes`` held. Everything not in the window is dropped, so a
+    predicted next paths) in flight: at most ``parallel`` reads at once, and
+    no new one starts while ``max_bytes`` are held (sizes are known only once
+    read, so the reads in flight may add up to ``parallel`` files more). Everything not in the window is dropped, so a
     wrong prediction costs reads, never memory.
     """
 
