@@ -8,6 +8,7 @@ add their own counters (cache hits, shard repairs...) next to their code.
 from __future__ import annotations
 
 import logging
+import os
 
 from prometheus_client import Counter, Histogram, start_http_server
 
@@ -37,9 +38,14 @@ def observe_call(service: str, method: str, code: str, seconds: float, payload_i
         child[2].inc(payload_in)
 
 
-def start_metrics(port: int | None, host: str = "127.0.0.1") -> None:
-    """Serve /metrics on ``host:port`` from a daemon thread (None/0: off)."""
+def start_metrics(port: int | None, host: str | None = None) -> None:
+    """Serve /metrics on ``host:port`` from a daemon thread (None/0: off).
+
+    The host defaults to ``CACHEFS_METRICS_HOST`` or 127.0.0.1: metrics stay
+    private unless the operator publishes them (containers set 0.0.0.0).
+    """
     if not port:
         return
+    host = host or os.environ.get("CACHEFS_METRICS_HOST", "127.0.0.1")
     start_http_server(port, addr=host)
     log.info("metrics on http://%s:%d/metrics", host, port)

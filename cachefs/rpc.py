@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import ssl
 import time
 import types
@@ -73,6 +74,9 @@ class Limits:
     handshake_timeout: float = 5.0
     connect_timeout: float = 5.0
     max_outbox_bytes: int = 32 << 20
+    # Abort a connection whose sent data stays unacknowledged this long (a
+    # cut link or a frozen peer), instead of the kernel's ~15 minutes.
+    tcp_user_timeout: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +223,13 @@ class Connection:
     def __init__(self, stream: trio.SocketStream | trio.SSLStream, peer: str, limits: Limits) -> None:
         self.stream = stream
         self.sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        raw = stream if isinstance(stream, trio.SocketStream) else stream.transport_stream
+        if limits.tcp_user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
+            try:
+                raw.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                      int(limits.tcp_user_timeout * 1000))
+            except OSError:
+                pass  # not TCP (a test's socketpair)
         self.peer = peer
         self.limits = limits
         self.conn_id = next(_conn_ids)
@@ -326,6 +337,14 @@ class Connection:
             if n == 0:
                 raise ConnectionLost(f"{self.peer} closed the connection")
             decoder.buffer_updated(n)
+
+    def sock_close(self) -> None:
+        """Close the socket now; the reader and writer tasks notice and end."""
+        self.closed = True
+        self._wakeup.set()
+        self._drained.set()
+        raw = self.stream if isinstance(self.stream, trio.SocketStream) else self.stream.transport_stream
+        raw.socket.close()
 
     async def close(self) -> None:
         self.closed = True
@@ -677,6 +696,7 @@ class ClientConnection:
             self._slots[call_id] = slot
             # A bare CancelScope: trio.fail_after's context manager costs
             # more than the rest of a small call.
+            sent_at = time.monotonic()
             try:
                 with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
                     await self.conn.send_and_wait(
@@ -685,6 +705,13 @@ class ClientConnection:
             finally:
                 self._slots.pop(call_id, None)  # a late reply is dropped
             if scope.cancelled_caught:
+                if self.conn.last_activity < sent_at and not self.conn.closed:
+                    # Not a byte from the peer during the whole wait: treat the
+                    # connection as dead (cut link, frozen peer) so the next
+                    # call reconnects instead of queueing behind it.
+                    log.info("closing silent connection to %s after %s timed out", self.conn.peer, method)
+                    self._fail_all(ConnectionLost(f"{self.conn.peer} went silent"))
+                    self.conn.sock_close()
                 raise TimedOut(f"{method} to {self.conn.peer} passed its deadline of {timeout}s")
         reply = slot.reply
         if isinstance(reply, wire.Response):

@@ -314,3 +314,16 @@ async def test_errors_in_the_pool_body_propagate_unwrapped(nursery):
     with pytest.raises(NotLeader):
         async with RpcPool(secret=SECRET) as pool:
             await pool.call(addr, "fail", {"code": "ENOTLEADER"})
+
+
+async def test_timed_out_call_with_a_silent_peer_closes_the_connection():
+    async with trio.open_nursery() as n:
+        server, addr = await start_server(n)
+        async with RpcPool(secret=SECRET) as pool:
+            first = await pool.connection(addr)
+            with pytest.raises(TimedOut):
+                await pool.call(addr, "sleep", {"seconds": 5}, timeout=0.2)
+            assert first.closed  # nothing came back during the wait
+            assert (await pool.call(addr, "echo", {"value": 1})).result["value"] == 1
+            assert await pool.connection(addr) is not first
+        n.cancel_scope.cancel()
