@@ -25,8 +25,10 @@ Cases (samples/s; each repeated ``--repeat`` times, median and min-max):
   behind the same link, disk cache emptied / second epoch / after
   ``juicefs warmup`` with the page cache dropped.
 
-Case (g), the native API Dataset with sampler-aware prefetch
-(bench/native_case.py), is run when that module exists.
+- ``native`` / ``native_second`` (g) the native API Dataset with
+  sampler-aware prefetch (``cachefs.torch.CacheFSDataset``, as in
+  bench/native_case.py) with the same decode as a transform, right after
+  case (c) (cache tier warm, a fresh client): epoch 1 and epoch 2.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from bench.common import emit, median, print_table, ratio
 from bench.wan import LOCAL, PROFILES, Testbed, drop_page_cache, juicefs_binary
 
 KiB = 1 << 10
-CASES = ("direct", "cold", "warm", "second", "local", "juicefs_cold", "juicefs_second", "juicefs_warm")
+CASES = ("direct", "cold", "warm", "second", "local", "juicefs_cold", "juicefs_second", "juicefs_warm",
+         "native", "native_second")
 
 
 # ---------------------------------------------------------------- the dataset
@@ -111,6 +114,39 @@ class JpegFolder:
         return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy()), self.labels[index]
 
 
+def decode(data: bytes) -> Any:
+    """The same transform as :class:`JpegFolder`, for the native Dataset (bytes in)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data)).convert("RGB").resize((224, 224))
+    return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+
+
+def run_native_epochs(bed: Testbed, directory: str, workers: int, epochs: int, batch_size: int) -> list[float]:
+    """Case (g): samples/s of each epoch of cachefs.torch's Dataset (no FUSE, sampler-aware prefetch)."""
+    import torch
+
+    from cachefs.torch import CacheFSDataset, make_loader
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    ds = CacheFSDataset(bed.lab.meta_addrs, "lab", directory, secret=bed.lab.secret, zone="z1",
+                        transform=decode)
+    loader = make_loader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                         persistent_workers=False, generator=torch.Generator().manual_seed(1))
+    rates = []
+    try:
+        for _ in range(epochs):
+            started = time.perf_counter()
+            seen = sum(len(batch) for batch in loader)
+            rates.append(seen / (time.perf_counter() - started))
+    finally:
+        del loader
+        ds.close()
+    return rates
+
+
 def run_epochs(root: Path, workers: int, epochs: int, batch_size: int,
                before_epoch: Callable[[int], None] | None = None) -> list[float]:
     """Samples/s of each epoch of a shuffled DataLoader over ``root``."""
@@ -143,13 +179,13 @@ def _progress(msg: str) -> None:
     print(f"[dataloader {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _native_case() -> Any:
-    """bench.native_case's runner, if that module has landed (case (g))."""
+def _native_case() -> bool:
+    """Whether case (g) can run: the native Dataset (cachefs.torch) is there."""
     try:
-        import bench.native_case as native  # type: ignore[import-not-found]
+        import cachefs.torch  # noqa: F401
     except ImportError:
-        return None
-    return getattr(native, "run_epochs", None)
+        return False
+    return True
 
 
 def measure(bed: Testbed, args: argparse.Namespace, local_root: Path) -> dict[str, Any]:
@@ -223,6 +259,11 @@ def measure(bed: Testbed, args: argparse.Namespace, local_root: Path) -> dict[st
                     record(pname, workers, "warm", epochs(mnt / "dl", workers, drop_each=True)[:1])
                 finally:
                     bed.umount_cachefs(mnt)
+                if args.native:
+                    _progress(f"{pname}: native Dataset (g), {workers} workers")
+                    rates = run_native_epochs(bed, "/dl", workers, args.epochs, args.batch_size)
+                    record(pname, workers, "native", rates[:1])
+                    record(pname, workers, "native_second", rates[1:])
             if bed.juicefs is not None and jfs_root is not None:
                 for _ in range(args.repeat):
                     _progress(f"{pname}: JuiceFS cold/second/warm (f), {workers} workers")
@@ -263,7 +304,8 @@ def _summarise(runs: dict[str, Any], args: argparse.Namespace, nbytes: int, bed:
         "batch_size": args.batch_size, "workers": args.workers, "repeat": args.repeat,
         "links": {p: PROFILES[p].describe() for p in args.profiles},
         "juicefs": bed.juicefs.version() if bed.juicefs is not None else None,
-        "native_case": "not run: bench/native_case.py has not landed" if _native_case() is None else "run",
+        "native_case": ("run: cachefs.torch.CacheFSDataset, the same decode as transform, after case (c)"
+                        if args.native else "not run (--no-native, or cachefs.torch is missing)"),
         "samples_per_s": table,
     }
     for pname in args.profiles:
@@ -275,6 +317,11 @@ def _summarise(runs: dict[str, Any], args: argparse.Namespace, nbytes: int, bed:
             result[f"warm_vs_juicefs_w{w}{suffix}"] = ratio(med(pname, w, "warm"), med(pname, w, "juicefs_warm"))
             result[f"cold_vs_juicefs_w{w}{suffix}"] = ratio(med(pname, w, "cold"), med(pname, w, "juicefs_cold"))
             result[f"warm_vs_local_w{w}{suffix}"] = ratio(med(pname, w, "warm"), med(pname, w, "local"))
+            if args.native:
+                result[f"speedup_native_vs_direct_w{w}{suffix}"] = ratio(med(pname, w, "native"),
+                                                                         med(pname, w, "direct"))
+                result[f"native_vs_juicefs_w{w}{suffix}"] = ratio(med(pname, w, "native"),
+                                                                  med(pname, w, "juicefs_warm"))
     return result
 
 
@@ -289,7 +336,8 @@ def show(result: dict[str, Any]) -> None:
             rows.append(row)
         print_table(f"DataLoader samples/s, link {result['links'][pname]} (median, min-max)",
                     ["case", *[f"{w} workers" for w in result["workers"]]], rows)
-    ratios = [[k, v] for k, v in sorted(result.items()) if k.startswith(("speedup_", "warm_vs_", "cold_vs_"))]
+    ratios = [[k, v] for k, v in sorted(result.items())
+              if k.startswith(("speedup_", "warm_vs_", "cold_vs_", "native_vs_"))]
     print_table("ratios of samples/s", ["ratio", "value"], ratios,
                 note="anchor (CubeFS): 4.6x with 1 worker, 2.1x with 16; shared 2-core machine: noisy")
 
@@ -300,11 +348,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,16", help="DataLoader worker counts, comma separated")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--no-native", dest="native", action="store_false",
+                        help="skip case (g), the native Dataset (cachefs.torch)")
     parser.add_argument("--profiles", default="rtt2ms,rtt10ms",
                         help=f"link profiles ({', '.join(f'{k}: {v.describe()}' for k, v in PROFILES.items())})")
 
 
 def finish_args(args: argparse.Namespace) -> None:
+    args.native = args.native and _native_case()
     args.workers = [int(w) for w in str(args.workers).split(",")]
     args.profiles = [p for p in str(args.profiles).split(",") if p]
     for p in args.profiles:
