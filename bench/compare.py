@@ -302,8 +302,7 @@ MARK_END = "<!-- bench.compare:end -->"
 def readme_section(result: dict[str, Any]) -> str:
     """The latest figures, short: what the README shows (the full report stays in bench/results)."""
     m = result["machine"]
-    lines = [MARK_START,
-             f"Latest run: {result['started']}, {m['cores']} cores ({m['cpu']}), load average "
+    lines = [f"Run of `{result.get('command', 'python -m bench.compare')}` at {result['started']}, {m['cores']} cores ({m['cpu']}), load average "
              f"{m['loadavg_start'][0]:.1f} at the start and {m['loadavg_end'][0]:.1f} at the end (a shared "
              f"machine: absolute figures are low and noisy), cachefs {m['versions'].get('cachefs_commit', '?')}, "
              f"{m['versions'].get('juicefs', '')}.", ""]
@@ -311,8 +310,8 @@ def readme_section(result: dict[str, Any]) -> str:
         dl = result["dataloader"]
         lines += [f"DataLoader, {dl['files']} JPEG files of {dl['mean_file_kib']} KiB, samples/s (median):", "",
                   "| link | workers | (a) direct | (b) cold | (c) warm | (d) 2nd epoch | (e) local | "
-                  "(f) JuiceFS cold | JuiceFS warm | warm / direct | warm / JuiceFS |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "(f) JuiceFS cold | JuiceFS warm | (g) native | warm / direct | warm / JuiceFS |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for pname, by_w in dl["samples_per_s"].items():
             for w in dl["workers"]:
                 c = by_w.get(f"w{w}", {})
@@ -322,7 +321,7 @@ def readme_section(result: dict[str, Any]) -> str:
 
                 suffix = "" if pname == "rtt2ms" else f"_{pname}"
                 lines.append(f"| {dl['links'][pname]} | {w} | {v('direct')} | {v('cold')} | {v('warm')} | "
-                             f"{v('second')} | {v('local')} | {v('juicefs_cold')} | {v('juicefs_warm')} | "
+                             f"{v('second')} | {v('local')} | {v('juicefs_cold')} | {v('juicefs_warm')} | {v('native')} | "
                              f"{dl.get(f'speedup_warm_vs_direct_w{w}{suffix}')} | "
                              f"{dl.get(f'warm_vs_juicefs_w{w}{suffix}')} |")
         lines += ["", "Aims: warm / direct >= 4.6 (1 worker) and >= 2.1 (16 workers), the CubeFS anchor; "
@@ -358,18 +357,18 @@ def readme_section(result: dict[str, Any]) -> str:
         lines += ["", "cachefs / JuiceFS: " + ", ".join(
             f"{ph} {meta.get(f'meta_{ph}_vs_juicefs')}" for ph in meta_fs_bench.PHASES)
             + " (aim: > 1 in every phase, and >= 0.5 of the passthrough).", ""]
-    lines.append(MARK_END)
     return "\n".join(lines)
 
 
-def update_readme(result: dict[str, Any]) -> None:
-    """Replace the generated block of README.md (between the markers) with ``result``'s figures."""
+def update_readme(*results: dict[str, Any]) -> None:
+    """Replace the generated block of README.md (between the markers) with the runs' figures."""
     text = README.read_text()
     if MARK_START not in text or MARK_END not in text:
         raise SystemExit(f"README.md has no {MARK_START!r} ... {MARK_END!r} block to update")
     head, rest = text.split(MARK_START, 1)
     _, tail = rest.split(MARK_END, 1)
-    README.write_text(head + readme_section(result) + tail)
+    body = "\n".join(readme_section(r) for r in results)
+    README.write_text(f"{head}{MARK_START}\n{body}{MARK_END}{tail}")
 
 
 # ---------------------------------------------------------------- main
@@ -380,6 +379,7 @@ HEADLINE = ("speedup_warm_vs_direct_w", "warm_vs_juicefs_w", "fio_", "meta_")
 def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = [p for p in ("dataloader", "fio", "meta") if getattr(args, p)] or ["dataloader", "fio", "meta"]
     result: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": parts,
+                              "command": "python -m bench.compare " + " ".join(args.argv),
                               "machine": machine()}
     work = Path(tempfile.mkdtemp(prefix="bench-compare-", dir=args.workdir))
     with_jfs = juicefs_binary() is not None
@@ -445,12 +445,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="results folder (default: bench/results/<timestamp>)")
     parser.add_argument("--update-readme", action="store_true",
                         help="also put the figures of this run into README.md's generated block")
-    parser.add_argument("--readme-from", metavar="RESULT_JSON", default=None,
-                        help="only update README.md from a saved result.json, run nothing")
+    parser.add_argument("--readme-from", metavar="RESULT_JSON", action="append", default=[],
+                        help="only update README.md from saved result.json files (repeatable), run nothing")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.readme_from:
-        update_readme(json.loads(Path(args.readme_from).read_text()))
+        update_readme(*(json.loads(Path(p).read_text()) for p in args.readme_from))
         return
     dataloader_bench.finish_args(args)
     meta_fs_bench.finish_args(args)
