@@ -18,7 +18,6 @@ until it succeeds and never stops the datanode from serving.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import uuid
 from pathlib import Path
@@ -30,8 +29,9 @@ from prometheus_client import Gauge
 
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.erasure import keep_large_buffers
-from cachefs.errors import CacheFSError, InvalidArgument, NotFound
+from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
+from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, Reply, RpcPool, RpcServer, parse_addr, rpc_method
 from cachefs.shardstore import ShardStore, check_volume
@@ -127,65 +127,6 @@ class DatanodeService:
 
 # ---------------------------------------------------------------- cluster map
 
-class Registrar:
-    """Registers the datanode with the metanodes and heartbeats its usage.
-
-    Soft failure by design: every error is logged (once per kind) and retried
-    on the next tick, because a datanode must keep serving shards whether or
-    not the metadata service is up. Registration is a logged mutation, so it
-    is deduplicated by (client id, seq): the client id is fresh per process,
-    so a restarted datanode (perhaps on a new address) is registered again.
-    """
-
-    def __init__(self, meta: Any, service: DatanodeService, addr: str, interval: float) -> None:
-        self.meta = meta  # a cachefs.metanode.client.MetaClient
-        self.service = service
-        self.addr = addr
-        self.interval = interval
-        self.registered = False
-        self._last_error = ""
-
-    async def tick(self) -> None:
-        store = self.service.store
-        if not self.registered:
-            await self.meta.register_node("datanode", self.service.node_id, self.addr,
-                                          self.service.zone, store.capacity)
-            self.registered = True
-            log.info("registered as datanode %s (%s) in zone %s", self.service.node_id, self.addr,
-                     self.service.zone)
-        try:
-            await self.meta.node_heartbeat("datanode", self.service.node_id, store.usage()["used"])
-        except NotFound:
-            self.registered = False  # the map forgot us (removed by an operator?): register again
-            raise
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-                self._last_error = ""
-            except CacheFSError as exc:
-                if str(exc) != self._last_error:
-                    log.warning("metanodes not reachable for registration/heartbeat: %s", exc)
-                    self._last_error = str(exc)
-            await trio.sleep(self.interval)
-
-
-def _node_id(data_dir: Path, given: str | None) -> str:
-    """The id is kept in the data directory so a restarted datanode is the same node."""
-    path = data_dir / "NODE_ID"
-    if path.exists():
-        stored = path.read_text().strip()
-        if given and given != stored:
-            raise click.UsageError(f"--node-id {given} but {data_dir} belongs to datanode {stored}")
-        return stored
-    node_id = given or f"dn-{uuid.uuid4().hex[:12]}"
-    tmp = data_dir / "NODE_ID.tmp"
-    tmp.write_text(node_id + "\n")
-    os.replace(tmp, path)
-    return node_id
-
-
 async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, advertise: str | None,
                 secret: bytes | None, meta: list[str] | None, heartbeat: float) -> None:
     """Run the datanode until SIGINT/SIGTERM, then drain calls in flight."""
@@ -206,7 +147,9 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
                 await pool.__aenter__()
                 client = MetaClient(pool, meta, client_id=f"datanode-{node_id}-{uuid.uuid4().hex[:8]}",
                                     deadline=max(2.0, heartbeat), attempt_timeout=2.0)
-                nursery.start_soon(Registrar(client, service, addr, heartbeat).run)
+                nursery.start_soon(Registrar(client, kind="datanode", node_id=node_id, addr=addr, zone=zone,
+                                             capacity=store.capacity, used=lambda: store.used,
+                                             interval=heartbeat).run)
             try:
                 async for signum in signals:
                     log.info("signal %d: shutting down", signum)
@@ -248,7 +191,7 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
     root = Path(data_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        ident = _node_id(root, node_id)
+        ident = persistent_node_id(root, node_id, "datanode", "dn")
         store = ShardStore(root, capacity, durable=not no_fsync)
     except OSError as exc:
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None

@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ import trio
 from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
+from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
@@ -37,7 +37,7 @@ from .service import CacheLimits, CacheService
 from .store import BlockStore, SecondMissAdmission
 
 if TYPE_CHECKING:
-    from cachefs.metanode.client import MetaClient
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -47,72 +47,6 @@ class NoBacking:
 
     async def get_block(self, volume: str, key: BlockKey) -> bytes:
         raise Unavailable(f"no backing storage configured (no --meta): cannot fill {key.hex()}")
-
-
-class Registrar:
-    """Registers the node in the cluster map and heartbeats its usage.
-
-    Soft failure by design: errors are logged once per kind and retried on the
-    next tick; a cache node keeps serving whether or not metadata is up.
-    """
-
-    def __init__(
-        self,
-        meta: MetaClient,
-        *,
-        node_id: str,
-        addr: str,
-        zone: str,
-        store: BlockStore,
-        interval: float,
-    ) -> None:
-        self.meta = meta
-        self.node_id = node_id
-        self.addr = addr
-        self.zone = zone
-        self.store = store
-        self.interval = interval
-        self.registered = False
-        self._last_error = ""
-
-    async def tick(self) -> None:
-        if not self.registered:
-            await self.meta.register_node(
-                "cachenode", self.node_id, self.addr, self.zone, self.store.capacity
-            )
-            self.registered = True
-            log.info(
-                "registered as cachenode %s (%s) in zone %s", self.node_id, self.addr, self.zone
-            )
-        await self.meta.node_heartbeat("cachenode", self.node_id, self.store.used)
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-                self._last_error = ""
-            except CacheFSError as exc:
-                if str(exc) != self._last_error:
-                    log.warning("metanodes not reachable for registration/heartbeat: %s", exc)
-                    self._last_error = str(exc)
-            await trio.sleep(self.interval)
-
-
-def node_id_for(cache_dir: Path, given: str | None) -> str:
-    """The id is kept in the cache directory so a restarted node keeps its ring position."""
-    path = cache_dir / "NODE_ID"
-    if path.exists():
-        stored = path.read_text().strip()
-        if given and given != stored:
-            raise click.UsageError(
-                f"--node-id {given} but {cache_dir} belongs to cachenode {stored}"
-            )
-        return stored
-    node_id = given or f"cn-{uuid.uuid4().hex[:12]}"
-    tmp = cache_dir / "NODE_ID.tmp"
-    tmp.write_text(node_id + "\n")
-    os.replace(tmp, path)
-    return node_id
 
 
 def lock_dir(cache_dir: Path) -> int:
@@ -193,10 +127,12 @@ async def serve(
             if meta_client is not None:
                 registrar = Registrar(
                     meta_client,
+                    kind="cachenode",
                     node_id=node_id,
                     addr=addr,
                     zone=zone,
-                    store=store,
+                    capacity=store.capacity,
+                    used=lambda: store.used,
                     interval=heartbeat,
                 )
                 nursery.start_soon(registrar.run)
@@ -350,7 +286,7 @@ def command(
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = lock_dir(root)
-        ident = node_id_for(root, node_id)
+        ident = persistent_node_id(root, node_id, "cachenode", "cn")
         started = time.perf_counter()
         store = BlockStore.open(root, capacity, memory_capacity=memory, ttl=ttls)
     except OSError as exc:
