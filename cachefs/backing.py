@@ -58,11 +58,14 @@ from prometheus_client import Counter
 from cachefs.erasure import BlockHeader, Codec, ShardRange
 from cachefs.errors import (
     CacheFSError,
+    ConnectionLost,
     Corrupt,
     InvalidArgument,
     NoSpace,
     NotFound,
+    TimedOut,
     Unavailable,
+    Unreachable,
 )
 from cachefs.ids import BlockKey
 from cachefs.placement import handoff_order, pg_of, place_pgs
@@ -282,6 +285,10 @@ class BackingClient:
             raise Unavailable(f"datanode {node_id} is {node.state}")
         return node.addr
 
+    def _is_suspect(self, node_id: str) -> bool:
+        """Whether a put found ``node_id`` failing or silent within the last ``suspect_for`` s."""
+        return self._suspect.get(node_id, 0.0) > trio.current_time()
+
     def _usable(self, node_id: str) -> bool:
         node = self.view.datanodes.get(node_id)
         return node is not None and node.state == "up"
@@ -321,10 +328,14 @@ class BackingClient:
                          offset: int = 0, length: int = -1) -> _Shard:
         """One shard (or a range of it) with its block header."""
         started = trio.current_time()
-        reply = await self.pool.call(
-            self._addr(node), "get",
-            {"volume": volume, "key": key.to_bytes(), "index": index, "offset": offset, "length": length},
-            timeout=self.timeout)
+        try:
+            reply = await self.pool.call(
+                self._addr(node), "get",
+                {"volume": volume, "key": key.to_bytes(), "index": index, "offset": offset, "length": length},
+                timeout=self.timeout)
+        except (Unreachable, ConnectionLost, TimedOut):
+            self._suspect[node] = trio.current_time() + self.suspect_for
+            raise
         if length == -1 and offset == 0:
             self._latency = 0.8 * self._latency + 0.2 * (trio.current_time() - started)
         header = BlockHeader.unpack(reply.result["meta"])
@@ -515,10 +526,14 @@ class BackingClient:
             stored = sum(1 for nodes in placed.values() if nodes)
             raise cls(f"block {key.hex()}: only {stored} of {policy.n} shards stored durably, "
                       f"{policy.write_quorum} on distinct nodes needed ({causes or 'timed out'})")
+        until = trio.current_time() + self.suspect_for
         for index in range(policy.n):
             holders = placed.get(index, set())
             if pg[index] in holders:
                 continue
+            if pg[index] in suspect and (index, pg[index]) not in errors:
+                # Still silent when the put moved on: keep handing its shards off at once.
+                self._suspect[pg[index]] = max(self._suspect.get(pg[index], 0.0), until)
             holder = min(holders) if holders else None
             reason = str(errors.get((index, pg[index]), "down" if pg[index] in suspect else "cancelled after quorum"))
             self.missing.append(MissingShard(volume, key, index, pg[index], reason, holder))
@@ -619,8 +634,7 @@ class BackingClient:
         order += sorted(i for i in known_bad if i in where and 0 <= i < policy.n)
         if policy.kind == "replica":
             order = self._replica_order(tuple(where.get(i, "") for i in range(policy.n)), order)
-        now = trio.current_time()
-        order.sort(key=lambda i: self._suspect.get(where[i], 0.0) > now)  # stable: silent nodes last
+        order.sort(key=lambda i: self._is_suspect(where[i]))  # stable: nodes silent lately last
         jobs = [(i, _job(self.read_shard, where[i], volume, key, i)) for i in order]
         outcome = await self._race(jobs, need or policy.k)
         if len(outcome.shards) < (need or policy.k) and sources is None:
@@ -665,10 +679,9 @@ class BackingClient:
             outcome.errors.pop(i, None)
 
     def _replica_order(self, pg: tuple[str, ...], order: list[int]) -> list[int]:
-        if self.zone is None:
-            return order
         zone_of = {n: d.zone for n, d in self.view.datanodes.items()}
-        return sorted(order, key=lambda i: zone_of.get(pg[i]) != self.zone)  # stable
+        return sorted(order, key=lambda i: (self._is_suspect(pg[i]),  # stable
+                                            self.zone is not None and zone_of.get(pg[i]) != self.zone))
 
     async def _get_replica(self, codec: Codec, volume: str, key: BlockKey, pg: tuple[str, ...],
                            offset: int, length: int) -> bytes:
@@ -715,6 +728,8 @@ class BackingClient:
         raise _Fallback
 
     async def _read_plan(self, volume: str, key: BlockKey, pg: tuple[str, ...], plan: list[ShardRange]) -> _Outcome:
+        if any(self._is_suspect(pg[r.index]) for r in plan):
+            raise _Fallback  # a shard on a node that went silent lately: read around it at once
         jobs = [(n, _job(self.read_shard, pg[r.index], volume, key, r.index, r.offset, r.length))
                 for n, r in enumerate(plan)]
         # No alternates for a given range: a slow shard is hedged by giving up

@@ -44,7 +44,7 @@ class MetaClient:
 
     MIN_ATTEMPT = 0.25  # seconds: an attempt never gets less, unless the deadline has less left
     BACKOFF_MIN = 1.0  # seconds an address that did not answer is skipped, doubling ...
-    BACKOFF_MAX = 8.0  # ... up to this while it stays silent
+    BACKOFF_MAX = 4.0  # ... up to this while it stays silent
 
     def __init__(
         self,

@@ -222,7 +222,9 @@ async def test_kill_9_during_writes(cluster: Datanodes, volume: str) -> None:
         # What the puts recorded as short is enough to restore full redundancy.
         assert client.missing and {m.node for m in client.missing} == {"dn3"}
         report = await Repairer(client).repair_missing(client.missing)
-        assert report.healthy and report.shards_rebuilt >= len({m.key for m in client.missing})
+        # A shard whose write reached dn3's disk just before the kill but whose
+        # answer did not come back is recorded, yet needs no rebuild.
+        assert report.healthy and 0 < report.shards_rebuilt <= len(client.missing)
         for m in client.missing:
             shard = await client.read_shard("dn3", volume, m.key, m.index)
             assert shard.header.orig_len == len(written[m.key])
