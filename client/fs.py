@@ -113,7 +113,6 @@ class CacheFS(pyfuse3.Operations):
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
         self._compacting: set[tuple[int, int]] = set()
-        session.on_new_session = self._reopen_all
         nursery.start_soon(self._seal_idle_writes)
 
     async def _seal_idle_writes(self) -> None:
@@ -122,15 +121,6 @@ class CacheFS(pyfuse3.Operations):
             for inode in self.inodes.all():
                 if inode.writer is not None:
                     inode.writer.seal_idle(FLUSH_IDLE)
-
-    async def _reopen_all(self) -> None:
-        """A new metanode session: hold our open files again."""
-        for inode in self.inodes.all():
-            if inode.opens > 0:
-                try:
-                    await self.session.open(inode.ino)
-                except CacheFSError as exc:
-                    log.error("could not re-open inode %d in the new session: %s", inode.ino, exc)
 
     # ------------------------------------------------------------------ helpers
 
@@ -204,7 +194,9 @@ class CacheFS(pyfuse3.Operations):
             await trio.sleep(COMPACT_DELAY)
             if inode.writer is not None and inode.writer.dirty:
                 return
-            await self.session.compact_if_needed(inode, chunk, self.reader, self.options.compact_after)
+            await self.session.compact_if_needed(
+                inode, chunk, self.reader, self.options.compact_after
+            )
         except CacheFSError as exc:
             log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
         finally:

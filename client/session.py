@@ -6,6 +6,11 @@ talk to. It owns:
 - the metanode client (leader following, retries and dedup live there) and the
   volume session from ``mount_volume`` (the metanodes keep unlinked files we
   hold open until we release them or the session ends);
+- the session's open files: an inode's first open is announced to the leader
+  (``open``) and its last close too (``release``), one at a time per inode so
+  they reach it in order; both are soft state there, not log entries. Every
+  heartbeat carries the whole open set, which is how a new leader learns it
+  after a failover (see ``metanode.service.OpenTable``);
 - the cluster map, refreshed in the background, which feeds the backing-storage
   client's placement and the cache router's rings;
 - the block chain for reads (DESIGN.md "Reads"): the owner of the block on our
@@ -20,9 +25,10 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
+from cachefs.metanode.client import MetaClient
 
 from cachefs.backing import BackingClient, MetaClusterView
 from cachefs.errors import (
@@ -45,10 +51,18 @@ from .slicemap import HOLE, Slice, resolve, segment_blocks, slice_blocks
 from .tasks import run_all
 from .transport import BlockTransport, open_transport
 
-if TYPE_CHECKING:
-    from cachefs.metanode.client import MetaClient
-
 log = logging.getLogger(__name__)
+
+
+class SessionMetaClient(MetaClient):
+    """A MetaClient whose ``session_heartbeat`` carries the session's open set."""
+
+    async def session_heartbeat(self, session: str, opens: list[int] | None = None) -> bool:
+        args: dict[str, Any] = {"session": session}
+        if opens is not None:
+            args["opens"] = opens
+        return bool(await self.call("session_heartbeat", args))
+
 
 CACHE_TIMEOUT = 5.0
 MAP_REFRESH = 5.0
@@ -82,6 +96,8 @@ class Session:
         self.router = CacheRouter(cluster_map, zone)
         self._set_map(cluster_map)
         self.on_new_session: Callable[[], Awaitable[None]] | None = None
+        self._open: dict[int, int] = {}  # ino -> opens by this mount (announced while > 0)
+        self._open_locks: dict[int, trio.Lock] = {}
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
 
     @classmethod
@@ -103,10 +119,8 @@ class Session:
             AuthFailed: the cluster secret is wrong.
             RdmaUnavailable: ``transport`` is rdma and RDMA cannot be used.
         """
-        from cachefs.metanode.client import MetaClient
-
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
-        meta = MetaClient(pool, meta_addrs, client_id=client_id)
+        meta = SessionMetaClient(pool, meta_addrs, client_id=client_id)
         info = await meta.mount_volume(volume, client_id)
         cmap = await meta.cluster_map()
         if volume not in cmap.get("volumes", {}):
@@ -148,10 +162,11 @@ class Session:
         while True:
             await trio.sleep(MAP_REFRESH)
             try:
-                if self.session_id and not await self.meta.session_heartbeat(self.session_id):
+                if self.session_id and not await self.heartbeat():
                     log.warning("session %s expired; opening a new one", self.session_id)
                     info = await self.meta.mount_volume(self.volume, self.meta.client_id)
                     self.session_id = str(info["session"])
+                    await self._reopen_all()
                     if self.on_new_session is not None:
                         await self.on_new_session()
                 cmap = await self.meta.cluster_map()
@@ -160,6 +175,18 @@ class Session:
                     await self.view.refresh()
             except CacheFSError as exc:
                 log.warning("session upkeep failed (will retry): %s", exc)
+
+    async def heartbeat(self) -> bool:
+        """Keep the session alive and announce its open set; False: it is gone."""
+        return bool(await self.meta.session_heartbeat(self.session_id, sorted(self._open)))
+
+    async def _reopen_all(self) -> None:
+        """A new metanode session: hold our open files again."""
+        for ino in list(self._open):
+            try:
+                await self.meta.open(self.volume, ino, self.session_id)
+            except CacheFSError as exc:
+                log.error("could not re-open inode %d in the new session: %s", ino, exc)
 
     async def close(self) -> None:
         try:
@@ -228,11 +255,49 @@ class Session:
     async def removexattr(self, ino: int, name: bytes) -> None:
         await self.meta.removexattr(self.volume, ino, name)
 
+    def _lock(self, ino: int) -> trio.Lock:
+        lock = self._open_locks.get(ino)
+        if lock is None:
+            lock = self._open_locks[ino] = trio.Lock()
+        return lock
+
+    def _unlock_idle(self, ino: int, lock: trio.Lock) -> None:
+        if ino not in self._open and not lock.statistics().tasks_waiting:
+            self._open_locks.pop(ino, None)
+
     async def open(self, ino: int) -> None:
-        await self.meta.open(self.volume, ino, self.session_id)
+        """Count an open; the first one is announced to the leader (who checks
+        the inode is a regular file that still exists)."""
+        lock = self._lock(ino)
+        async with lock:
+            count = self._open.get(ino, 0)
+            if not count:
+                try:
+                    await self.meta.open(self.volume, ino, self.session_id)
+                except BaseException:
+                    self._unlock_idle(ino, lock)
+                    raise
+            self._open[ino] = count + 1
 
     async def release(self, ino: int) -> None:
-        await self.meta.release(self.volume, ino, self.session_id)
+        """Uncount an open; the last one is announced to the leader."""
+        lock = self._lock(ino)
+        async with lock:
+            count = self._open.get(ino, 0)
+            if count > 1:
+                self._open[ino] = count - 1
+                return
+            self._open.pop(ino, None)
+            try:
+                if count:
+                    await self.meta.release(self.volume, ino, self.session_id)
+            finally:
+                self._unlock_idle(ino, lock)
+
+    @property
+    def open_inodes(self) -> dict[int, int]:
+        """Inodes this mount has open, with their open counts (read-only view)."""
+        return dict(self._open)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         rows = await self.meta.read_chunk(self.volume, ino, chunk)

@@ -157,6 +157,16 @@ class Command:
         return msgpack.packb([self.TAG, values], use_bin_type=True)
 
 
+def _required(cls: type) -> int:
+    """Fields without a default: a log entry written before a field with a
+    default was added still decodes (the default applies)."""
+    return sum(
+        1
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+
+
 def decode(raw: bytes) -> Command:
     """Decode and validate one log entry; raises InvalidArgument if malformed."""
     try:
@@ -172,8 +182,9 @@ def decode(raw: bytes) -> Command:
     cls = _REGISTRY.get(tag) if isinstance(tag, int) else None
     if cls is None or not isinstance(values, list):
         raise InvalidArgument(f"unknown command tag {tag!r}")
-    if len(values) != len(_specs(cls)):
-        raise InvalidArgument(f"{cls.__name__} takes {len(_specs(cls))} fields")
+    specs = _specs(cls)
+    if not _required(cls) <= len(values) <= len(specs):
+        raise InvalidArgument(f"{cls.__name__} takes {len(specs)} fields")
     try:
         return cls(*values)
     except TypeError as exc:
@@ -361,14 +372,20 @@ class Link(Command):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Unlink(Command):
+    """``expect``/``keep``: the leader's stamp of whether the inode this drops
+    is still open somewhere (see ``namespace.MetaState.keeps`` and ``service.OpenTable``)."""
+
     TAG: ClassVar[int] = 15
     volume: str
     parent: int
     name: bytes
+    expect: int = 0
+    keep: bool = False
 
     def validate(self) -> None:
         _check_int(self.parent, "parent", 1)
         check_name(self.name)
+        _check_int(self.expect, "expect")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -393,10 +410,13 @@ class Rename(Command):
     new_name: bytes
     flags: int = 0
     new_volume: str | None = None
+    expect: int = 0  # the leader's stamp for the replaced target, as in Unlink
+    keep: bool = False
 
     def validate(self) -> None:
         _check_int(self.parent, "parent", 1)
         _check_int(self.new_parent, "new_parent", 1)
+        _check_int(self.expect, "expect")
         check_name(self.name)
         check_name(self.new_name)
         _check_int(self.flags, "flags", 0, U32)
@@ -443,28 +463,6 @@ class RemoveXattr(Command):
         _check_int(self.ino, "ino", 1)
         if not self.name or len(self.name) > XATTR_NAME_MAX:
             raise Range(f"xattr name must be 1..{XATTR_NAME_MAX} bytes")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Open(Command):
-    TAG: ClassVar[int] = 20
-    volume: str
-    ino: int
-    session: str
-
-    def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Release(Command):
-    TAG: ClassVar[int] = 21
-    volume: str
-    ino: int
-    session: str
-
-    def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -562,6 +560,20 @@ class PurgeTrash(Command):
     def validate(self) -> None:
         if len(self.slice_ids) > 100_000:
             raise InvalidArgument("at most 100000 slice ids per purge")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PurgeOrphans(Command):
+    """Free unlinked inodes that were kept because they might be open; the
+    leader proposes it once no session has them open (``service.OpenTable``)."""
+
+    TAG: ClassVar[int] = 34
+    volume: str
+    inos: tuple[int, ...]
+
+    def validate(self) -> None:
+        if len(self.inos) > 100_000:
+            raise InvalidArgument("at most 100000 inodes per purge")
 
 
 # -- cluster map --------------------------------------------------------------------

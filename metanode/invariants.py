@@ -10,8 +10,9 @@ principles (walking dentries), never from the counters it is checking:
   directories holding its links;
 - the directory graph is a tree rooted at inode 1 (no cycles, every
   directory reachable);
-- orphans (nlink 0) are regular files held open by some session, and the
-  volume's open counts equal the sum over its sessions;
+- inodes without links (orphans) are regular files listed in the volume's
+  ``orphans`` (kept because the leader stamped them as maybe open), and every
+  listed orphan is such an inode;
 - per-directory subtree usage and the volume's byte count match a recount;
 - readdir cookies are unique, increasing in dict order and below
   ``next_cookie``; slice records lie inside their chunk and inside the file.
@@ -96,9 +97,9 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
                 p.append(f"{name}: dir {ino} has {n} links")
         elif inode.nlink != n:
             p.append(f"{name}: inode {ino} nlink {inode.nlink} but {n} dentries")
-        orphan_ok = _kind(inode.mode) == _S_IFREG and vol.opens.get(ino)
+        orphan_ok = _kind(inode.mode) == _S_IFREG and ino in vol.orphans
         if n == 0 and not inode.is_dir and not orphan_ok:
-            p.append(f"{name}: inode {ino} has no links and is not an open file")
+            p.append(f"{name}: inode {ino} has no links and is not a kept orphan")
         expected = link_parents.get(ino, Counter())
         actual = Counter(inode.parents())
         if expected != actual:
@@ -114,15 +115,9 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
     if total_bytes != vol.used_bytes:
         p.append(f"{name}: used_bytes {vol.used_bytes}, recount {total_bytes}")
     p.extend(_check_tree(vol))
-    opens: Counter[int] = Counter()
-    for session in state.sessions.values():
-        if session.volume == name:
-            opens.update(session.files)
-    if dict(opens) != vol.opens:
-        p.append(f"{name}: open counts {vol.opens} != sessions {dict(opens)}")
-    for ino in vol.opens:
-        if ino not in inodes:
-            p.append(f"{name}: open inode {ino} is gone")
+    for ino in vol.orphans:
+        if ino not in inodes or inodes[ino].nlink:
+            p.append(f"{name}: orphan {ino} is gone or still linked")
     if len(vol.trash) % struct.calcsize("<QIQ"):
         p.append(f"{name}: trash is not whole records")
     return p

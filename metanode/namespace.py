@@ -42,9 +42,17 @@ out of its scope and unlinking the original (the Backend.AI "quota scope").
 Bytes are the logical sizes of non-directories. A quota on a directory is
 checked against the growth of its subtree before any change (EDQUOT).
 
-Unlinked but open: a regular file whose last link goes while some session has
-it open stays as an orphan (nlink 0, no parent) until the last close or the
-end of the session; then its slices go to the trash.
+Unlinked but open: which files are open is soft state on the leader
+(``service.OpenTable``), not replicated: open and release add no log entry.
+Instead the leader stamps into every command that can drop a file's last
+link (``Unlink``, ``Rename`` over a target) the inode it expects to drop
+(``expect``) and whether to keep it (``keep``). The apply keeps the inode as an
+orphan (nlink 0, no parent, listed in ``Volume.orphans``) when the stamp says
+so, or when the dropped inode is not the expected one (the stamp cannot speak
+for it: keep, conservatively); otherwise its slices go to the trash at once.
+So every replica decides the same. Orphans are freed by ``PurgeOrphans``,
+which the leader proposes when the last open goes or the holder's session
+ends.
 
 Permissions are checked by the kernel (the FUSE mount uses
 ``default_permissions``), as in JuiceFS's and CubeFS's FUSE clients; the
@@ -185,7 +193,7 @@ _NFIELDS = len(Inode.__slots__)
 
 
 class Volume:
-    __slots__ = ("name", "inodes", "next_ino", "used_bytes", "trash", "opens", "created_ns")
+    __slots__ = ("name", "inodes", "next_ino", "used_bytes", "trash", "orphans", "created_ns")
 
     def __init__(self, name: str, now: int) -> None:
         self.name = name
@@ -193,7 +201,7 @@ class Volume:
         self.next_ino = ROOT + 1
         self.used_bytes = 0
         self.trash = bytearray()
-        self.opens: dict[int, int] = {}  # ino -> open count over all sessions
+        self.orphans: set[int] = set()  # unlinked regular files kept: maybe open
         self.created_ns = now
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
@@ -201,12 +209,13 @@ class Volume:
 
 
 class Session:
-    __slots__ = ("client_id", "volume", "files")
+    """A mounted client; which files it has open is the leader's soft state."""
+
+    __slots__ = ("client_id", "volume")
 
     def __init__(self, client_id: str, volume: str) -> None:
         self.client_id = client_id
         self.volume = volume
-        self.files: dict[int, int] = {}  # ino -> opens by this session
 
 
 # -- slice records -----------------------------------------------------------------
@@ -287,13 +296,12 @@ class MetaState:
             C.Rename: self._rename,
             C.SetXattr: self._setxattr,
             C.RemoveXattr: self._removexattr,
-            C.Open: self._open,
-            C.Release: self._release,
             C.SetQuota: self._set_quota,
             C.AllocSlices: self._alloc_slices,
             C.WriteSlice: self._write_slice,
             C.CompactChunk: self._compact_chunk,
             C.PurgeTrash: self._purge_trash,
+            C.PurgeOrphans: self._purge_orphans,
             C.RegisterNode: self._register_node,
             C.RemoveNode: self._remove_node,
         }
@@ -474,7 +482,15 @@ class MetaState:
     def _trash(self, vol: Volume, slice_id: int, slice_size: int, now: int) -> None:
         vol.trash += _TRASH.pack(slice_id, slice_size, now)
 
-    def _drop_link(self, vol: Volume, child: Inode, now: int) -> None:
+    @staticmethod
+    def keeps(expect: int, keep: bool, ino: int) -> bool:
+        """Whether a command stamped ``(expect, keep)`` keeps ``ino`` as an orphan
+        when it drops its last link. ``expect`` 0 is an unstamped command (the
+        state machine alone, as in tests): ``keep`` decides. A stamped command
+        that drops another inode than the leader predicted keeps it."""
+        return keep if expect in (0, ino) else True
+
+    def _drop_link(self, vol: Volume, child: Inode, now: int, keep: bool = False) -> None:
         """After a dentry of ``child`` went: free it if nothing holds it any more."""
         if child.is_dir:
             child.nlink = 0
@@ -482,8 +498,11 @@ class MetaState:
             return
         child.nlink -= 1
         child.ctime = now
-        if child.nlink == 0 and not vol.opens.get(child.ino):
-            self._free(vol, child, now)
+        if child.nlink == 0:
+            if keep and _kind(child.mode) == _S_IFREG:
+                vol.orphans.add(child.ino)
+            else:
+                self._free(vol, child, now)
 
     def _free(self, vol: Volume, inode: Inode, now: int) -> None:
         if _kind(inode.mode) == _S_IFREG:
@@ -575,50 +594,46 @@ class MetaState:
         }
 
     def _close_session(self, cmd: C.CloseSession) -> None:
-        session = self.sessions.pop(cmd.session, None)
-        if session is None:
+        """The leader then drops the session's opens and purges orphans it held."""
+        if self.sessions.pop(cmd.session, None) is None:
             raise NotFound(f"no session {cmd.session!r}")
-        vol = self.volumes[session.volume]
-        for ino, count in session.files.items():
-            self._unopen(vol, ino, count, cmd.now_ns)
 
-    def _unopen(self, vol: Volume, ino: int, count: int, now: int) -> None:
-        left = vol.opens[ino] - count
-        if left:
-            vol.opens[ino] = left
-            return
-        del vol.opens[ino]
-        inode = vol.inodes.get(ino)
-        if inode is not None and inode.nlink == 0:
-            self._free(vol, inode, now)
-
-    def _open(self, cmd: C.Open) -> dict[str, Any]:
+    def _purge_orphans(self, cmd: C.PurgeOrphans) -> int:
+        """Free the listed orphans (others, and inodes no longer orphans, are skipped)."""
         vol = self._vol(cmd.volume)
-        session = self.sessions.get(cmd.session)
-        if session is None or session.volume != cmd.volume:
-            raise NotFound(f"no session {cmd.session!r} on volume {cmd.volume!r}")
-        inode = self._inode(vol, cmd.ino)
+        freed = 0
+        for ino in cmd.inos:
+            if ino in vol.orphans:
+                vol.orphans.discard(ino)
+                self._free(vol, vol.inodes[ino], cmd.now_ns)
+                freed += 1
+        return freed
+
+    def check_open(self, volume: str, ino: int, session: str) -> dict[str, Any]:
+        """What the leader checks before it counts an open: the session is on
+        this volume and the inode a regular file (an orphan too); its attrs."""
+        vol = self._vol(volume)
+        s = self.sessions.get(session)
+        if s is None or s.volume != volume:
+            raise NotFound(f"no session {session!r} on volume {volume!r}")
+        inode = self._inode(vol, ino)
         if inode.is_dir:
             raise IsADirectory("open tracks regular files only (directories need no open)")
         if _kind(inode.mode) != _S_IFREG:
             raise InvalidArgument("open tracks regular files only")
-        session.files[cmd.ino] = session.files.get(cmd.ino, 0) + 1
-        vol.opens[cmd.ino] = vol.opens.get(cmd.ino, 0) + 1
         return self.attr(inode)
 
-    def _release(self, cmd: C.Release) -> None:
-        vol = self._vol(cmd.volume)
-        session = self.sessions.get(cmd.session)
-        if session is None or session.volume != cmd.volume:
-            raise NotFound(f"no session {cmd.session!r} on volume {cmd.volume!r}")
-        count = session.files.get(cmd.ino)
-        if not count:
-            raise InvalidArgument(f"inode {cmd.ino} is not open in session {cmd.session!r}")
-        if count == 1:
-            del session.files[cmd.ino]
-        else:
-            session.files[cmd.ino] = count - 1
-        self._unopen(vol, cmd.ino, 1, cmd.now_ns)
+    def predict_drop(self, volume: str, parent: int, name: bytes) -> int:
+        """The regular file whose link ``parent/name`` names now (0 if none):
+        the inode an unlink or a rename over it would drop, for the stamp."""
+        vol = self.volumes.get(volume)
+        d = vol.inodes.get(parent) if vol is not None else None
+        if d is None or not d.is_dir:
+            return 0
+        ino = self._lookup_ino(d.data, name)
+        if ino is None or _kind(vol.inodes[ino].mode) != _S_IFREG:
+            return 0
+        return ino
 
     # -- namespace mutations -----------------------------------------------------------
 
@@ -708,7 +723,7 @@ class MetaState:
             raise IsADirectory(f"{cmd.name!r} is a directory")
         self._remove_entry(vol, parent, cmd.name, child)
         self._touch(parent, cmd.now_ns)
-        self._drop_link(vol, child, cmd.now_ns)
+        self._drop_link(vol, child, cmd.now_ns, self.keeps(cmd.expect, cmd.keep, ino))
 
     def _rmdir(self, cmd: C.Rmdir) -> None:
         vol = self._vol(cmd.volume)
@@ -776,7 +791,7 @@ class MetaState:
         self._remove_entry(vol, src_dir, cmd.name, src)
         if dst is not None:
             self._replace_entry(vol, dst_dir, cmd.new_name, dst, src)
-            self._drop_link(vol, dst, now)
+            self._drop_link(vol, dst, now, self.keeps(cmd.expect, cmd.keep, dst.ino))
         else:
             self._add_entry(vol, dst_dir, cmd.new_name, src)
         src.ctime = now
@@ -1141,15 +1156,12 @@ class MetaState:
                     vol.next_ino,
                     vol.used_bytes,
                     bytes(vol.trash),
-                    sorted(vol.opens.items()),
+                    sorted(vol.orphans),
                     vol.created_ns,
                     inodes,
                 ]
             )
-        sessions = [
-            [sid, s.client_id, s.volume, sorted(s.files.items())]
-            for sid, s in self.sessions.items()
-        ]
+        sessions = [[sid, s.client_id, s.volume, []] for sid, s in self.sessions.items()]
         dedup = []
         for client, seen in self.dedup.items():
             answers = []
@@ -1162,7 +1174,7 @@ class MetaState:
                 [client, self.dedup_floor.get(client, 0), self.dedup_last.get(client, 0), answers]
             )
         state = [
-            3,
+            4,
             self.applied_index,
             self.next_slice,
             self.cluster.dump(),
@@ -1178,19 +1190,18 @@ class MetaState:
         raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
         state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         version, applied, next_slice, cluster, volumes, sessions, dedup, swept = state
-        if version != 3:
+        if version not in (3, 4):
             raise InvalidArgument(f"unknown snapshot version {version}")
         self.applied_index = applied
         self.next_slice = next_slice
         self.cluster = ClusterMap.load(cluster)
         self.volumes = {}
-        for name, next_ino, used_bytes, trash, opens, created_ns, inodes in volumes:
+        for name, next_ino, used_bytes, trash, _opens, created_ns, inodes in volumes:
             vol = Volume(name, created_ns)
             vol.inodes.clear()
             vol.next_ino = next_ino
             vol.used_bytes = used_bytes
             vol.trash = bytearray(trash)
-            vol.opens = dict(opens)
             for k in range(0, len(inodes), _NFIELDS):
                 (
                     ino,
@@ -1225,12 +1236,12 @@ class MetaState:
                 inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
                 inode.xattrs = xattrs
                 vol.inodes[ino] = inode
+                if nlink == 0 and mode & _S_IFMT == _S_IFREG:
+                    vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
             self.volumes[name] = vol
         self.sessions = {}
-        for sid, client_id, volume, files in sessions:
-            session = Session(client_id, volume)
-            session.files = dict(files)
-            self.sessions[sid] = session
+        for sid, client_id, volume, _files in sessions:
+            self.sessions[sid] = Session(client_id, volume)
         self.dedup = {}
         self.dedup_floor = {}
         self.dedup_last = {}

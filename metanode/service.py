@@ -20,7 +20,8 @@ client session and of every datanode/cache node. A background task proposes
 ``CloseSession`` for sessions silent longer than ``session_timeout`` (their
 unlinked-but-open files are then freed) and marks silent nodes down. A node
 that becomes leader starts every clock afresh, so nobody expires merely
-because of a failover.
+because of a failover. Which files each session has open is soft state too:
+see :class:`OpenTable`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,119 @@ MAX_READDIR = 10_000
 LEASE_FRACTION = 0.5  # of the shortest election timeout
 
 
+class OpenTable:
+    """Which sessions hold which inodes open: soft state on the leader only.
+
+    ``open`` and ``release`` are not log entries (a data loader opening
+    thousands of small files would pay a replicated fsync for each); the
+    leader counts them here, and the promise "an unlinked file stays readable
+    while some session has it open" is kept like this:
+
+    - Every command that can drop a file's last link (unlink, rename over a
+      target) is stamped by the leader with the inode it expects to drop and
+      ``keep`` = whether that inode is open. The apply keeps the inode as an
+      orphan when ``keep`` is set or when it dropped another inode than
+      expected, so every replica decides the same whatever the leader knew.
+    - An open that arrives while a drop stamped "not open" for that inode is
+      in flight waits for it, then checks the inode still exists (if not, the
+      unlink came first: ENOENT). Likewise for an in-flight purge.
+    - A new leader (any change of term) knows no session's opens. Clients
+      re-announce their open set with every session heartbeat (5 s); a
+      session counts as *known* once it announced to this leader (or was
+      mounted through it). While any session of a volume is unknown, every
+      drop in that volume is stamped ``keep`` and no orphan is purged: an
+      unknown session may hold anything. A session that never announces
+      expires (``session_timeout``), which makes the volume settled again.
+    - An announcement is merged (union), never trusted to remove: it may be
+      older than an open that reached the leader first. A release that
+      reaches the leader before the session is known is remembered, so a
+      stale announcement cannot resurrect it. Once known, open/release RPCs
+      keep the table exact (the client sends open on its 0->1 and release
+      on its 1->0 transition of an inode, one at a time per inode).
+    - Orphans are purged by a replicated ``PurgeOrphans`` that the leader
+      proposes when the last open of an orphan goes, when a holder's session
+      ends (unmount, or expiry of a crashed client), or when the volume
+      becomes settled after a failover.
+
+    A leader that loses leadership and regains it later is in a new term and
+    starts from nothing again, so what it missed meanwhile cannot mislead it.
+    """
+
+    def __init__(self) -> None:
+        self.by_session: dict[str, set[int]] = {}
+        self.volume_of: dict[str, str] = {}  # session -> volume, for sessions in by_session
+        self.holders: dict[tuple[str, int], int] = {}  # (volume, ino) -> sessions
+        self.known: set[str] = set()
+        self._released: dict[str, set[int]] = {}  # by sessions not yet known
+
+    def reset(self) -> None:
+        self.by_session.clear()
+        self.volume_of.clear()
+        self.holders.clear()
+        self.known.clear()
+        self._released.clear()
+
+    def open(self, volume: str, session: str, ino: int) -> None:
+        inos = self.by_session.setdefault(session, set())
+        self.volume_of[session] = volume
+        if ino not in inos:
+            inos.add(ino)
+            key = (volume, ino)
+            self.holders[key] = self.holders.get(key, 0) + 1
+        released = self._released.get(session)
+        if released is not None:
+            released.discard(ino)
+
+    def release(self, volume: str, session: str, ino: int) -> bool:
+        """True if no session holds ``ino`` any more."""
+        inos = self.by_session.get(session)
+        if inos is not None and ino in inos:
+            inos.discard(ino)
+            self._drop_holder(volume, ino)
+        if session not in self.known:
+            self._released.setdefault(session, set()).add(ino)
+        return not self.is_open(volume, ino)
+
+    def _drop_holder(self, volume: str, ino: int) -> None:
+        key = (volume, ino)
+        left = self.holders[key] - 1
+        if left:
+            self.holders[key] = left
+        else:
+            del self.holders[key]
+
+    def announce(self, volume: str, session: str, inos: list[int]) -> None:
+        """A session's open set, sent with its heartbeat; see the class docstring."""
+        if session in self.known:
+            return
+        released = self._released.pop(session, set())
+        for ino in inos:
+            if ino not in released:
+                self.open(volume, session, ino)
+        self.known.add(session)
+
+    def end_session(self, session: str) -> None:
+        volume = self.volume_of.pop(session, "")
+        for ino in self.by_session.pop(session, ()):
+            self._drop_holder(volume, ino)
+        self.known.discard(session)
+        self._released.pop(session, None)
+
+    def is_open(self, volume: str, ino: int) -> bool:
+        return (volume, ino) in self.holders
+
+    def settled(self, state: MetaState, volume: str) -> bool:
+        """Whether this leader knows the opens of every session on ``volume``."""
+        known = self.known
+        return all(s.volume != volume or sid in known for sid, s in state.sessions.items())
+
+    def keep(self, state: MetaState, volume: str, expect: int) -> bool:
+        """The stamp for a command expected to drop ``expect`` (0: unknown)."""
+        if not expect or not self.settled(state, volume):
+            return True
+        return self.is_open(volume, expect)
+
+
 class MetaService:
     """Register with ``RpcServer(MetaService(state, node), ...)``."""
 
@@ -69,6 +183,12 @@ class MetaService:
         self.node_timeout = node_timeout
         self._session_seen: dict[str, float] = {}
         self._was_leader = False
+        self._leader_term = -1
+        self.opens = OpenTable()
+        # (volume, ino) -> proposals in flight that may free it (see OpenTable)
+        self._freeing: dict[tuple[str, int], int] = {}
+        self._freed = trio.Event()  # set (and replaced) when one of those ends
+        self._wake = trio.Event()  # housekeeping: an orphan may be purgeable
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -103,14 +223,80 @@ class MetaService:
         return self.state
 
     def _check_leadership(self) -> None:
-        """On becoming leader, restart every soft clock (a grace period)."""
+        """On becoming leader, restart every soft clock (a grace period) and
+        forget every open (a new term: see :class:`OpenTable`)."""
         node = self.node
         leader = node is not None and node.is_leader
-        if leader and not self._was_leader:
+        if leader and (not self._was_leader or node.term != self._leader_term):
             now = time.monotonic()
             self._session_seen = dict.fromkeys(self.state.sessions, now)
             self.state.cluster.reset_liveness(now)
+            self.opens.reset()
+            self._leader_term = node.term
         self._was_leader = leader
+
+    async def _propose_freeing(
+        self,
+        cls: type[C.Command],
+        client_id: str,
+        seq: int,
+        inos: list[tuple[str, int]],
+        *args: Any,
+    ) -> Any:
+        """Propose a command that may free ``inos``; opens of them wait for it."""
+        for key in inos:
+            self._freeing[key] = self._freeing.get(key, 0) + 1
+        try:
+            return await self._propose(cls, client_id, seq, *args)
+        finally:
+            for key in inos:
+                left = self._freeing[key] - 1
+                if left:
+                    self._freeing[key] = left
+                else:
+                    del self._freeing[key]
+            self._freed.set()
+            self._freed = trio.Event()
+
+    async def _propose_drop(
+        self,
+        cls: type[C.Command],
+        client_id: str,
+        seq: int,
+        volume: str,
+        parent: int,
+        name: bytes,
+        *args: Any,
+    ) -> Any:
+        """Unlink or rename over ``parent/name``, stamped with ``(expect, keep)``."""
+        self._check_leadership()
+        expect = self.state.predict_drop(volume, parent, name)
+        keep = self.opens.keep(self.state, volume, expect)
+        freeing = [(volume, expect)] if expect and not keep else []
+        result = await self._propose_freeing(cls, client_id, seq, freeing, *args, expect, keep)
+        if keep:
+            self._wake.set()  # kept an orphan nobody may hold: purge it soon
+        return result
+
+    async def purge_orphans(self) -> int:
+        """Propose freeing every orphan no session holds (in settled volumes)."""
+        self._check_leadership()
+        if not self._was_leader:
+            return 0
+        freed = 0
+        for name, vol in list(self.state.volumes.items()):
+            if not vol.orphans or not self.opens.settled(self.state, name):
+                continue
+            inos = [
+                i
+                for i in sorted(vol.orphans)
+                if not self.opens.is_open(name, i) and (name, i) not in self._freeing
+            ][:100_000]
+            if inos:
+                freed += await self._propose_freeing(
+                    C.PurgeOrphans, "", 0, [(name, i) for i in inos], name, inos
+                )
+        return freed
 
     async def run_housekeeping(
         self,
@@ -121,7 +307,9 @@ class MetaService:
         """Expire silent sessions and mark silent nodes down, while leader."""
         task_status.started()
         while True:
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
             self._check_leadership()
             if not self._was_leader:
                 continue
@@ -139,6 +327,13 @@ class MetaService:
             for sid in list(self._session_seen):
                 if sid not in self.state.sessions:
                     del self._session_seen[sid]
+            for sid in list(self.opens.by_session):
+                if sid not in self.state.sessions:
+                    self.opens.end_session(sid)
+            try:
+                await self.purge_orphans()
+            except CacheFSError as exc:
+                log.info("could not purge orphans: %s", exc)
 
     def _touch_session(self, session: str) -> None:
         self._session_seen[session] = time.monotonic()
@@ -199,17 +394,29 @@ class MetaService:
 
     @rpc_method
     async def mount_volume(self, volume: str, client_id: str, seq: int = 0) -> dict:
+        self._check_leadership()
+        term = self._leader_term
         result = await self._propose(C.MountVolume, client_id, seq, volume)
+        self._check_leadership()
+        if self._leader_term == term:  # mounted on this leader's watch: no opens yet
+            self.opens.known.add(result["session"])
         self._touch_session(result["session"])
         return result
 
     @rpc_method
-    async def session_heartbeat(self, session: str) -> bool:
-        """Keep a session alive; False if it is gone (the client must remount)."""
+    async def session_heartbeat(self, session: str, opens: list | None = None) -> bool:
+        """Keep a session alive; False if it is gone (the client must remount).
+        ``opens``: the inodes the session has open, which a new leader learns
+        this way (see :class:`OpenTable`)."""
         state = await self._read()
-        if session not in state.sessions:
+        s = state.sessions.get(session)
+        if s is None:
             return False
         self._touch_session(session)
+        if opens is not None:
+            self._check_leadership()
+            self.opens.announce(s.volume, session, [int(i) for i in opens])
+            self._wake.set()
         return True
 
     @rpc_method
@@ -218,6 +425,12 @@ class MetaService:
     ) -> None:
         self._session_seen.pop(session, None)
         await self._propose(C.CloseSession, client_id, seq, session)
+        self.opens.end_session(session)
+        try:  # unmount frees the unlinked files it held before it returns
+            await self.purge_orphans()
+        except CacheFSError as exc:
+            log.info("could not purge orphans: %s", exc)
+            self._wake.set()
 
     # -- namespace reads ----------------------------------------------------------------
 
@@ -348,7 +561,9 @@ class MetaService:
     async def unlink(
         self, volume: str, parent: int, name: bytes, client_id: str = "", seq: int = 0
     ) -> None:
-        await self._propose(C.Unlink, client_id, seq, volume, parent, name)
+        await self._propose_drop(
+            C.Unlink, client_id, seq, volume, parent, name, volume, parent, name
+        )
 
     @rpc_method
     async def rmdir(
@@ -369,9 +584,16 @@ class MetaService:
         client_id: str = "",
         seq: int = 0,
     ) -> None:
-        await self._propose(
-            C.Rename, client_id, seq, volume, parent, name, new_parent, new_name, flags, new_volume
-        )
+        if flags & C.RENAME_EXCHANGE:  # drops nothing
+            await self._propose(
+                C.Rename, client_id, seq, volume, parent, name, new_parent, new_name, flags,
+                new_volume,
+            )  # fmt: skip
+            return
+        await self._propose_drop(
+            C.Rename, client_id, seq, volume, new_parent, new_name,
+            volume, parent, name, new_parent, new_name, flags, new_volume,
+        )  # fmt: skip
 
     @rpc_method
     async def setxattr(
@@ -396,15 +618,42 @@ class MetaService:
     async def open(
         self, volume: str, ino: int, session: str, client_id: str = "", seq: int = 0
     ) -> dict:
+        """Count an open of a regular file: leader soft state, no log entry
+        (see :class:`OpenTable`). Idempotent per session and inode."""
+        del client_id, seq  # not a log entry: a retry simply counts again
+        state = await self._leader_read()
+        state.check_open(volume, ino, session)
         self._touch_session(session)
-        return await self._propose(C.Open, client_id, seq, volume, ino, session)
+        self.opens.open(volume, session, ino)
+        while (volume, ino) in self._freeing:  # stamped "not open" before we counted
+            await self._freed.wait()
+        try:
+            return state.check_open(volume, ino, session)
+        except CacheFSError:
+            self.opens.release(volume, session, ino)  # the unlink came first
+            raise
 
     @rpc_method
     async def release(
         self, volume: str, ino: int, session: str, client_id: str = "", seq: int = 0
     ) -> None:
+        """Uncount an open (soft state); the last release of an orphan purges it."""
+        del client_id, seq
+        state = await self._leader_read()
         self._touch_session(session)
-        await self._propose(C.Release, client_id, seq, volume, ino, session)
+        if self.opens.release(volume, session, ino):
+            vol = state.volumes.get(volume)
+            if vol is not None and ino in vol.orphans:
+                self._wake.set()
+
+    async def _leader_read(self) -> MetaState:
+        """A read on the leader, with the open table of the current term."""
+        state = await self._read()
+        self._check_leadership()
+        if not self._was_leader:
+            node = self._raft()
+            raise NotLeader("not the leader", leader=node.leader_addr)
+        return state
 
     @rpc_method
     async def set_quota(

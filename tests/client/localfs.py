@@ -26,6 +26,7 @@ from cachefs.client.transport.tcp import TcpTransport
 from cachefs.metanode import commands as C
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import Failure, MetaState
+from cachefs.metanode.service import OpenTable
 
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
@@ -43,6 +44,13 @@ class StateMeta:
         self._seq = itertools.count(1)
         self._index = itertools.count(1)
         self._do(C.CreateVolume, VOLUME, "replica:1", "none", block_size, 8)
+        self.opens = OpenTable()  # the leader's soft state, as in the service
+
+    def _purge(self) -> None:
+        for name, vol in self.state.volumes.items():
+            inos = [i for i in sorted(vol.orphans) if not self.opens.is_open(name, i)]
+            if inos:
+                self._do(C.PurgeOrphans, name, inos)
 
     def _do(self, cls: type[C.Command], *args: Any) -> Any:
         cmd = cls("localfs", next(self._seq), time.time_ns(), *args)
@@ -52,13 +60,17 @@ class StateMeta:
         return result
 
     async def mount_volume(self, volume: str, client_id: str) -> dict[str, Any]:
-        return self._do(C.MountVolume, volume)
+        info = self._do(C.MountVolume, volume)
+        self.opens.known.add(info["session"])
+        return info
 
-    async def session_heartbeat(self, session: str) -> bool:
+    async def session_heartbeat(self, session: str, opens: list[int] | None = None) -> bool:
         return session in self.state.sessions
 
     async def close_session(self, volume: str, session: str) -> None:
         self._do(C.CloseSession, session)
+        self.opens.end_session(session)
+        self._purge()
         try:
             check(self.state)  # fsck-style invariants of everything the mount did
         except Exception:
@@ -98,7 +110,9 @@ class StateMeta:
         return self._do(C.Link, volume, ino, new_parent, new_name)
 
     async def unlink(self, volume: str, parent: int, name: bytes) -> None:
-        self._do(C.Unlink, volume, parent, name)
+        expect = self.state.predict_drop(volume, parent, name)
+        self._do(C.Unlink, volume, parent, name, expect, self.opens.keep(self.state, volume, expect))
+        self._purge()
 
     async def rmdir(self, volume: str, parent: int, name: bytes) -> None:
         self._do(C.Rmdir, volume, parent, name)
@@ -106,7 +120,10 @@ class StateMeta:
     async def rename(
         self, volume: str, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int
     ) -> None:
-        self._do(C.Rename, volume, parent, name, new_parent, new_name, flags, None)
+        expect = self.state.predict_drop(volume, new_parent, new_name)
+        keep = self.opens.keep(self.state, volume, expect)
+        self._do(C.Rename, volume, parent, name, new_parent, new_name, flags, None, expect, keep)
+        self._purge()
 
     async def readlink(self, volume: str, ino: int) -> bytes:
         return self.state.readlink(volume, ino)
@@ -129,11 +146,14 @@ class StateMeta:
     async def removexattr(self, volume: str, ino: int, name: bytes) -> None:
         self._do(C.RemoveXattr, volume, ino, name)
 
-    async def open(self, volume: str, ino: int, session: str) -> None:
-        self._do(C.Open, volume, ino, session)
+    async def open(self, volume: str, ino: int, session: str) -> dict[str, Any]:
+        attr = self.state.check_open(volume, ino, session)
+        self.opens.open(volume, session, ino)
+        return attr
 
     async def release(self, volume: str, ino: int, session: str) -> None:
-        self._do(C.Release, volume, ino, session)
+        if self.opens.release(volume, session, ino):
+            self._purge()
 
     async def alloc_slices(self, count: int) -> int:
         return self._do(C.AllocSlices, count)

@@ -332,30 +332,52 @@ def test_quotas(ns: Driver) -> None:
     ns.check()
 
 
-def test_unlinked_open_file_lives_until_release_or_session_end(ns: Driver) -> None:
+def test_unlink_stamped_keep_leaves_an_orphan_until_purged(ns: Driver) -> None:
     s1 = ns.do(C.MountVolume, VOL)["session"]
-    s2 = ns.do(C.MountVolume, VOL)["session"]
-    assert s1 != s2
     f = ns.create(1, b"f")["ino"]
     ns.write(f, 0, 0, 10)
-    ns.do(C.Open, VOL, f, s1)
-    ns.do(C.Open, VOL, f, s2)
-    ns.do(C.Unlink, VOL, 1, b"f")
+    ns.do(C.Unlink, VOL, 1, b"f", f, True)  # the leader stamped: f is open
     a = ns.state.getattr(VOL, f)
     assert a["nlink"] == 0 and a["size"] == 10
+    assert ns.state.volumes[VOL].orphans == {f}
     assert ns.state.read_chunk(VOL, f, 0) == [[1, 0, 10, 0]]
+    assert ns.state.check_open(VOL, f, s1)["nlink"] == 0  # a new session may re-open it
     assert errno_of(ns.do, C.Link, VOL, f, 1, b"back") == errno.ENOENT
     ns.check()
-    ns.do(C.Release, VOL, f, s1)
-    assert errno_of(ns.do, C.Release, VOL, f, s1) == errno.EINVAL
-    assert ns.state.getattr(VOL, f)["nlink"] == 0
     assert ns.state.trash(VOL, 10) == []
-    ns.do(C.CloseSession, s2)  # expiry of the last holder frees it
+    assert ns.do(C.PurgeOrphans, VOL, [f, 999]) == 1
     assert errno_of(ns.state.getattr, VOL, f) == errno.ENOENT
     assert [r[0] for r in ns.state.trash(VOL, 10)] == [1]
-    assert errno_of(ns.do, C.Open, VOL, 1, s2) == errno.ENOENT
-    assert errno_of(ns.do, C.CloseSession, s2) == errno.ENOENT
+    assert ns.do(C.PurgeOrphans, VOL, [f]) == 0
+    ns.do(C.CloseSession, s1)
+    assert errno_of(ns.do, C.CloseSession, s1) == errno.ENOENT
     ns.check()
+
+
+def test_stamps_decide_alike_everywhere(ns: Driver) -> None:
+    """Not kept: freed at once. Kept, or a different inode dropped than the
+    stamp expected: an orphan. Rename over a target follows the same stamp."""
+    f = ns.create(1, b"f")["ino"]
+    ns.do(C.Unlink, VOL, 1, b"f", f, False)
+    assert errno_of(ns.state.getattr, VOL, f) == errno.ENOENT
+    g = ns.create(1, b"g")["ino"]
+    ns.do(C.Unlink, VOL, 1, b"g", g + 1000, False)  # predicted another inode: keep
+    assert ns.state.volumes[VOL].orphans == {g}
+    h = ns.create(1, b"h")["ino"]
+    k = ns.create(1, b"k")["ino"]
+    ns.do(C.Rename, VOL, 1, b"k", 1, b"h", 0, None, h, True)
+    assert ns.state.volumes[VOL].orphans == {g, h}
+    assert ns.state.lookup(VOL, 1, b"h")["ino"] == k
+    ns.check()
+    assert ns.state.predict_drop(VOL, 1, b"h") == k
+    assert ns.state.predict_drop(VOL, 1, b"nope") == 0
+    blob = ns.state.snapshot()
+    copy = MetaState()
+    copy.restore(blob)
+    assert copy.volumes[VOL].orphans == {g, h}
+    # a log entry written before the stamp fields existed still decodes
+    old = msgpack.packb([C.Unlink.TAG, ["t", 0, 1, VOL, 1, b"h"]], use_bin_type=True)
+    assert C.decode(old) == C.Unlink("t", 0, 1, VOL, 1, b"h", 0, False)
 
 
 def test_volumes_and_cluster_map() -> None:
@@ -435,8 +457,8 @@ def test_snapshot_round_trip_is_exact(ns: Driver) -> None:
     ns.do(C.SetQuota, VOL, d, 1 << 40, 1000)
     g = ns.create(1, b"g")["ino"]
     ns.write(g, 0, 0, 5)
-    ns.do(C.Open, VOL, g, s)
-    ns.do(C.Unlink, VOL, 1, b"g")
+    assert s
+    ns.do(C.Unlink, VOL, 1, b"g", g, True)
     ns.do(C.RegisterNode, "datanode", "dn0", "127.0.0.1:7000", "z", 1 << 30)
     ns.check()
     blob = ns.state.snapshot()
@@ -485,11 +507,10 @@ def test_remaining_error_cases(ns: Driver) -> None:
     assert errno_of(st.read_chunk, VOL, f, -1) == errno.EINVAL
     assert errno_of(st.usage, VOL, f) == errno.ENOTDIR
     assert errno_of(st.trash, "nope", 10) == errno.ENOENT
-    assert errno_of(ns.do, C.Open, VOL, d, session) == errno.EISDIR
-    assert errno_of(ns.do, C.Open, VOL, fifo, session) == errno.EINVAL
-    assert errno_of(ns.do, C.Open, VOL, 999, session) == errno.ENOENT
-    assert errno_of(ns.do, C.Open, VOL, f, "no-such-session") == errno.ENOENT
-    assert errno_of(ns.do, C.Release, VOL, f, "no-such-session") == errno.ENOENT
+    assert errno_of(st.check_open, VOL, d, session) == errno.EISDIR
+    assert errno_of(st.check_open, VOL, fifo, session) == errno.EINVAL
+    assert errno_of(st.check_open, VOL, 999, session) == errno.ENOENT
+    assert errno_of(st.check_open, VOL, f, "no-such-session") == errno.ENOENT
     assert errno_of(ns.do, C.MountVolume, "nope") == errno.ENOENT
     assert errno_of(ns.do, C.AllocSlices, 0) == errno.EINVAL
     assert errno_of(ns.do, C.AllocSlices, C.MAX_SLICE_ALLOC + 1) == errno.EINVAL

@@ -157,3 +157,58 @@ async def test_rpc_surface(meta: Single) -> None:
         await mc.create_volume("bad name", "replica:1")
     assert info.value.errno == errno.EINVAL
     check(meta.state)
+
+
+async def test_open_and_release_add_no_log_entries(meta: Single) -> None:
+    """Soft state on the leader: no log entry, no WAL fsync; an unlink of an
+    open file keeps it, and the last release purges it (one entry)."""
+    mc = meta.mc
+    session = (await mc.mount_volume(VOL))["session"]
+    inos = [(await mc.mknod(VOL, 1, b"f%d" % i, 0o100644))["ino"] for i in range(20)]
+    node = meta.service.node
+    assert node is not None
+    applied, syncs = meta.state.applied_index, node.storage.syncs
+    for ino in inos:
+        assert (await mc.open(VOL, ino, session))["ino"] == ino
+        await mc.release(VOL, ino, session)
+    await mc.open(VOL, inos[0], session)
+    await mc.open(VOL, inos[0], session)  # a retry counts once
+    assert meta.state.applied_index == applied
+    assert node.storage.syncs == syncs
+    await mc.unlink(VOL, 1, b"f0")
+    assert (await mc.getattr(VOL, inos[0]))["nlink"] == 0
+    assert meta.state.volumes[VOL].orphans == {inos[0]}
+    await trio.sleep(0.3)  # housekeeping must not purge what is open
+    assert (await mc.getattr(VOL, inos[0]))["nlink"] == 0
+    await mc.unlink(VOL, 1, b"f1")  # not open: freed at once, no orphan
+    assert meta.state.volumes[VOL].orphans == {inos[0]}
+    await mc.release(VOL, inos[0], session)
+    with trio.fail_after(5):
+        while meta.state.volumes[VOL].orphans:
+            await trio.sleep(0.02)
+    with pytest.raises(CacheFSError) as info:
+        await mc.open(VOL, inos[0], session)
+    assert info.value.errno == errno.ENOENT
+    check(meta.state)
+
+
+async def test_a_new_leader_keeps_unlinked_files_until_sessions_announce(meta: Single) -> None:
+    """After a change of term the leader knows no opens: drops are kept until
+    every session of the volume announced its open set with a heartbeat."""
+    mc = meta.mc
+    session = (await mc.mount_volume(VOL))["session"]
+    f = (await mc.mknod(VOL, 1, b"f", 0o100644))["ino"]
+    g = (await mc.mknod(VOL, 1, b"g", 0o100644))["ino"]
+    await mc.open(VOL, f, session)
+    meta.service.opens.reset()  # what a new term does
+    await mc.unlink(VOL, 1, b"f")
+    await mc.unlink(VOL, 1, b"g")  # not open, but the leader cannot know yet
+    await trio.sleep(0.3)
+    assert meta.state.volumes[VOL].orphans == {f, g}
+    assert await mc.call("session_heartbeat", {"session": session, "opens": [f]})
+    with trio.fail_after(5):
+        while meta.state.volumes[VOL].orphans != {f}:
+            await trio.sleep(0.02)
+    await mc.close_session(VOL, session)  # unmount frees what it held
+    assert meta.state.volumes[VOL].orphans == set()
+    check(meta.state)

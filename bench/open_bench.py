@@ -1,0 +1,105 @@
+"""open()+release() latency of one client against a real 3-replica metanode cluster.
+
+A data loader opens thousands of small files once each; every FUSE open and
+release calls the metanodes' ``open``/``release`` (what keeps unlinked-but-open
+files alive). This measures one client doing ``open`` then ``release`` of a
+different file each time, and, in the same run as baselines, a ``getattr``
+(a linearizable read) and a ``mknod`` (a replicated, fsynced mutation).
+Also reports how many Raft log entries the open/release pairs added.
+
+    python -m bench.open_bench [--json] [--files 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.common import emit, median, print_table, ratio, stop
+from bench.meta_bench import _start_cluster
+
+VOL = "bench"
+
+
+async def _bench(addrs: list[str], files: int) -> dict[str, Any]:
+    from cachefs.metanode.client import MetaClient
+    from cachefs.rpc import RpcPool
+
+    async with RpcPool(secret=None) as pool:
+        mc = MetaClient(pool, addrs, deadline=60.0)
+        with trio.fail_after(60):
+            while True:
+                try:
+                    await mc.create_volume(VOL, "replica:3")
+                    break
+                except Exception:  # noqa: BLE001 - the cluster is still electing
+                    await trio.sleep(0.2)
+        session = (await mc.mount_volume(VOL))["session"]
+        mknod: list[float] = []
+        inos = []
+        for i in range(files):
+            t = time.perf_counter()
+            inos.append((await mc.mknod(VOL, 1, b"f%d" % i, 0o100644))["ino"])
+            mknod.append(time.perf_counter() - t)
+        getattr_: list[float] = []
+        for ino in inos:
+            t = time.perf_counter()
+            await mc.getattr(VOL, ino)
+            getattr_.append(time.perf_counter() - t)
+        assert mc.leader is not None
+        before = (await pool.call(mc.leader, "meta_status", {}, timeout=5)).result
+        pair: list[float] = []
+        for ino in inos:
+            t = time.perf_counter()
+            await mc.open(VOL, ino, session)
+            await mc.release(VOL, ino, session)
+            pair.append(time.perf_counter() - t)
+        after = (await pool.call(mc.leader, "meta_status", {}, timeout=5)).result
+        await mc.close_session(VOL, session)
+    return {
+        "files": files,
+        "open_release_p50_ms": median(pair) * 1e3,
+        "getattr_p50_ms": median(getattr_) * 1e3,
+        "mknod_p50_ms": median(mknod) * 1e3,
+        "open_release_vs_mknod": ratio(median(pair), median(mknod)),
+        "log_entries_per_open_release": (after["commit_index"] - before["commit_index"]) / files,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--files", type=int, default=300)
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="open-bench-"))
+    procs, addrs = _start_cluster(root, [])
+    try:
+        result = trio.run(_bench, addrs, args.files)
+    finally:
+        for proc in procs:
+            stop(proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def show() -> None:
+        print_table(
+            "open+release, one client, 3 metanodes (fsync on)",
+            ["case", "p50 ms"],
+            [
+                ["open+release (one file each)", result["open_release_p50_ms"]],
+                ["getattr (baseline: read)", result["getattr_p50_ms"]],
+                ["mknod (baseline: replicated write)", result["mknod_p50_ms"]],
+            ],
+            note=f"log entries per open+release: {result['log_entries_per_open_release']:.2f}",
+        )
+
+    emit(result, args.json, show)
+
+
+if __name__ == "__main__":
+    main()
