@@ -181,3 +181,51 @@ async def test_a_paused_leader_never_serves_a_stale_read(cluster: MetaCluster) -
                 except CacheFSError as exc:
                     answers.append(exc.code)
         assert answers and 0 not in answers, answers
+
+
+async def test_unlinked_open_file_survives_a_leader_kill_between_open_and_unlink(
+    cluster: MetaCluster,
+) -> None:
+    """The open is soft state on the killed leader only; the new leader keeps
+    every unlinked file until the holder announced its opens, then purges
+    what nobody holds, and the open file when it is released."""
+    from cachefs.client.session import SessionMetaClient
+
+    async with RpcPool(secret=None) as pool:
+        await cluster.wait_leader(pool)
+        admin = MetaClient(pool, cluster.addrs)
+        await admin.create_volume(VOL, "replica:3")
+        holder = SessionMetaClient(pool, cluster.addrs, heartbeat_interval=60.0)
+        session = (await holder.mount_volume(VOL))["session"]
+        f = (await admin.mknod(VOL, 1, b"f", 0o100644))["ino"]
+        g = (await admin.mknod(VOL, 1, b"g", 0o100644))["ino"]
+        sid = await admin.alloc_slices(1)
+        await admin.write_slice(VOL, f, 0, sid, 0, 100, 0, time.time_ns())
+        await holder.open(VOL, f, session)
+        cluster.kill(await cluster.wait_leader(pool))
+        await admin.unlink(VOL, 1, b"f")  # on the new leader, which never heard of the open
+        await admin.unlink(VOL, 1, b"g")
+        await trio.sleep(1.5)  # housekeeping runs: nothing may be purged yet
+        assert (await admin.getattr(VOL, f))["nlink"] == 0
+        assert await admin.read_chunk(VOL, f, 0) == [[sid, 0, 100, 0]]
+        assert (await admin.getattr(VOL, g))["nlink"] == 0  # kept: the leader cannot know
+        assert await holder.session_heartbeat(session, [f])
+        with trio.fail_after(10):  # g is purged, f stays
+            while True:
+                try:
+                    await admin.getattr(VOL, g)
+                except CacheFSError as exc:
+                    assert exc.errno == errno.ENOENT
+                    break
+                await trio.sleep(0.05)
+        assert (await admin.getattr(VOL, f))["size"] == 100
+        assert await admin.list_trash(VOL) == []
+        await holder.release(VOL, f, session)
+        with trio.fail_after(10):
+            while not await admin.list_trash(VOL):
+                await trio.sleep(0.05)
+        assert [r[0] for r in await admin.list_trash(VOL)] == [sid]
+        with pytest.raises(CacheFSError) as info:
+            await admin.getattr(VOL, f)
+        assert info.value.errno == errno.ENOENT
+        await holder.close_session(VOL, session)
