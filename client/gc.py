@@ -22,8 +22,11 @@ shards, and reports *missing* blocks (referenced, with no shard anywhere) and
 *unreferenced* ones (stored, yet neither referenced nor trashed: writes in
 flight, files open but unlinked, or leaks). It changes nothing.
 
-The metanode leader is meant to run :meth:`GarbageCollector.run_forever`;
-``cachefs gc`` runs one pass on demand.
+The metanode leader runs it in the background (``cachefs metanode
+--gc-interval/--gc-grace``, see ``metanode/daemon.py``), with a cutoff that
+is also before the oldest file open it knows of, and none at all while it
+does not yet know every session's opens (after a failover); ``cachefs gc``
+runs one pass on demand.
 """
 
 from __future__ import annotations
@@ -113,11 +116,12 @@ class GarbageCollector:
             except NotFound:
                 pass  # deleted by an earlier, interrupted run
 
-    async def collect(self, volume: str) -> GcReport:
-        """One pass over the trash of ``volume``."""
+    async def collect(self, volume: str, before_ns: int | None = None) -> GcReport:
+        """One pass over the trash of ``volume``: slices trashed before
+        ``before_ns`` (default: ``grace`` seconds ago)."""
         report = GcReport(volume)
         block_size = await self._block_size(volume)
-        before = time.time_ns() - int(self.grace * 1e9)
+        before = time.time_ns() - int(self.grace * 1e9) if before_ns is None else before_ns
         while True:
             rows = await self.meta.list_trash(volume, limit=TRASH_PAGE, before_ns=before)
             if not rows:
@@ -140,16 +144,6 @@ class GarbageCollector:
         log.info("gc of %s: %d slices, %d blocks, %d bytes freed", volume, report.slices_purged,
                  report.blocks_deleted, report.bytes_freed)  # fmt: skip
         return report
-
-    async def run_forever(self, volumes: list[str], interval: float = 60.0) -> None:
-        """Collect every ``interval`` seconds (run it on the metanode leader)."""
-        while True:
-            for volume in volumes:
-                try:
-                    await self.collect(volume)
-                except CacheFSError as exc:
-                    log.warning("gc of %s failed, will retry: %s", volume, exc)
-            await trio.sleep(interval)
 
     # ------------------------------------------------------------------ check
 

@@ -7,6 +7,12 @@ The replica opens its WAL and newest snapshot in ``--data-dir`` (restoring
 the exact state it had), serves the metanode RPC methods and Raft's own on
 ``--listen`` (default: its own entry in ``--peers``), and runs until SIGINT
 or SIGTERM.
+
+Whichever replica leads also collects garbage every ``--gc-interval``
+seconds: the blocks of slices trashed more than ``--gc-grace`` seconds ago
+(and before every file open it knows of; nothing while it does not yet know
+every session's opens) are deleted from the datanodes, then purged from the
+trash (``client/gc.py``; ``MetaService.gc_cutoff``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import click
 import trio
 
 from cachefs.config import ADDR, daemon_options, load_secret, setup_logging
-from cachefs.errors import InvalidArgument
+from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
@@ -29,6 +35,9 @@ from .raft.driver import DriverConfig, RaftNode
 from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
 
 log = logging.getLogger(__name__)
+
+GC_INTERVAL = 60.0
+GC_GRACE = 600.0
 
 
 def parse_peers(text: str) -> dict[int, str]:
@@ -48,6 +57,38 @@ def parse_peers(text: str) -> dict[int, str]:
     return peers
 
 
+async def run_gc(
+    service: MetaService, pool: RpcPool, addrs: list[str], interval: float, grace: float
+) -> None:
+    """Collect every volume's trash while this replica leads (see module docstring)."""
+    from cachefs.client.gc import GarbageCollector
+
+    from cachefs.backing import BackingClient, MetaClusterView
+
+    from .client import MetaClient
+
+    meta = MetaClient(pool, addrs, deadline=max(5.0, interval))
+    view = MetaClusterView(meta.cluster_map)
+    gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
+    while True:
+        await trio.sleep(interval)
+        node = service.node
+        if node is None or not node.is_leader:
+            continue
+        try:
+            await view.refresh()
+            for volume in sorted(service.state.volumes):
+                before = service.gc_cutoff(volume, grace)
+                if before is None:
+                    log.info("gc of %s waits: not every session's opens are known yet", volume)
+                    continue
+                report = await gc.collect(volume, before_ns=before)
+                for err in report.errors:
+                    log.warning("gc of %s: %s", volume, err)
+        except CacheFSError as exc:
+            log.warning("gc pass failed, will retry: %s", exc)
+
+
 async def serve(
     node_id: int,
     peers: dict[int, str],
@@ -58,6 +99,8 @@ async def serve(
     node_timeout: float,
     snapshot_entries: int = DriverConfig().snapshot_entries,
     read_lease: bool = True,
+    gc_interval: float = GC_INTERVAL,
+    gc_grace: float = GC_GRACE,
 ) -> None:
     """Run the replica until SIGINT/SIGTERM."""
     host, port = parse_addr(listen)
@@ -81,6 +124,11 @@ async def serve(
             service.node = node
             await nursery.start(server.serve, host, port)
             await nursery.start(service.run_housekeeping)
+            if gc_interval > 0:
+                others = [a for i, a in sorted(peers.items()) if i != node_id]
+                nursery.start_soon(
+                    run_gc, service, pool, [peers[node_id], *others], gc_interval, gc_grace
+                )
             log.info(
                 "metanode %d serving on %s (peers %s), applied index %d, %d volumes",
                 node_id,
@@ -150,6 +198,21 @@ async def serve(
     help="Serve reads under a leader lease (half an election timeout) instead of a "
     "heartbeat round per read.",
 )
+@click.option(
+    "--gc-interval",
+    type=click.FloatRange(0, 86400),
+    default=GC_INTERVAL,
+    show_default=True,
+    help="Seconds between garbage collection passes on the leader (0: never; "
+    "`cachefs gc` still works).",
+)
+@click.option(
+    "--gc-grace",
+    type=click.FloatRange(0, 86400 * 30),
+    default=GC_GRACE,
+    show_default=True,
+    help="Seconds a trashed slice's blocks are kept before the collector deletes them.",
+)
 @daemon_options
 def command(
     node_id: int,
@@ -160,6 +223,8 @@ def command(
     node_timeout: float,
     snapshot_entries: int,
     read_lease: bool,
+    gc_interval: float,
+    gc_grace: float,
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -195,4 +260,6 @@ def command(
         node_timeout,
         snapshot_entries,
         read_lease,
+        gc_interval,
+        gc_grace,
     )

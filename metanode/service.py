@@ -93,6 +93,8 @@ class OpenTable:
         self.holders: dict[tuple[str, int], int] = {}  # (volume, ino) -> sessions
         self.known: set[str] = set()
         self._released: dict[str, set[int]] = {}  # by sessions not yet known
+        # (session, ino) -> wall-clock ns of the open (0: announced, so unknown)
+        self.since: dict[tuple[str, int], int] = {}
 
     def reset(self) -> None:
         self.by_session.clear()
@@ -100,12 +102,14 @@ class OpenTable:
         self.holders.clear()
         self.known.clear()
         self._released.clear()
+        self.since.clear()
 
-    def open(self, volume: str, session: str, ino: int) -> None:
+    def open(self, volume: str, session: str, ino: int, now_ns: int = 0) -> None:
         inos = self.by_session.setdefault(session, set())
         self.volume_of[session] = volume
         if ino not in inos:
             inos.add(ino)
+            self.since[(session, ino)] = now_ns
             key = (volume, ino)
             self.holders[key] = self.holders.get(key, 0) + 1
         released = self._released.get(session)
@@ -117,6 +121,7 @@ class OpenTable:
         inos = self.by_session.get(session)
         if inos is not None and ino in inos:
             inos.discard(ino)
+            self.since.pop((session, ino), None)
             self._drop_holder(volume, ino)
         if session not in self.known:
             self._released.setdefault(session, set()).add(ino)
@@ -143,9 +148,20 @@ class OpenTable:
     def end_session(self, session: str) -> None:
         volume = self.volume_of.pop(session, "")
         for ino in self.by_session.pop(session, ()):
+            self.since.pop((session, ino), None)
             self._drop_holder(volume, ino)
         self.known.discard(session)
         self._released.pop(session, None)
+
+    def oldest_open_ns(self, volume: str) -> int | None:
+        """When the oldest open on ``volume`` began (0 if announced), or None."""
+        times = [
+            self.since[(sid, ino)]
+            for sid, inos in self.by_session.items()
+            if self.volume_of.get(sid) == volume
+            for ino in inos
+        ]
+        return min(times, default=None)
 
     def is_open(self, volume: str, ino: int) -> bool:
         return (volume, ino) in self.holders
@@ -277,6 +293,19 @@ class MetaService:
         if keep:
             self._wake.set()  # kept an orphan nobody may hold: purge it soon
         return result
+
+    def gc_cutoff(self, volume: str, grace: float) -> int | None:
+        """Wall-clock ns before which slices trashed on ``volume`` may lose
+        their blocks: ``grace`` ago, and before the oldest open this leader
+        knows there (a reader may hold the slice list it read after opening;
+        the slices trashed before every open are no longer in any such list).
+        None while not leader, or while some session's opens are unknown."""
+        self._check_leadership()
+        if not self._was_leader or not self.opens.settled(self.state, volume):
+            return None
+        cutoff = time.time_ns() - int(grace * 1e9)
+        oldest = self.opens.oldest_open_ns(volume)
+        return cutoff if oldest is None else min(cutoff, oldest)
 
     async def purge_orphans(self) -> int:
         """Propose freeing every orphan no session holds (in settled volumes)."""
@@ -624,7 +653,7 @@ class MetaService:
         state = await self._leader_read()
         state.check_open(volume, ino, session)
         self._touch_session(session)
-        self.opens.open(volume, session, ino)
+        self.opens.open(volume, session, ino, time.time_ns())
         while (volume, ino) in self._freeing:  # stamped "not open" before we counted
             await self._freed.wait()
         try:
