@@ -76,6 +76,7 @@ def test_wiped_datanode_repaired(chaos: Chaos) -> None:
     row = chaos.wipe_and_repair()
     _ok(row)
     assert row.note.startswith("repair exit 0"), row.note
+    print(row.note)
 
 
 def test_corrupt_shards_read_back_intact(chaos: Chaos) -> None:
@@ -90,3 +91,22 @@ def test_kill_fuse_client_during_writes(chaos: Chaos) -> None:
 
 def test_full_cache_flash(chaos: Chaos) -> None:
     _ok(chaos.fill_cache())
+
+
+def test_corrupt_wal_tail_detected_and_recovered(chaos: Chaos) -> None:
+    row = chaos.corrupt_wal_tail()
+    _ok(row)
+    assert row.note == "tail cut and reported"
+
+
+def test_corrupt_snapshot_detected_and_rebuilt(chaos: Chaos) -> None:
+    row = chaos.corrupt_snapshot()
+    _ok(row)
+    assert row.injected > 0, row.note
+    assert row.note in ("refused to start: snapshot named", "came up"), row.note
+
+
+def test_corrupt_cache_files_never_served(chaos: Chaos) -> None:
+    row = chaos.corrupt_cache_files(count=8)
+    _ok(row)
+    assert row.injected > 0
