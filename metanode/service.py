@@ -85,6 +85,11 @@ class OpenTable:
 
     A leader that loses leadership and regains it later is in a new term and
     starts from nothing again, so what it missed meanwhile cannot mislead it.
+    A client that crashes stops heartbeating; its session expires after
+    ``session_timeout`` (``CloseSession`` in the log), its opens are dropped
+    here and its orphans purged. Errors only ever err on the side of keeping:
+    a release lost for good (the client gave up retrying) leaves the file
+    counted as open until the session ends, never the other way round.
     """
 
     def __init__(self) -> None:
