@@ -182,12 +182,13 @@ def markdown(result: dict[str, Any], charts: list[str]) -> str:
             lines.append("")
         lines += ["| ratio | value | aim |", "|---|---:|---|"]
         for k, v in sorted(dl.items()):
-            if k.startswith(("speedup_warm", "warm_vs_juicefs", "speedup_second", "cold_vs_juicefs")):
+            if k.startswith(("speedup_warm", "warm_vs_juicefs", "speedup_second", "cold_vs_juicefs",
+                             "speedup_native", "native_vs_")):
                 aim = ""
-                if k.startswith("speedup_warm_vs_direct_w1"):
-                    aim = ">= 4.6 (CubeFS, 1 worker)"
-                elif k.startswith("speedup_warm_vs_direct_w16"):
+                if k.startswith("speedup_warm_vs_direct_w16"):
                     aim = ">= 2.1 (CubeFS, 16 workers)"
+                elif k.startswith("speedup_warm_vs_direct_w1"):
+                    aim = ">= 4.6 (CubeFS, 1 worker)"
                 elif k.startswith("warm_vs_juicefs"):
                     aim = "> 1"
                 lines.append(f"| {k} | {v} | {aim} |")
