@@ -334,3 +334,33 @@ def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: 
     finally:
         m.stop()
     m.check_log()
+
+
+def test_unlinked_open_file_survives_a_leader_kill_between_open_and_unlink(cluster, tmp_path: Path) -> None:
+    """open() is soft state on the metanode leader; kill it, unlink from another
+    mount (on the new leader), and the held file still reads whole, across the
+    new leader learning the open from the heartbeats, until it is closed."""
+    writer, reader = ClusterMount(cluster, tmp_path), ClusterMount(cluster, tmp_path)
+    data = os.urandom(5 << 20)
+    leader = None
+    try:
+        (writer.path / "held").write_bytes(data)
+        held = open(reader.path / "held", "rb", buffering=0)  # noqa: SIM115 - closed below
+        try:
+            leader = _leader(cluster)
+            cluster.kill(leader)
+            os.unlink(writer.path / "held")
+            assert not (writer.path / "held").exists()
+            assert held.read(1 << 20) == data[: 1 << 20]  # first read after the unlink
+            time.sleep(6)  # a session heartbeat has announced the open meanwhile
+            assert held.read() == data[1 << 20 :]
+        finally:
+            held.close()
+    finally:
+        if leader is not None:
+            with lab_processes():
+                cluster.start(leader)
+        writer.stop()
+        reader.stop()
+    writer.check_log()
+    reader.check_log()
