@@ -627,7 +627,9 @@ class MetaState:
         """The regular file whose link ``parent/name`` names now (0 if none):
         the inode an unlink or a rename over it would drop, for the stamp."""
         vol = self.volumes.get(volume)
-        d = vol.inodes.get(parent) if vol is not None else None
+        if vol is None:
+            return 0
+        d = vol.inodes.get(parent)
         if d is None or not d.is_dir:
             return 0
         ino = self._lookup_ino(d.data, name)

@@ -248,7 +248,7 @@ class MetaService:
         forget every open (a new term: see :class:`OpenTable`)."""
         node = self.node
         leader = node is not None and node.is_leader
-        if leader and (not self._was_leader or node.term != self._leader_term):
+        if node is not None and leader and (not self._was_leader or node.term != self._leader_term):
             now = time.monotonic()
             self._session_seen = dict.fromkeys(self.state.sessions, now)
             self.state.cluster.reset_liveness(now)
