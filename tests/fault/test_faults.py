@@ -76,7 +76,6 @@ def test_wiped_datanode_repaired(chaos: Chaos) -> None:
     row = chaos.wipe_and_repair()
     _ok(row)
     assert row.note.startswith("repair exit 0"), row.note
-    print(row.note)
 
 
 def test_corrupt_shards_read_back_intact(chaos: Chaos) -> None:
