@@ -290,11 +290,11 @@ class Connection:
             batch = views[:IOV_BATCH]
             try:
                 sent = await self.sock.sendmsg(batch)
-            except OSError as exc:
+            except (OSError, trio.ClosedResourceError) as exc:
                 # Reader and callers notice through ``closed`` and the socket.
                 log.debug("send to %s failed: %s", self.peer, exc)
                 self.closed = True
-                self.sock.close()
+                self.sock.close()  # wakes a reader blocked on this socket
                 return
             while sent:
                 first = views[0]

@@ -327,3 +327,29 @@ async def test_timed_out_call_with_a_silent_peer_closes_the_connection():
             assert (await pool.call(addr, "echo", {"value": 1})).result["value"] == 1
             assert await pool.connection(addr) is not first
         n.cancel_scope.cancel()
+
+
+async def test_closing_a_silent_connection_while_its_writer_is_blocked_is_clean():
+    """sock_close() with the writer mid-send must not crash the pool's tasks."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    addr = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+
+    async def stalled_server():
+        # Hands out the handshake, then stops reading: the client's writer
+        # blocks once the socket buffers fill.
+        stream = await listener.accept()
+        try:
+            await _send(stream, wire.Hello(wire.PROTOCOL_VERSION, os.urandom(32), False))
+            await _read_event(stream)
+            await _send(stream, wire.Welcome(b""))
+            await trio.sleep_forever()
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(stalled_server)
+        async with RpcPool(secret=None) as pool:
+            with pytest.raises(TimedOut):
+                await pool.call(addr, "echo", payload=bytes(32 << 20), timeout=0.5)
+        inner.cancel_scope.cancel()
+    await listener.aclose()
