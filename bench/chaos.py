@@ -401,6 +401,10 @@ class Chaos:
     def repair(self, *extra: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "cachefs.cli", "repair", "--meta", ",".join(self.lab.meta_addrs),
                 "--secret-file", str(self.lab.secret_file), *extra]
+        if self.lab.config.netns:  # the lab's addresses are reachable from the client namespace only
+            from cachefs import netns
+
+            argv = self.lab.network.wrap(netns.CLIENT, argv)
         return subprocess.run(argv, capture_output=True, text=True, timeout=300)
 
     def record(self, fault: str, injected: int, recover_s: float | None, note: str = "") -> Row:
@@ -524,7 +528,10 @@ class Chaos:
             result = self.repair("--json")
             passes.append(result)
         recover = time.monotonic() - t0
+        # Only a repaired cluster can lose M more datanodes; otherwise that loss is expected, not news.
         others = [n.name for n in self.lab.of_kind("datanode") if n.name != victim.name][: self.m]
+        if result.returncode != 0:
+            others = []
         for name in others:
             self.lab.kill(name)
         row = self.record("wipe a datanode's disk, repair, lose M others", 1 + len(others), recover,
