@@ -322,7 +322,7 @@ async def test_timed_out_call_with_a_silent_peer_closes_the_connection():
         async with RpcPool(secret=SECRET) as pool:
             first = await pool.connection(addr)
             with pytest.raises(TimedOut):
-                await pool.call(addr, "sleep", {"seconds": 5}, timeout=0.2)
+                await pool.call(addr, "sleep", {"seconds": 10}, timeout=1.0)
             assert first.closed  # nothing came back during the wait
             assert (await pool.call(addr, "echo", {"value": 1})).result["value"] == 1
             assert await pool.connection(addr) is not first
