@@ -63,6 +63,7 @@ PermissionDenied = _posix("PermissionDenied", "EACCES", _errno.EACCES, "Permissi
 NotPermitted = _posix("NotPermitted", "EPERM", _errno.EPERM, "Operation not permitted.")
 NoSpace = _posix("NoSpace", "ENOSPC", _errno.ENOSPC, "No space left on the device or node.")
 QuotaExceeded = _posix("QuotaExceeded", "EDQUOT", _errno.EDQUOT, "A directory quota would be exceeded.")
+FileTooLarge = _posix("FileTooLarge", "EFBIG", _errno.EFBIG, "A size or write offset is past the largest file.")
 CrossDevice = _posix("CrossDevice", "EXDEV", _errno.EXDEV, "The operation spans two volumes.")
 TooManyLinks = _posix("TooManyLinks", "ELOOP", _errno.ELOOP, "Too many symbolic links, or a rename into its own subtree.")
 NoData = _posix("NoData", "ENODATA", _errno.ENODATA, "No such extended attribute.")

@@ -32,8 +32,9 @@ from typing import Any, TypeVar
 
 import pyfuse3
 import trio
+from cachefs.metanode.commands import MAX_FILE_SIZE
 
-from cachefs.errors import CacheFSError, NotFound
+from cachefs.errors import CacheFSError, FileTooLarge, NotFound
 
 from .inodes import Attr, Inode, InodeTable
 from .l1 import L1Cache
@@ -393,6 +394,12 @@ class CacheFS(pyfuse3.Operations):
     @_fuse
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         self._writable()
+        if off + len(buf) > MAX_FILE_SIZE:
+            # write(2): nothing past the largest file; a write that crosses
+            # it stores what fits and returns that count.
+            if off >= MAX_FILE_SIZE:
+                raise FileTooLarge(f"write at {off} is past the largest file ({MAX_FILE_SIZE})")
+            buf = buf[: MAX_FILE_SIZE - off]
         handle = self._handles[fh]
         handle.wrote = True
         await self._writer(handle.inode).write(off, buf)

@@ -15,7 +15,10 @@ bytes count against ``buffer_limit`` from the write that created them until
 their commit; a write that would pass the limit waits (backpressure) while
 earlier runs drain. ``flush()`` (close, fsync) seals the open run and returns
 only after every run is committed, or raises the first upload error: the
-data is then lost, and the caller answers EIO.
+data is then lost. The caller answers with that error's errno when it is one
+an application can act on (EDQUOT, ENOSPC, EFBIG, EROFS), else EIO; so does
+every later write of the file, which is how a write learns that the commit
+of a full buffer failed.
 
 Each run becomes a new slice, so a small random write stores a small slice
 and never rewrites a whole block. When a chunk's slice list grows past
@@ -37,8 +40,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 import trio
+from cachefs.metanode.commands import MAX_FILE_SIZE
 
-from cachefs.errors import CacheFSError, IOFailure
+from cachefs.errors import (
+    CacheFSError,
+    FileTooLarge,
+    IOFailure,
+    NoSpace,
+    QuotaExceeded,
+    ReadOnly,
+)
 from cachefs.ids import CHUNK_SIZE, BlockKey
 
 from .inodes import Attr, Inode
@@ -46,6 +57,10 @@ from .slicemap import Run, WritePlan, runs_end, slice_blocks
 from .tasks import run_all
 
 log = logging.getLogger(__name__)
+
+# Failures an application can act on keep their errno up to the kernel (a
+# full volume, a quota, a size limit); any other failure of a commit is EIO.
+_CARRIED: tuple[type[CacheFSError], ...] = (QuotaExceeded, NoSpace, FileTooLarge, ReadOnly)
 
 
 class BlockSink(Protocol):
@@ -119,8 +134,12 @@ class FileWriter:
         """Buffer one write; waits while the buffer is full.
 
         Raises:
-            IOFailure: an earlier upload of this file failed.
+            FileTooLarge: the write ends past the largest file.
+            IOFailure: an earlier upload of this file failed (or the class of
+                that failure, when it is one of ``_CARRIED``).
         """
+        if offset + len(data) > MAX_FILE_SIZE:
+            raise FileTooLarge(f"a write up to {offset + len(data)} is past the largest file")
         self._check()
         async with self._changed:
             while self.buffered and self.buffered + len(data) > self.buffer_limit:
@@ -137,10 +156,10 @@ class FileWriter:
         self._submit(sealed)
 
     def _check(self) -> None:
-        if self.error is not None:
-            raise IOFailure(
-                f"an earlier write of inode {self.inode.ino} failed: {self.error.message}"
-            )
+        error = self.error
+        if error is not None:
+            cls = type(error) if isinstance(error, _CARRIED) else IOFailure
+            raise cls(f"an earlier write of inode {self.inode.ino} failed: {error.message}")
 
     def _submit(self, runs: list[Run]) -> None:
         for run in runs:
@@ -159,7 +178,8 @@ class FileWriter:
         """Commit everything written so far; returns after the last commit.
 
         Raises:
-            IOFailure: some run could not be stored or committed.
+            IOFailure: some run could not be stored or committed (or the
+                class of that failure, when it is one of ``_CARRIED``).
         """
         self._submit(self.plan.seal())
         last = self._last

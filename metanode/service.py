@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from cachefs.errors import CacheFSError, NotLeader
+from cachefs.errors import CacheFSError, FileTooLarge, NotLeader
 from cachefs.rpc import rpc_method
 
 from . import commands as C
@@ -528,6 +528,9 @@ class MetaService:
         client_id: str = "",
         seq: int = 0,
     ) -> dict:
+        if isinstance(size, int) and size > C.MAX_FILE_SIZE:
+            # truncate(2) says EFBIG here; the command's own check says EINVAL.
+            raise FileTooLarge(f"size {size} is past the largest file ({C.MAX_FILE_SIZE})")
         return await self._propose(
             C.SetAttr, client_id, seq, volume, ino, mode, uid, gid, size, atime_ns, mtime_ns
         )

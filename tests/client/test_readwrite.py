@@ -24,7 +24,7 @@ from cachefs.metanode.namespace import Failure, MetaState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.errors import IOFailure, NotFound, Unavailable
+from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Unavailable
 from cachefs.ids import BlockKey
 
 VOL = "vol"
@@ -244,6 +244,33 @@ async def test_failed_upload_is_reported_on_flush(nursery) -> None:
         await writer.flush()
     with pytest.raises(IOFailure):
         await writer.write(100, b"y")
+
+
+async def test_a_commit_over_quota_is_edquot_at_a_later_write_and_at_flush(nursery) -> None:
+    """The commit of a full buffer fails over quota: the write that waits for
+    room, and the flush, say EDQUOT (not EIO), so the kernel tells the truth."""
+    src = InProcess(delay=0.001)
+    src.do(C.SetQuota, VOL, 1, 2 * BLOCK, None)
+    inode = src.new_file()
+    writer = _writer(src, inode, nursery, limit=4 * BLOCK)
+    with pytest.raises(QuotaExceeded):
+        for i in range(64):
+            await writer.write(i * BLOCK // 2, b"q" * (BLOCK // 2))
+    assert i < 63  # a write failed, not only the flush
+    with pytest.raises(QuotaExceeded, match="byte quota"):
+        await writer.flush()
+    assert inode.attr.size <= 2 * BLOCK
+
+
+async def test_a_write_past_the_largest_file_is_efbig(nursery) -> None:
+    src = InProcess()
+    inode = src.new_file()
+    writer = _writer(src, inode, nursery)
+    with pytest.raises(FileTooLarge):
+        await writer.write(C.MAX_FILE_SIZE - 1, b"xy")
+    await writer.write(C.MAX_FILE_SIZE - 1, b"x")  # the last byte a file can hold
+    await writer.flush()
+    assert inode.attr.size == C.MAX_FILE_SIZE
 
 
 compact_ops_st = st.lists(

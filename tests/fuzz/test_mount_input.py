@@ -127,8 +127,6 @@ def test_negative_and_huge_offsets(d: Path) -> None:
     assert f.stat().st_size == 5
 
 
-@pytest.mark.xfail(strict=True, reason="bug (client/fs.py): a write past the largest file size is accepted "
-                   "and fails later at fsync with EIO instead of EFBIG at write")
 def test_write_past_the_largest_file_is_efbig(d: Path) -> None:
     fd = os.open(d / "f", os.O_CREAT | os.O_RDWR, 0o644)
     try:
@@ -138,8 +136,6 @@ def test_write_past_the_largest_file_is_efbig(d: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason="bug (metanode setattr): truncate past the largest file size is "
-                   "EINVAL; truncate(2) says EFBIG")
 def test_truncate_past_the_largest_file_is_efbig(d: Path) -> None:
     f = d / "f"
     f.write_bytes(b"data")
@@ -193,8 +189,6 @@ def test_inode_quota_exceeded_is_edquot(lab, d: Path) -> None:
     assert sorted(os.listdir(d)) == ["ok", "s1"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug (client): a write over the byte quota fails at fsync with EIO, "
-                   "not EDQUOT")
 def test_byte_quota_exceeded_is_edquot(lab, d: Path) -> None:
     _set_quota(lab, os.stat(d).st_ino, max_bytes=1 << 20)
     with pytest.raises(OSError) as info, open(d / "big", "wb") as f:
