@@ -54,16 +54,6 @@ from .transport import BlockTransport, open_transport
 log = logging.getLogger(__name__)
 
 
-class SessionMetaClient(MetaClient):
-    """A MetaClient whose ``session_heartbeat`` carries the session's open set."""
-
-    async def session_heartbeat(self, session: str, opens: list[int] | None = None) -> bool:
-        args: dict[str, Any] = {"session": session}
-        if opens is not None:
-            args["opens"] = opens
-        return bool(await self.call("session_heartbeat", args))
-
-
 CACHE_TIMEOUT = 5.0
 MAP_REFRESH = 5.0
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
@@ -120,7 +110,7 @@ class Session:
             RdmaUnavailable: ``transport`` is rdma and RDMA cannot be used.
         """
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
-        meta = SessionMetaClient(pool, meta_addrs, client_id=client_id)
+        meta = MetaClient(pool, meta_addrs, client_id=client_id)
         info = await meta.mount_volume(volume, client_id)
         cmap = await meta.cluster_map()
         if volume not in cmap.get("volumes", {}):

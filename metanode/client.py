@@ -250,8 +250,13 @@ class MetaClient:
                     )
                     return
 
-    async def session_heartbeat(self, session: str) -> bool:
-        return await self._r("session_heartbeat", session=session)
+    async def session_heartbeat(self, session: str, opens: list[int] | None = None) -> bool:
+        """Keep ``session`` alive; ``opens`` (the inodes it holds open) lets a
+        new leader learn the session's open set."""
+        args: dict[str, Any] = {"session": session}
+        if opens is not None:
+            args["opens"] = opens
+        return bool(await self.call("session_heartbeat", args))
 
     async def close_session(self, volume: str, session: str) -> None:
         scope = self._heartbeats.pop(session, None)

@@ -189,13 +189,11 @@ async def test_unlinked_open_file_survives_a_leader_kill_between_open_and_unlink
     """The open is soft state on the killed leader only; the new leader keeps
     every unlinked file until the holder announced its opens, then purges
     what nobody holds, and the open file when it is released."""
-    from cachefs.client.session import SessionMetaClient
-
     async with RpcPool(secret=None) as pool:
         await cluster.wait_leader(pool)
         admin = MetaClient(pool, cluster.addrs)
         await admin.create_volume(VOL, "replica:3")
-        holder = SessionMetaClient(pool, cluster.addrs, heartbeat_interval=60.0)
+        holder = MetaClient(pool, cluster.addrs, heartbeat_interval=60.0)
         session = (await holder.mount_volume(VOL))["session"]
         f = (await admin.mknod(VOL, 1, b"f", 0o100644))["ino"]
         g = (await admin.mknod(VOL, 1, b"g", 0o100644))["ino"]
