@@ -172,7 +172,8 @@ def markdown(result: dict[str, Any], charts: list[str]) -> str:
                   "cache tier; (c) `warm` after `cachefs warmup`, page cache dropped; (d) `second` the epoch "
                   "after cold; (e) `local` local disk, page cache dropped; (f) JuiceFS cold / second / warm "
                   f"(after `juicefs warmup`, page cache dropped). Case (g): {dl['native_case']}.", ""]
-        for pname, by_w in dl["samples_per_s"].items():
+        for pname in dl["links"]:
+            by_w = dl["samples_per_s"].get(pname, {})
             lines += [f"### Link {dl['links'][pname]}", "",
                       "| case | " + " | ".join(f"{w} worker(s)" for w in dl["workers"]) + " |",
                       "|---|" + "---:|" * len(dl["workers"])]
@@ -313,7 +314,8 @@ def readme_section(result: dict[str, Any]) -> str:
                   "| link | workers | (a) direct | (b) cold | (c) warm | (d) 2nd epoch | (e) local | "
                   "(f) JuiceFS cold | JuiceFS warm | (g) native | warm / direct | warm / JuiceFS |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for pname, by_w in dl["samples_per_s"].items():
+        for pname in dl["links"]:  # the order asked for: the anchor's link first
+            by_w = dl["samples_per_s"].get(pname, {})
             for w in dl["workers"]:
                 c = by_w.get(f"w{w}", {})
 
