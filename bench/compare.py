@@ -143,6 +143,11 @@ def machine() -> dict[str, Any]:
 
 # ---------------------------------------------------------------- report and charts
 
+def _by_rtt(profiles: dict[str, str]) -> list[str]:
+    """Profile names, shortest RTT first (result.json keeps its keys sorted by name)."""
+    return sorted(profiles, key=lambda p: PROFILES[p].rtt_ms if p in PROFILES else 0.0)
+
+
 def _cell(c: dict[str, Any] | None) -> str:
     if not c:
         return "-"
@@ -172,7 +177,7 @@ def markdown(result: dict[str, Any], charts: list[str]) -> str:
                   "cache tier; (c) `warm` after `cachefs warmup`, page cache dropped; (d) `second` the epoch "
                   "after cold; (e) `local` local disk, page cache dropped; (f) JuiceFS cold / second / warm "
                   f"(after `juicefs warmup`, page cache dropped). Case (g): {dl['native_case']}.", ""]
-        for pname in dl["links"]:
+        for pname in _by_rtt(dl["links"]):
             by_w = dl["samples_per_s"].get(pname, {})
             lines += [f"### Link {dl['links'][pname]}", "",
                       "| case | " + " | ".join(f"{w} worker(s)" for w in dl["workers"]) + " |",
@@ -314,7 +319,7 @@ def readme_section(result: dict[str, Any]) -> str:
                   "| link | workers | (a) direct | (b) cold | (c) warm | (d) 2nd epoch | (e) local | "
                   "(f) JuiceFS cold | JuiceFS warm | (g) native | warm / direct | warm / JuiceFS |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for pname in dl["links"]:  # the order asked for: the anchor's link first
+        for pname in _by_rtt(dl["links"]):  # the anchor's 2 ms link first
             by_w = dl["samples_per_s"].get(pname, {})
             for w in dl["workers"]:
                 c = by_w.get(f"w{w}", {})
