@@ -613,10 +613,24 @@ class Chaos:
         return out
 
     def _wait_datanodes_up(self, timeout: float = 60) -> None:
+        """Until every running datanode answers and the cluster map shows them all up.
+
+        The map alone is not enough: a datanode killed and restarted within the
+        node timeout still shows "up" while its new process is starting.
+        """
+
         async def wait() -> None:
             async with RpcPool(secret=self.lab.secret) as pool:
                 meta = self.lab.meta_client(pool, deadline=10)
                 with trio.fail_after(timeout):
+                    for node in self.lab.of_kind("datanode"):
+                        while node.pid:
+                            try:
+                                await pool.call(node.addr, "health", timeout=2)
+                                break
+                            except CacheFSError:
+                                pool.forget(node.addr)
+                                await trio.sleep(0.2)
                     while True:
                         cmap = await meta.cluster_map()
                         if all(n["state"] == "up" for n in cmap["datanodes"]):
