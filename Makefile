@@ -23,7 +23,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch]'
+	$(BIN)/pip install -q -e '.[dev,torch,bench]'
 	touch $@
 
 # pyverbs: PyPI's pyverbs does not build against Debian 12's rdma-core, so we

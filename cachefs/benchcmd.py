@@ -13,16 +13,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _names() -> list[str]:
-    bench = REPO / "bench"
-    return sorted(p.stem for p in bench.glob("*_bench.py")) + sorted(
-        p.stem for p in bench.glob("fio_compare.py"))
+    """Every runnable benchmark: a module of bench/ with a ``main()``."""
+    return sorted(p.stem for p in (REPO / "bench").glob("*.py")
+                  if not p.stem.startswith("_") and "\ndef main(" in p.read_text())
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("name")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(name: str, args: tuple[str, ...]) -> None:
-    """Run a benchmark from bench/ (e.g. `cachefs bench rpc_bench --json`)."""
+    """Run a benchmark from bench/ (e.g. `cachefs bench compare --quick`, `cachefs bench rpc_bench --json`)."""
     names = _names()
     if name not in names:
         raise click.BadParameter(f"no benchmark {name!r}; available: {', '.join(names) or 'none'}",

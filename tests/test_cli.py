@@ -95,3 +95,10 @@ def test_flags_beat_environment_beat_config_file(tmp_path, monkeypatch):
 def test_bad_addresses_are_named():
     result = CliRunner().invoke(main, ["health", "nohost", "--insecure"])
     assert result.exit_code == 2 and "host:port" in result.output and "'nohost'" in result.output
+
+
+def test_bench_lists_every_benchmark_and_names_an_unknown_one():
+    result = CliRunner().invoke(main, ["bench", "nope"], prog_name="cachefs")
+    assert result.exit_code == 2 and "no benchmark 'nope'" in result.output
+    for name in ("compare", "rpc_bench", "chaos", "dataloader_bench", "fio_compare"):
+        assert name in result.output
