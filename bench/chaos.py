@@ -270,10 +270,16 @@ class ChaosLab(Lab):
 
     snapshot_entries = 200
 
+    def __init__(self, config: LabConfig) -> None:
+        super().__init__(config)
+        self.capacity: dict[str, int] = {}  # node name -> --capacity override in bytes (a "full disk")
+
     def _argv(self, node: Any) -> list[str]:
         argv = super()._argv(node)
         if node.kind == "metanode":
             argv += ["--snapshot-entries", str(self.snapshot_entries)]
+        if node.name in self.capacity:
+            argv[argv.index("--capacity") + 1] = str(self.capacity[node.name])
         return argv
 
 
@@ -639,6 +645,29 @@ class Chaos:
 
         self.lab.run(wait)
 
+    def fill_datanode(self) -> Row:
+        """One datanode's disk full (its capacity cut to what it holds): writes go on or fail
+        cleanly (ENOSPC), nothing acknowledged is lost; given room again, it takes writes."""
+        victim = self.rng.choice(self.lab.of_kind("datanode")).name
+        held = sum(p.stat().st_size for p in (self.lab.root / victim / "shards").rglob("*") if p.is_file())
+        self.lab.capacity[victim] = held + (256 << 10)
+        self.lab.kill(victim)
+        self.start(victim)
+        self._wait_datanodes_up()
+        failed_before = self.work.failed
+        with self.load("fulldisk"):
+            pass
+        t0 = time.monotonic()
+        self.probe()
+        recover = time.monotonic() - t0
+        refused = self.work.failed - failed_before
+        del self.lab.capacity[victim]
+        self.lab.kill(victim)
+        self.start(victim)
+        self._wait_datanodes_up()
+        return self.record("fill a datanode's disk", 1, recover,
+                           f"{victim} full at {held >> 20} MiB; {refused} operations refused")
+
     # -- on-disk corruption
 
     def _follower(self) -> str:
@@ -840,7 +869,7 @@ class Chaos:
     def scenarios(self) -> list[Callable[[], Row]]:
         return [self.kill_leader, self.kill_follower, self.kill_two_metanodes, self.restart_all_metanodes,
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
-                self.kill_client, self.fill_cache, self.corrupt_wal_tail, self.corrupt_snapshot,
+                self.kill_client, self.fill_cache, self.fill_datanode, self.corrupt_wal_tail, self.corrupt_snapshot,
                 self.corrupt_cache_files,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 

@@ -109,3 +109,7 @@ def test_corrupt_cache_files_never_served(chaos: Chaos) -> None:
     row = chaos.corrupt_cache_files(count=8)
     _ok(row)
     assert row.injected > 0
+
+
+def test_full_datanode_disk(chaos: Chaos) -> None:
+    _ok(chaos.fill_datanode())
