@@ -770,7 +770,13 @@ class Chaos:
         # replicated (an idle leader's heartbeats do not probe its log): write.
         with self.load("snapfix"):
             pass
-        self._wait_caught_up(victim)
+        try:
+            self._wait_caught_up(victim)
+        except RuntimeError as exc:  # a finding, not a crash of the matrix: the replica stays empty
+            row = self.record("corrupt a follower's snapshot, then lose the leader", 1, None,
+                              note + f"; REBUILT REPLICA NEVER CAUGHT UP ({str(exc)[:60]})")
+            row.lost_detail.append("rebuilt replica never caught up (not data loss: 2 of 3 replicas serve)")
+            return row
         recover = time.monotonic() - t0
         row = self.record("corrupt a follower's snapshot, then lose the leader", 2, recover, note)
         extra = self._lose_leader_check()
