@@ -1,0 +1,54 @@
+"""Network faults on the netns lab (every daemon in its own network namespace): the
+metanode leader partitioned away, then a whole zone, under the chaos workload."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import Chaos, quick_config
+from cachefs import netns
+
+from .conftest import free_base, needs_fuse_root
+
+pytestmark = [pytest.mark.slow, pytest.mark.fuse]
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory):
+    needs_fuse_root()
+    reason = netns.netns_supported()
+    if reason:
+        pytest.skip(f"network namespaces are not usable here: {reason}")
+    if shutil.which("nsenter") is None:
+        pytest.skip("nsenter is not installed")
+    root = tmp_path_factory.mktemp("chaosnet")
+    mnt = Path(tempfile.mkdtemp(prefix="cachefs-netfault-mnt-"))
+    config = quick_config(str(root), free_base(23000))
+    config.netns = netns.DEFAULT_SUBNET
+    c = Chaos(config, mnt, quick=True, seed=11)
+    c._ops = 15
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
+        if not mnt.is_mount():
+            shutil.rmtree(mnt, ignore_errors=True)
+
+
+def test_partition_the_metanode_leader(chaos: Chaos) -> None:
+    row = chaos.partition_leader()
+    assert row.lost == 0, row.lost_detail
+    assert row.acknowledged > 0 and row.verified > 0
+
+
+def test_partition_a_zone(chaos: Chaos) -> None:
+    # ec:2+1 over three zones: a zone is a datanode, so writes may be refused
+    # (write quorum K+1); reads and everything acknowledged must survive.
+    row = chaos.partition_zone("z3")
+    assert row.lost == 0, row.lost_detail
+    assert row.verified > 0
