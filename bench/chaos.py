@@ -20,6 +20,8 @@ The same scenarios are the fault tests (tests/fault/), on the quick lab.
 
 from __future__ import annotations
 
+import collections
+import errno
 import hashlib
 import json
 import os
@@ -86,6 +88,7 @@ class Workload:
         self.fio_jobs: list[str] = []
         self.acked = 0
         self.failed = 0
+        self.errnos: collections.Counter[str] = collections.Counter()  # errno names of the failed calls
         self._n = 0
         self._lock = threading.Lock()
 
@@ -108,8 +111,8 @@ class Workload:
             with open(self.mnt / "data" / name, "wb") as f:
                 f.write(data)
                 os.fsync(f.fileno())
-        except OSError:
-            self.failed += 1
+        except OSError as exc:
+            self._failed(exc)
             self.uncertain.add("data/" + name)
             return
         self.files["data/" + name] = hashlib.sha256(data).hexdigest()
@@ -146,12 +149,16 @@ class Workload:
                     raise
                 del self.names[victim]
                 self.gone.add(victim)
-        except OSError:
-            self.failed += 1
+        except OSError as exc:
+            self._failed(exc)
             if op == "create":
                 self.uncertain.add(name)
             return
         self.acked += 1
+
+    def _failed(self, exc: OSError) -> None:
+        self.failed += 1
+        self.errnos[errno.errorcode.get(exc.errno or 0, str(exc.errno))] += 1
 
     def fio_write(self, job: str, timeout: float = 120) -> bool:
         """One fio write job with crc32c verification; acknowledged when fio exits 0."""
@@ -655,8 +662,10 @@ class Chaos:
         self.start(victim)
         self._wait_datanodes_up()
         failed_before = self.work.failed
+        errnos_before = collections.Counter(self.work.errnos)
         with self.load("fulldisk"):
             pass
+        errnos = self.work.errnos - errnos_before
         t0 = time.monotonic()
         self.probe()
         recover = time.monotonic() - t0
@@ -666,7 +675,8 @@ class Chaos:
         self.start(victim)
         self._wait_datanodes_up()
         return self.record("fill a datanode's disk", 1, recover,
-                           f"{victim} full at {held >> 20} MiB; {refused} operations refused")
+                           f"{victim} full at {held >> 20} MiB; {refused} operations refused "
+                           f"({', '.join(f'{k} x{v}' for k, v in sorted(errnos.items())) or '-'})")
 
     # -- on-disk corruption
 

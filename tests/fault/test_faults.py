@@ -113,4 +113,7 @@ def test_corrupt_cache_files_never_served(chaos: Chaos) -> None:
 
 
 def test_full_datanode_disk(chaos: Chaos) -> None:
-    _ok(chaos.fill_datanode())
+    row = chaos.fill_datanode()
+    _ok(row)
+    refused = row.note.split("(")[-1].rstrip(")")
+    assert all(name.startswith("ENOSPC") for name in refused.split(", ") if name != "-"), row.note
