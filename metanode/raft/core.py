@@ -538,8 +538,12 @@ class RaftCore:
         elif isinstance(m, Heartbeat):
             self.election_elapsed = 0
             self.lead = m.src
-            self.log.commit_to(min(m.commit, self.log.last_index()))
-            self._send(HeartbeatResp(self.term, self.id, m.src, m.ctx))
+            last = self.log.last_index()
+            self.log.commit_to(min(m.commit, last))
+            # The leader only sends us a commit it knows we hold; if our log
+            # ends below it we lost acknowledged entries (a wiped data dir).
+            lost = m.commit > last
+            self._send(HeartbeatResp(self.term, self.id, m.src, m.ctx, lost, last if lost else 0))
         elif isinstance(m, InstallSnapshot):
             self.election_elapsed = 0
             self.lead = m.src
@@ -650,6 +654,14 @@ class RaftCore:
                 pass
         elif isinstance(m, HeartbeatResp):
             pr.recent_active = True
+            if m.reject and m.hint_index < pr.match:
+                # The follower was rebuilt from an empty directory: what it had
+                # acknowledged is gone. Probe from its real end (down to a
+                # snapshot once below our log). A snapshot already on its way
+                # stays in flight: the lost-snapshot timeout covers it.
+                pr.match = m.hint_index
+                if pr.state is not _PState.SNAPSHOT:
+                    pr.become_probe()
             pr.probe_sent = False
             if pr.state is _PState.REPLICATE and len(pr.inflight) >= self.config.max_inflight:
                 pr.inflight.popleft()  # an Append may be lost: make room to probe on

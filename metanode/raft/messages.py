@@ -121,10 +121,17 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatResp:
+    """``reject``: the follower's log ends at ``hint_index``, below the commit
+    the heartbeat carried (``min(match, commit)``), so it lost entries it had
+    acknowledged: its data directory was wiped. The leader must forget that
+    match and probe again (down to a snapshot), or it never resends them."""
+
     term: int
     src: int
     dst: int
     ctx: int = 0
+    reject: bool = False
+    hint_index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +181,7 @@ def _to_list(m: Message) -> list[Any]:
         case Heartbeat():
             return [*head, m.commit, m.ctx]
         case HeartbeatResp():
-            return [*head, m.ctx]
+            return [*head, m.ctx, m.reject, m.hint_index]
         case InstallSnapshot():
             return [*head, _snapshot_out(m.snapshot)]
     raise TypeError(f"not a raft message: {m!r}")
@@ -229,7 +236,7 @@ def snapshot_from_list(raw: Any) -> Snapshot:
     return Snapshot(meta, _bytes(raw[3], "snapshot data"))
 
 
-_ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 5, 7: 5}
+_ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 7, 7: 5}
 
 
 def _from_list(raw: Any) -> Message:
@@ -277,7 +284,8 @@ def _from_list(raw: Any) -> Message:
     if tag == 5:
         return Heartbeat(term, src, dst, _uint(raw[4], "commit"), _uint(raw[5], "ctx"))
     if tag == 6:
-        return HeartbeatResp(term, src, dst, _uint(raw[4], "ctx"))
+        return HeartbeatResp(term, src, dst, _uint(raw[4], "ctx"), _bool(raw[5], "reject"),
+                             _uint(raw[6], "hint_index"))
     return InstallSnapshot(term, src, dst, snapshot_from_list(raw[4]))
 
 

@@ -273,6 +273,7 @@ SAMPLES: list[Message] = [
     AppendResp(4, 3, 1, 9, True, 7, 2),
     Heartbeat(4, 1, 2, 8, 17),
     HeartbeatResp(4, 2, 1, 17),
+    HeartbeatResp(4, 3, 1, 17, True, 5),
     InstallSnapshot(4, 1, 2, Snapshot(SnapshotMeta(100, 3, (1, 2, 3)), b"\x00" * 50)),
 ]
 
