@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,16 @@ import click
 import trio
 from prometheus_client import Gauge
 
-from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.config import (
+    ADDR,
+    ADDRS,
+    SIZE,
+    daemon_options,
+    load_secret,
+    load_tls,
+    setup_logging,
+    tls_options,
+)
 from cachefs.erasure import keep_large_buffers
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
@@ -128,11 +138,15 @@ class DatanodeService:
 # ---------------------------------------------------------------- cluster map
 
 async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, advertise: str | None,
-                secret: bytes | None, meta: list[str] | None, heartbeat: float) -> None:
-    """Run the datanode until SIGINT/SIGTERM, then drain calls in flight."""
+                secret: bytes | None, meta: list[str] | None, heartbeat: float,
+                tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None)) -> None:
+    """Run the datanode until SIGINT/SIGTERM, then drain calls in flight.
+
+    ``tls`` is load_tls's (server, client) pair: None, None for plain TCP.
+    """
     host, port = parse_addr(listen)
     service = DatanodeService(store, node_id, zone)
-    server = RpcServer(service, name="datanode", secret=secret, limits=Limits())
+    server = RpcServer(service, name="datanode", secret=secret, limits=Limits(), tls=tls[0])
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)
@@ -143,7 +157,7 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
             if meta:
                 from cachefs.metanode.client import MetaClient
 
-                pool = RpcPool(secret=secret)
+                pool = RpcPool(secret=secret, tls=tls[1])
                 await pool.__aenter__()
                 client = MetaClient(pool, meta, client_id=f"datanode-{node_id}-{uuid.uuid4().hex[:8]}",
                                     deadline=max(2.0, heartbeat), attempt_timeout=2.0)
@@ -177,13 +191,16 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
               help="Seconds between heartbeats to the metanodes.")
 @click.option("--no-fsync", is_flag=True, help="Skip fsync (benchmarks only: not crash safe).")
 @daemon_options
+@tls_options
 def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
             meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
-            secret_file: str | None, insecure: bool, log_level: str, metrics_port: int) -> None:
+            secret_file: str | None, insecure: bool, log_level: str, metrics_port: int,
+            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
     setup_logging("datanode", log_level)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
     secret = load_secret(secret_file, insecure)
+    tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
         check_volume(zone)  # same character rules as volume names: safe in paths and logs
     except InvalidArgument:
@@ -197,4 +214,4 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
     start_metrics(metrics_port)
     trio.run(lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
-                           secret=secret, meta=meta, heartbeat=heartbeat))
+                           secret=secret, meta=meta, heartbeat=heartbeat, tls=tls))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -38,7 +39,15 @@ import trio
 from prometheus_client import Counter
 
 from cachefs.backing import BackingClient, ClusterView, MetaClusterView, MissingShard
-from cachefs.config import ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.config import (
+    ADDRS,
+    SIZE,
+    daemon_options,
+    load_secret,
+    load_tls,
+    setup_logging,
+    tls_options,
+)
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
@@ -269,9 +278,9 @@ def _print_progress(report: RepairReport) -> None:
 
 async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_map: dict[str, Any] | None,
                      volumes: list[str], scrub: bool, rate: int | None, interval: float,
-                     quiet: bool) -> list[RepairReport]:
+                     quiet: bool, tls: ssl.SSLContext | None = None) -> list[RepairReport]:
     """Repair passes over the given volumes (all when empty); one pass unless ``interval``."""
-    async with RpcPool(secret=secret) as pool:
+    async with RpcPool(secret=secret, tls=tls) as pool:
         if cluster_map is not None:
             view: Any = ClusterView.from_map(cluster_map)
         else:
@@ -303,9 +312,11 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
               help="Keep running, one pass every this many seconds (0: one pass and exit).")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as one JSON object.")
 @daemon_options
+@tls_options
 def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
             rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
-            log_level: str, metrics_port: int) -> None:
+            log_level: str, metrics_port: int, tls_cert: str | None, tls_key: str | None,
+            tls_ca: str | None) -> None:
     """Find missing, corrupt or misplaced shards and rebuild them.
 
     Exits 0 when every block is back at full redundancy, 1 otherwise.
@@ -314,6 +325,7 @@ def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str
     if bool(meta) == bool(cluster_file):
         raise click.UsageError("give exactly one of --meta or --cluster-file")
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
     cluster_map = None
     if cluster_file:
         try:
@@ -324,7 +336,7 @@ def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str
     try:
         reports = trio.run(lambda: run_repair(
             secret=secret, meta=meta, cluster_map=cluster_map, volumes=list(volumes), scrub=scrub,
-            rate=rate or None, interval=interval, quiet=as_json))
+            rate=rate or None, interval=interval, quiet=as_json, tls=tls))
     except CacheFSError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -8,7 +8,7 @@ import sys
 import click
 import trio
 
-from cachefs.config import ADDR, ADDRS, load_secret
+from cachefs.config import ADDR, ADDRS, load_secret, load_tls, tls_options
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 
@@ -18,12 +18,15 @@ from cachefs.rpc import RpcPool
 @click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False))
 @click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE")
 @click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True)
-def health(addr: str, secret_file: str | None, insecure: bool, timeout: float) -> None:
+@tls_options
+def health(addr: str, secret_file: str | None, insecure: bool, timeout: float, tls_cert: str | None,
+           tls_key: str | None, tls_ca: str | None) -> None:
     """Ask the daemon at ADDR whether it is alive; exit 0 if it is (for healthchecks)."""
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
 
     async def ask() -> dict:
-        async with RpcPool(secret=secret) as pool:
+        async with RpcPool(secret=secret, tls=tls) as pool:
             return (await pool.call(addr, "health", timeout=timeout)).result
 
     try:
@@ -43,14 +46,17 @@ def health(addr: str, secret_file: str | None, insecure: bool, timeout: float) -
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster map as one JSON object.")
 @click.option("--timeout", type=click.FloatRange(0.1, 600), default=10.0, show_default=True,
               help="Give up when no metanode leader answers within this many seconds.")
-def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool, timeout: float) -> None:
+@tls_options
+def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool, timeout: float,
+           tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """The cluster as the metanodes see it: leader, nodes, volumes."""
     from cachefs.metanode.client import MetaClient
 
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
 
     async def fetch() -> tuple[dict, str | None]:
-        async with RpcPool(secret=secret) as pool:
+        async with RpcPool(secret=secret, tls=tls) as pool:
             client = MetaClient(pool, meta, deadline=timeout)
             cmap = await client.cluster_map()
             return cmap, client.leader

@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import signal
+import ssl
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 import click
 import trio
 
-from cachefs.config import ADDR, ADDRS, SIZE, daemon_options, load_secret, setup_logging
+from cachefs.config import (
+    ADDR,
+    ADDRS,
+    SIZE,
+    daemon_options,
+    load_secret,
+    load_tls,
+    setup_logging,
+    tls_options,
+)
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
@@ -88,11 +98,15 @@ async def serve(
     limits: CacheLimits,
     admission: SecondMissAdmission | None,
     rdma: bool = True,
+    tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
 ) -> None:
-    """Run the cache node until SIGINT/SIGTERM, then drain calls in flight."""
+    """Run the cache node until SIGINT/SIGTERM, then drain calls in flight.
+
+    ``tls`` is load_tls's (server, client) pair: None, None for plain TCP.
+    """
     host, port = parse_addr(listen)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery, RpcPool(secret=secret) as pool:
+        async with trio.open_nursery() as nursery, RpcPool(secret=secret, tls=tls[1]) as pool:
             backing: Any = NoBacking()
             meta_client = None
             if meta:
@@ -109,7 +123,7 @@ async def serve(
             service = CacheService(
                 store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id
             )
-            server = RpcServer(service, name="cachenode", secret=secret, limits=Limits())
+            server = RpcServer(service, name="cachenode", secret=secret, limits=Limits(), tls=tls[0])
             if rdma:
                 add_rdma(server, service)
             bound = await nursery.start(server.serve, host, port)
@@ -254,6 +268,7 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
     help="Also serve blocks over RDMA when this machine has an RDMA device.",
 )
 @daemon_options
+@tls_options
 def command(
     zone: str,
     cache_dir: str,
@@ -275,10 +290,14 @@ def command(
     insecure: bool,
     log_level: str,
     metrics_port: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Run a cache node: blocks on local flash, read through from backing storage."""
     setup_logging("cachenode", log_level)
     secret = load_secret(secret_file, insecure)
+    tls = load_tls(tls_cert, tls_key, tls_ca)
     if capacity <= 0:
         raise click.BadParameter("must be more than 0 bytes", param_hint="--capacity")
     ttls = _parse_ttl(ttl)
@@ -319,6 +338,7 @@ def command(
                 limits=limits,
                 admission=SecondMissAdmission(window=admission_window) if admission else None,
                 rdma=rdma,
+                tls=tls,
             )
         )
     finally:

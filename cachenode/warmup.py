@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import stat
 import sys
 import time
@@ -37,7 +38,7 @@ import click
 import trio
 from cachefs.client.slicemap import HOLE, Slice, resolve, segment_blocks
 
-from cachefs.config import ADDRS, load_secret
+from cachefs.config import ADDRS, load_secret, load_tls, tls_options
 from cachefs.errors import (
     CacheFSError,
     ConnectionLost,
@@ -299,6 +300,7 @@ async def run_warmup(
     threads: int,
     zones: Sequence[str] | None,
     quiet: bool = False,
+    tls: ssl.SSLContext | None = None,
 ) -> WarmupReport:
     from cachefs.metanode.client import MetaClient
     from rich.console import Console
@@ -313,7 +315,7 @@ async def run_warmup(
     )
 
     console = Console(stderr=True, quiet=quiet)
-    async with RpcPool(secret=secret) as pool:
+    async with RpcPool(secret=secret, tls=tls) as pool:
         reader = MetaClient(pool, meta, deadline=20.0)
         cmap = await reader.cluster_map()
         vol = cmap.get("volumes", {}).get(volume)
@@ -407,6 +409,7 @@ async def run_warmup(
     help="Talk to a cluster that runs without authentication.",
 )
 @click.option("--quiet", is_flag=True, help="No progress bar, only the summary.")
+@tls_options
 def command(
     paths: tuple[str, ...],
     volume: str,
@@ -416,9 +419,13 @@ def command(
     secret_file: str | None,
     insecure: bool,
     quiet: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Prefetch the blocks of PATH... (paths inside the volume) into the cache tier."""
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
         report = trio.run(
             lambda: run_warmup(
@@ -429,6 +436,7 @@ def command(
                 threads=threads,
                 zones=list(zones) or None,
                 quiet=quiet,
+                tls=tls,
             )
         )
     except CacheFSError as exc:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import click
 import trio
 
-from cachefs.config import ADDRS, load_secret, setup_logging
+from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.rpc import RpcPool
@@ -204,12 +205,12 @@ class GarbageCollector:
 
 
 async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: bytes | None, grace: float,
-                 check: bool) -> list[GcReport | CheckReport]:  # fmt: skip
+                 check: bool, tls: ssl.SSLContext | None = None) -> list[GcReport | CheckReport]:  # fmt: skip
     from cachefs.metanode.client import MetaClient
 
     from cachefs.backing import BackingClient, MetaClusterView
 
-    async with RpcPool(secret=secret) as pool:
+    async with RpcPool(secret=secret, tls=tls) as pool:
         meta = MetaClient(pool, meta_addrs)
         view = MetaClusterView(meta.cluster_map)
         await view.refresh()
@@ -232,13 +233,17 @@ async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: byt
               help="File holding the cluster secret (or set CACHEFS_SECRET).")  # fmt: skip
 @click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster.")
 @click.option("--log-level", default="WARNING", show_default=True)
+@tls_options
 def command(meta: list[str], volumes: tuple[str, ...], grace: float, check: bool, secret_file: str | None,
-            insecure: bool, log_level: str) -> None:  # fmt: skip
+            insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
+            tls_ca: str | None) -> None:  # fmt: skip
     """Delete the blocks of trashed slices (or, with --check, audit block storage)."""
     setup_logging("gc", log_level)
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
-        reports = trio.run(functools.partial(run_gc, meta, volumes, secret=secret, grace=grace, check=check))
+        reports = trio.run(functools.partial(run_gc, meta, volumes, secret=secret, grace=grace, check=check,
+                                                     tls=tls))
     except CacheFSError as exc:
         raise click.ClickException(str(exc)) from None
     failed = False

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -38,7 +39,15 @@ import click
 import pyfuse3
 import trio
 
-from cachefs.config import ADDRS, LOG_LEVELS, SIZE, load_secret, setup_logging
+from cachefs.config import (
+    ADDRS,
+    LOG_LEVELS,
+    SIZE,
+    load_secret,
+    load_tls,
+    setup_logging,
+    tls_options,
+)
 from cachefs.errors import AuthFailed, CacheFSError, NotFound, TimedOut, Unavailable, Unreachable
 from cachefs.rpc import RpcPool
 
@@ -184,9 +193,10 @@ async def serve(
     transport: str,
     ready: Callable[[str | None], None],
     metrics_port: int = 0,
+    tls: ssl.SSLContext | None = None,
 ) -> int:
     """Run one mount until it is unmounted or signalled; returns an exit status."""
-    async with RpcPool(secret=secret) as pool:
+    async with RpcPool(secret=secret, tls=tls) as pool:
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 session = await Session.connect(
@@ -340,6 +350,7 @@ def _remove_pid(mountpoint: str) -> None:
     type=click.Path(dir_okay=False),
     help="Log here (default with -d: /var/log/cachefs/mount-VOLUME.log).",
 )
+@tls_options
 def mount_command(
     meta_addrs: list[str],
     volume: str,
@@ -359,9 +370,13 @@ def mount_command(
     log_level: str,
     log_file: str | None,
     metrics_port: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Mount VOLUME of the cluster whose metanodes are META_ADDRS at MOUNTPOINT."""
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(tls_cert, tls_key, tls_ca)
     mountpoint = os.path.abspath(mountpoint)
     check_mountpoint(mountpoint)
     options = Options(
@@ -378,7 +393,7 @@ def mount_command(
         try:
             main = functools.partial(
                 serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready,
-                metrics_port=metrics_port
+                metrics_port=metrics_port, tls=tls
             )
             return trio.run(main)
         finally:

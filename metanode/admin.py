@@ -9,7 +9,7 @@ from typing import Any
 import click
 import trio
 
-from cachefs.config import ADDRS, SIZE, load_secret
+from cachefs.config import ADDRS, SIZE, load_secret, load_tls, tls_options
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 
@@ -39,11 +39,13 @@ def _run(
     secret_file: str | None,
     insecure: bool,
     fn: Callable[[MetaClient], Awaitable[Any]],
+    tls_files: tuple[str | None, str | None, str | None] = (None, None, None),
 ) -> Any:
     secret = load_secret(secret_file, insecure)
+    _, tls = load_tls(*tls_files)
 
     async def go() -> tuple[Any, CacheFSError | None]:
-        async with RpcPool(secret=secret) as pool:
+        async with RpcPool(secret=secret, tls=tls) as pool:
             try:  # caught inside the pool's nursery, so it is not wrapped in a group
                 return await fn(MetaClient(pool, meta, deadline=15.0)), None
             except CacheFSError as exc:
@@ -92,6 +94,7 @@ def volume() -> None:
 @_meta
 @_secret
 @_insecure
+@tls_options
 def create(
     name: str,
     policy: str,
@@ -101,6 +104,9 @@ def create(
     meta: list[str],
     secret_file: str | None,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Create volume NAME."""
     try:
@@ -113,6 +119,7 @@ def create(
         secret_file,
         insecure,
         lambda mc: mc.create_volume(name, policy, compression, block_size, pg_count),
+        (tls_cert, tls_key, tls_ca),
     )
     click.echo(f"created volume {name}: {json.dumps(spec)}")
 
@@ -128,11 +135,14 @@ def create(
 @_meta
 @_secret
 @_insecure
+@tls_options
 def set_(
-    name: str, compression: str, meta: list[str], secret_file: str | None, insecure: bool
+    name: str, compression: str, meta: list[str], secret_file: str | None, insecure: bool,
+    tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
 ) -> None:
     """Change volume NAME's settings (redundancy and block size are fixed)."""
-    spec = _run(meta, secret_file, insecure, lambda mc: mc.set_volume(name, compression))
+    spec = _run(meta, secret_file, insecure, lambda mc: mc.set_volume(name, compression),
+                (tls_cert, tls_key, tls_ca))
     click.echo(f"volume {name}: {json.dumps(spec)}")
 
 
@@ -141,9 +151,11 @@ def set_(
 @_meta
 @_secret
 @_insecure
-def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool) -> None:
+@tls_options
+def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
+          tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """List the volumes with their policy and usage."""
-    vols = _run(meta, secret_file, insecure, lambda mc: mc.list_volumes())
+    vols = _run(meta, secret_file, insecure, lambda mc: mc.list_volumes(), (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(vols))
         return
@@ -175,6 +187,7 @@ def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: boo
 @_meta
 @_secret
 @_insecure
+@tls_options
 def quota(
     name: str,
     ino: int,
@@ -184,6 +197,9 @@ def quota(
     meta: list[str],
     secret_file: str | None,
     insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Show (or set) the usage and quota of directory INO of volume NAME."""
 
@@ -192,4 +208,4 @@ def quota(
             return await mc.set_quota(name, ino, max_bytes, max_inodes)
         return await mc.get_usage(name, ino)
 
-    click.echo(json.dumps(_run(meta, secret_file, insecure, go)))
+    click.echo(json.dumps(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))))

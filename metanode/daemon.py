@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 from pathlib import Path
 
 import click
 import trio
 
-from cachefs.config import ADDR, daemon_options, load_secret, setup_logging
+from cachefs.config import ADDR, daemon_options, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
@@ -101,16 +102,17 @@ async def serve(
     read_lease: bool = True,
     gc_interval: float = GC_INTERVAL,
     gc_grace: float = GC_GRACE,
+    tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
 ) -> None:
-    """Run the replica until SIGINT/SIGTERM."""
+    """Run the replica until SIGINT/SIGTERM; ``tls`` is load_tls's (server, client) pair."""
     host, port = parse_addr(listen)
     state = MetaState()
     service = MetaService(
         state, session_timeout=session_timeout, node_timeout=node_timeout, read_lease=read_lease
     )
-    server = RpcServer(service, name="metanode", secret=secret, limits=Limits())
+    server = RpcServer(service, name="metanode", secret=secret, limits=Limits(), tls=tls[0])
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with RpcPool(secret=secret) as pool, trio.open_nursery() as nursery:
+        async with RpcPool(secret=secret, tls=tls[1]) as pool, trio.open_nursery() as nursery:
             node = await RaftNode.create(
                 node_id,
                 peers,
@@ -214,6 +216,7 @@ async def serve(
     help="Seconds a trashed slice's blocks are kept before the collector deletes them.",
 )
 @daemon_options
+@tls_options
 def command(
     node_id: int,
     peers: str,
@@ -229,10 +232,14 @@ def command(
     insecure: bool,
     log_level: str,
     metrics_port: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Run a metanode: one replica of the namespace and cluster map."""
     setup_logging("metanode", log_level)
     secret = load_secret(secret_file, insecure)
+    tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
         peer_map = parse_peers(peers)
     except InvalidArgument as exc:
@@ -262,4 +269,5 @@ def command(
         read_lease,
         gc_interval,
         gc_grace,
+        tls,
     )
