@@ -261,8 +261,10 @@ async def _announce(mountpoint: str, ready: Callable[[str | None], None]) -> Non
         ready(f"the mount at {mountpoint} does not answer: {exc}")
         pyfuse3.terminate()
         return
-    raise_read_ahead(mountpoint)
-    _write_pid(mountpoint)
+    # Both resolve the mount point (realpath lstats it), which is a FUSE
+    # request: from this thread, with attr_timeout 0, it would wait on itself.
+    await trio.to_thread.run_sync(raise_read_ahead, mountpoint)
+    await trio.to_thread.run_sync(_write_pid, mountpoint)
     log.info("mounted at %s", mountpoint)
     ready(None)
 
