@@ -521,6 +521,12 @@ class RaftCore:
             or (self.vote == NONE and self.lead == NONE)
             or (m.pre and m.term > self.term)
         )
+        if self.log.last_index() == 0 and m.last_index > 0:
+            # An empty log that is not the cluster's bootstrap (the candidate
+            # holds entries): we were rebuilt from a wiped directory and forgot
+            # the entries we helped commit, so our vote could elect a replica
+            # missing them. Vote again once a leader has caught us up.
+            can_vote = False
         if can_vote and self.log.is_up_to_date(m.last_index, m.last_term):
             self._send(VoteResp(m.term, self.id, m.src, True, m.pre))
             if not m.pre:

@@ -110,3 +110,41 @@ def test_wiped_follower_is_not_flooded_with_snapshots() -> None:
     after = sum(isinstance(m, InstallSnapshot) and m.dst == 3 for m in net.sent)
     assert after - before <= 1
     assert _caught_up(net, 3, leader)
+
+
+def test_wiped_replica_cannot_elect_a_stale_candidate() -> None:
+    """Node 3 misses entries that 1 and 2 committed; 2 is wiped and 1 stalls.
+
+    Node 2's vote would make 3 leader without them (committed entries lost,
+    and the old leader's acknowledgements would point past the new leader's
+    log). An empty replica votes only in a bootstrap election.
+    """
+    net, leader = _compacted_cluster()
+    net.isolate(3)
+    for k in range(5):
+        leader.propose([f"x{k}".encode()])
+        net.settle()
+    committed = leader.committed
+    assert net.cores[3].log.last_index() < committed
+    net.wipe(2)
+    net.paused.add(1)
+    net.heal()
+    net.tick(CFG.election_tick * 4, only=[2, 3])
+    assert not net.cores[3].is_leader and not net.cores[2].is_leader
+    net.paused.discard(1)
+    for _ in range(CFG.election_tick * 6):
+        net.tick()
+        ls = net.leaders()
+        if ls and _caught_up(net, 2, net.cores[ls[0]]) and _caught_up(net, 3, net.cores[ls[0]]):
+            break
+    (lead,) = net.leaders()
+    assert lead != 3
+    assert net.cores[lead].committed >= committed
+    for i in (2, 3):
+        assert _caught_up(net, i, net.cores[lead])
+
+
+def test_bootstrap_with_empty_logs_still_elects() -> None:
+    net = Net(3)
+    net.tick(CFG.election_tick * 3)
+    assert len(net.leaders()) == 1
