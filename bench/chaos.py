@@ -740,7 +740,7 @@ class Chaos:
         """A follower's newest snapshot bit-flipped: it must refuse it loudly; wiped, it is rebuilt."""
         victim = self._follower()
         snaps: list[Path] = []
-        for i in range(3):  # enough log entries for a snapshot on every replica
+        for i in range(12):  # until every replica has taken a snapshot (bounded)
             if snaps:
                 break
             with self.load(f"snap{i}"):
