@@ -253,6 +253,8 @@ class Lab:
                     await trio.sleep(0.2)
                 log.info("metanode leader: %s", meta.leader)
                 if VOLUME not in cmap["volumes"]:
+                    # An open volume (no mount token): every lab client, test and
+                    # benchmark mounts it with the cluster secret alone.
                     await meta.create_volume(VOLUME, self.config.policy, self.config.compression,
                                              4 << 20, 64)
 

@@ -719,16 +719,18 @@ async def open_volume(
     zone: str = "",
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
+    token: str | None = None,
 ) -> AsyncIterator[AsyncFileSystem]:
     """Connect to ``volume`` for the duration of the block (trio-native).
+    ``token``: the volume's mount token (an open volume needs none).
 
     The client's own tasks (session upkeep, readahead, uploads) run in a
     nursery inside this block, so, as with any nursery, an exception leaving
     the block comes out in an ``ExceptionGroup``.
 
     Raises:
-        OSError: the volume does not exist (ENOENT), the secret was refused
-            (EACCES), no metanode answered in ``connect_timeout`` (ETIMEDOUT).
+        OSError: the volume does not exist (ENOENT), the secret or the
+            volume token was refused (EACCES), no metanode answered in ``connect_timeout`` (ETIMEDOUT).
     """
     addrs = _addrs(meta_addrs)
     options = options or ClientOptions()
@@ -738,7 +740,7 @@ async def open_volume(
             with trio.fail_after(connect_timeout):
                 session = await Session.connect(
                     pool, addrs, volume, zone=zone, transport=options.transport,
-                    client_id=f"api-{uuid.uuid4().hex[:12]}",
+                    client_id=f"api-{uuid.uuid4().hex[:12]}", token=token,
                 )  # fmt: skip
         except trio.TooSlowError:
             failure = TimeoutError(
@@ -810,11 +812,12 @@ class FileSystem:
         zone: str = "",
         options: ClientOptions | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        token: str | None = None,
     ) -> None:
         self.volume = volume
         self.pid = os.getpid()
         ready: queue.Queue[Any] = queue.Queue(1)
-        args = (meta_addrs, volume, secret, zone, options, connect_timeout, ready)
+        args = (meta_addrs, volume, secret, zone, options, connect_timeout, token, ready)
         self._thread = threading.Thread(
             target=self._main, args=args, name=f"cachefs-{volume}", daemon=True
         )
@@ -831,13 +834,13 @@ class FileSystem:
 
     @staticmethod
     def _main(meta_addrs: Any, volume: str, secret: Any, zone: str, options: Any,
-              connect_timeout: float, ready: queue.Queue[Any]) -> None:  # fmt: skip
+              connect_timeout: float, token: str | None, ready: queue.Queue[Any]) -> None:  # fmt: skip
         told = False
 
         async def main() -> None:
             nonlocal told
             async with open_volume(meta_addrs, volume, secret=secret, zone=zone, options=options,
-                                   connect_timeout=connect_timeout) as afs:  # fmt: skip
+                                   connect_timeout=connect_timeout, token=token) as afs:  # fmt: skip
                 stop = trio.Event()
                 ready.put((trio.lowlevel.current_trio_token(), afs, stop))
                 told = True
@@ -1124,6 +1127,7 @@ def connect(
     zone: str = "",
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
+    token: str | None = None,
     **tunables: Any,
 ) -> FileSystem:
     """Connect to ``volume`` of the cluster whose metanodes are ``meta_addrs``.
@@ -1140,7 +1144,7 @@ def connect(
             **{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **tunables}
         )
     return FileSystem(meta_addrs, volume, secret=secret, zone=zone, options=options,
-                      connect_timeout=connect_timeout)  # fmt: skip
+                      connect_timeout=connect_timeout, token=token)  # fmt: skip
 
 
 __all__ = [

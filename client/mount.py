@@ -48,7 +48,15 @@ from cachefs.config import (
     setup_logging,
     tls_options,
 )
-from cachefs.errors import AuthFailed, CacheFSError, NotFound, TimedOut, Unavailable, Unreachable
+from cachefs.errors import (
+    AuthFailed,
+    CacheFSError,
+    NotFound,
+    PermissionDenied,
+    TimedOut,
+    Unavailable,
+    Unreachable,
+)
 from cachefs.rpc import RpcPool
 
 from .fs import CacheFS, Options
@@ -137,6 +145,8 @@ def describe(exc: CacheFSError, meta_addrs: list[str], volume: str) -> str:
         return f"--transport rdma: {exc.message} (use --transport auto to fall back to TCP)"
     if isinstance(exc, AuthFailed):
         return f"the metanodes refused the cluster secret ({exc.message}); check --secret-file"
+    if isinstance(exc, PermissionDenied):
+        return f"{exc.message}; give the volume's token with --token-file"
     if isinstance(exc, NotFound):
         return f"volume {volume!r} does not exist ({exc.message}); create it with 'cachefs volume create'"
     if isinstance(exc, Unavailable | Unreachable | TimedOut):
@@ -194,13 +204,14 @@ async def serve(
     ready: Callable[[str | None], None],
     metrics_port: int = 0,
     tls: ssl.SSLContext | None = None,
+    token: str | None = None,
 ) -> int:
     """Run one mount until it is unmounted or signalled; returns an exit status."""
     async with RpcPool(secret=secret, tls=tls) as pool:
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 session = await Session.connect(
-                    pool, meta_addrs, volume, zone=zone, transport=transport
+                    pool, meta_addrs, volume, zone=zone, transport=transport, token=token
                 )
         except trio.TooSlowError:
             ready(
@@ -352,6 +363,12 @@ def _remove_pid(mountpoint: str) -> None:
     type=click.Path(dir_okay=False),
     help="Log here (default with -d: /var/log/cachefs/mount-VOLUME.log).",
 )
+@click.option(
+    "--token-file",
+    envvar="CACHEFS_TOKEN_FILE",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File holding the volume's mount token (not needed for an open volume).",
+)
 @tls_options
 def mount_command(
     meta_addrs: list[str],
@@ -372,11 +389,13 @@ def mount_command(
     log_level: str,
     log_file: str | None,
     metrics_port: int,
+    token_file: str | None,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
     """Mount VOLUME of the cluster whose metanodes are META_ADDRS at MOUNTPOINT."""
+    token = Path(token_file).read_text().strip() or None if token_file else None
     secret = load_secret(secret_file, insecure)
     _, tls = load_tls(tls_cert, tls_key, tls_ca)
     mountpoint = os.path.abspath(mountpoint)
@@ -395,7 +414,7 @@ def mount_command(
         try:
             main = functools.partial(
                 serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready,
-                metrics_port=metrics_port, tls=tls
+                metrics_port=metrics_port, tls=tls, token=token
             )
             return trio.run(main)
         finally:

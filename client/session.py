@@ -100,18 +100,21 @@ class Session:
         zone: str = "",
         transport: str = "tcp",
         client_id: str | None = None,
+        token: str | None = None,
     ) -> Session:
         """Mount ``volume``: check it exists, open a session, read the cluster map.
+        ``token``: the volume's mount token, if it is not open.
 
         Raises:
             NotFound: the volume does not exist.
+            PermissionDenied: the volume needs a token and ``token`` is not it.
             Unavailable: no metanode answered.
             AuthFailed: the cluster secret is wrong.
             RdmaUnavailable: ``transport`` is rdma and RDMA cannot be used.
         """
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
         meta = MetaClient(pool, meta_addrs, client_id=client_id)
-        info = await meta.mount_volume(volume, client_id)
+        info = await meta.mount_volume(volume, client_id, token)
         cmap = await meta.cluster_map()
         if volume not in cmap.get("volumes", {}):
             raise NotFound(f"volume {volume!r} is not in the cluster map")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -91,6 +92,17 @@ def volume() -> None:
     show_default=True,
     help="Placement groups of the volume.",
 )
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    help="Mounts need the token in this file (the metanodes keep only its hash).",
+)
+@click.option(
+    "--open",
+    "open_",
+    is_flag=True,
+    help="Any client with the cluster secret may mount it (the default without --token-file).",
+)
 @_meta
 @_secret
 @_insecure
@@ -101,6 +113,8 @@ def create(
     compression: str,
     block_size: int,
     pg_count: int,
+    token_file: str | None,
+    open_: bool,
     meta: list[str],
     secret_file: str | None,
     insecure: bool,
@@ -109,6 +123,7 @@ def create(
     tls_ca: str | None,
 ) -> None:
     """Create volume NAME."""
+    token = _access(token_file, open_)
     try:
         policy = check_policy(policy, compression, block_size)
         CreateVolume("", 0, 0, name, policy, compression, block_size, pg_count)  # validates all
@@ -118,7 +133,12 @@ def create(
         meta,
         secret_file,
         insecure,
-        lambda mc: mc.create_volume(name, policy, compression, block_size, pg_count),
+        lambda mc: mc.call(
+            "create_volume",
+            {"name": name, "policy": policy, "compression": compression,
+             "block_size": block_size, "pg_count": pg_count, "token": token},
+            mutation=True,
+        ),  # fmt: skip
         (tls_cert, tls_key, tls_ca),
     )
     click.echo(f"created volume {name}: {json.dumps(spec)}")
@@ -129,21 +149,53 @@ def create(
 @click.option(
     "--compression",
     type=click.Choice(["none", "zstd"]),
-    required=True,
     help="Compression of blocks written from now on (old blocks keep theirs).",
 )
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    help="From now on mounts need the token in this file.",
+)
+@click.option("--open", "open_", is_flag=True, help="From now on mounts need no token.")
 @_meta
 @_secret
 @_insecure
 @tls_options
 def set_(
-    name: str, compression: str, meta: list[str], secret_file: str | None, insecure: bool,
+    name: str, compression: str | None, token_file: str | None, open_: bool, meta: list[str],
+    secret_file: str | None, insecure: bool,
     tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
 ) -> None:
     """Change volume NAME's settings (redundancy and block size are fixed)."""
-    spec = _run(meta, secret_file, insecure, lambda mc: mc.set_volume(name, compression),
-                (tls_cert, tls_key, tls_ca))
+    if compression is None and token_file is None and not open_:
+        raise click.UsageError("nothing to set: give --compression, --token-file or --open")
+    token = _access(token_file, open_)
+
+    async def change(mc: MetaClient) -> dict:
+        out: dict = {}
+        if compression is not None:
+            out.update(await mc.set_volume(name, compression))
+        if token_file is not None or open_:
+            out.update(await mc.call("set_volume_access", {"name": name, "token": token}, mutation=True))
+        return out
+
+    spec = _run(meta, secret_file, insecure, change, (tls_cert, tls_key, tls_ca))
     click.echo(f"volume {name}: {json.dumps(spec)}")
+
+
+def _access(token_file: str | None, open_: bool) -> str | None:
+    """The token in ``token_file`` (None with --open); one of the two only."""
+    if token_file is not None and open_:
+        raise click.UsageError("give --token-file or --open, not both")
+    if token_file is None:
+        return None
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {token_file}: {exc.strerror}", param_hint="--token-file") from None
+    if not token:
+        raise click.BadParameter(f"{token_file} is empty", param_hint="--token-file")
+    return token
 
 
 @volume.command("list")

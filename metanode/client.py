@@ -72,6 +72,7 @@ class MetaClient:
         self.heartbeat_interval = heartbeat_interval
         self._nursery = nursery
         self._heartbeats: dict[str, trio.CancelScope] = {}
+        self._tokens: dict[str, str] = {}  # volume -> mount token, for remounts
 
     async def call(
         self,
@@ -211,8 +212,18 @@ class MetaClient:
     async def list_volumes(self) -> dict[str, Any]:
         return await self._r("list_volumes")
 
-    async def mount_volume(self, volume: str, client_id: str | None = None) -> dict[str, Any]:
-        info = await self._m("mount_volume", volume=volume, client_id=client_id or self.client_id)
+    async def mount_volume(
+        self, volume: str, client_id: str | None = None, token: str | None = None
+    ) -> dict[str, Any]:
+        """``token``: the volume's mount token (kept for later remounts)."""
+        if token is not None:
+            self._tokens[volume] = token
+        info = await self._m(
+            "mount_volume",
+            volume=volume,
+            client_id=client_id or self.client_id,
+            token=self._tokens.get(volume),
+        )
         session = str(info["session"])
         if session not in self._heartbeats:
             scope = trio.CancelScope()

@@ -44,6 +44,7 @@ XATTR_CREATE = 1
 XATTR_REPLACE = 2
 
 _FILE_TYPES = (stat.S_IFREG, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO, stat.S_IFSOCK)
+_TOKEN_HASH = re.compile(r"[0-9a-f]{64}\Z")
 _VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -203,8 +204,12 @@ class CreateVolume(Command):
     compression: str
     block_size: int
     pg_count: int
+    # sha256 hex of the volume's mount token; "" = open (any client with the
+    # cluster secret mounts it). The default keeps older log entries open.
+    token_hash: str = ""
 
     def validate(self) -> None:
+        _check_token_hash(self.token_hash)
         if not _VOLUME_NAME.match(self.name):
             raise InvalidArgument(f"volume name {self.name!r}: use 1-64 of [A-Za-z0-9_.-]")
         _check_int(self.block_size, "block_size", 4096, CHUNK_SIZE)
@@ -230,6 +235,24 @@ class SetVolumeCompression(Command):
     def validate(self) -> None:
         if self.compression not in ("none", "zstd"):
             raise InvalidArgument(f"compression must be none or zstd, got {self.compression!r}")
+
+
+def _check_token_hash(value: str) -> None:
+    if value and not _TOKEN_HASH.match(value):
+        raise InvalidArgument("token_hash must be 64 lowercase hex digits (sha256) or empty")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetVolumeAccess(Command):
+    """Set who may mount a volume: a token's sha256 hex, or "" for open."""
+
+    TAG: ClassVar[int] = 42
+    MUTATES_VOLUME: ClassVar[bool] = False
+    name: str
+    token_hash: str
+
+    def validate(self) -> None:
+        _check_token_hash(self.token_hash)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

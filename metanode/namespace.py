@@ -62,6 +62,8 @@ metanode enforces structure: types, names, emptiness, links, cycles, quotas.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import hmac
 import operator
 import stat
 import struct
@@ -85,6 +87,7 @@ from cachefs.errors import (
     NotEmpty,
     NotFound,
     NotPermitted,
+    PermissionDenied,
     QuotaExceeded,
     error_from_wire,
 )
@@ -192,8 +195,22 @@ _FIELDS = operator.attrgetter(*Inode.__slots__)
 _NFIELDS = len(Inode.__slots__)
 
 
+def hash_token(token: str) -> str:
+    """What a volume keeps of its mount token (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class Volume:
-    __slots__ = ("name", "inodes", "next_ino", "used_bytes", "trash", "orphans", "created_ns")
+    __slots__ = (
+        "name",
+        "inodes",
+        "next_ino",
+        "used_bytes",
+        "trash",
+        "orphans",
+        "created_ns",
+        "token_hash",
+    )
 
     def __init__(self, name: str, now: int) -> None:
         self.name = name
@@ -203,6 +220,7 @@ class Volume:
         self.trash = bytearray()
         self.orphans: set[int] = set()  # unlinked regular files kept: maybe open
         self.created_ns = now
+        self.token_hash = ""  # sha256 hex of the mount token; "" = open volume
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
         self.inodes[ROOT] = root
@@ -284,6 +302,7 @@ class MetaState:
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
             C.CreateVolume: self._create_volume,
             C.SetVolumeCompression: self._set_volume_compression,
+            C.SetVolumeAccess: self._set_volume_access,
             C.MountVolume: self._mount_volume,
             C.CloseSession: self._close_session,
             C.SetAttr: self._setattr,
@@ -572,8 +591,25 @@ class MetaState:
             raise Exists(f"volume {cmd.name!r} exists")
         spec = VolumeSpec(cmd.policy, cmd.compression, cmd.block_size, cmd.pg_count)
         self.cluster.add_volume(cmd.name, spec)
-        self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
+        vol = self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
+        vol.token_hash = cmd.token_hash
         return spec.to_dict()
+
+    def _set_volume_access(self, cmd: C.SetVolumeAccess) -> dict[str, Any]:
+        self._vol(cmd.name).token_hash = cmd.token_hash
+        return {"name": cmd.name, "open": not cmd.token_hash}
+
+    def check_volume_token(self, volume: str, token: str | None) -> None:
+        """Refuse a mount of a token-protected volume without its token."""
+        vol = self._vol(volume)
+        if not vol.token_hash:
+            return
+        offered = hash_token(token) if token else ""
+        if not hmac.compare_digest(offered, vol.token_hash):
+            what = "a wrong" if token else "no"
+            raise PermissionDenied(
+                f"volume {volume!r} needs its mount token; {what} token was given"
+            )
 
     def _set_volume_compression(self, cmd: C.SetVolumeCompression) -> dict[str, Any]:
         self._vol(cmd.name)
@@ -1161,6 +1197,7 @@ class MetaState:
                     sorted(vol.orphans),
                     vol.created_ns,
                     inodes,
+                    vol.token_hash,
                 ]
             )
         sessions = [[sid, s.client_id, s.volume, []] for sid, s in self.sessions.items()]
@@ -1198,8 +1235,9 @@ class MetaState:
         self.next_slice = next_slice
         self.cluster = ClusterMap.load(cluster)
         self.volumes = {}
-        for name, next_ino, used_bytes, trash, _opens, created_ns, inodes in volumes:
+        for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *access in volumes:
             vol = Volume(name, created_ns)
+            vol.token_hash = access[0] if access else ""  # older snapshots: open
             vol.inodes.clear()
             vol.next_ino = next_ino
             vol.used_bytes = used_bytes

@@ -36,7 +36,7 @@ from cachefs.errors import CacheFSError, FileTooLarge, NotLeader
 from cachefs.rpc import rpc_method
 
 from . import commands as C
-from .namespace import Failure, MetaState
+from .namespace import Failure, MetaState, hash_token
 
 if TYPE_CHECKING:
     from .raft.driver import RaftNode
@@ -401,9 +401,21 @@ class MetaService:
         pg_count: int = 64,
         client_id: str = "",
         seq: int = 0,
+        token: str | None = None,
     ) -> dict:
+        """``token``: mounts then need it; without one the volume is open."""
+        hashed = hash_token(token) if token else ""
         return await self._propose(
-            C.CreateVolume, client_id, seq, name, policy, compression, block_size, pg_count
+            C.CreateVolume, client_id, seq, name, policy, compression, block_size, pg_count, hashed
+        )
+
+    @rpc_method
+    async def set_volume_access(
+        self, name: str, token: str | None = None, client_id: str = "", seq: int = 0
+    ) -> dict:
+        """Require ``token`` for mounts of ``name`` from now on, or (None) open it."""
+        return await self._propose(
+            C.SetVolumeAccess, client_id, seq, name, hash_token(token) if token else ""
         )
 
     @rpc_method
@@ -423,11 +435,17 @@ class MetaService:
                 **spec.to_dict(),
                 "used_bytes": stats["used_bytes"],
                 "used_inodes": stats["used_inodes"],
+                "open": not state.volumes[name].token_hash,
             }
         return out
 
     @rpc_method
-    async def mount_volume(self, volume: str, client_id: str, seq: int = 0) -> dict:
+    async def mount_volume(
+        self, volume: str, client_id: str, seq: int = 0, token: str | None = None
+    ) -> dict:
+        """Open a session; a volume with a token refuses a wrong or missing one
+        (PermissionDenied). The token never enters the log."""
+        (await self._read()).check_volume_token(volume, token)
         self._check_leadership()
         term = self._leader_term
         result = await self._propose(C.MountVolume, client_id, seq, volume)
