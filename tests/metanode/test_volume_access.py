@@ -88,3 +88,20 @@ async def test_mount_volume_needs_the_token(meta: Single) -> None:  # noqa: F811
     assert (await mc.call("mount_volume", {"volume": "sec", "client_id": "c2"}, mutation=True))[
         "session"
     ]
+
+
+def test_cli_access_options_are_checked_before_connecting(tmp_path) -> None:
+    from cachefs.metanode.admin import volume
+    from click.testing import CliRunner
+
+    token, empty = tmp_path / "t", tmp_path / "e"
+    token.write_text("x\n")
+    empty.write_text("\n")
+    common = ["--meta", "127.0.0.1:1", "--insecure"]
+    runner = CliRunner()
+    both = runner.invoke(volume, ["create", "v", "--token-file", str(token), "--open", *common])
+    assert both.exit_code == 2 and "not both" in both.output
+    nothing = runner.invoke(volume, ["set", "v", *common])
+    assert nothing.exit_code == 2 and "nothing to set" in nothing.output
+    blank = runner.invoke(volume, ["set", "v", "--token-file", str(empty), *common])
+    assert blank.exit_code == 2 and "empty" in blank.output
