@@ -105,3 +105,20 @@ def test_cli_access_options_are_checked_before_connecting(tmp_path) -> None:
     assert nothing.exit_code == 2 and "nothing to set" in nothing.output
     blank = runner.invoke(volume, ["set", "v", "--token-file", str(empty), *common])
     assert blank.exit_code == 2 and "empty" in blank.output
+
+
+async def test_token_arguments_are_typed(meta: Single) -> None:  # noqa: F811
+    mc = meta.mc
+    calls = [
+        ("mount_volume", {"volume": "v", "client_id": "c", "token": 5}),
+        ("create_volume", {"name": "w", "policy": "replica:1", "token": ["x"]}),
+        ("set_volume_access", {"name": "v", "token": 3.5}),
+    ]
+    for method, args in calls:
+        with pytest.raises(CacheFSError) as info:
+            await mc.call(method, args, mutation=True)
+        assert info.value.errno == errno.EINVAL and "token" in str(info.value)
+    with pytest.raises(CacheFSError) as info:
+        await mc.call("set_volume_access", {"name": "nope", "token": "t"}, mutation=True)
+    assert info.value.errno == errno.ENOENT
+    assert "w" not in meta.state.volumes and meta.state.volumes["v"].token_hash == ""
