@@ -64,7 +64,9 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
     try:
         cmap, leader = trio.run(fetch)
     except CacheFSError as exc:
-        raise click.ClickException(f"cannot read the cluster map from {','.join(meta)}: {exc}") from None
+        # Exit 2 like any other bad input: the addresses given lead nowhere.
+        click.echo(f"Error: cannot read the cluster map from {','.join(meta)}: {exc}", err=True)
+        sys.exit(2)
     if as_json:
         click.echo(json.dumps({"leader": leader, **cmap}, default=str))
         return

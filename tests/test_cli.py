@@ -84,7 +84,7 @@ def test_flags_beat_environment_beat_config_file(tmp_path, monkeypatch):
 
     def used(args, env=None):
         result = runner.invoke(main, ["--config", str(cfg), "status", "--timeout", "0.3", *args], env=env or {})
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 2, result.output
         return result.output.split("cluster map from ", 1)[1].split(":", 2)[:2]
 
     assert used([]) == ["127.0.0.1", "1"]
