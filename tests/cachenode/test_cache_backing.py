@@ -65,7 +65,10 @@ async def test_read_through_real_datanodes_then_hits_survive_backing_loss(
                     readers.start_soon(reader)
             assert results == [blocks[first][100:1100]] * 20
             stats = (await pool.call(addr, "stats")).result
-            assert stats["backing_fetches"] == 1 and stats["misses"] == 20
+            # One fetch from backing storage however many wait; readers that
+            # arrive after the fill landed count as hits, not misses.
+            assert stats["backing_fetches"] == 1
+            assert stats["misses"] >= 1 and stats["misses"] + stats["hits"] == 20
             for key, data in blocks.items():
                 off = len(data) // 3
                 reply = await get(key, off, 5000)
