@@ -83,9 +83,11 @@ async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> N
         assert c.backing.fetches[key] == 1
         await _until_cached(c.store, key)
         stats = (await c.pool.call(c.addr, "stats")).result
-        assert stats["misses"] == 100 and stats["backing_fetches"] == 1 and stats["blocks"] == 1
+        # Readers that a stalled machine lets in after the fill count as hits.
+        assert stats["misses"] + stats["hits"] == 100 and stats["misses"] >= 1
+        assert stats["backing_fetches"] == 1 and stats["blocks"] == 1
         labels = {"node": c.service.node}
-        assert REGISTRY.get_sample_value("cachefs_cache_misses_total", labels) == 100
+        assert REGISTRY.get_sample_value("cachefs_cache_misses_total", labels) == stats["misses"]
         assert REGISTRY.get_sample_value("cachefs_cache_bytes_in_total", labels) == SIZE
         assert REGISTRY.get_sample_value("cachefs_cache_bytes_out_total", labels) == 100 * 4096
         assert REGISTRY.get_sample_value("cachefs_cache_backing_fetch_seconds_count", labels) == 1
