@@ -355,15 +355,23 @@ class Session:
         """Rewrite a chunk with many slices as one slice, swapped in atomically.
 
         The metanodes refuse the swap (EBUSY) if the chunk changed since we read
-        its slice list; the new slice is then trashed and nothing is lost.
+        its slice list; the new slice is then trashed and nothing is lost, and
+        we try again on the new list (a few times: a writer still committing
+        would otherwise leave the chunk uncompacted once it stops).
         """
+        for _attempt in range(3):
+            if await self._compact_once(inode, chunk, reader, threshold):
+                return
+
+    async def _compact_once(self, inode: Inode, chunk: int, reader: Any, threshold: int) -> bool:
+        """One compaction attempt; False when the chunk changed under it."""
         slices = await self.read_chunk(inode.ino, chunk)
         if len(slices) < threshold:
-            return
+            return True
         file_end = inode.attr.size - chunk * CHUNK_SIZE
         length = min(max(s.pos + s.length for s in slices), file_end)
         if length <= 0:
-            return
+            return True
         buf = bytearray(length)
         view = memoryview(buf)
         await run_all(
@@ -382,11 +390,12 @@ class Session:
                 self.volume, inode.ino, chunk, [s.id for s in slices], slice_id, length
             )
         except Busy:
-            log.info("chunk %d of inode %d changed while compacting; left as is", chunk, inode.ino)
-            return
+            log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
+            return False
         inode.chunks.pop(chunk, None)
         inode.layout += 1
         log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
+        return True
 
     async def _fill(self, part: Any, dest: memoryview) -> None:
         data = await self.fetch(part.key, part.block_off, part.length)
