@@ -225,9 +225,11 @@ class CacheFSFileSystem(AbstractFileSystem):
         on_error: str = "return",
         **kwargs: Any,
     ) -> list[Any]:
-        """Ranges read concurrently (bounded), results in the order asked."""
-        if max_gap is not None:
-            raise NotImplementedError("cachefs: max_gap is not supported")
+        """Ranges read concurrently (bounded), results in the order asked.
+
+        ``max_gap`` (fsspec's hint to merge nearby ranges into one request) is
+        accepted and not needed: each range is already read exactly, in parallel.
+        """
         if not isinstance(paths, list):
             raise TypeError("paths must be a list")
         starts_l = starts if isinstance(starts, list) else [starts] * len(paths)
