@@ -202,16 +202,22 @@ async def test_kill_9_during_writes(cluster: Datanodes, volume: str) -> None:
     async with RpcPool(secret=SECRET) as pool:
         client = BackingClient(pool, view, timeout=5.0)
 
+        some_written = trio.Event()
+
         async def writer(n: int) -> None:
             for _ in range(n):
                 key, data = new_key(), os.urandom(random.randrange(1, 2 * MiB))
                 await client.put_block(volume, key, data)
                 written[key] = data
+                if len(written) >= 8:
+                    some_written.set()
 
         async with trio.open_nursery() as nursery:
             for _ in range(4):
                 nursery.start_soon(writer, 10)
-            await trio.sleep(0.3)
+            # Kill mid-stream, by progress rather than by clock: on a quiet
+            # machine all 40 puts can finish within a fixed sleep.
+            await some_written.wait()
             cluster.kill(3)
         assert len(written) == 40
         for key, data in written.items():
