@@ -7,7 +7,10 @@ shows every process, the metanode leader and the cache tier's usage and hit
 rates; ``lab down`` unmounts and stops everything, also after ``lab up``
 itself crashed, since every PID is recorded in a state file first. With
 ``--netns`` every daemon runs in its own network namespace on its own
-address (:mod:`cachefs.netns`), so zones can be cut off and healed.
+address (:mod:`cachefs.netns`), so zones can be cut off and healed. With
+``--tls`` the lab makes a throwaway CA and one certificate per node (and one
+for clients) under ``DIR/tls`` with the ``openssl`` command, and every link,
+daemon to daemon and client to daemon, runs mutual TLS.
 
 The same :class:`Lab` class is what the end-to-end tests and benchmarks use
 to start, kill and restart nodes, so the lab people run is the lab we test.
@@ -15,12 +18,14 @@ to start, kill and restart nodes, so the lab people run is the lab we test.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -32,6 +37,7 @@ import click
 import trio
 
 from cachefs import netns
+from cachefs.config import load_tls
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
@@ -40,6 +46,9 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "lab.json"
 VOLUME = "lab"
+TLS_DIR = "tls"
+TLS_CLIENT = "client"  # the certificate the mount, `lab status` and lab clients show
+TLS_DAYS = 30
 
 
 @dataclass
@@ -74,6 +83,7 @@ class LabConfig:
     mountpoint: str | None = None
     mount_pid: int | None = None
     netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
+    tls: bool = False  # mutual TLS on every link, certificates under ROOT/tls
 
 
 class Lab:
@@ -136,9 +146,41 @@ class Lab:
     def secret(self) -> bytes:
         return self.secret_file.read_bytes().strip()
 
+    # ------------------------------------------------------------ TLS
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / TLS_DIR
+
+    def tls_files(self, name: str = TLS_CLIENT) -> dict[str, str]:
+        """``{tls_cert, tls_key, tls_ca}`` of ``name`` (a node, or the client
+        certificate), ready for ``connect(**...)``; empty without TLS."""
+        if not self.config.tls:
+            return {}
+        d = self.tls_dir
+        return {"tls_cert": str(d / f"{name}.pem"), "tls_key": str(d / f"{name}-key.pem"),
+                "tls_ca": str(d / "ca.pem")}
+
+    def tls_args(self, name: str = TLS_CLIENT) -> list[str]:
+        """The same files as ``--tls-cert/--tls-key/--tls-ca`` options."""
+        return [arg for key, path in self.tls_files(name).items()
+                for arg in (f"--{key.replace('_', '-')}", path)]
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """The client context of the lab's own calls (readiness, status)."""
+        files = self.tls_files()
+        return load_tls(files["tls_cert"], files["tls_key"], files["tls_ca"])[1] if files else None
+
+    def _make_certificates(self) -> None:
+        """The CA and every missing certificate (each node's carries its own address)."""
+        hosts = {n.name: n.addr.rsplit(":", 1)[0] for n in self.nodes}
+        hosts[TLS_CLIENT] = "127.0.0.1"
+        make_pki(self.tls_dir, hosts)
+
     def _argv(self, node: Node) -> list[str]:
         base = [sys.executable, "-m", "cachefs.cli"]
-        common = ["--secret-file", str(self.secret_file), "--metrics-port", str(node.metrics_port)]
+        common = ["--secret-file", str(self.secret_file), "--metrics-port", str(node.metrics_port),
+                  *self.tls_args(node.name)]
         meta = ",".join(self.meta_addrs)
         d = str(self.root / node.name)
         if node.kind == "metanode":
@@ -209,6 +251,8 @@ class Lab:
         if not self.secret_file.exists():
             self.secret_file.write_text(secrets.token_hex(32) + "\n")
             self.secret_file.chmod(0o600)
+        if self.config.tls:
+            self._make_certificates()
         self.save()
         if self.config.netns:
             self._net = netns.ensure(self.root, self.config.netns, [(n.name, n.zone) for n in self.nodes])
@@ -236,7 +280,7 @@ class Lab:
         return MetaClient(pool, self.meta_addrs, **kwargs)
 
     async def _wait_ready(self, timeout: float) -> None:
-        async with RpcPool(secret=self.secret) as pool:
+        async with RpcPool(secret=self.secret, tls=self.client_tls()) as pool:
             meta = self.meta_client(pool, deadline=2.0)
             with trio.fail_after(timeout):
                 want_d, want_c = len(self.of_kind("datanode")), len(self.of_kind("cachenode"))
@@ -270,7 +314,7 @@ class Lab:
         Path(mountpoint).mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--secret-file", str(self.secret_file),
-                "--log-file", str(self.root / "logs" / "mount.log"), *extra]
+                "--log-file", str(self.root / "logs" / "mount.log"), *self.tls_args(), *extra]
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
         logf = self.root / "logs" / "mount.log"
@@ -316,7 +360,7 @@ class Lab:
 
     async def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nodes": [], "leader": None, "cache": []}
-        async with RpcPool(secret=self.secret) as pool:
+        async with RpcPool(secret=self.secret, tls=self.client_tls()) as pool:
             for node in self.nodes:
                 alive = bool(node.pid and _alive(node.pid))
                 health = None
@@ -339,6 +383,62 @@ class Lab:
                     except CacheFSError as exc:
                         out["cache"].append({"name": node.name, "error": exc.code})
         return out
+
+
+def make_pki(d: Path, hosts: dict[str, str]) -> None:
+    """A throwaway CA (``d/ca.pem``) and a certificate per name (``d/NAME.pem``,
+    ``d/NAME-key.pem``) for ``hosts[NAME]``, made with the ``openssl`` command.
+
+    Each certificate is good for both ends of a link (server and client
+    auth), since inside the cluster every daemon is also a client. Files that
+    exist are kept, so a restarted lab keeps its certificates.
+
+    Raises:
+        click.ClickException: no ``openssl`` command, or it failed.
+    """
+    if shutil.which("openssl") is None:
+        raise click.ClickException("--tls needs the openssl command (apt-get install openssl)")
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    ca, ca_key = d / "ca.pem", d / "ca-key.pem"
+    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    if not (ca.exists() and ca_key.exists()):
+        _openssl("req", "-x509", *curve, "-keyout", str(ca_key), "-out", str(ca), "-days", str(TLS_DAYS),
+                 "-subj", "/CN=cachefs lab CA", "-addext", "basicConstraints=critical,CA:TRUE",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    for name, host in hosts.items():
+        cert, key = d / f"{name}.pem", d / f"{name}-key.pem"
+        if cert.exists() and key.exists():
+            continue
+        csr, ext = d / f"{name}.csr", d / f"{name}.ext"
+        san = f"IP:{host}" if _is_ip(host) else f"DNS:{host}"
+        ext.write_text("basicConstraints=critical,CA:FALSE\n"
+                       "keyUsage=critical,digitalSignature,keyEncipherment\n"
+                       "extendedKeyUsage=serverAuth,clientAuth\n"
+                       f"subjectAltName={san}\n")
+        _openssl("req", "-new", *curve, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+                 "-set_serial", str(secrets.randbits(63)), "-days", str(TLS_DAYS),
+                 "-extfile", str(ext), "-out", str(cert))
+        csr.unlink()
+        ext.unlink()
+    for key in d.glob("*-key.pem"):
+        key.chmod(0o600)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _openssl(*args: str) -> None:
+    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise click.ClickException(f"openssl {args[0]} failed: {result.stderr.strip()}")
 
 
 def _alive(pid: int) -> bool:
@@ -397,8 +497,11 @@ def lab() -> None:
               help="Private range for the namespaces' addresses (with --netns).")
 @click.option("--latency", multiple=True, metavar="ZONE=DELAY",
               help="With --netns: delay packets to a zone's nodes, e.g. z3=20ms (repeatable; needs sch_netem).")
+@click.option("--tls", is_flag=True,
+              help="Mutual TLS on every link: a throwaway CA and per-node certificates in DIR/tls (openssl).")
 def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
-           cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...]) -> None:
+           cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...],
+           tls: bool) -> None:
     """Start the lab cluster (and mount it with --mount)."""
     from cachefs.config import setup_logging
 
@@ -413,7 +516,7 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
     if len(delays) != len(latency) or (latency and not use_netns):
         raise click.UsageError("--latency takes ZONE=DELAY and needs --netns")
     the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
-                            cache_capacity=cache_capacity, netns=subnet if use_netns else ""))
+                            cache_capacity=cache_capacity, netns=subnet if use_netns else "", tls=tls))
     click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
     started = time.monotonic()
     try:
@@ -425,6 +528,8 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         the_lab.down()
         raise
     click.echo(f"cluster ready in {time.monotonic() - started:.1f}s; volume '{VOLUME}' ({policy})")
+    if tls:
+        click.echo(f"TLS on every link; clients use {' '.join(the_lab.tls_args())}")
     if mountpoint:
         the_lab.mount(mountpoint)
         click.echo(f"mounted at {mountpoint}")

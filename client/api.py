@@ -23,6 +23,12 @@ Two entry points:
   not survive ``fork``: a child process must connect on its own (the torch
   Dataset and the fsspec filesystem do that lazily per process).
 
+A cluster that runs TLS (the daemons' ``--tls-cert/--tls-key/--tls-ca``)
+takes the same three files here: ``tls_cert=``, ``tls_key=``, ``tls_ca=``
+(all or none; TLS in the cluster is mutual, so the client shows a
+certificate signed by ``tls_ca`` too). A volume with a mount token takes it
+as ``token=``.
+
 Paths are volume paths (``"a/b.bin"`` or ``"/a/b.bin"``); ``..`` in a path
 is resolved lexically, symbolic links are followed (``lstat`` and
 ``readlink`` do not), and directory listings describe links as links.
@@ -34,12 +40,16 @@ Errors are raised as :class:`OSError` with the POSIX errno (so
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import io
 import logging
 import os
 import queue
+import ssl
 import stat as stat_mod
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -51,6 +61,7 @@ import trio
 
 from cachefs.errors import (
     CacheFSError,
+    ConnectionLost,
     Exists,
     InvalidArgument,
     IsADirectory,
@@ -74,6 +85,7 @@ ROOT_INO = 1
 READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0  # per metanode, when explaining a connect that timed out
 COMPACT_DELAY = 0.5
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
@@ -112,6 +124,28 @@ def _edge(path: str | None = None) -> Iterator[None]:
         yield
     except CacheFSError as exc:
         raise _oserror(exc, path) from exc
+
+
+def client_tls(
+    tls_cert: str | os.PathLike[str] | None,
+    tls_key: str | os.PathLike[str] | None,
+    tls_ca: str | os.PathLike[str] | None,
+) -> ssl.SSLContext | None:
+    """The client side of the mount's ``--tls-cert/--tls-key/--tls-ca`` (None: no TLS).
+
+    The same loader as the daemons and the mount (all three files or none,
+    checked before anything connects), with a ``ValueError`` naming the
+    keyword arguments instead of the command line's usage error.
+    """
+    import click
+
+    from cachefs.config import load_tls
+
+    paths = [os.fspath(p) if p else None for p in (tls_cert, tls_key, tls_ca)]
+    try:
+        return load_tls(*paths)[1]
+    except click.UsageError as exc:
+        raise ValueError(f"cachefs: {exc.message.replace('--tls-', 'tls_')}") from None
 
 
 def split_path(path: str | os.PathLike[str]) -> list[str]:
@@ -330,6 +364,31 @@ class AsyncFileSystem:
             await self.session.symlink(
                 parent, os.fsencode(name), os.fsencode(target), self._uid, self._gid
             )
+
+    async def utime(
+        self,
+        path: str | os.PathLike[str],
+        times: tuple[float, float] | None = None,
+        *,
+        ns: tuple[int, int] | None = None,
+        follow_symlinks: bool = True,
+    ) -> None:
+        """Set access and modification times, as ``os.utime`` (both now
+        when neither ``times`` nor ``ns`` is given)."""
+        if times is not None and ns is not None:
+            raise ValueError("utime: give times or ns, not both")
+        if ns is None:
+            if times is None:
+                now = time.time_ns()
+                ns = (now, now)
+            else:
+                ns = (int(times[0] * 1e9), int(times[1] * 1e9))
+        with _edge(os.fspath(path)):
+            attr = await self._attr(path, follow=follow_symlinks)
+            new = await self.session.setattr(attr.ino, atime_ns=ns[0], mtime_ns=ns[1])
+            inode = self._open.get(new.ino) or self._idle.get(new.ino)
+            if inode is not None:
+                inode.set_attr(new)
 
     async def readlink(self, path: str | os.PathLike[str]) -> str:
         with _edge(os.fspath(path)):
@@ -720,22 +779,34 @@ async def open_volume(
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
     token: str | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    tls_ca: str | os.PathLike[str] | None = None,
+    tls_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[AsyncFileSystem]:
     """Connect to ``volume`` for the duration of the block (trio-native).
     ``token``: the volume's mount token (an open volume needs none).
+    ``tls_cert``/``tls_key``/``tls_ca``: PEM files for a TLS cluster, as
+    the mount's ``--tls-*`` options (all three or none); ``tls_context``: an
+    already made client context instead of the files.
 
     The client's own tasks (session upkeep, readahead, uploads) run in a
     nursery inside this block, so, as with any nursery, an exception leaving
     the block comes out in an ``ExceptionGroup``.
 
     Raises:
-        OSError: the volume does not exist (ENOENT), the secret or the
-            volume token was refused (EACCES), no metanode answered in ``connect_timeout`` (ETIMEDOUT).
+        OSError: the volume does not exist (ENOENT), the secret, the
+            volume token or the TLS handshake was refused (EACCES), no
+            metanode answered in ``connect_timeout`` (ETIMEDOUT).
+        ValueError: an incomplete or unreadable set of TLS files.
     """
     addrs = _addrs(meta_addrs)
     options = options or ClientOptions()
+    if tls_context is not None and any((tls_cert, tls_key, tls_ca)):
+        raise ValueError("cachefs: give tls_context or the tls_cert/tls_key/tls_ca files, not both")
+    tls = tls_context or client_tls(tls_cert, tls_key, tls_ca)
     failure: BaseException | None = None
-    async with RpcPool(secret=_secret(secret)) as pool:
+    async with RpcPool(secret=_secret(secret), tls=tls) as pool:
         try:
             with trio.fail_after(connect_timeout):
                 session = await Session.connect(
@@ -743,9 +814,7 @@ async def open_volume(
                     client_id=f"api-{uuid.uuid4().hex[:12]}", token=token,
                 )  # fmt: skip
         except trio.TooSlowError:
-            failure = TimeoutError(
-                110, f"no metanode at {','.join(addrs)} answered within {connect_timeout:.0f}s"
-            )
+            failure = await _why_no_answer(addrs, _secret(secret), tls, connect_timeout)
         except CacheFSError as exc:
             failure = _oserror(exc, f"cachefs:{volume}")
         else:
@@ -760,6 +829,36 @@ async def open_volume(
                     nursery.cancel_scope.cancel()
     if failure is not None:
         raise failure
+
+
+async def _why_no_answer(
+    addrs: list[str], secret: bytes | None, tls: ssl.SSLContext | None, waited: float
+) -> OSError:
+    """The error for a connect that timed out.
+
+    A metanode that refuses this client's TLS certificate ends each new
+    connection right after the handshake, which the session takes for a lost
+    connection and retries until the time is up. So ask each address once,
+    on a fresh pool, and name a refused certificate instead of a timeout.
+    """
+    async with RpcPool(secret=secret, tls=tls) as pool:
+        for addr in addrs:
+            try:
+                with trio.move_on_after(PROBE_TIMEOUT):
+                    await pool.call(addr, "health", timeout=PROBE_TIMEOUT)
+            except ConnectionLost as exc:
+                if tls is not None and "TLS" in exc.message:
+                    return PermissionError(
+                        errno.EACCES,
+                        f"the metanode at {addr} refused this client's TLS certificate "
+                        f"({exc.message.strip()}); tls_cert must be signed by the cluster's CA",
+                    )
+            except CacheFSError:
+                continue
+    hint = "" if tls else " (a TLS cluster needs tls_cert, tls_key and tls_ca)"
+    return TimeoutError(
+        errno.ETIMEDOUT, f"no metanode at {','.join(addrs)} answered within {waited:.0f}s{hint}"
+    )
 
 
 def _addrs(meta_addrs: Sequence[str] | str) -> list[str]:
@@ -813,11 +912,15 @@ class FileSystem:
         options: ClientOptions | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
         token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self.volume = volume
         self.pid = os.getpid()
+        tls = client_tls(tls_cert, tls_key, tls_ca)  # a bad set fails here, in the caller's thread
         ready: queue.Queue[Any] = queue.Queue(1)
-        args = (meta_addrs, volume, secret, zone, options, connect_timeout, token, ready)
+        args = (meta_addrs, volume, secret, zone, options, connect_timeout, token, tls, ready)
         self._thread = threading.Thread(
             target=self._main, args=args, name=f"cachefs-{volume}", daemon=True
         )
@@ -834,13 +937,15 @@ class FileSystem:
 
     @staticmethod
     def _main(meta_addrs: Any, volume: str, secret: Any, zone: str, options: Any,
-              connect_timeout: float, token: str | None, ready: queue.Queue[Any]) -> None:  # fmt: skip
+              connect_timeout: float, token: str | None, tls: ssl.SSLContext | None,
+              ready: queue.Queue[Any]) -> None:  # fmt: skip
         told = False
 
         async def main() -> None:
             nonlocal told
             async with open_volume(meta_addrs, volume, secret=secret, zone=zone, options=options,
-                                   connect_timeout=connect_timeout, token=token) as afs:  # fmt: skip
+                                   connect_timeout=connect_timeout, token=token,
+                                   tls_context=tls) as afs:  # fmt: skip
                 stop = trio.Event()
                 ready.put((trio.lowlevel.current_trio_token(), afs, stop))
                 told = True
@@ -910,6 +1015,17 @@ class FileSystem:
 
     def readlink(self, path: str | os.PathLike[str]) -> str:
         return self.call(self._afs.readlink, path)
+
+    def utime(
+        self,
+        path: str | os.PathLike[str],
+        times: tuple[float, float] | None = None,
+        *,
+        ns: tuple[int, int] | None = None,
+        follow_symlinks: bool = True,
+    ) -> None:
+        self.call(functools.partial(self._afs.utime, path, times, ns=ns,
+                                    follow_symlinks=follow_symlinks))  # fmt: skip
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
         return self.call(self._afs.exists, path)
@@ -1128,12 +1244,17 @@ def connect(
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
     token: str | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    tls_ca: str | os.PathLike[str] | None = None,
     **tunables: Any,
 ) -> FileSystem:
     """Connect to ``volume`` of the cluster whose metanodes are ``meta_addrs``.
 
-    ``tunables`` are :class:`ClientOptions` fields (``l1_bytes=...``) applied
-    over ``options``.
+    ``token``: the volume's mount token (an open volume needs none);
+    ``tls_cert``/``tls_key``/``tls_ca``: PEM files of a TLS cluster (all three
+    or none, as the mount's ``--tls-*``). ``tunables`` are
+    :class:`ClientOptions` fields (``l1_bytes=...``) applied over ``options``.
 
     Raises:
         OSError: see :func:`open_volume`.
@@ -1144,7 +1265,8 @@ def connect(
             **{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **tunables}
         )
     return FileSystem(meta_addrs, volume, secret=secret, zone=zone, options=options,
-                      connect_timeout=connect_timeout, token=token)  # fmt: skip
+                      connect_timeout=connect_timeout, token=token, tls_cert=tls_cert,
+                      tls_key=tls_key, tls_ca=tls_ca)  # fmt: skip
 
 
 __all__ = [
@@ -1154,6 +1276,7 @@ __all__ = [
     "DirEntry",
     "File",
     "FileSystem",
+    "client_tls",
     "connect",
     "open_volume",
     "split_path",
