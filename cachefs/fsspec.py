@@ -14,6 +14,13 @@ with no options at all in a configured job):
 - ``secret`` (``CACHEFS_SECRET``) or ``secret_file`` (``CACHEFS_SECRET_FILE``),
   or ``insecure=True`` (``CACHEFS_INSECURE``) for a lab without a secret;
 - ``zone``: this node's zone, whose cache ring is tried first (``CACHEFS_ZONE``);
+- ``token``: the mount token of a volume that is not open: one string for
+  every volume, or a ``{volume: token}`` dict (``CACHEFS_TOKEN``), or
+  ``token_file``, a file holding it (``CACHEFS_TOKEN_FILE``, as ``cachefs
+  mount --token-file``);
+- ``tls_cert``, ``tls_key``, ``tls_ca``: PEM files for a cluster that runs
+  TLS, all three or none, as ``cachefs mount --tls-*`` (``CACHEFS_TLS_CERT``,
+  ``CACHEFS_TLS_KEY``, ``CACHEFS_TLS_CA``);
 - ``client_options``: :class:`~cachefs.client.api.ClientOptions` fields;
 - ``auto_mkdir`` (default True): writing a file creates its parent
   directories, as writing to an object store does (pandas, datasets and
@@ -23,25 +30,44 @@ Conventions kept: names in listings carry no protocol (``"vol/dir/file"``),
 ``info`` has ``name``, ``size``, ``type`` (``"file"``/``"directory"``) and
 ``mtime``; ``cat_file`` takes Python-slice ``start``/``end`` (negative from
 the end); ``open`` modes are ``rb``, ``wb``, ``ab``, ``xb`` (text via
-fsspec's wrapper); a missing path raises ``FileNotFoundError``. Listings are
+fsspec's wrapper); a missing path raises ``FileNotFoundError``. Inside
+``with fs.transaction:`` a file opened for writing goes to a hidden
+temporary name beside its target and is renamed into place (atomically, one
+file at a time) when the transaction commits, or deleted when it is
+discarded; ``touch(path, truncate=False)`` only updates the times of an
+existing file. Listings are
 not cached (``dircache`` stays empty): like the mount, every call sees the
 metanodes' current namespace. The root (``cachefs://``) lists the volumes.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import threading
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import trio
 from fsspec import AbstractFileSystem
+from fsspec.spec import AbstractBufferedFile
 
-from cachefs.client.api import AsyncFileSystem, ClientOptions, DirEntry, FileSystem, connect
+from cachefs.client.api import (
+    AsyncFileSystem,
+    ClientOptions,
+    DirEntry,
+    FileSystem,
+    client_tls,
+    connect,
+)
 from cachefs.errors import CacheFSError
 
 PARALLEL_RANGES = 16
+COPY_CHUNK = 8 << 20
+TXN_MARK = ".cachefs-txn-"  # temporary names of files written in a transaction
+NAME_MAX = 255
 
 
 def _env_bool(name: str) -> bool:
@@ -63,6 +89,11 @@ class CacheFSFileSystem(AbstractFileSystem):
         zone: str | None = None,
         client_options: dict[str, Any] | None = None,
         auto_mkdir: bool = True,
+        token: str | Mapping[str, str] | None = None,
+        token_file: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -76,6 +107,14 @@ class CacheFSFileSystem(AbstractFileSystem):
         self.zone = zone if zone is not None else os.environ.get("CACHEFS_ZONE", "")
         self._secret = self._load_secret(secret, secret_file, insecure)
         self.client_options = ClientOptions(**(client_options or {}))
+        self._token = self._load_token(token, token_file)
+        env = os.environ.get
+        self.tls_files = {
+            "tls_cert": tls_cert or env("CACHEFS_TLS_CERT") or None,
+            "tls_key": tls_key or env("CACHEFS_TLS_KEY") or None,
+            "tls_ca": tls_ca or env("CACHEFS_TLS_CA") or None,
+        }
+        self._tls = client_tls(**self.tls_files)  # an incomplete set fails here, not at first use
         self._clients: dict[str, FileSystem] = {}
         self._lock = threading.Lock()
 
@@ -103,6 +142,30 @@ class CacheFSFileSystem(AbstractFileSystem):
         raise ValueError("cachefs: no cluster secret (give secret=, secret_file= or set CACHEFS_SECRET_FILE; "
                          "insecure=True for a lab without one)")  # fmt: skip
 
+    @staticmethod
+    def _load_token(
+        token: str | Mapping[str, str] | None, token_file: str | None
+    ) -> str | dict[str, str] | None:
+        if token:
+            return token if isinstance(token, str) else dict(token)
+        token_file = token_file or os.environ.get("CACHEFS_TOKEN_FILE")
+        if token_file:
+            try:
+                with open(token_file) as f:
+                    value = f.read().strip()
+            except OSError as exc:
+                raise ValueError(f"cachefs: token_file {token_file}: {exc.strerror}") from None
+            if not value:
+                raise ValueError(f"cachefs: token_file {token_file} is empty")
+            return value
+        return os.environ.get("CACHEFS_TOKEN", "").strip() or None
+
+    def token_for(self, volume: str) -> str | None:
+        """The mount token given for ``volume`` (None: an open volume is expected)."""
+        if isinstance(self._token, dict):
+            return self._token.get(volume)
+        return self._token
+
     # ------------------------------------------------------------------ plumbing
 
     def client(self, volume: str) -> FileSystem:
@@ -116,6 +179,8 @@ class CacheFSFileSystem(AbstractFileSystem):
                     secret=self._secret,
                     zone=self.zone,
                     options=self.client_options,
+                    token=self.token_for(volume),
+                    **self.tls_files,
                 )
             return fs
 
@@ -165,7 +230,7 @@ class CacheFSFileSystem(AbstractFileSystem):
         from cachefs.rpc import RpcPool
 
         async def ask() -> dict[str, Any]:
-            async with RpcPool(secret=self._secret) as pool:
+            async with RpcPool(secret=self._secret, tls=self._tls) as pool:
                 return await MetaClient(pool, self.meta, deadline=10.0).list_volumes()
 
         try:
@@ -257,6 +322,10 @@ class CacheFSFileSystem(AbstractFileSystem):
             fs.makedirs(parent, exist_ok=True)
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        if self._intrans:  # deferred like any other write of the transaction
+            with self.open(path, "xb" if mode == "create" else "wb") as f:
+                f.write(value)
+            return
         fs, _, inner = self._split(path)
         self._parents_for_write(fs, inner)
         with fs.open(inner, "xb" if mode == "create" else "wb") as f:
@@ -271,11 +340,11 @@ class CacheFSFileSystem(AbstractFileSystem):
         cache_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        if not autocommit:
-            raise NotImplementedError("cachefs commits on close; transactions are not supported")
         fs, _, inner = self._split(path)
         if "r" not in mode:
             self._parents_for_write(fs, inner)
+            if not autocommit:
+                return TransactionFile(self, path, mode, block_size, fs, inner)
         return fs.open(inner, mode, buffering=block_size or -1)
 
     # ------------------------------------------------------------------ changing the namespace
@@ -338,11 +407,87 @@ class CacheFSFileSystem(AbstractFileSystem):
                 fout.write(chunk)
 
     def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
+        """Create an empty file (truncating an existing one), or with
+        ``truncate=False`` set an existing file's times to now and leave its data."""
         fs, _, inner = self._split(path)
-        if truncate or not fs.exists(inner):
-            fs.write_bytes(inner, b"")
-        else:
-            raise NotImplementedError("cachefs: touch without truncate (timestamps only)")
+        if not truncate:
+            try:
+                fs.utime(inner)
+                return
+            except FileNotFoundError:
+                pass
+        self._parents_for_write(fs, inner)
+        fs.write_bytes(inner, b"")
+
+
+class TransactionFile(AbstractBufferedFile):
+    """A file written inside an fsspec transaction (``autocommit=False``).
+
+    Why a temporary name: other readers must see the old file (or none)
+    until the transaction commits, and a whole set of files must be
+    droppable. The bytes go to a hidden name in the target's directory, so
+    :meth:`commit` is one atomic rename within the volume and :meth:`discard`
+    one unlink; ``close`` stores the data under the temporary name only.
+    """
+
+    def __init__(self, fs: CacheFSFileSystem, path: str, mode: str, block_size: int | None,
+                 client: FileSystem, inner: str) -> None:  # fmt: skip
+        if mode == "xb" and client.exists(inner):  # before the base class: nothing to close yet
+            raise FileExistsError(17, "File exists", path)
+        head, _, name = inner.rstrip("/").rpartition("/")
+        temp = f"{TXN_MARK}{uuid.uuid4().hex[:16]}-{name}"
+        if len(os.fsencode(temp)) > NAME_MAX:
+            temp = temp[: len(TXN_MARK) + 16]
+        self.client = client
+        self.target = inner
+        self.temp = f"{head}/{temp}"
+        self.committed = False
+        self._raw = client.open(self.temp, "xb", buffering=0)
+        super().__init__(fs, path, mode=mode, block_size=block_size or "default", autocommit=False)
+        try:
+            if mode == "ab":  # the transaction appends to what the target holds now
+                try:
+                    with client.open(inner, "rb") as src:
+                        while chunk := src.read(COPY_CHUNK):
+                            self._raw.write(chunk)
+                except FileNotFoundError:
+                    pass
+        except BaseException:
+            self.closed = True
+            self._drop()
+            raise
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        self._raw.write(self.buffer.getvalue())
+        if final:
+            self._raw.close()  # commits the bytes, still under the temporary name
+        return True
+
+    def commit(self) -> None:
+        """Move the written file into place (replacing what was there)."""
+        if self.committed:
+            return
+        if not self.closed:
+            self.close()
+        self.client.rename(self.temp, self.target)
+        self.committed = True
+
+    def discard(self) -> None:
+        """Throw the written bytes away; the target stays as it was."""
+        if self.committed:
+            return
+        self.buffer = io.BytesIO()
+        self.closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            try:
+                self.client.remove(self.temp)
+            except FileNotFoundError:
+                pass
 
 
 async def _read_ranges(

@@ -47,7 +47,7 @@ import torch.utils.data
 import trio
 from torch.utils.data import Sampler
 
-from cachefs.client.api import AsyncFileSystem, ClientOptions, FileSystem, connect
+from cachefs.client.api import AsyncFileSystem, ClientOptions, FileSystem, client_tls, connect
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,9 @@ class CacheFSDataset(torch.utils.data.Dataset[Any]):
     ``source`` is a directory of the volume (every regular file under it, in
     sorted path order) or a list of file paths. Each process reading samples
     (the main one, or each DataLoader worker) opens its own connection on
-    first use; the dataset itself pickles without one.
+    first use; the dataset itself pickles without one (so TLS material is
+    given as file paths, ``tls_cert``/``tls_key``/``tls_ca`` as for the mount,
+    and each process loads them; ``token`` is the volume's mount token).
     """
 
     def __init__(
@@ -245,10 +247,17 @@ class CacheFSDataset(torch.utils.data.Dataset[Any]):
         prefetch_parallel: int = 16,
         prefetch_bytes: int = 256 << 20,
         options: ClientOptions | None = None,
+        token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         self.meta = list(meta.split(",")) if isinstance(meta, str) else list(meta)
         self.volume = volume
         self.secret = secret
+        self.token = token
+        self.tls_files = {"tls_cert": tls_cert, "tls_key": tls_key, "tls_ca": tls_ca}
+        client_tls(**self.tls_files)  # an incomplete set fails here, not in a worker
         self.zone = zone
         self.transform = transform
         self.prefetch_depth = prefetch_depth
@@ -270,8 +279,9 @@ class CacheFSDataset(torch.utils.data.Dataset[Any]):
 
     def _connect(self) -> FileSystem:
         return connect(
-            self.meta, self.volume, secret=self.secret, zone=self.zone, options=self.options
-        )
+            self.meta, self.volume, secret=self.secret, zone=self.zone, options=self.options,
+            token=self.token, **self.tls_files,
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.files)
