@@ -115,15 +115,28 @@ class DatanodeService:
                 "cursor": cursor}
 
     @rpc_method
-    async def scrub(self, volume: str, cursor: str = "", limit: int = SCRUB_PAGE) -> dict:
-        """Verify a page of shards end to end; corrupt ones are removed and named."""
+    async def scrub(self, volume: str, cursor: str = "", limit: int = SCRUB_PAGE,
+                    max_bytes: int = 0) -> dict:
+        """Verify a page of shards end to end; corrupt ones are removed and named.
+
+        ``max_bytes`` (0: no cap) ends the page early once that many bytes
+        were read (one shard at least), so a rate-limited scrub reads in
+        small steps instead of bursts of ``limit`` shards; ``bytes`` in the
+        answer is what was read, for the caller's throttle.
+        """
         limit = min(max(1, limit), 10_000)
         page, cursor = await self._run(self.store.list, volume, cursor, limit)
         corrupt = []
+        checked = read = 0
         for info in page:
             if not await self._run(self.store.verify, volume, info.key, info.index):
                 corrupt.append([BlockKey.from_hex(info.key).to_bytes(), info.index])
-        return {"checked": len(page), "corrupt": corrupt, "cursor": cursor}
+            checked += 1
+            read += info.size
+            if 0 < max_bytes <= read and checked < len(page):
+                cursor = self.store.cursor_after(info)
+                break
+        return {"checked": checked, "corrupt": corrupt, "cursor": cursor, "bytes": read}
 
     @rpc_method
     async def volumes(self) -> list:

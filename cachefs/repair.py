@@ -19,7 +19,10 @@ Then it walks the placement groups in order. For each block of a PG, shard
 
 Slots on datanodes that are down are skipped (counted), since nothing can be
 written there; the next pass finishes them. Writes are throttled to
-``rate`` bytes/s so a background repair leaves bandwidth to clients.
+``rate`` bytes/s and scrub reads to ``scrub_rate`` bytes/s (all datanodes
+together: they are scrubbed one after the other, in pages of a quarter
+second's worth of bytes), so a background repair leaves bandwidth and disk
+time to clients.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class RepairReport:
     pgs_done: int = 0
     blocks_checked: int = 0
     shards_scrubbed: int = 0
+    bytes_scrubbed: int = 0
     shards_corrupt: int = 0
     shards_missing: int = 0
     shards_rebuilt: int = 0
@@ -104,10 +108,14 @@ class Throttle:
 
 
 class Repairer:
+    SCRUB_STEP = 0.25  # seconds of scrub reads per page when rate-limited
+
     def __init__(self, client: BackingClient, *, rate: int | None = None,
+                 scrub_rate: int | None = None,
                  progress: Callable[[RepairReport], None] | None = None) -> None:
         self.client = client
         self.throttle = Throttle(rate)
+        self.scrub_throttle = Throttle(scrub_rate)
         self.progress = progress
 
     @property
@@ -124,13 +132,17 @@ class Repairer:
         shard went bad is still reported rather than silently gone.
         """
         bad: set[BlockKey] = set()
+        rate = self.scrub_throttle.rate
+        step = {"max_bytes": max(1, int(rate * self.SCRUB_STEP))} if rate else {}
         for node, addr in (await self._up_nodes()).items():
             cursor = ""
             try:
                 while True:
                     reply = await self.client.pool.call(
-                        addr, "scrub", {"volume": volume, "cursor": cursor}, timeout=120.0)
+                        addr, "scrub", {"volume": volume, "cursor": cursor, **step}, timeout=120.0)
+                    await self.scrub_throttle(reply.result["bytes"])
                     report.shards_scrubbed += reply.result["checked"]
+                    report.bytes_scrubbed += reply.result["bytes"]
                     report.shards_corrupt += len(reply.result["corrupt"])
                     for key, index in reply.result["corrupt"]:
                         bad.add(BlockKey.from_bytes(key))
@@ -278,7 +290,8 @@ def _print_progress(report: RepairReport) -> None:
 
 async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_map: dict[str, Any] | None,
                      volumes: list[str], scrub: bool, rate: int | None, interval: float,
-                     quiet: bool, tls: ssl.SSLContext | None = None) -> list[RepairReport]:
+                     quiet: bool, tls: ssl.SSLContext | None = None,
+                     scrub_rate: int | None = None) -> list[RepairReport]:
     """Repair passes over the given volumes (all when empty); one pass unless ``interval``."""
     async with RpcPool(secret=secret, tls=tls) as pool:
         if cluster_map is not None:
@@ -290,7 +303,8 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
             view = MetaClusterView(MetaClient(pool, meta, deadline=30.0).cluster_map)
             await view.refresh()
         client = BackingClient(pool, view)
-        repairer = Repairer(client, rate=rate, progress=None if quiet else _print_progress)
+        repairer = Repairer(client, rate=rate, scrub_rate=scrub_rate,
+                            progress=None if quiet else _print_progress)
         while True:
             if isinstance(view, MetaClusterView):
                 await view.refresh()
@@ -308,13 +322,15 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
 @click.option("--volume", "volumes", multiple=True, help="Volume to repair (repeatable; default all).")
 @click.option("--scrub", is_flag=True, help="Re-read and verify every shard first.")
 @click.option("--rate", type=SIZE, default="0", help="Write at most this many bytes/s (0: no limit).")
+@click.option("--max-rate", type=SIZE, default="0",
+              help="Scrub: read at most this many bytes/s, all datanodes together (0: no limit).")
 @click.option("--interval", type=click.FloatRange(min=0), default=0.0,
               help="Keep running, one pass every this many seconds (0: one pass and exit).")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as one JSON object.")
 @daemon_options
 @tls_options
 def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
-            rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
+            rate: int, max_rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
             log_level: str, metrics_port: int, tls_cert: str | None, tls_key: str | None,
             tls_ca: str | None) -> None:
     """Find missing, corrupt or misplaced shards and rebuild them.
@@ -336,7 +352,7 @@ def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str
     try:
         reports = trio.run(lambda: run_repair(
             secret=secret, meta=meta, cluster_map=cluster_map, volumes=list(volumes), scrub=scrub,
-            rate=rate or None, interval=interval, quiet=as_json, tls=tls))
+            rate=rate or None, interval=interval, quiet=as_json, tls=tls, scrub_rate=max_rate or None))
     except CacheFSError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

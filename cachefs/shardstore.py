@@ -395,6 +395,11 @@ class ShardStore:
             last = position
         return out, ""
 
+    @staticmethod
+    def cursor_after(info: ShardInfo) -> str:
+        """The listing cursor that resumes right after ``info`` (a page cut short)."""
+        return f"{_fan(info.key)}/{info.key}.{info.index}"
+
     def _walk(self, volume: str, cursor: str) -> Iterator[tuple[str, ShardInfo]]:
         vol_dir = self._shards_dir / volume
         if not vol_dir.is_dir():
