@@ -154,6 +154,20 @@ def test_torch_dataset_over_tls(tls_lab: Lab) -> None:
         assert [ds[i] for i in range(len(ds))] == [bytes([i]) * 100 for i in range(4)]
     finally:
         ds.close()
+    # Each DataLoader worker opens its own TLS connection from the file paths.
+    from cachefs.torch import make_loader
+
+    ds = CacheFSDataset(tls_lab.meta_addrs, "lab", "/ds", secret=tls_lab.secret,
+                        transform=_first_byte, **tls_lab.tls_files())  # fmt: skip
+    try:
+        loader = make_loader(ds, batch_size=1, shuffle=True, num_workers=2)
+        assert sorted(int(i) for batch in loader for i in batch) == [0, 1, 2, 3]
+    finally:
+        ds.close()
+
+
+def _first_byte(data: bytes) -> int:
+    return data[0]
 
 
 def test_a_client_without_tls_is_told_why(tls_lab: Lab) -> None:
