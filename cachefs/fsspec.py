@@ -402,8 +402,9 @@ class CacheFSFileSystem(AbstractFileSystem):
         if src.isdir(inner1):
             dst.makedirs(inner2, exist_ok=True)
             return
-        with src.open(inner1, "rb") as fin, dst.open(inner2, "wb") as fout:
-            while chunk := fin.read(8 << 20):
+        out = self.open(path2, "wb") if self._intrans else dst.open(inner2, "wb")  # deferred in one
+        with src.open(inner1, "rb") as fin, out as fout:
+            while chunk := fin.read(COPY_CHUNK):
                 fout.write(chunk)
 
     def touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:

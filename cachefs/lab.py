@@ -563,7 +563,8 @@ def _print_status(the_lab: Lab) -> None:
     from rich.table import Table
 
     st = the_lab.run(the_lab.status)
-    table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}")
+    tls = " — TLS" if the_lab.config.tls else ""
+    table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}{tls}")
     for col in ("node", "kind", "zone", "address", "pid", "state"):
         table.add_column(col)
     for n in st["nodes"]:

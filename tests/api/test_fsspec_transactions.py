@@ -65,6 +65,16 @@ def test_transaction_commits_every_file_at_the_end(cfs: CacheFSFileSystem) -> No
     assert not cfs._intrans
 
 
+def test_copies_in_a_transaction_are_deferred(cfs: CacheFSFileSystem) -> None:
+    d = f"{TOP}/copy"
+    cfs.pipe_file(f"{d}/src.bin", b"source" * 1000)
+    with cfs.transaction:
+        cfs.cp_file(f"{d}/src.bin", f"{d}/dst.bin")
+        assert not cfs.exists(f"{d}/dst.bin")
+    assert cfs.cat_file(f"{d}/dst.bin") == b"source" * 1000
+    assert _temps(cfs, d) == []
+
+
 def test_files_left_open_are_committed_too(cfs: CacheFSFileSystem) -> None:
     d = f"{TOP}/open"
     with cfs.transaction:
