@@ -765,6 +765,11 @@ class RpcPool:
         await self._nursery_cm.__aexit__(None, None, None)
         return False
 
+    def live(self, addr: str) -> ClientConnection | None:
+        """The open connection to ``addr``, or None if a call would have to connect."""
+        conn = self._conns.get(addr)
+        return conn if conn is not None and not conn.closed else None
+
     async def connection(self, addr: str) -> ClientConnection:
         conn = self._conns.get(addr)
         if conn is not None and not conn.closed:

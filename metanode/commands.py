@@ -158,14 +158,21 @@ class Command:
         return msgpack.packb([self.TAG, values], use_bin_type=True)
 
 
+_REQUIRED: dict[type, int] = {}
+
+
 def _required(cls: type) -> int:
     """Fields without a default: a log entry written before a field with a
-    default was added still decodes (the default applies)."""
-    return sum(
-        1
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    )
+    default was added still decodes (the default applies). Cached: every
+    replica decodes every entry."""
+    n = _REQUIRED.get(cls)
+    if n is None:
+        n = _REQUIRED[cls] = sum(
+            1
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+    return n
 
 
 def decode(raw: bytes) -> Command:

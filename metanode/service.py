@@ -220,7 +220,7 @@ class MetaService:
 
     async def _propose(self, cls: type[C.Command], client_id: str, seq: int, *args: Any) -> Any:
         cmd = cls(client_id, seq, time.time_ns(), *args)  # validates: may raise EINVAL etc.
-        result = await self._raft().propose(cmd.encode())
+        result = await self._raft().propose(cmd.encode(), decoded=cmd)
         if isinstance(result, Failure):
             raise result.error()
         return result

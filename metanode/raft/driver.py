@@ -16,6 +16,16 @@ Each peer has a sender task that ships everything queued for it in one
 ``raft_step`` call (bulk payload, msgpack batch). A failed or slow call just
 drops those messages: Raft tolerates loss and retries by itself.
 
+Snapshots are taken off the loop: at a Ready boundary (no await between
+reading the applied index and the fork, so the copy is exactly the state at
+that index) the process forks; the child serializes its copy-on-write view
+of the state machine into a pipe and exits, while the parent goes on
+stepping, persisting, applying and answering. A helper task collects the
+bytes, writes the snapshot file, and hands it to the loop, which compacts
+the log and rewrites the WAL between two Readys (the WAL is only ever
+written by the loop). Where fork is unavailable or ``fork_snapshots`` is
+off, the state machine is serialized inline as before.
+
 Proposals resolve with the state machine's apply result once their entry
 (index *and* term) is applied. A :class:`~cachefs.errors.CacheFSError` raised
 by ``apply`` is that command's (deterministic) answer and is raised to the
@@ -28,10 +38,14 @@ session table.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
+import signal
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,6 +115,7 @@ class DriverConfig:
     max_outbox: int = 10_000  # messages queued per peer before dropping the oldest
     snapshot_chunk: int = 4 << 20  # InstallSnapshot travels zstd-compressed in chunks
     max_snapshot: int = 4 << 30  # refuse to assemble a bigger one
+    fork_snapshots: bool = True  # serialize snapshots in a forked child (see the module doc)
 
 
 class RaftNode:
@@ -122,9 +137,10 @@ class RaftNode:
         self._wake = trio.Event()
         self._inbox: list[Message] = []
         self._ticks = 0
-        self._proposals: list[tuple[bytes, _Waiter]] = []
+        self._proposals: list[tuple[bytes, _Waiter, Any]] = []
         self._read_requests: list[_Waiter] = []
-        self._proposed: dict[int, tuple[int, _Waiter]] = {}  # index -> (term, waiter)
+        # index -> (term, waiter, the proposer's decoded command or None)
+        self._proposed: dict[int, tuple[int, _Waiter, Any]] = {}
         self._reads: dict[int, list[_Waiter]] = {}  # read seq -> waiters
         self._released: list[tuple[int, list[_Waiter]]] = []  # (index, waiters)
         self._outbox: dict[int, list[Message]] = {p: [] for p in peers if p != node_id}
@@ -133,6 +149,10 @@ class RaftNode:
         self._xfer_out = 0
         self._xfer_in: dict[int, tuple[int, int, list[bytes]]] = {}  # src -> (xfer, size, parts)
         self._closed = False
+        self._nursery: trio.Nursery | None = None
+        self.snapshotting = False  # a snapshot is being taken (by a child process)
+        self._snap_ready: Snapshot | None = None  # taken and saved, to compact the log with
+        self._snap_lock = trio.Lock()  # snapshot files: ours vs. one installed from the leader
         label = str(node_id)
         self._m_term = RAFT_TERM.labels(label)
         self._m_leader = RAFT_LEADER.labels(label)
@@ -205,8 +225,12 @@ class RaftNode:
         return NotLeader(f"metanode {self.id} is not the leader"
                          + (f"; try {addr}" if addr else ""), leader=addr)
 
-    async def propose(self, command: bytes) -> Any:
+    async def propose(self, command: bytes, *, decoded: Any = None) -> Any:
         """Replicate ``command``; returns the state machine's apply result.
+
+        ``decoded`` is what ``command`` decodes to, if the caller has it: this
+        replica then applies it instead of decoding the bytes it just encoded
+        (only when the entry applied at that index is this very proposal).
 
         Raises:
             NotLeader: not the leader, or lost leadership before the command
@@ -219,7 +243,7 @@ class RaftNode:
         if not self.core.is_leader:
             raise self._not_leader()
         waiter = _Waiter()
-        self._proposals.append((command, waiter))
+        self._proposals.append((command, waiter, decoded))
         self._wake.set()
         return await waiter.wait()
 
@@ -297,6 +321,7 @@ class RaftNode:
         try:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     nursery.start_soon(self._ticker)
                     for peer in self._outbox:
                         nursery.start_soon(self._sender, peer)
@@ -319,6 +344,8 @@ class RaftNode:
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
+            if self._snap_ready is not None:
+                await self._compact()
             # Drain every pending input; no await until the Ready, so atomic.
             ticks, self._ticks = self._ticks, 0
             for _ in range(ticks):
@@ -329,16 +356,17 @@ class RaftNode:
             if self._proposals:
                 props, self._proposals = self._proposals, []
                 try:
-                    first, term = core.propose([c for c, _ in props])
+                    first, term = core.propose([p[0] for p in props])
                 except NotLeader:
-                    for _, w in props:
+                    for _, w, _ in props:
                         w.fail(self._not_leader())
                 else:
                     self.stats["appends"] += 1
                     self.stats["entries"] += len(props)
                     self._m_batch.observe(len(props))
-                    for k, (_, w) in enumerate(props):
-                        self._proposed[first + k] = (term, w)
+                    proposed = self._proposed
+                    for k, (_, w, decoded) in enumerate(props, first):
+                        proposed[k] = (term, w, decoded)
             if self._read_requests:
                 reads, self._read_requests = self._read_requests, []
                 try:
@@ -354,7 +382,8 @@ class RaftNode:
         self._send(rd.eager_messages)
         if rd.snapshot is not None:
             snap = rd.snapshot
-            await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+            async with self._snap_lock:
+                await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
             await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
                                           rd.hard_state or self.core.persisted_hard_state(), [])
         if rd.must_sync:
@@ -393,23 +422,29 @@ class RaftNode:
         self.core.advance(rd)
         self._m_commit.set(self.core.committed)
         self._m_applied.set(self.applied)
-        if self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries:
-            await self._snapshot()
+        if (
+            not self.snapshotting
+            and self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries
+        ):
+            self._start_snapshot()
 
     def _apply(self, index: int, term: int, kind: EntryKind, data: bytes) -> None:
         error: CacheFSError | None = None
         result: Any = None
+        waiting = self._proposed.pop(index, None)
         if kind is EntryKind.NORMAL:
+            command: Any = data
+            if waiting is not None and waiting[0] == term and waiting[2] is not None:
+                command = waiting[2]  # our own proposal: skip decoding it again
             try:
-                result = self.sm.apply(index, data)
+                result = self.sm.apply(index, command)
             except CacheFSError as exc:  # the command's own answer, same on every replica
                 error = exc
         self.applied = index
         self.stats["applied"] += 1
-        waiting = self._proposed.pop(index, None)
         if waiting is None:
             return
-        wterm, waiter = waiting
+        wterm, waiter, _ = waiting
         if wterm != term:
             waiter.fail(self._not_leader())  # our entry was overwritten
         elif error is not None:
@@ -430,29 +465,121 @@ class RaftNode:
                 for w in waiters:
                     w.fail(err)
             self._reads.clear()
-            for _, w in self._proposed.values():
+            for _, w, _ in self._proposed.values():
                 w.fail(err)
             self._proposed.clear()
 
-    async def _snapshot(self) -> None:
+    def _start_snapshot(self) -> None:
+        """Capture the state machine at the applied index and save it in the
+        background. No await here: the fork (or the inline serialization)
+        sees exactly the state after ``self.applied``."""
+        meta = self.core.snapshot_meta(self.applied)
+        assert self._nursery is not None
+        self.snapshotting = True
+        if self.dconfig.fork_snapshots and hasattr(os, "fork"):
+            read_fd, pid = self._fork_serializer()
+            self._nursery.start_soon(self._collect_snapshot, meta, read_fd, pid)
+        else:
+            self._nursery.start_soon(self._save_snapshot, Snapshot(meta, self.sm.snapshot()))
+
+    def _fork_serializer(self) -> tuple[int, int]:
+        """Fork a child that writes ``sm.snapshot()`` into a pipe and exits.
+
+        The child runs no trio code and touches no shared resource: it only
+        serializes its copy-on-write memory and leaves with ``os._exit``.
+        """
+        read_fd, write_fd = os.pipe()
+        with warnings.catch_warnings():
+            # 3.12+ warns about forking a process with threads (ours: WAL
+            # workers); the child below uses none of their locks.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                # Drop our copies of the sockets (a listener kept open here
+                # would hold the port after the parent died) and of trio's
+                # wakeup fds; the parent's stay as they are.
+                os.closerange(3, write_fd)
+                os.closerange(write_fd + 1, os.sysconf("SC_OPEN_MAX"))
+                gc.disable()
+                if threading.current_thread() is threading.main_thread():
+                    signal.set_wakeup_fd(-1)
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        signal.signal(sig, signal.SIG_DFL)
+                view = memoryview(self.sm.snapshot())
+                while view:
+                    view = view[os.write(write_fd, view):]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        return read_fd, pid
+
+    async def _collect_snapshot(self, meta: Any, read_fd: int, pid: int) -> None:
+        def collect() -> tuple[bytes, int]:
+            try:
+                with os.fdopen(read_fd, "rb") as pipe:
+                    data = pipe.read()
+            finally:
+                _, status = os.waitpid(pid, 0)
+            return data, os.waitstatus_to_exitcode(status)
+
+        try:
+            data, code = await trio.to_thread.run_sync(collect, abandon_on_cancel=True)
+        except BaseException:
+            # Stopped (or failed) while the child runs: end it; the abandoned
+            # thread then reads EOF and reaps it.
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.snapshotting = False
+            raise
+        if code != 0:
+            self.snapshotting = False
+            log.error("raft node %d: snapshot child exited with %d; will retry", self.id, code)
+            return
+        await self._save_snapshot(Snapshot(meta, data))
+
+    async def _save_snapshot(self, snap: Snapshot) -> None:
+        """Write ``snap``'s file, then let the loop compact the log."""
+        try:
+            async with self._snap_lock:
+                have = self.storage.snapshot
+                if have is not None and have.meta.index >= snap.meta.index:
+                    return  # the leader installed a newer one meanwhile
+                await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+            self._snap_ready = snap
+            self._wake.set()
+        finally:
+            if self._snap_ready is None:
+                self.snapshotting = False
+
+    async def _compact(self) -> None:
+        """Between two Readys: drop the log up to the saved snapshot."""
+        snap, self._snap_ready = self._snap_ready, None
+        assert snap is not None
         core = self.core
-        index = core.applied
-        snap = Snapshot(core.snapshot_meta(index), self.sm.snapshot())
-        await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
-        core.compact(snap)
-        await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
-                                      core.persisted_hard_state(), core.stable_entries())
-        self.stats["snapshots"] += 1
-        self._m_snapshots.inc()
-        log.info("raft node %d: snapshot at %d (%d bytes), log compacted", self.id, index,
-                 len(snap.data))
+        try:
+            if snap.meta.index <= core.log.snap_index:
+                return
+            core.compact(snap)
+            await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
+                                          core.persisted_hard_state(), core.stable_entries())
+            self.stats["snapshots"] += 1
+            self._m_snapshots.inc()
+            log.info("raft node %d: snapshot at %d (%d bytes), log compacted", self.id,
+                     snap.meta.index, len(snap.data))
+        finally:
+            self.snapshotting = False
 
     def _fail_all(self, err: CacheFSError) -> None:
-        for _, w in self._proposals:
+        for _, w, _ in self._proposals:
             w.fail(err)
         for w in self._read_requests:
             w.fail(err)
-        for _, w in self._proposed.values():
+        for _, w, _ in self._proposed.values():
             w.fail(err)
         for waiters in self._reads.values():
             for w in waiters:
