@@ -60,6 +60,7 @@ from typing import Any, TypeVar, cast
 import trio
 
 from cachefs.errors import (
+    AuthFailed,
     CacheFSError,
     ConnectionLost,
     Exists,
@@ -85,7 +86,7 @@ ROOT_INO = 1
 READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0
-PROBE_TIMEOUT = 2.0  # per metanode, when explaining a connect that timed out
+PROBE_TIMEOUT = 5.0  # per metanode, when explaining a connect that timed out
 COMPACT_DELAY = 0.5
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
@@ -838,23 +839,33 @@ async def _why_no_answer(
 
     A metanode that refuses this client's TLS certificate ends each new
     connection right after the handshake, which the session takes for a lost
-    connection and retries until the time is up. So ask each address once,
-    on a fresh pool, and name a refused certificate instead of a timeout.
+    connection and retries until the time is up. So ask every address once,
+    all at the same time on a fresh pool, and name a refused certificate
+    instead of a timeout.
     """
-    async with RpcPool(secret=secret, tls=tls) as pool:
+    refusals: list[OSError] = []
+
+    async def probe(pool: RpcPool, addr: str) -> None:
+        try:
+            with trio.move_on_after(PROBE_TIMEOUT):
+                await pool.call(addr, "health", timeout=PROBE_TIMEOUT)
+        except AuthFailed as exc:  # the handshake itself refused (e.g. TLS 1.2)
+            refusals.append(PermissionError(errno.EACCES, exc.message))
+        except ConnectionLost as exc:
+            if tls is not None and "TLS" in exc.message:
+                refusals.append(PermissionError(
+                    errno.EACCES,
+                    f"the metanode at {addr} refused this client's TLS certificate "
+                    f"({exc.message.strip()}); tls_cert must be signed by the cluster's CA",
+                ))  # fmt: skip
+        except CacheFSError:
+            pass
+
+    async with RpcPool(secret=secret, tls=tls) as pool, trio.open_nursery() as nursery:
         for addr in addrs:
-            try:
-                with trio.move_on_after(PROBE_TIMEOUT):
-                    await pool.call(addr, "health", timeout=PROBE_TIMEOUT)
-            except ConnectionLost as exc:
-                if tls is not None and "TLS" in exc.message:
-                    return PermissionError(
-                        errno.EACCES,
-                        f"the metanode at {addr} refused this client's TLS certificate "
-                        f"({exc.message.strip()}); tls_cert must be signed by the cluster's CA",
-                    )
-            except CacheFSError:
-                continue
+            nursery.start_soon(probe, pool, addr)
+    if refusals:
+        return refusals[0]
     hint = "" if tls else " (a TLS cluster needs tls_cert, tls_key and tls_ca)"
     return TimeoutError(
         errno.ETIMEDOUT, f"no metanode at {','.join(addrs)} answered within {waited:.0f}s{hint}"
