@@ -143,7 +143,7 @@ async def test_request_limits_answer_busy(tmp_path: Path) -> None:
     blocks = _blocks(6, 1000)
     keys = list(blocks)
     limits = CacheLimits(max_requests=3, max_per_client=2)
-    async with cache_setup(tmp_path, blocks, delay=0.3, limits=limits) as c:
+    async with cache_setup(tmp_path, blocks, delay=2.0, limits=limits) as c:  # fetches outlast the arrivals
         outcomes: list[str] = []
 
         async def reader(key: BlockKey, pool: RpcPool | None) -> None:
