@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 openssl python3-pyverbs
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs
 PYTEST_ARGS ?=
 
 .PHONY: setup deps venv rdma test lint lab lab-down bench clean
