@@ -48,8 +48,13 @@ class L1Cache:
         self.stats.hits += 1
         return data
 
-    def put(self, key: BlockKey, data: bytes) -> None:
-        """Insert (or refresh) a block; a block larger than the whole cache is not kept."""
+    def put(self, key: BlockKey, data: bytes, *, cold: bool = False) -> None:
+        """Insert (or refresh) a block; a block larger than the whole cache is not kept.
+
+        ``cold`` inserts it as the next to be evicted: blocks this client just
+        wrote are kept while there is room, but a stream of writes (a
+        checkpoint) then only evicts its own blocks, never the read cache.
+        """
         size = len(data)
         if size > self.capacity:
             return
@@ -61,6 +66,8 @@ class L1Cache:
             self.used -= len(victim)
             self.stats.evictions += 1
         self._blocks[key] = data
+        if cold:
+            self._blocks.move_to_end(key, last=False)
         self.used += size
         self.stats.inserted_bytes += size
 

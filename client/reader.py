@@ -22,6 +22,9 @@ the FUSE thread: on two cores, worker threads made pyfuse3 slower.
 
 Bytes written but not yet committed are laid over the result, so a reader
 sees its own writes before they are committed.
+
+A read that one block in L1 serves whole (no pending writes over it) is
+answered with a view of that block: no buffer, no copy until the kernel's.
 """
 
 from __future__ import annotations
@@ -129,6 +132,14 @@ class Reader:
     async def read(
         self, inode: Inode, offset: int, size: int, ra: Readahead | None = None
     ) -> bytes:
+        data = await self.read_view(inode, offset, size, ra)
+        return data if isinstance(data, bytes) else bytes(data)
+
+    async def read_view(
+        self, inode: Inode, offset: int, size: int, ra: Readahead | None = None
+    ) -> bytes | bytearray | memoryview:
+        """Like :meth:`read`, but may return a view of an L1 block (read-only,
+        valid as long as the caller holds it: blocks are immutable)."""
         end = min(offset + size, inode.size)
         if offset >= end:
             return b""
@@ -137,6 +148,13 @@ class Reader:
         # then either in the slice lists we read or in this list (or both,
         # which is harmless), never in neither.
         pending = inode.writer.pending_runs() if inode.writer is not None else []
+        if not pending:
+            view = await self._one_block(inode, offset, end)
+            if view is not None:
+                self.stats["bytes"] += len(view)
+                if sequential and ra is not None and ra.window:
+                    self._nursery.start_soon(self._readahead, inode, end, ra.window)
+                return view
         buf = bytearray(end - offset)
         view = memoryview(buf)
         try:
@@ -153,7 +171,25 @@ class Reader:
         self.stats["bytes"] += len(buf)
         if sequential and ra is not None and ra.window:
             self._nursery.start_soon(self._readahead, inode, end, ra.window)
-        return bytes(buf)
+        return buf
+
+    async def _one_block(self, inode: Inode, offset: int, end: int) -> memoryview | None:
+        """``[offset, end)`` as a view of one L1 block, if one block holds all of it."""
+        chunk, pos = divmod(offset, CHUNK_SIZE)
+        if (end - 1) // CHUNK_SIZE != chunk:
+            return None
+        segs = resolve(await self.slices(inode, chunk), pos, pos + end - offset)
+        if len(segs) != 1 or segs[0].slice_id == HOLE:
+            return None  # (resolve tiles the range exactly, holes included)
+        parts = segment_blocks(segs[0], self.source.block_size)
+        if len(parts) != 1 or parts[0].key not in self.l1:
+            return None
+        part = parts[0]
+        block = self.l1.get(part.key)
+        if block is None or len(block) < part.block_off + part.length:
+            return None
+        self.stats["l1_hit_bytes"] += part.length
+        return memoryview(block)[part.block_off : part.block_off + part.length]
 
     async def _fill(
         self, inode: Inode, offset: int, view: memoryview, sequential: bool, pending: list[Run]

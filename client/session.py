@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 CACHE_TIMEOUT = 5.0
 MAP_REFRESH = 5.0
+# Slice ids taken from the metanodes at once: each ``alloc_slices`` is a
+# replicated log entry, and a random writer seals a run every few MiB. Ids
+# left unused when the mount ends are only gaps (no block has them).
+SLICE_BATCH = 64
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
 
@@ -86,6 +90,11 @@ class Session:
         self.router = CacheRouter(cluster_map, zone)
         self._set_map(cluster_map)
         self.on_new_session: Callable[[], Awaitable[None]] | None = None
+        # Called with each block stored on backing storage (the mount keeps
+        # it in L1: a reader of what was just written needs no fetch).
+        self.on_block_stored: Callable[[BlockKey, bytes | memoryview], None] | None = None
+        self._slice_ids = range(0)
+        self._slice_lock = trio.Lock()
         self._open: dict[int, int] = {}  # ino -> opens by this mount (announced while > 0)
         self._open_locks: dict[int, trio.Lock] = {}
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
@@ -299,10 +308,19 @@ class Session:
     # ------------------------------------------------------------------ writes
 
     async def alloc_slice(self) -> int:
-        return int(await self.meta.alloc_slices(1))
+        """A new slice id, from a batch of ``SLICE_BATCH`` taken from the metanodes."""
+        async with self._slice_lock:
+            if not self._slice_ids:
+                first = int(await self.meta.alloc_slices(SLICE_BATCH))
+                self._slice_ids = range(first, first + SLICE_BATCH)
+            sid = self._slice_ids[0]
+            self._slice_ids = self._slice_ids[1:]
+            return sid
 
     async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None:
         await self.backing.put_block(self.volume, key, data)
+        if self.on_block_stored is not None:
+            self.on_block_stored(key, data)
 
     async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None:
         """Best effort: a block the cache tier did not take is read from backing later."""
