@@ -17,6 +17,14 @@ Rules every handler keeps:
   (from a worker thread: it may wait on pages a pending read holds).
 - Close-to-open: ``open`` always asks the metanodes for fresh attributes, and
   ``flush``/``fsync``/``release`` return only after the data is committed.
+- Attribute cache: the kernel drops an inode's attributes after every write
+  and asks again on the next read (and asks ``security.capability`` on every
+  write); ``getattr`` and ``getxattr`` answer from what the metanodes said
+  less than ``attr_timeout`` ago, so the staleness bound stays the one the
+  kernel's own attribute cache already has (the reply carries only the time
+  left). A namespace change made here (create, unlink, rename...) voids the
+  cached attributes of every inode, since it changes nlink, mtime and ctime
+  of inodes we do not track by name; an xattr change here voids that inode's.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,7 +43,8 @@ import pyfuse3
 import trio
 from cachefs.metanode.commands import MAX_FILE_SIZE
 
-from cachefs.errors import CacheFSError, FileTooLarge, NotFound
+from cachefs.errors import CacheFSError, FileTooLarge, NoData, NotFound
+from cachefs.ids import BlockKey
 
 from .inodes import Attr, Inode, InodeTable
 from .l1 import L1Cache
@@ -47,8 +57,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READDIR_BATCH = 256
+XATTR_CACHE = 64  # names cached per inode
 COMPACT_DELAY = 0.5
 FLUSH_IDLE = 5.0
+MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -84,6 +96,7 @@ class Options:
     read_only: bool = False
     upload_parallel: int = 8
     compact_after: int = 64
+    max_background: int = MAX_BACKGROUND
 
 
 @dataclass(slots=True)
@@ -92,6 +105,11 @@ class Handle:
     flags: int
     readahead: Readahead
     wrote: bool = False
+
+    @property
+    def direct(self) -> bool:
+        """Opened with O_DIRECT: served with FOPEN_DIRECT_IO (see ``open``)."""
+        return bool(self.flags & os.O_DIRECT)
 
 
 class CacheFS(pyfuse3.Operations):
@@ -114,6 +132,8 @@ class CacheFS(pyfuse3.Operations):
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
         self._compacting: set[tuple[int, int]] = set()
+        self._ns_changed = 0.0  # time.monotonic() of our last namespace change
+        session.on_block_stored = self._keep_written
         nursery.start_soon(self._seal_idle_writes)
 
     async def _seal_idle_writes(self) -> None:
@@ -125,13 +145,19 @@ class CacheFS(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ helpers
 
-    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+    def _entry(self, inode: Inode, attr_timeout: float | None = None) -> pyfuse3.EntryAttributes:
         attr = inode.attr
         if inode.writer is not None and inode.size != attr.size:
             attr = attr.with_size(inode.size)
         return attr.entry(
-            self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
+            self.options.attr_timeout if attr_timeout is None else attr_timeout,
+            self.options.entry_timeout,
+            self.session.block_size,
         )
+
+    def _namespace_changed(self) -> None:
+        """Void every cached attribute (see module docstring)."""
+        self._ns_changed = time.monotonic()
 
     def _learn(self, attr: Attr) -> pyfuse3.EntryAttributes:
         return self._entry(self.inodes.learn(attr))
@@ -167,6 +193,12 @@ class CacheFS(pyfuse3.Operations):
                 on_commit=self._maybe_compact,
             )
         return inode.writer
+
+    def _keep_written(self, key: BlockKey, data: bytes | memoryview) -> None:
+        """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``):
+        O_DIRECT readers bypass the page cache, and what a job just wrote is
+        what it reads next (JuiceFS keeps written blocks in its cache too)."""
+        self.l1.put(key, bytes(data), cold=True)
 
     async def _flush_inode(self, inode: Inode) -> None:
         if inode.writer is not None:
@@ -219,6 +251,10 @@ class CacheFS(pyfuse3.Operations):
     @_fuse
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         known = self.inodes.get(inode)
+        if known is not None:
+            left = known.fresh_for(self.options.attr_timeout, self._ns_changed)
+            if left > 0:
+                return self._entry(known, left)
         try:
             attr = await self.session.getattr(inode)
         except NotFound:
@@ -288,6 +324,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
+        self._namespace_changed()
         return self._learn(await self.session.mknod(parent_inode, name, mode, rdev, uid, gid))
 
     @_fuse
@@ -296,6 +333,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
+        self._namespace_changed()
         return self._learn(await self.session.mkdir(parent_inode, name, mode, uid, gid))
 
     @_fuse
@@ -304,6 +342,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, _ = self._owner(parent_inode, ctx, stat.S_IFLNK)
+        self._namespace_changed()
         return self._learn(await self.session.symlink(parent_inode, name, target, uid, gid))
 
     @_fuse
@@ -311,16 +350,19 @@ class CacheFS(pyfuse3.Operations):
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         self._writable()
+        self._namespace_changed()
         return self._learn(await self.session.link(inode, new_parent_inode, new_name))
 
     @_fuse
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
+        self._namespace_changed()
         await self.session.unlink(parent_inode, name)
 
     @_fuse
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
+        self._namespace_changed()
         await self.session.rmdir(parent_inode, name)
 
     @_fuse
@@ -334,21 +376,31 @@ class CacheFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         self._writable()
+        self._namespace_changed()
         await self.session.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # ------------------------------------------------------------------ files
 
     def _open_handle(self, inode: Inode, flags: int) -> int:
         fh = self._fh()
-        self._handles[fh] = Handle(inode, flags, self.reader.new_readahead())
+        handle = self._handles[fh] = Handle(inode, flags, self.reader.new_readahead())
         inode.opens += 1
+        if not handle.direct:
+            inode.cached_opens += 1
         return fh
 
-    def _file_info(self, fh: int, inode: Inode) -> pyfuse3.FileInfo:
+    def _file_info(self, fh: int, inode: Inode, flags: int) -> pyfuse3.FileInfo:
+        """O_DIRECT opens get FOPEN_DIRECT_IO. The kernel's own O_DIRECT path
+        runs every write under the inode lock after a synchronous
+        ``getxattr("security.capability")`` round trip (file_remove_privs;
+        pyfuse3 cannot ask for FUSE_HANDLE_KILLPRIV_V2, which would skip it),
+        so a deep libaio queue of writes to one file ran one at a time. With
+        FOPEN_DIRECT_IO they go out asynchronously, as reads do. (Such a file
+        cannot be mmap'ed, as with any FOPEN_DIRECT_IO file.)"""
         keep = inode.cached_version is not None and inode.cached_version == inode.attr.version
         if not keep:
             inode.cached_version = inode.attr.version
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=bool(flags & os.O_DIRECT))
 
     @_fuse
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -356,6 +408,7 @@ class CacheFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         attr = await self.session.getattr(inode)
         node = self.inodes.update(attr)
+        node.void_xattrs()
         if node.writer is not None and node.writer.dirty:
             # Our own uncommitted writes: the kernel's pages hold them.
             node.cached_version = node.attr.version
@@ -367,7 +420,7 @@ class CacheFS(pyfuse3.Operations):
             node.set_attr(await self.session.setattr(inode, size=0))
             node.chunks.clear()
             node.layout += 1
-        return self._file_info(fh, node)
+        return self._file_info(fh, node, flags)
 
     @_fuse
     async def create(
@@ -375,6 +428,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
+        self._namespace_changed()
         attr = await self.session.mknod(parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
         node = self.inodes.learn(attr)
         try:
@@ -384,12 +438,12 @@ class CacheFS(pyfuse3.Operations):
             self.inodes.forget(attr.ino, 1)
             raise
         fh = self._open_handle(node, flags)
-        return self._file_info(fh, node), self._entry(node)
+        return self._file_info(fh, node, flags), self._entry(node)
 
     @_fuse
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles[fh]
-        return await self.reader.read(handle.inode, off, size, handle.readahead)
+        return await self.reader.read_view(handle.inode, off, size, handle.readahead)  # type: ignore[return-value]
 
     @_fuse
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -402,7 +456,14 @@ class CacheFS(pyfuse3.Operations):
             buf = buf[: MAX_FILE_SIZE - off]
         handle = self._handles[fh]
         handle.wrote = True
-        await self._writer(handle.inode).write(off, buf)
+        inode = handle.inode
+        if handle.direct:
+            # Bypassing the page cache: whatever pages other openers hold
+            # no longer match, and the next open must not keep them.
+            inode.cached_version = None
+            if inode.cached_opens:
+                self.nursery.start_soon(self._invalidate, inode.ino)
+        await self._writer(inode).write(off, buf)
         return len(buf)
 
     @_fuse
@@ -423,6 +484,8 @@ class CacheFS(pyfuse3.Operations):
         if handle is None:
             return
         inode = handle.inode
+        if not handle.direct:
+            inode.cached_opens -= 1
         try:
             await self._flush_inode(inode)
         finally:
@@ -497,11 +560,42 @@ class CacheFS(pyfuse3.Operations):
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
         self._writable()
-        await self.session.setxattr(inode, name, value)
+        self._xattr_changed(inode)
+        try:
+            await self.session.setxattr(inode, name, value)
+        finally:
+            self._xattr_changed(inode)
+
+    def _xattr_changed(self, ino: int) -> None:
+        """Before and after an xattr change: a getxattr in flight meanwhile
+        may have read either value, so none of them is kept."""
+        node = self.inodes.get(ino)
+        if node is not None:
+            node.void_xattrs()
+            node.fetched = 0.0  # its ctime changed too
 
     @_fuse
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.session.getxattr(inode, name)
+        node = self.inodes.get(inode)
+        now = time.monotonic()
+        if node is not None:
+            hit = node.xattrs.get(name)
+            if hit is not None and now - hit[0] < self.options.attr_timeout:
+                if hit[1] is None:
+                    raise pyfuse3.FUSEError(errno.ENODATA)
+                return hit[1]
+        try:
+            value: bytes | None = await self.session.getxattr(inode, name)
+        except NoData:
+            value = None
+        # Cache only if nothing voided this inode's xattrs while we waited.
+        if node is not None and node.xattrs_voided < now:
+            if len(node.xattrs) >= XATTR_CACHE:
+                node.xattrs.clear()
+            node.xattrs[name] = (now, value)
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
 
     @_fuse
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
@@ -510,4 +604,8 @@ class CacheFS(pyfuse3.Operations):
     @_fuse
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
-        await self.session.removexattr(inode, name)
+        self._xattr_changed(inode)
+        try:
+            await self.session.removexattr(inode, name)
+        finally:
+            self._xattr_changed(inode)

@@ -16,6 +16,7 @@ still report that version.
 from __future__ import annotations
 
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,7 @@ class Inode:
     attr: Attr
     lookups: int = 0
     opens: int = 0
+    cached_opens: int = 0  # open handles that go through the page cache (not O_DIRECT)
     cached_version: int | None = None
     # chunk index -> ((content version, layout) it was read at, slice list)
     chunks: dict[int, tuple[tuple[int, int], list[Slice]]] = field(default_factory=dict)
@@ -114,17 +116,36 @@ class Inode:
     # our own commits), so a slice list fetched before that is not cached.
     layout: int = 0
     writer: FileWriter | None = None
+    # When ``attr`` came from the metanodes (time.monotonic); 0: treat as stale.
+    fetched: float = field(default_factory=time.monotonic)
+    # Extended attributes read here: name -> (when, value or None for "none"),
+    # and when they were last voided (a getxattr older than that is not kept).
+    xattrs: dict[bytes, tuple[float, bytes | None]] = field(default_factory=dict)
+    xattrs_voided: float = 0.0
 
     @property
     def ino(self) -> int:
         return self.attr.ino
 
     def set_attr(self, attr: Attr) -> None:
-        """Take newer attributes; a content change drops the cached slice lists."""
+        """Take newer attributes (fresh from the metanodes); a content change
+        drops the cached slice lists."""
         if attr.version != self.attr.version:
             self.chunks.clear()
             self.layout += 1
         self.attr = attr
+        self.fetched = time.monotonic()
+
+    def fresh_for(self, ttl: float, since: float = 0.0) -> float:
+        """Seconds the attributes may still be trusted under a ``ttl`` cache
+        that nothing newer than ``since`` invalidated (0: ask the metanodes)."""
+        if self.fetched <= since:
+            return 0.0
+        return max(0.0, ttl - (time.monotonic() - self.fetched))
+
+    def void_xattrs(self) -> None:
+        self.xattrs.clear()
+        self.xattrs_voided = time.monotonic()
 
     @property
     def size(self) -> int:

@@ -12,7 +12,11 @@ The mount options start from ``pyfuse3.default_options`` (which has
 ``fsname=``/``subtype=`` and ``allow_other`` (safe only together with
 ``default_permissions``). After mounting, the mount's backing-device
 read-ahead (``read_ahead_kb``) is raised to 1 MiB: the kernel's 128 KiB
-default costs about 1.7x on large sequential reads.
+default costs about 1.7x on large sequential reads. The connection's
+``max_background`` (and ``congestion_threshold``, three quarters of it) is
+raised through fusectl from the kernel's 12 (9): asynchronous and direct I/O
+(libaio, O_DIRECT, readahead) are background requests, and 12 in flight
+starve a client with deep queues whose every request waits on the network.
 
 Unmounting: the daemon writes its pid under ``/run/cachefs``; ``cachefs
 umount`` sends it SIGTERM, on which it commits every dirty file, then ends the
@@ -59,7 +63,7 @@ from cachefs.errors import (
 )
 from cachefs.rpc import RpcPool
 
-from .fs import CacheFS, Options
+from .fs import MAX_BACKGROUND, CacheFS, Options
 from .session import Session
 from .transport import MODES, RdmaUnavailable
 
@@ -67,6 +71,7 @@ log = logging.getLogger(__name__)
 
 RUN_DIR = Path(os.environ.get("CACHEFS_RUN_DIR", "/run/cachefs"))
 READ_AHEAD_KB = 1024
+FUSECTL = Path("/sys/fs/fuse/connections")
 CONNECT_TIMEOUT = 10.0
 
 
@@ -128,6 +133,45 @@ def raise_read_ahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
             knob,
             exc.strerror,
         )
+
+
+def _fusectl_mounted() -> bool:
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split()[2:3] == ["fusectl"] for line in mounts)
+
+
+def raise_max_background(mountpoint: str, limit: int = MAX_BACKGROUND) -> None:
+    """Let ``limit`` background requests of this mount's FUSE connection be in flight.
+
+    pyfuse3 gives no way to set ``max_background`` in the INIT reply, so it is
+    set afterwards in fusectl (``/sys/fs/fuse/connections/N``, N being the
+    minor device number of the mount), which is mounted first if it is not.
+    Needs root; otherwise (or in a container with a read-only /sys) one log
+    line and the kernel's default stays.
+    """
+    if limit <= 0:
+        return
+    try:
+        conn = FUSECTL / str(os.minor(os.stat(mountpoint).st_dev))
+        if not conn.is_dir() and not _fusectl_mounted():
+            proc = subprocess.run(
+                ["mount", "-t", "fusectl", "none", str(FUSECTL)],
+                capture_output=True, text=True, timeout=10,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise OSError(errno.EPERM, f"mount -t fusectl: {proc.stderr.strip()}")
+        (conn / "max_background").write_text(f"{limit}\n")
+        (conn / "congestion_threshold").write_text(f"{max(1, limit * 3 // 4)}\n")
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info(
+            "kept the kernel's max_background for %s (could not raise it to %d: %s)",
+            mountpoint, limit, exc,
+        )  # fmt: skip
+        return
+    log.debug("max_background of %s raised to %d", mountpoint, limit)
 
 
 def fuse_options(volume: str, read_only: bool) -> set[str]:
@@ -249,7 +293,7 @@ async def run_fs(
 
             REGISTRY.register(MountCollector(fs))
             start_metrics(metrics_port)
-        nursery.start_soon(_announce, mountpoint, ready)
+        nursery.start_soon(_announce, mountpoint, ready, options.max_background)
         nursery.start_soon(_on_signals, fs)
         try:
             await pyfuse3.main()
@@ -264,7 +308,9 @@ async def run_fs(
     return 0
 
 
-async def _announce(mountpoint: str, ready: Callable[[str | None], None]) -> None:
+async def _announce(
+    mountpoint: str, ready: Callable[[str | None], None], max_background: int = MAX_BACKGROUND
+) -> None:
     """Ready means: the kernel routes a stat of the mount point to us."""
     try:
         await trio.to_thread.run_sync(os.stat, mountpoint)
@@ -275,6 +321,7 @@ async def _announce(mountpoint: str, ready: Callable[[str | None], None]) -> Non
     # Both resolve the mount point (realpath lstats it), which is a FUSE
     # request: from this thread, with attr_timeout 0, it would wait on itself.
     await trio.to_thread.run_sync(raise_read_ahead, mountpoint)
+    await trio.to_thread.run_sync(raise_max_background, mountpoint, max_background)
     await trio.to_thread.run_sync(_write_pid, mountpoint)
     log.info("mounted at %s", mountpoint)
     ready(None)
@@ -345,6 +392,13 @@ def _remove_pid(mountpoint: str) -> None:
     show_default=True,
     help="Block transport to cache nodes.",
 )
+@click.option(
+    "--max-background",
+    type=click.IntRange(0, 65535),
+    default=MAX_BACKGROUND,
+    show_default=True,
+    help="FUSE requests in flight in the background (async/direct I/O); 0: the kernel's 12.",
+)
 @click.option("--zone", default="", help="Zone of this node (its cache ring is tried first).")
 @click.option("--read-only", is_flag=True, help="Mount read-only.")
 @click.option(
@@ -382,6 +436,7 @@ def mount_command(
     entry_timeout: float,
     write_through: bool,
     transport: str,
+    max_background: int,
     zone: str,
     read_only: bool,
     secret_file: str | None,
@@ -408,6 +463,7 @@ def mount_command(
         entry_timeout=entry_timeout,
         write_through=write_through,
         read_only=read_only,
+        max_background=max_background,
     )
 
     def run(ready: Callable[[str | None], None]) -> int:
