@@ -23,10 +23,24 @@ sees it.
 
 Faults: :meth:`Network.cut` takes a node or a whole zone off the bridge
 (``ip link set P-h<i> down``: both directions, like pulling a cable; or
-``tc netem loss 100%``), :meth:`Network.heal` puts it back. Latency: a zone's
-links get a ``tc netem`` one-way delay on every packet delivered to its nodes.
-netem needs the kernel's ``sch_netem``; without it those calls fail with a
-clear error (``link`` cuts need nothing).
+``--how loss``: 100% packet loss), :meth:`Network.heal` puts it back.
+
+Packet loss (:meth:`Network.set_loss`) is an nftables table ``bridge P`` in
+the root namespace, hooked on the bridge's *forward* path: for every lossy
+endpoint, one rule drops each frame entering the bridge from its veth
+(``iifname P-h<i>``) and one drops each frame the bridge sends to it
+(``oifname P-h<i>``), each with ``numgen random`` probability. So both
+directions of that link lose packets, ARP included, and like loss on a wire
+it happens after the sender's stack let go of the packet: no socket ever sees
+an error (a drop in the node's own output hook would return EPERM to the
+sender instead). A packet between two lossy endpoints crosses two lossy links:
+with 5% on all links, about 9.75% of packets between two nodes are lost. It
+needs the kernel's nf_tables with the bridge family and numgen, and the
+``nft`` command; netem is not needed (the kernels this was built on have none).
+
+Latency: a zone's links get a ``tc netem`` one-way delay on every packet
+delivered to its nodes. netem needs the kernel's ``sch_netem``; without it
+that call fails with a clear error.
 
 Clean-up: the state file ``netns.json`` (in the lab directory) is written
 before anything is created, and :func:`destroy` removes every namespace and
@@ -43,6 +57,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import threading
@@ -59,6 +74,7 @@ STATE_FILE = "netns.json"
 DEFAULT_SUBNET = "10.254.0.0/24"
 CLIENT = "client"
 CLIENT_ZONE = "z1"
+ALL = "all"  # target: every endpoint of the lab, the client too
 NETNS_DIR = Path("/run/netns")
 _CLONE_NEWNET = 0x40000000
 _PREFIX = re.compile(r"^cfs[0-9a-f]{5}$")
@@ -101,6 +117,7 @@ class Network:
     endpoints: list[Endpoint]
     latency: dict[str, str] = field(default_factory=dict)  # zone -> netem delay
     cut_links: dict[str, str] = field(default_factory=dict)  # endpoint -> "link" | "loss"
+    loss: dict[str, float] = field(default_factory=dict)  # endpoint -> percent of packets dropped each way
 
     # ------------------------------------------------------------ plan and state
 
@@ -146,7 +163,10 @@ class Network:
         raise KeyError(f"no node {name!r} in this lab's network")
 
     def targets(self, target: str) -> list[Endpoint]:
-        """A node name, or a zone name meaning every daemon of that zone (never the client)."""
+        """A node name, a zone name meaning every daemon of that zone (never the client),
+        or ``all``: every endpoint, the client too."""
+        if target == ALL:
+            return list(self.endpoints)
         zone = [ep for ep in self.endpoints if ep.zone == target and ep.name != CLIENT]
         if zone:
             return zone
@@ -154,7 +174,8 @@ class Network:
             return [self.endpoint(target)]
         except KeyError:
             zones = sorted({ep.zone for ep in self.endpoints})
-            raise click.UsageError(f"{target!r} is neither a lab node nor a zone ({', '.join(zones)})") from None
+            raise click.UsageError(f"{target!r} is neither a lab node nor a zone ({', '.join(zones)}; "
+                                   f"{ALL!r}: every link)") from None
 
     # ------------------------------------------------------------ create
 
@@ -177,6 +198,8 @@ class Network:
             _ip("-n", ep.ns, "link", "set", "eth0", "up")
         for zone, delay in list(self.latency.items()):
             self.set_latency(zone, delay)
+        if self.loss:
+            self._apply_loss()
         self.check()
 
     def exists(self) -> bool:
@@ -189,7 +212,7 @@ class Network:
         def probe() -> list[str]:
             silent = []
             for ep in self.endpoints[1:]:
-                if ep.name in self.cut_links:
+                if ep.name in self.cut_links or self.loss_of(ep.name) or self.loss_of(CLIENT):
                     continue
                 with socket.socket() as s:
                     s.settimeout(timeout)
@@ -243,36 +266,103 @@ class Network:
     # ------------------------------------------------------------ faults
 
     def cut(self, target: str, how: str = "link") -> list[str]:
-        """Take a node or every daemon of a zone off the bridge; returns the names cut."""
+        """Take a node or every daemon of a zone off the bridge; returns the names cut.
+
+        ``link``: the host side of its veth goes down. ``loss``: 100% packet
+        loss both ways (nftables, see :meth:`set_loss`).
+        """
         if how not in ("link", "loss"):
             raise click.UsageError(f"cut how={how!r}: use link or loss")
         eps = self.targets(target)
         for ep in eps:
             self.cut_links[ep.name] = how
-            self.save()
-            if how == "link":
+        self.save()  # first: a crash below leaves state that destroy() and heal() act on
+        if how == "link":
+            for ep in eps:
                 _ip("link", "set", ep.veth, "down")
-            else:
-                self._qdisc(ep, loss=True)
+        else:
+            self._apply_loss()
         log.info("cut %s (%s): %s", target, how, ", ".join(ep.name for ep in eps))
         return [ep.name for ep in eps]
 
     def heal(self, target: str | None = None) -> list[str]:
-        """Undo :meth:`cut` for a node, a zone, or (None) everything cut."""
-        eps = [ep for ep in self.endpoints if ep.name in self.cut_links] if target is None else self.targets(target)
+        """Undo :meth:`cut` and :meth:`set_loss` for a node, a zone, ``all`` or (None) everything."""
+        eps = ([ep for ep in self.endpoints if ep.name in self.cut_links or ep.name in self.loss]
+               if target is None else self.targets(target))
         healed = []
+        had_loss = self._loss_rules() != []
         for ep in eps:
             how = self.cut_links.pop(ep.name, None)
-            if how is None:
-                continue
+            lossy = self.loss.pop(ep.name, None)
             if how == "link":
                 _ip("link", "set", ep.veth, "up")
-            else:
-                self._qdisc(ep, loss=False)
-            self.save()
-            healed.append(ep.name)
+            if how or lossy:
+                healed.append(ep.name)
+        self.save()
+        if had_loss:
+            self._apply_loss()
         log.info("healed %s", ", ".join(healed) or "nothing")
         return healed
+
+    def loss_of(self, name: str) -> float:
+        """Percent of packets dropped each way on ``name``'s link (100 when cut with ``loss``)."""
+        return 100.0 if self.cut_links.get(name) == "loss" else self.loss.get(name, 0.0)
+
+    def set_loss(self, percent: float, target: str = "all") -> list[str]:
+        """Drop ``percent`` % of the packets each way on the links of ``target`` (a node,
+        a zone or ``all``); 0 removes it. Returns the names it applies to."""
+        if not 0 <= percent <= 100:
+            raise click.UsageError(f"loss {percent}%: use a percentage from 0 to 100")
+        eps = self.targets(target)
+        for ep in eps:
+            if percent:
+                self.loss[ep.name] = float(percent)
+            else:
+                self.loss.pop(ep.name, None)
+        self.save()
+        self._apply_loss()
+        log.info("%s%% packet loss on %s", percent, ", ".join(ep.name for ep in eps))
+        return [ep.name for ep in eps]
+
+    def dropped(self) -> dict[str, int]:
+        """Packets dropped so far on each lossy endpoint's link, both ways together
+        (counted since the loss rules last changed; {} when there are none)."""
+        if not shutil.which("nft"):
+            return {}
+        out = _run(["nft", "-j", "list", "table", "bridge", self.prefix], ok_errors=("No such file",))
+        if not out:
+            return {}
+        by_veth = {ep.veth: ep.name for ep in self.endpoints}
+        counts: dict[str, int] = {}
+        for item in json.loads(out)["nftables"]:
+            expr = item.get("rule", {}).get("expr", [])
+            veth = next((e["match"]["right"] for e in expr if "match" in e
+                         and e["match"]["left"].get("meta", {}).get("key") in ("iifname", "oifname")), None)
+            packets = sum(e["counter"]["packets"] for e in expr if "counter" in e)
+            if veth in by_veth:
+                counts[by_veth[veth]] = counts.get(by_veth[veth], 0) + packets
+        return counts
+
+    def _loss_rules(self) -> list[str]:
+        rules = []
+        for ep in self.endpoints:
+            if pct := self.loss_of(ep.name):
+                threshold = round(pct * 100)  # numgen draws 0..9999: a resolution of 0.01%
+                draw = f"numgen random mod 10000 < {threshold} " if threshold < 10000 else ""
+                for way in ("iifname", "oifname"):
+                    rules.append(f'{way} "{ep.veth}" {draw}counter drop')
+        return rules
+
+    def _apply_loss(self) -> None:
+        """Replace the lab's loss table with one made from the state (one atomic nft transaction);
+        no lossy endpoint: no table."""
+        table = f"bridge {self.prefix}"
+        script = f"table {table} {{}}\ndelete table {table}\n"
+        if rules := self._loss_rules():
+            body = "\n".join(f"    {r}" for r in rules)
+            script += (f"table {table} {{\n  chain loss {{\n"
+                       f"    type filter hook forward priority filter; policy accept;\n{body}\n  }}\n}}\n")
+        _nft(script)
 
     def set_latency(self, zone: str, delay: str | None) -> None:
         """Delay every packet delivered to ``zone``'s nodes by ``delay`` (e.g. "20ms"); None removes it."""
@@ -285,15 +375,14 @@ class Network:
         self.save()
         for ep in self.endpoints:
             if ep.zone == zone and ep.name != CLIENT:
-                self._qdisc(ep, loss=self.cut_links.get(ep.name) == "loss")
+                self._qdisc(ep)
 
-    def _qdisc(self, ep: Endpoint, *, loss: bool) -> None:
+    def _qdisc(self, ep: Endpoint) -> None:
         delay = self.latency.get(ep.zone) if ep.name != CLIENT else None
-        if not delay and not loss:
+        if not delay:
             _tc("qdisc", "del", "dev", ep.veth, "root", ok_errors=("No such file", "Cannot delete qdisc with handle of zero"))
             return
-        netem = ["netem"] + (["delay", delay] if delay else []) + (["loss", "100%"] if loss else [])
-        _tc("qdisc", "replace", "dev", ep.veth, "root", *netem)
+        _tc("qdisc", "replace", "dev", ep.veth, "root", "netem", "delay", delay)
 
 
 def ensure(root: str | Path, subnet: str, nodes: list[tuple[str, str]]) -> Network:
@@ -331,6 +420,27 @@ def netns_supported() -> str | None:
     return None
 
 
+def loss_supported() -> str | None:
+    """None when packet loss can work here (nft, and a kernel that takes a bridge table with
+    a numgen rule; tried in a throwaway namespace), else the reason it cannot."""
+    if shutil.which("nft") is None:
+        return "the nft command (nftables) is not installed"
+    probe = f"cfs{secrets.token_hex(3)[:5]}-probe"
+    try:
+        _ip("netns", "add", probe)
+    except (NetnsError, FileNotFoundError) as exc:
+        return f"cannot make a network namespace to try nft in: {exc}"
+    try:
+        _run(["ip", "netns", "exec", probe, "nft", "-f", "-"],
+             stdin="table bridge t {\n  chain c {\n    type filter hook forward priority filter;\n"
+                   "    numgen random mod 10000 < 500 counter drop\n  }\n}\n")
+    except NetnsError as exc:
+        return str(exc.message)
+    finally:
+        _ip("netns", "del", probe)
+    return None
+
+
 def destroy(root: str | Path) -> list[str]:
     """Remove every namespace and link of the lab in ``root`` (by its prefix), then the state file.
 
@@ -350,6 +460,9 @@ def destroy(root: str | Path) -> list[str]:
         if name.startswith(mine):
             _ip("link", "del", name, ok_errors=("Cannot find device",))
             removed.append(name)
+    if net.prefix in _list_nft_tables():  # the loss rules live in the root namespace
+        _run(["nft", "delete", "table", "bridge", net.prefix], ok_errors=("No such file",))
+        removed.append(f"nft table bridge {net.prefix}")
     net.state_path.unlink(missing_ok=True)
     log.info("removed %d network namespaces and links of lab %s", len(removed), net.prefix)
     return removed
@@ -357,15 +470,19 @@ def destroy(root: str | Path) -> list[str]:
 
 # ---------------------------------------------------------------- ip, tc, setns
 
-def _run(argv: list[str], ok_errors: tuple[str, ...] = ()) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+def _run(argv: list[str], ok_errors: tuple[str, ...] = (), stdin: str | None = None) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, input=stdin)
     if proc.returncode != 0:
         err = proc.stderr.strip()
         if any(e in err for e in ok_errors):
             return ""
         hint = ""
         if argv[0] == "tc" and "netem" in argv and "unknown" in err.lower():
-            hint = " (this kernel has no sch_netem: latency and loss cuts are unavailable; link cuts work)"
+            hint = (" (this kernel has no sch_netem: latency is unavailable; link cuts and packet loss, "
+                    "which use nftables, work)")
+        if "nft" in argv[:4] and ("No such file" in err or "not supported" in err):
+            hint = (" (packet loss needs the kernel's nf_tables with the bridge family and numgen: "
+                    "CONFIG_NF_TABLES_BRIDGE, CONFIG_NFT_NUMGEN)")
         raise NetnsError(f"`{' '.join(argv)}` failed: {err}{hint}")
     return proc.stdout
 
@@ -376,6 +493,20 @@ def _ip(*args: str, ok_errors: tuple[str, ...] = ()) -> str:
 
 def _tc(*args: str, ok_errors: tuple[str, ...] = ()) -> str:
     return _run(["tc", *args], ok_errors)
+
+
+def _nft(script: str) -> str:
+    if shutil.which("nft") is None:
+        raise NetnsError("packet loss needs nftables: the nft command is not installed "
+                         "(apt-get install nftables; make deps installs it)")
+    return _run(["nft", "-f", "-"], stdin=script)
+
+
+def _list_nft_tables() -> list[str]:
+    """Names of the root namespace's nftables tables of family bridge ([] without nft)."""
+    if shutil.which("nft") is None:
+        return []
+    return [line.split()[-1] for line in _run(["nft", "list", "tables", "bridge"]).splitlines() if line.strip()]
 
 
 def _list_netns() -> list[str]:
@@ -399,7 +530,7 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-__all__ = ["Network", "NetnsError", "destroy", "netns_supported", "node_ip"]
+__all__ = ["Network", "NetnsError", "destroy", "loss_supported", "netns_supported", "node_ip"]
 
 
 # ---------------------------------------------------------------- CLI (cachefs lab cut|heal|latency)
@@ -421,7 +552,7 @@ def _lab_network(root: str | None) -> Network:
 @click.command("cut")
 @click.argument("target")
 @click.option("--how", type=click.Choice(["link", "loss"]), default="link", show_default=True,
-              help="link: the node's veth goes down; loss: netem drops every packet to it.")
+              help="link: the node's veth goes down; loss: nftables drops every packet to and from it.")
 @_dir_option
 def cut_command(target: str, how: str, root: str | None) -> None:
     """Cut TARGET (a node like data3, or a zone like z2) off a --netns lab's network."""
@@ -432,7 +563,7 @@ def cut_command(target: str, how: str, root: str | None) -> None:
 @click.argument("target", required=False)
 @_dir_option
 def heal_command(target: str | None, root: str | None) -> None:
-    """Reconnect TARGET (a node or a zone; default: everything cut)."""
+    """Reconnect TARGET (a node, a zone or all; default: everything cut or lossy)."""
     healed = _lab_network(root).heal(target)
     click.echo(f"reconnected: {', '.join(healed) or 'nothing was cut'}")
 
@@ -445,3 +576,14 @@ def latency_command(zone: str, delay: str | None, root: str | None) -> None:
     """Add DELAY (like 20ms) to every packet bound for ZONE's nodes; no DELAY removes it (needs sch_netem)."""
     _lab_network(root).set_latency(zone, delay)
     click.echo(f"{zone}: {delay or 'no added'} latency")
+
+
+@click.command("loss")
+@click.argument("percent", type=click.FloatRange(0, 100))
+@click.argument("target", default=ALL)
+@_dir_option
+def loss_command(percent: float, target: str, root: str | None) -> None:
+    """Drop PERCENT % of the packets each way on TARGET's links (a node, a zone, or all:
+    every link, the default); 0 removes it, as does `lab heal` (needs nftables)."""
+    names = _lab_network(root).set_loss(percent, target)
+    click.echo(f"{percent:g}% packet loss on the links of {', '.join(names)}")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -89,10 +91,14 @@ def running(pid: int) -> bool:
 
 
 def lab_leftovers(prefix: str) -> list[str]:
+    """Namespaces, links and nftables tables (the loss rules, in the root namespace) of a lab."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout if shutil.which(
+        "nft") else ""
     return [n for n in names if n.startswith(prefix)] + [
-        line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if f" {prefix}-" in line]
+        line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if f" {prefix}-" in line] + [
+        line for line in tables.splitlines() if line.split()[-1:] == [prefix]]
 
 
 def wait_all_up(lab: Lab, timeout: float) -> float:
@@ -377,3 +383,97 @@ def test_zone_latency_with_netem(tmp_path):
         assert net.run_in(netns.CLIENT, rtt, net.endpoint("b").ip) < 0.04
     finally:
         netns.destroy(tmp_path)
+
+
+def udp_socket(net: netns.Network, name: str) -> socket.socket:
+    """A UDP socket made inside ``name``'s namespace (a socket stays in the namespace it was made
+    in), bound to its address, with room for every datagram a test sends."""
+    def make() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+        s.bind((net.endpoint(name).ip, 0))
+        return s
+
+    return net.run_in(name, make)
+
+
+def delivered(src: socket.socket, dst: socket.socket, count: int) -> int:
+    """Send ``count`` numbered datagrams from ``src`` to ``dst``; how many distinct ones arrive.
+
+    Waits until all arrived, or until none has arrived for 0.5 s (bounded: 10 s in all)."""
+    tag = os.urandom(4)
+    for i in range(count):
+        src.sendto(tag + i.to_bytes(4, "big"), dst.getsockname())
+    got: set[int] = set()
+    end = time.monotonic() + 10
+    while len(got) < count and time.monotonic() < end:
+        ready, _, _ = select.select([dst], [], [], 0.5)
+        if not ready:
+            break
+        data = dst.recv(64)
+        if data[:4] == tag:
+            got.add(int.from_bytes(data[4:8], "big"))
+    return len(got)
+
+
+def test_packet_loss_drops_both_ways_and_heal_removes_it(tmp_path):
+    """`lab loss 50 b`: about half the datagrams to and from b are lost (200 each way: the
+    bounds 20%..80% are over 8 standard deviations wide), none to a; nftables counted the
+    drops. `cut --how loss` loses all; heal restores all of them and leaves no table behind."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    reason = netns.loss_supported()
+    if reason:
+        pytest.skip(f"packet loss needs nftables: {reason}")
+    net = netns.Network.plan(tmp_path, netns.DEFAULT_SUBNET, [("a", "z1"), ("b", "z2")])
+    socks: list[socket.socket] = []
+    try:
+        net.create()
+        client, a, b = (udp_socket(net, n) for n in (netns.CLIENT, "a", "b"))
+        socks += [client, a, b]
+        n = 200
+        assert delivered(client, b, 20) == delivered(b, client, 20) == 20  # ARP resolved before the loss
+
+        cli = [sys.executable, "-m", "cachefs.cli", "lab", "loss", "50", "b", "--dir", str(tmp_path)]
+        done = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        net = netns.Network.load(tmp_path)
+        assert net.loss == {"b": 50.0}
+        to_b, from_b = delivered(client, b, n), delivered(b, client, n)
+        assert 0.2 * n <= n - to_b <= 0.8 * n, f"{n - to_b} of {n} lost on the way to b"
+        assert 0.2 * n <= n - from_b <= 0.8 * n, f"{n - from_b} of {n} lost on the way from b"
+        assert delivered(client, a, n) == n  # a's link is not lossy
+        assert net.dropped()["b"] >= 2 * n - to_b - from_b
+
+        assert net.heal() == ["b"]
+        assert net.loss == {} and net.dropped() == {}
+        assert delivered(client, b, n) == delivered(b, client, n) == n
+        assert lab_tables(net.prefix) == []
+
+        assert net.cut("b", how="loss") == ["b"]
+        assert delivered(client, b, 20) == delivered(b, client, 20) == 0
+        assert net.heal("b") == ["b"]
+        assert delivered(client, b, n) == n
+
+        net.set_loss(5, "all")
+        assert lab_tables(net.prefix) == [f"table bridge {net.prefix}"]
+    finally:
+        for s in socks:
+            s.close()
+        netns.destroy(tmp_path)
+    assert lab_leftovers(net.prefix) == []  # the loss table too
+
+
+def lab_tables(prefix: str) -> list[str]:
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line.split()[-1:] == [prefix]]
+
+
+def test_packet_loss_without_nft_names_what_is_missing(tmp_path, monkeypatch):
+    """No nft on PATH: setting loss fails with one message naming nftables; link cuts still work."""
+    net = netns.Network.plan(tmp_path, netns.DEFAULT_SUBNET, [("a", "z1")])
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(netns.NetnsError, match="nftables: the nft command is not installed"):
+        net.set_loss(5, "all")
+    assert netns.loss_supported() == "the nft command (nftables) is not installed"

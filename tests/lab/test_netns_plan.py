@@ -52,6 +52,27 @@ def test_targets(tmp_path):
         net.cut("z1", how="unplug")
     with pytest.raises(click.UsageError, match="duration"):
         net.set_latency("z1", "fast")
+    assert net.targets(netns.ALL) == net.endpoints  # the client's link too
+    with pytest.raises(click.UsageError, match="from 0 to 100"):
+        net.set_loss(101, "z1")
+
+
+def test_loss_rules_from_state(tmp_path):
+    """Each lossy endpoint's link drops both ways; a loss cut is 100% (no draw); none: no rules."""
+    _, net = lab_network(tmp_path)
+    assert net._loss_rules() == []
+    net.loss = {"data1": 5.0, "client": 0.25}
+    net.cut_links = {"data2": "loss", "data3": "link"}
+    h = {name: net.endpoint(name).veth for name in ("client", "data1", "data2")}
+    assert net._loss_rules() == [
+        f'iifname "{h["client"]}" numgen random mod 10000 < 25 counter drop',
+        f'oifname "{h["client"]}" numgen random mod 10000 < 25 counter drop',
+        f'iifname "{h["data1"]}" numgen random mod 10000 < 500 counter drop',
+        f'oifname "{h["data1"]}" numgen random mod 10000 < 500 counter drop',
+        f'iifname "{h["data2"]}" counter drop',
+        f'oifname "{h["data2"]}" counter drop',
+    ]
+    assert net.loss_of("data2") == 100.0 and net.loss_of("data3") == 0.0
 
 
 def test_state_round_trip_and_foreign_prefix_refused(tmp_path):
