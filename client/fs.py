@@ -17,6 +17,9 @@ Rules every handler keeps:
   (from a worker thread: it may wait on pages a pending read holds).
 - Close-to-open: ``open`` always asks the metanodes for fresh attributes, and
   ``flush``/``fsync``/``release`` return only after the data is committed.
+  The first open of an inode here gets them from the leader's ``open`` reply
+  (one round trip, not a ``getattr`` and an ``open``); meanwhile the first
+  chunk's slice list is fetched, which the read that follows joins.
 - Attribute cache: the kernel drops an inode's attributes after every write
   and asks again on the next read (and asks ``security.capability`` on every
   write); ``getattr`` and ``getxattr`` answer from what the metanodes said
@@ -406,13 +409,27 @@ class CacheFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if self.options.read_only and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
-        attr = await self.session.getattr(inode)
+        known = self.inodes.get(inode)
+        if (
+            known is not None
+            and known.attr.is_reg
+            and known.attr.size
+            and flags & os.O_ACCMODE != os.O_WRONLY
+            and not flags & os.O_TRUNC
+        ):
+            self.nursery.start_soon(self._list_first_chunk, known)
+        attr = await self.session.open(inode)
+        try:
+            if attr is None:  # already open here: the leader was not asked
+                attr = await self.session.getattr(inode)
+        except BaseException:
+            await self.session.release(inode)
+            raise
         node = self.inodes.update(attr)
         node.void_xattrs()
         if node.writer is not None and node.writer.dirty:
             # Our own uncommitted writes: the kernel's pages hold them.
             node.cached_version = node.attr.version
-        await self.session.open(inode)
         fh = self._open_handle(node, flags)
         if flags & os.O_TRUNC and node.size:
             # Normally the kernel truncates with setattr first; cover the rest.
@@ -421,6 +438,13 @@ class CacheFS(pyfuse3.Operations):
             node.chunks.clear()
             node.layout += 1
         return self._file_info(fh, node, flags)
+
+    async def _list_first_chunk(self, inode: Inode) -> None:
+        """Fetch chunk 0's slice list while ``open`` waits for the leader."""
+        try:
+            await self.reader.slices(inode, 0)
+        except CacheFSError as exc:
+            log.debug("early slice list of inode %d: %s", inode.ino, exc)
 
     @_fuse
     async def create(

@@ -11,12 +11,19 @@ last close.
 ``cached_version`` is the content version the kernel's page cache holds for
 the inode: open() keeps the cache (``keep_cache``) only when the metanodes
 still report that version.
+
+The slice lists of an inode that leaves the table are kept (bounded, LRU)
+with its content version: a data loader's next epoch finds the kernel has
+forgotten the file (dentries are evicted, or the page cache was dropped), and
+when the file comes back at the same version its lists are still right, so
+its reads need no ``read_chunk``.
 """
 
 from __future__ import annotations
 
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +49,7 @@ ATTR_FIELDS = (
     "generation",
     "version",
 )
+GHOSTS = 16384  # inodes whose slice lists are kept after they leave the table
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +172,11 @@ class Inode:
 class InodeTable:
     """Inodes the kernel knows (or has open), by number."""
 
-    def __init__(self) -> None:
+    def __init__(self, ghosts: int = GHOSTS) -> None:
         self._inodes: dict[int, Inode] = {}
+        # ino -> (content version, chunk -> slice list) of inodes that left
+        self._ghosts: OrderedDict[int, tuple[int, dict[int, list[Slice]]]] = OrderedDict()
+        self._max_ghosts = ghosts
 
     def __len__(self) -> int:
         return len(self._inodes)
@@ -181,6 +192,10 @@ class InodeTable:
         inode = self._inodes.get(attr.ino)
         if inode is None:
             inode = self._inodes[attr.ino] = Inode(attr)
+            ghost = self._ghosts.pop(attr.ino, None)
+            if ghost is not None and ghost[0] == attr.version:
+                stamp = (attr.version, inode.layout)
+                inode.chunks = {chunk: (stamp, slices) for chunk, slices in ghost[1].items()}
         else:
             inode.set_attr(attr)
         return inode
@@ -200,7 +215,15 @@ class InodeTable:
 
     def drop_if_idle(self, inode: Inode) -> None:
         if inode.idle and inode.ino != pyfuse3.ROOT_INODE:
-            self._inodes.pop(inode.ino, None)
+            if self._inodes.pop(inode.ino, None) is not inode:
+                return
+            stamp = (inode.attr.version, inode.layout)
+            valid = {chunk: sl for chunk, (st, sl) in inode.chunks.items() if st == stamp}
+            if valid and self._max_ghosts > 0:
+                self._ghosts[inode.ino] = (inode.attr.version, valid)
+                self._ghosts.move_to_end(inode.ino)
+                while len(self._ghosts) > self._max_ghosts:
+                    self._ghosts.popitem(last=False)
 
     def all(self) -> list[Inode]:
         return list(self._inodes.values())

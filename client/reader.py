@@ -104,6 +104,8 @@ class Reader:
         self.readahead_max = readahead_max
         self._nursery = nursery
         self._inflight: dict[BlockKey, trio.Event] = {}
+        # (ino, chunk, stamp) -> slice list fetch under way (one per list)
+        self._lists: dict[tuple[int, int, tuple[int, int]], trio.Event] = {}
         self._touched: OrderedDict[BlockKey, None] = OrderedDict()
         self._failed: dict[BlockKey, CacheFSError] = {}
         self._prefetch_limit = trio.Semaphore(max_parallel)
@@ -119,11 +121,24 @@ class Reader:
         return Readahead(self.source.block_size, self.readahead_max)
 
     async def slices(self, inode: Inode, chunk: int) -> list[Slice]:
-        cached = inode.chunks.get(chunk)
-        stamp = (inode.attr.version, inode.layout)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        slices = await self.source.read_chunk(inode.ino, chunk)
+        """A chunk's slice list, cached per content version; one fetch at a
+        time per list (``open`` starts one that the first read then joins)."""
+        while True:
+            cached = inode.chunks.get(chunk)
+            stamp = (inode.attr.version, inode.layout)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+            key = (inode.ino, chunk, stamp)
+            running = self._lists.get(key)
+            if running is None:
+                break
+            await running.wait()  # then the cache has it, or we fetch ourselves
+        done = self._lists[key] = trio.Event()
+        try:
+            slices = await self.source.read_chunk(inode.ino, chunk)
+        finally:
+            del self._lists[key]
+            done.set()
         # The inode may have moved on while we waited; cache only if not.
         if (inode.attr.version, inode.layout) == stamp:
             inode.chunks[chunk] = (stamp, slices)

@@ -267,19 +267,24 @@ class Session:
         if ino not in self._open and not lock.statistics().tasks_waiting:
             self._open_locks.pop(ino, None)
 
-    async def open(self, ino: int) -> None:
+    async def open(self, ino: int) -> Attr | None:
         """Count an open; the first one is announced to the leader (who checks
-        the inode is a regular file that still exists)."""
+        the inode is a regular file that still exists) and returns the
+        inode's attributes as of then (a linearizable read, as ``getattr``);
+        None when the inode was already open here."""
         lock = self._lock(ino)
+        attr = None
         async with lock:
             count = self._open.get(ino, 0)
             if not count:
                 try:
-                    await self.meta.open(self.volume, ino, self.session_id)
+                    raw = await self.meta.open(self.volume, ino, self.session_id)
                 except BaseException:
                     self._unlock_idle(ino, lock)
                     raise
+                attr = Attr.from_wire(raw)
             self._open[ino] = count + 1
+        return attr
 
     async def release(self, ino: int) -> None:
         """Uncount an open; the last one is announced to the leader."""

@@ -114,3 +114,25 @@ def test_max_background_raised(mnt: Path) -> None:
         pytest.skip("fusectl is not available here")
     assert int((conn / "max_background").read_text()) == 64
     assert int((conn / "congestion_threshold").read_text()) == 48
+
+
+def test_slice_lists_outlive_a_forgotten_inode_at_the_same_version() -> None:
+    from cachefs.client.inodes import Attr, InodeTable
+    from cachefs.client.slicemap import Slice
+
+    def attr(version: int) -> Attr:
+        return Attr(ino=7, mode=0o100644, uid=0, gid=0, nlink=1, size=10,
+                    atime_ns=0, mtime_ns=0, ctime_ns=0, version=version)  # fmt: skip
+
+    table = InodeTable()
+    node = table.learn(attr(3))
+    lists = [Slice(5, 0, 10)]
+    node.chunks[0] = ((3, node.layout), lists)
+    node.chunks[1] = ((2, node.layout), [Slice(4, 0, 10)])  # stale: not kept
+    table.forget(7, 1)
+    assert table.get(7) is None
+    back = table.update(attr(3))
+    assert back is not node
+    assert back.chunks == {0: ((3, back.layout), lists)}
+    table.forget(7, 0)  # idle again (no lookups): leaves with its list
+    assert table.update(attr(4)).chunks == {}  # the content changed meanwhile
