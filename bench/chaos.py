@@ -304,6 +304,7 @@ class Chaos:
         self.rows: list[Row] = []
         self._ops = 40 if quick else 200
         self._acked_before = 0
+        self.packets_dropped = 0  # by the last packet_loss fault (nftables' counters)
 
     # -- set-up
 
@@ -865,27 +866,38 @@ class Chaos:
         self._wait_datanodes_up()
         return self.record(f"partition zone {zone}", len(cut), recover, note)
 
-    def packet_loss(self, percent: int = 5) -> Row:
-        """netem loss on every link of the bridge (every daemon and the client) while the workload runs."""
+    def packet_loss(self, percent: float = 5) -> Row:
+        """``percent`` % of the packets dropped each way on every link of the bridge (every daemon's
+        and the client's; nftables, cachefs/netns.py) while the workload and fio run.
+
+        Everything acknowledged so far is checked twice: with the loss still on
+        (reads cross the lossy links too) and after heal. Recovery: from the
+        loss going on until a probe write succeeds through it.
+        """
+        from cachefs import netns
+
+        fault = f"drop {percent:g}% of packets on all links"
+        reason = netns.loss_supported()
+        if reason:  # say so rather than pretend
+            return self.record(fault, 0, None, f"not run: {reason}")
         net = self.lab.network
-        veths = [ep.veth for ep in net.endpoints]
-        probe = subprocess.run(["tc", "qdisc", "replace", "dev", veths[0], "root", "netem", "loss", f"{percent}%"],
-                               capture_output=True, text=True)
-        if probe.returncode != 0:  # no sch_netem in this kernel: say so rather than pretend
-            return self.record(f"{percent}% packet loss on all links", 0, None,
-                               f"not run: tc netem failed ({probe.stderr.strip()[:60]})")
+        failed_before = self.work.failed
         try:
-            for veth in veths[1:]:
-                subprocess.run(["tc", "qdisc", "replace", "dev", veth, "root", "netem", "loss", f"{percent}%"],
-                               check=True, capture_output=True)
+            t0 = time.monotonic()
+            net.set_loss(percent, netns.ALL)
             with self.load("loss"):
-                t0 = time.monotonic()
                 self.probe()
                 recover = time.monotonic() - t0
+            during = self.work.verify()
+            self.packets_dropped = sum(net.dropped().values())
         finally:
-            for veth in veths:
-                subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=False, capture_output=True)
-        return self.record(f"{percent}% packet loss on all links", len(veths), recover)
+            net.heal(netns.ALL)
+        row = self.record(fault, len(net.endpoints), recover,
+                          f"{self.packets_dropped} packets dropped; {during.verified} verified under loss; "
+                          f"{self.work.failed - failed_before} operations failed")
+        row.lost += len(during.lost)
+        row.lost_detail += during.lost[:10]
+        return row
 
     def scenarios(self) -> list[Callable[[], Row]]:
         return [self.kill_leader, self.kill_follower, self.kill_two_metanodes, self.restart_all_metanodes,

@@ -1,9 +1,11 @@
 """Network faults on the netns lab (every daemon in its own network namespace): the
-metanode leader partitioned away, then a whole zone, under the chaos workload."""
+metanode leader partitioned away, then a whole zone, then 5% packet loss on every
+link, under the chaos workload."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -52,3 +54,20 @@ def test_partition_a_zone(chaos: Chaos) -> None:
     row = chaos.partition_zone("z3")
     assert row.lost == 0, row.lost_detail
     assert row.verified > 0
+
+
+def test_drop_5_percent_of_packets_on_all_links(chaos: Chaos) -> None:
+    """5% loss each way on every link (daemons and client) while files, namespace changes and
+    fio go through the mount: every acknowledged one is intact, under loss and after heal."""
+    reason = netns.loss_supported()
+    if reason:
+        pytest.skip(f"packet loss needs nftables: {reason}")
+    net = chaos.lab.network
+    row = chaos.packet_loss(5)
+    assert row.lost == 0, row.lost_detail
+    assert row.injected == len(net.endpoints)
+    assert row.acknowledged > 0 and row.verified > 0
+    assert chaos.packets_dropped > 0  # the loss was real: nftables dropped packets
+    assert net.loss == {} and net.cut_links == {}
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    assert net.prefix not in tables  # heal removed the loss rules from the host
