@@ -358,6 +358,13 @@ class Lab:
 
     # ------------------------------------------------------------ status
 
+    def _link_state(self, name: str) -> str:
+        """A --netns node's link: "up", "cut" (link down), or "loss N%" (lab loss, or cut --how loss)."""
+        net = self.network
+        if net.cut_links.get(name) == "link":
+            return "cut"
+        return f"loss {net.loss_of(name):g}%" if net.loss_of(name) else "up"
+
     async def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nodes": [], "leader": None, "cache": []}
         async with RpcPool(secret=self.secret, tls=self.client_tls()) as pool:
@@ -369,7 +376,8 @@ class Lab:
                         health = (await pool.call(node.addr, "health", timeout=2)).result
                     except CacheFSError as exc:
                         health = {"error": exc.code}
-                out["nodes"].append({**asdict(node), "alive": alive, "health": health})
+                out["nodes"].append({**asdict(node), "alive": alive, "health": health,
+                                     **({"link": self._link_state(node.name)} if self.config.netns else {})})
             meta = self.meta_client(pool, deadline=3.0)
             try:
                 await meta.cluster_map()
@@ -565,12 +573,14 @@ def _print_status(the_lab: Lab) -> None:
     st = the_lab.run(the_lab.status)
     tls = " — TLS" if the_lab.config.tls else ""
     table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}{tls}")
-    for col in ("node", "kind", "zone", "address", "pid", "state"):
+    netns_lab = bool(the_lab.config.netns)
+    for col in ("node", "kind", "zone", "address", "pid", "state") + (("link",) if netns_lab else ()):
         table.add_column(col)
     for n in st["nodes"]:
         state = "up" if n["alive"] and n["health"] and "error" not in n["health"] else (
             "unhealthy" if n["alive"] else "down")
-        table.add_row(n["name"], n["kind"], n["zone"], n["addr"], str(n["pid"] or "-"), state)
+        table.add_row(n["name"], n["kind"], n["zone"], n["addr"], str(n["pid"] or "-"), state,
+                      *([n["link"]] if netns_lab else []))
     console = Console()
     console.print(table)
     if st["cache"]:

@@ -84,3 +84,12 @@ def test_state_round_trip_and_foreign_prefix_refused(tmp_path):
     net.save()
     with pytest.raises(netns.NetnsError, match="not a lab prefix"):
         netns.Network.load(tmp_path)
+
+
+def test_lab_status_link_column(tmp_path):
+    lab, net = lab_network(tmp_path)
+    net.cut_links = {"data1": "link", "data2": "loss"}
+    net.loss = {"data3": 5.0}
+    net.save()
+    assert [lab._link_state(n) for n in ("data1", "data2", "data3", "data4")] == [
+        "cut", "loss 100%", "loss 5%", "up"]
