@@ -87,6 +87,7 @@ def serve_cache(
     from cachefs.cachenode.service import CacheLimits, CacheService
     from cachefs.cachenode.store import BlockStore
 
+    from cachefs.erasure import keep_large_buffers
     from cachefs.ids import BlockKey
     from cachefs.rpc import RpcPool, RpcServer
 
@@ -99,6 +100,8 @@ def serve_cache(
                 f"127.0.0.1:{backing_port}", "get_block", {"volume": volume, "key": key.to_bytes()}
             )
             return reply.payload
+
+    keep_large_buffers()  # as the cachenode daemon does
 
     async def main() -> None:
         store = BlockStore.open(cache_dir, capacity, memory_capacity=memory)

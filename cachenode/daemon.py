@@ -37,6 +37,7 @@ from cachefs.config import (
     setup_logging,
     tls_options,
 )
+from cachefs.erasure import keep_large_buffers
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
@@ -296,6 +297,7 @@ def command(
 ) -> None:
     """Run a cache node: blocks on local flash, read through from backing storage."""
     setup_logging("cachenode", log_level)
+    keep_large_buffers()  # block-sized read and fill buffers: reuse heap memory, no fresh mmaps
     secret = load_secret(secret_file, insecure)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     if capacity <= 0:
