@@ -3,6 +3,7 @@
     python -m bench.fio_compare --mount /mnt/cachefs            # an existing mount
     python -m bench.fio_compare --meta 127.0.0.1:7100 --volume vol --insecure
     python -m bench.fio_compare ... --size 256M --repeat 3 --json
+    python -m bench.fio_compare --lab --only tutorial        # some cases only
 
 Cases (each repeated, medians reported):
 
@@ -41,6 +42,7 @@ from bench.common import REPO, emit, median, print_table, ratio
 
 FIO_DIR = Path(__file__).resolve().parent / "fio"
 MiB = 1 << 20
+CASES = ("seq", "rand", "tutorial")  # --only: groups of cases (with their references)
 
 
 def parse_size(text: str) -> int:
@@ -169,6 +171,7 @@ def _lab_mount(args: argparse.Namespace, mountpoint: Path) -> Iterator[Path]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     size, repeat = parse_size(args.size), args.repeat
     tut_size = parse_size(args.tutorial_size)
+    only = set(getattr(args, "only", None) or CASES)
     runs: dict[str, list[float]] = {}
 
     def record(name: str, value: float) -> None:
@@ -178,33 +181,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         local = work / "local"
         local.mkdir()
-        fio("seq-write-1m.fio", local, size)
-        for _ in range(repeat):
-            fio("seq-read-1m.fio", local, size)  # warm the page cache
-            record("local_reread_seq", fio("seq-read-1m.fio", local, size)["read"])
+        if "seq" in only:
+            fio("seq-write-1m.fio", local, size)
+            for _ in range(repeat):
+                fio("seq-read-1m.fio", local, size)  # warm the page cache
+                record("local_reread_seq", fio("seq-read-1m.fio", local, size)["read"])
 
         with passthrough(local, work / "pt", keep_cache=False) as pt:
-            for _ in range(repeat):
+            for _ in range(repeat if "seq" in only else 0):
                 fio("seq-read-1m.fio", local, size)  # the source in the page cache
                 record("passthrough_warm_seq", fio("seq-read-1m.fio", pt, size)["read"])
-            for _ in range(repeat):
+            for _ in range(repeat if "tutorial" in only else 0):
                 record(
                     "passthrough_tutorial",
                     fio("tutorial-randrw.fio", pt, tut_size, args.runtime)["total"],
                 )
-        with passthrough(local, work / "ptk", keep_cache=True) as ptk:
-            for _ in range(repeat):
-                fio("seq-read-1m.fio", ptk, size)
-                record(
-                    "passthrough_keepcache_reread_seq", fio("seq-read-1m.fio", ptk, size)["read"]
-                )
+        if "seq" in only:
+            with passthrough(local, work / "ptk", keep_cache=True) as ptk:
+                for _ in range(repeat):
+                    fio("seq-read-1m.fio", ptk, size)
+                    record(
+                        "passthrough_keepcache_reread_seq",
+                        fio("seq-read-1m.fio", ptk, size)["read"],
+                    )
         shutil.rmtree(local)
 
         with cachefs_mount(args, work / "cachefs") as mnt:
             bench_dir = mnt / f"fio-compare-{os.getpid()}"
             bench_dir.mkdir()
             try:
-                for _ in range(repeat):
+                for _ in range(repeat if "seq" in only else 0):
                     # A new file each time: new slices, so its blocks are only on backing storage.
                     with contextlib.suppress(FileNotFoundError):
                         (bench_dir / "seqfile").unlink()
@@ -214,7 +220,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     drop_caches()
                     record("cachefs_warm_seq", fio("seq-read-1m.fio", bench_dir, size)["read"])
                     record("cachefs_reread_seq", fio("seq-read-1m.fio", bench_dir, size)["read"])
-                for _ in range(repeat):
+                for _ in range(repeat if "rand" in only else 0):
                     drop_caches()
                     record(
                         "cachefs_rand_4k",
@@ -225,7 +231,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "cachefs_rand_128k",
                         fio("rand-read-128k.fio", bench_dir, size, args.runtime)["read"],
                     )
-                for _ in range(repeat):
+                for _ in range(repeat if "tutorial" in only else 0):
                     record(
                         "cachefs_tutorial",
                         fio("tutorial-randrw.fio", bench_dir, tut_size, args.runtime)["total"],
@@ -236,6 +242,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
     med = {name: round(median(values), 1) for name, values in runs.items()}
+    nan = float("nan")
+    for name in ("cachefs_cold_seq", "cachefs_warm_seq", "passthrough_warm_seq", "cachefs_reread_seq",
+                 "passthrough_keepcache_reread_seq", "cachefs_tutorial", "passthrough_tutorial",
+                 "local_reread_seq"):  # fmt: skip
+        med.setdefault(name, nan)  # a case left out with --only
     return {
         "size_bytes": size,
         "repeat": repeat,
@@ -281,8 +292,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workdir", default=None, help="local directory for the references (default: /tmp)"
     )
+    parser.add_argument(
+        "--only",
+        type=lambda text: [c for c in text.split(",") if c],
+        default=None,
+        help=f"comma-separated groups of cases to run ({', '.join(CASES)}; default: all)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.only and set(args.only) - set(CASES):
+        parser.error(f"--only takes {', '.join(CASES)}")
     if args.meta and not (args.insecure or args.secret_file):
         parser.error("--meta needs --secret-file or --insecure")
     if os.geteuid() != 0:
@@ -293,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def show() -> None:
         med = result["median_mib_s"]
-        rows = [[name, med[name], len(result["runs_mib_s"][name])] for name in med]
+        rows = [[name, med[name], len(result["runs_mib_s"].get(name, []))] for name in med]
         print_table("fio, MiB/s (median)", ["case", "MiB/s", "runs"], rows)
         ratios = [
             [k, v]
