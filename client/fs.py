@@ -19,7 +19,8 @@ Rules every handler keeps:
   ``flush``/``fsync``/``release`` return only after the data is committed.
   The first open of an inode here gets them from the leader's ``open`` reply
   (one round trip, not a ``getattr`` and an ``open``); meanwhile the first
-  chunk's slice list is fetched, which the read that follows joins.
+  chunk's slice list (and, opened read-only, its first block) is fetched,
+  which the read that follows joins.
 - Attribute cache: the kernel drops an inode's attributes after every write
   and asks again on the next read (and asks ``security.capability`` on every
   write); ``getattr`` and ``getxattr`` answer from what the metanodes said
@@ -417,7 +418,7 @@ class CacheFS(pyfuse3.Operations):
             and flags & os.O_ACCMODE != os.O_WRONLY
             and not flags & os.O_TRUNC
         ):
-            self.nursery.start_soon(self._list_first_chunk, known)
+            self.nursery.start_soon(self._start_reading, known, flags & os.O_ACCMODE == os.O_RDONLY)
         attr = await self.session.open(inode)
         try:
             if attr is None:  # already open here: the leader was not asked
@@ -439,12 +440,16 @@ class CacheFS(pyfuse3.Operations):
             node.layout += 1
         return self._file_info(fh, node, flags)
 
-    async def _list_first_chunk(self, inode: Inode) -> None:
-        """Fetch chunk 0's slice list while ``open`` waits for the leader."""
+    async def _start_reading(self, inode: Inode, read_only: bool) -> None:
+        """While ``open`` waits for the leader: chunk 0's slice list, and for a
+        read-only open the first block too (a data loader reads each file it
+        opens from the start; a sequential reader's readahead starts there)."""
         try:
             await self.reader.slices(inode, 0)
+            if read_only and self.l1.capacity >= self.session.block_size:  # else read twice
+                await self.reader.prefetch(inode, 0, self.session.block_size)
         except CacheFSError as exc:
-            log.debug("early slice list of inode %d: %s", inode.ino, exc)
+            log.debug("early read of inode %d: %s", inode.ino, exc)
 
     @_fuse
     async def create(

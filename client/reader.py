@@ -299,6 +299,11 @@ class Reader:
             del self._inflight[key]
             event.set()
 
+    async def prefetch(self, inode: Inode, offset: int, length: int) -> None:
+        """Fetch the blocks of ``[offset, offset+length)`` into L1 (errors are
+        left to the read that needs them)."""
+        await self._readahead(inode, offset, length)
+
     async def _readahead(self, inode: Inode, offset: int, window: int) -> None:
         """Fetch the blocks of ``[offset, offset+window)`` into L1 in parallel."""
         end = min(offset + window, inode.attr.size)
