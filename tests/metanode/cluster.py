@@ -88,13 +88,17 @@ class MetaCluster:
             return None
 
     async def wait_leader(self, pool: RpcPool, timeout: float = 20.0) -> int:
-        """Index of the replica that leads, once one does."""
+        """Index of the replica that leads, once one does and every running replica answers.
+
+        Two replicas elect a leader while a slow third may still be starting:
+        tests that talk to a follower need it listening.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for i in self.procs:
-                st = await self.status(pool, i)
-                if st and st["is_leader"]:
-                    return i
+            statuses = {i: await self.status(pool, i) for i in self.procs}
+            leaders = [i for i, st in statuses.items() if st and st["is_leader"]]
+            if leaders and all(statuses.values()):
+                return leaders[0]
             for i, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"metanode {i} exited: see {self.root / f'meta{i}.log'}")
