@@ -19,7 +19,11 @@ nothing and is dropped.
 Server side, the reader spawns one task per request (bounded by
 ``Limits.max_inflight``; above it the caller gets ``EBUSY`` at once), checks
 the arguments against the handler's annotations, runs the handler under the
-caller's deadline, and queues the reply. Malformed input closes only that
+caller's deadline, and queues the reply. A plain (non-async) handler cannot
+block, so the reader runs it inline, with no task and no cancel scope (the
+two cost more than a small handler): it answers at once, or returns an
+awaitable for its slow path (a read that must first confirm leadership),
+which then runs in a task under the deadline like an async handler. Malformed input closes only that
 connection, after an error frame; the server keeps serving the others.
 """
 
@@ -109,10 +113,11 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- methods
 
-def rpc_method(fn: Callable[..., Awaitable[Any]] | None = None, *, name: str | None = None) -> Any:
-    """Mark an async method of a service object as callable over RPC."""
+def rpc_method(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Mark a method of a service object as callable over RPC: an async
+    method, or a plain one that answers inline or returns an awaitable."""
 
-    def mark(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    def mark(f: Callable[..., Any]) -> Callable[..., Any]:
         f.__rpc_name__ = name or f.__name__  # type: ignore[attr-defined]
         return f
 
@@ -163,9 +168,10 @@ class _Param:
 class Method:
     """A handler with its argument checker, built once at registration."""
 
-    def __init__(self, name: str, fn: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
         self.name = name
         self.fn = fn
+        self.inline = not inspect.iscoroutinefunction(fn)
         hints = _type_hints(fn)
         sig = inspect.signature(fn)
         self.wants_payload = "payload" in sig.parameters
@@ -254,7 +260,8 @@ class Connection:
             raise ConnectionLost(f"connection to {self.peer} is closed")
         bufs = wire.encode(event)
         self._outbox.extend(bufs)
-        self._outbox_bytes += sum(len(b) for b in bufs)
+        for b in bufs:
+            self._outbox_bytes += len(b)
         self._wakeup.set()
 
     async def send_and_wait(self, event: wire.Event) -> None:
@@ -262,6 +269,14 @@ class Connection:
         while self._outbox_bytes > self.limits.max_outbox_bytes and not self.closed:
             await self._drained.wait()
         self.send(event)
+
+    def backlogged(self) -> bool:
+        return self._outbox_bytes > self.limits.max_outbox_bytes and not self.closed
+
+    async def drained(self) -> None:
+        """Wait until the outbox is back under its limit (or the connection closed)."""
+        while self.backlogged():
+            await self._drained.wait()
 
     async def writer(self) -> None:
         while True:
@@ -397,7 +412,7 @@ class RpcServer:
         self._idle.set()
         self.connections: set[Connection] = set()
 
-    async def _health(self) -> dict[str, Any]:
+    def _health(self) -> dict[str, Any]:
         """Built into every server: what `cachefs health` and healthchecks ask."""
         return {"service": self.name, "uptime_s": round(time.monotonic() - self.started, 3),
                 "connections": len(self.connections), "inflight": self._inflight,
@@ -514,19 +529,58 @@ class RpcServer:
                     conn.send(wire.ErrorReply(event.call_id, Busy.code,
                                               f"more than {self.limits.max_inflight} calls in flight on one connection"))
                     continue
+                pending = None
+                method = self.methods.get(event.method)
+                if method is not None and method.inline:
+                    pending = self._call_inline(conn, event, method)
+                    if pending is None:
+                        if inflight == 0:
+                            idle_scope.deadline = trio.current_time() + idle
+                        if conn.backlogged():  # replies pile up: stop reading for a while
+                            await conn.drained()
+                        continue
                 inflight += 1
                 self._inflight += 1
                 idle_scope.deadline = math.inf
                 self._idle = trio.Event() if self._idle.is_set() else self._idle
-                nursery.start_soon(self._run_call, conn, event, done)
+                nursery.start_soon(self._run_call, conn, event, done, pending)
         log.info("%s: closing idle connection from %s", self.name, conn.peer)
 
-    async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[], None]) -> None:
+    def _call_inline(self, conn: Connection, req: wire.Request, method: Method) -> Awaitable[Any] | None:
+        """Run a plain handler in the reader; its awaitable if it returned one."""
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            result = method.fn(**self._kwargs(conn, req, method))
+            if inspect.isawaitable(result):
+                return result
+            reply: wire.Event = self._response(req, result)
+        except CacheFSError as exc:
+            code = exc.code
+            reply = wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
+        except Exception:
+            code = "EIO"
+            log.exception("%s: handler %s failed", self.name, req.method)
+            reply = wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
+        try:
+            conn.send(reply)
+        except TypeError:
+            code = "EIO"
+            log.error("%s: %s returned a value msgpack cannot encode", self.name, req.method)
+            conn.send(wire.ErrorReply(req.call_id, "EIO", f"unencodable result from {req.method}"))
+        except ConnectionLost:
+            pass
+        metrics.observe_call(self.name, req.method, code, time.perf_counter() - started,
+                             len(req.payload or b""))
+        return None
+
+    async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[], None],
+                        pending: Awaitable[Any] | None = None) -> None:
         started = time.perf_counter()
         code = "OK"
         try:
             try:
-                reply = await self._dispatch(conn, req)
+                reply = await self._dispatch(conn, req, pending)
             except CacheFSError as exc:
                 code = exc.code
                 reply = wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
@@ -543,31 +597,48 @@ class RpcServer:
             except ConnectionLost:
                 pass
         finally:
+            if inspect.iscoroutine(pending) and inspect.getcoroutinestate(pending) == inspect.CORO_CREATED:
+                pending.close()  # cancelled before it could start: never awaited
             done()
             metrics.observe_call(self.name, req.method if req.method in self.methods else "<unknown>",
                                  code, time.perf_counter() - started,
                                  len(req.payload or b""))
 
-    async def _dispatch(self, conn: Connection, req: wire.Request) -> wire.Event:
-        method = self.methods.get(req.method)
-        if method is None:
-            raise NoSuchMethod(f"{self.name} has no method {req.method!r}")
+    def _kwargs(self, conn: Connection, req: wire.Request, method: Method) -> dict[str, Any]:
         method.check(req.args)
-        kwargs = dict(req.args)
-        timeout = req.timeout_ms / 1000 if req.timeout_ms else self.limits.idle_timeout
+        kwargs = req.args  # decoded for this call alone: no copy needed
         if method.wants_payload:
             kwargs["payload"] = req.payload
         elif req.payload:
             raise InvalidArgument(f"{req.method} takes no payload")
         if method.wants_ctx:
-            kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + timeout)
-        with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-            result = await method.fn(**kwargs)
-        if scope.cancelled_caught:
-            raise TimedOut(f"{req.method} passed its deadline of {timeout:.3f}s on {self.name}")
+            kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + self._timeout(req))
+        return kwargs
+
+    def _timeout(self, req: wire.Request) -> float:
+        return req.timeout_ms / 1000 if req.timeout_ms else self.limits.idle_timeout
+
+    @staticmethod
+    def _response(req: wire.Request, result: Any) -> wire.Response:
         if isinstance(result, Reply):
             return wire.Response(req.call_id, result.result, result.payload)
         return wire.Response(req.call_id, result)
+
+    async def _dispatch(self, conn: Connection, req: wire.Request,
+                        pending: Awaitable[Any] | None = None) -> wire.Event:
+        """Run the handler (or the awaitable an inline one returned) under the
+        caller's deadline."""
+        timeout = self._timeout(req)
+        if pending is None:
+            method = self.methods.get(req.method)
+            if method is None:
+                raise NoSuchMethod(f"{self.name} has no method {req.method!r}")
+            pending = method.fn(**self._kwargs(conn, req, method))
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+            result = await pending
+        if scope.cancelled_caught:
+            raise TimedOut(f"{req.method} passed its deadline of {timeout:.3f}s on {self.name}")
+        return self._response(req, result)
 
 
 def _wire_details(details: dict[str, Any]) -> dict[str, Any]:
@@ -694,7 +765,14 @@ class ClientConnection:
     async def call(self, method: str, args: dict[str, Any] | None = None, *,
                    payload: wire.Payload | None = None, timeout: float = 30.0) -> Reply:
         """One call. Raises the typed error the peer sent, or TimedOut."""
-        async with self._limit:
+        # A free slot is taken without the scheduler round trip that
+        # ``async with Semaphore`` makes; the call still yields (it waits
+        # for the reply), so it stays a checkpoint.
+        try:
+            self._limit.acquire_nowait()
+        except trio.WouldBlock:
+            await self._limit.acquire()
+        try:
             call_id = next(self._ids)
             slot = _Slot()
             self._slots[call_id] = slot
@@ -717,6 +795,8 @@ class ClientConnection:
                     self._fail_all(ConnectionLost(f"{self.conn.peer} went silent"))
                     self.conn.sock_close()
                 raise TimedOut(f"{method} to {self.conn.peer} passed its deadline of {timeout}s")
+        finally:
+            self._limit.release()
         reply = slot.reply
         if isinstance(reply, wire.Response):
             return Reply(reply.result, reply.payload)

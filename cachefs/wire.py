@@ -155,18 +155,27 @@ def _is_id(value: Any) -> bool:
 
 def _event_of(header: Any, payload: bytearray | None) -> Event:
     _check(isinstance(header, list) and header and type(header[0]) is int, "header is not a tagged array")
-    kind, rest = header[0], header[1:]
-    if kind == _REQUEST:
-        _check(len(rest) == 4, "request needs 4 fields")
-        call_id, method, args, timeout_ms = rest
-        _check(_is_id(call_id), "call id")
-        _check(isinstance(method, str) and 0 < len(method) <= MAX_METHOD_LEN, "method name")
-        _check(isinstance(args, dict) and all(isinstance(k, str) for k in args), "args must be a map with string keys")
-        _check(type(timeout_ms) is int and timeout_ms >= 0, "timeout")
-        return Request(call_id, method, args, timeout_ms, payload)
+    kind = header[0]
+    # The two hot kinds first, their checks inline (this runs for every call).
     if kind == _RESPONSE:
-        _check(len(rest) == 2 and _is_id(rest[0]), "response")
-        return Response(rest[0], rest[1], payload)
+        _check(len(header) == 3 and _is_id(header[1]), "response")
+        return Response(header[1], header[2], payload)
+    if kind == _REQUEST:
+        _check(len(header) == 5, "request needs 4 fields")
+        _, call_id, method, args, timeout_ms = header
+        if not (type(call_id) is int and 0 <= call_id <= MAX_CALL_ID):
+            raise ProtocolError("malformed frame: call id")
+        if not (type(method) is str and 0 < len(method) <= MAX_METHOD_LEN):
+            raise ProtocolError("malformed frame: method name")
+        if type(args) is not dict:
+            raise ProtocolError("malformed frame: args must be a map with string keys")
+        for k in args:
+            if type(k) is not str:
+                raise ProtocolError("malformed frame: args must be a map with string keys")
+        if not (type(timeout_ms) is int and timeout_ms >= 0):
+            raise ProtocolError("malformed frame: timeout")
+        return Request(call_id, method, args, timeout_ms, payload)
+    rest = header[1:]
     if kind == _ERROR:
         _check(len(rest) == 4 and _is_id(rest[0]), "error reply")
         call_id, code, message, details = rest

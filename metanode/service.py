@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from .raft.driver import RaftNode
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SESSION_TIMEOUT = 60.0
 NODE_TIMEOUT = 15.0
@@ -225,15 +228,31 @@ class MetaService:
             raise result.error()
         return result
 
-    async def _read(self) -> MetaState:
+    def _leased(self) -> bool:
+        """Whether the lease lets us read now, without a round to the followers."""
         node = self._raft()
-        if (
+        return (
             self.read_lease
             and node.is_leader
             and node.term == self._lease_term
             and time.monotonic() < self._lease_until
-        ):
+        )
+
+    def _answer(self, read: Callable[[MetaState], T]) -> T | Awaitable[T]:
+        """A read handler's answer: at once under the lease (the RPC layer
+        runs plain handlers inline), else an awaitable that confirms the
+        leadership first."""
+        if self._leased():
+            return read(self.state)
+        return self._confirmed(read)
+
+    async def _confirmed(self, read: Callable[[MetaState], T]) -> T:
+        return read(await self._read())
+
+    async def _read(self) -> MetaState:
+        if self._leased():
             return self.state
+        node = self._raft()
         start = time.monotonic()  # the confirming heartbeats leave after this
         await node.read_index()
         if self.read_lease and node.is_leader:
@@ -487,48 +506,48 @@ class MetaService:
     # -- namespace reads ----------------------------------------------------------------
 
     @rpc_method
-    async def lookup(self, volume: str, parent: int, name: bytes) -> dict:
-        return (await self._read()).lookup(volume, parent, name)
+    def lookup(self, volume: str, parent: int, name: bytes) -> dict | Awaitable[dict]:
+        return self._answer(lambda s: s.lookup(volume, parent, name))
 
     @rpc_method
-    async def getattr(self, volume: str, ino: int) -> dict:
-        return (await self._read()).getattr(volume, ino)
+    def getattr(self, volume: str, ino: int) -> dict | Awaitable[dict]:
+        return self._answer(lambda s: s.getattr(volume, ino))
 
     @rpc_method
-    async def readlink(self, volume: str, ino: int) -> bytes:
-        return (await self._read()).readlink(volume, ino)
+    def readlink(self, volume: str, ino: int) -> bytes | Awaitable[bytes]:
+        return self._answer(lambda s: s.readlink(volume, ino))
 
     @rpc_method
-    async def readdir(self, volume: str, ino: int, cookie: int = 0, limit: int = 1000) -> list:
-        return (await self._read()).readdir(volume, ino, cookie, min(limit, MAX_READDIR))
+    def readdir(self, volume: str, ino: int, cookie: int = 0, limit: int = 1000) -> list | Awaitable[list]:
+        return self._answer(lambda s: s.readdir(volume, ino, cookie, min(limit, MAX_READDIR)))
 
     @rpc_method
-    async def statfs(self, volume: str) -> dict:
-        return (await self._read()).statfs(volume)
+    def statfs(self, volume: str) -> dict | Awaitable[dict]:
+        return self._answer(lambda s: s.statfs(volume))
 
     @rpc_method
-    async def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
-        return (await self._read()).getxattr(volume, ino, name)
+    def getxattr(self, volume: str, ino: int, name: bytes) -> bytes | Awaitable[bytes]:
+        return self._answer(lambda s: s.getxattr(volume, ino, name))
 
     @rpc_method
-    async def listxattr(self, volume: str, ino: int) -> list:
-        return (await self._read()).listxattr(volume, ino)
+    def listxattr(self, volume: str, ino: int) -> list | Awaitable[list]:
+        return self._answer(lambda s: s.listxattr(volume, ino))
 
     @rpc_method
-    async def read_chunk(self, volume: str, ino: int, chunk: int) -> list:
-        return (await self._read()).read_chunk(volume, ino, chunk)
+    def read_chunk(self, volume: str, ino: int, chunk: int) -> list | Awaitable[list]:
+        return self._answer(lambda s: s.read_chunk(volume, ino, chunk))
 
     @rpc_method
-    async def get_usage(self, volume: str, ino: int) -> dict:
+    def get_usage(self, volume: str, ino: int) -> dict | Awaitable[dict]:
         """Bytes and inodes of a directory's subtree, and its quota."""
-        return (await self._read()).usage(volume, ino)
+        return self._answer(lambda s: s.usage(volume, ino))
 
     @rpc_method
-    async def list_trash(
+    def list_trash(
         self, volume: str, limit: int = 1000, before_ns: int | None = None
-    ) -> list:
+    ) -> list | Awaitable[list]:
         """Unreferenced slices for the garbage collector: ``[slice_id, size, deleted_ns]``."""
-        return (await self._read()).trash(volume, max(1, min(limit, 100_000)), before_ns)
+        return self._answer(lambda s: s.trash(volume, max(1, min(limit, 100_000)), before_ns))
 
     # -- namespace mutations -------------------------------------------------------------
 

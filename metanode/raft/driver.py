@@ -270,8 +270,9 @@ class RaftNode:
         self._wake.set()
 
     @rpc_method
-    async def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None) -> None:
-        """Peers' messages: a msgpack batch in the bulk payload."""
+    def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None) -> None:
+        """Peers' messages: a msgpack batch in the bulk payload (a plain
+        method: the RPC layer runs it inline, it only queues)."""
         if payload is None:
             raise InvalidArgument("raft_step needs a payload")
         msgs = wire.decode_batch(bytes(payload))

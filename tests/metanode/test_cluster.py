@@ -121,6 +121,9 @@ async def test_followers_redirect_and_retries_are_answered_once(cluster: MetaClu
     async with RpcPool(secret=None) as pool:
         leader = await cluster.wait_leader(pool)
         follower = (leader + 1) % 3
+        with trio.fail_after(20):  # two replicas elect a leader; the third may still be starting
+            while (await cluster.status(pool, follower)) is None:
+                await trio.sleep(0.1)
         with pytest.raises(CacheFSError) as info:
             await pool.call(cluster.addrs[follower], "getattr", {"volume": VOL, "ino": 1})
         assert info.value.code == "ENOTLEADER"
