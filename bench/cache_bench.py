@@ -12,6 +12,9 @@ process, so client and server get a core each. The cache directory is on the
 local disk (page cache warm after the first touch, as a hot flash cache is).
 
     python -m bench.cache_bench [--json] [--repeat 3] [--seconds 1.5]
+
+With ``BENCH_PROFILE=DIR`` in the environment the server processes run under
+cProfile and leave ``DIR/<server>-<pid>.prof`` (read with ``python -m pstats``).
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -42,6 +48,42 @@ def _block_for(key: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------- servers
+
+
+def profiled(name: str, run: Callable[[], Any]) -> Any:
+    """``run()``, under cProfile when ``BENCH_PROFILE`` names a directory.
+
+    The stats (CPU time of the main thread) are written when ``run``
+    returns or the process gets SIGTERM (what the bench's ``stop`` sends), as
+    ``<name>-<pid>.prof``.
+    """
+    out = os.environ.get("BENCH_PROFILE")
+    if not out:
+        return run()
+    import cProfile
+
+    def interrupt(signum: int, frame: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # trio turns SIGINT into a clean KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    prof = cProfile.Profile(time.thread_time)  # CPU time: wall time is noise on a shared machine
+    prof.enable()
+    try:
+        return run()
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        return None
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(out, f"{name}-{os.getpid()}.prof"))
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt, or a group of nothing else (as trio's nurseries raise it)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_interrupted(e) for e in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def serve_backing(port: int) -> None:
@@ -72,7 +114,7 @@ def serve_bare(port: int) -> None:
             end = BLOCK if length == -1 else min(BLOCK, offset + length)
             return Reply({"size": BLOCK, "hit": True}, payload=data[offset:end])
 
-    trio.run(lambda: RpcServer(Bare(), name="bare", secret=None).serve("127.0.0.1", port))
+    profiled("bare", lambda: trio.run(lambda: RpcServer(Bare(), name="bare", secret=None).serve("127.0.0.1", port)))
 
 
 def serve_cache(
@@ -115,7 +157,7 @@ def serve_cache(
             )
             await RpcServer(service, name="cachenode", secret=None).serve("127.0.0.1", port)
 
-    trio.run(main)
+    profiled("cachenode", lambda: trio.run(main))
 
 
 # ---------------------------------------------------------------- clients

@@ -12,6 +12,9 @@ Cases:
 ``ec_get_ratio_vs_rpc`` is (b) ec:4+2 get with 8 in flight over (d).
 
     python -m bench.storage_bench [--json] [--repeat 3] [--seconds 1.5]
+
+With ``BENCH_PROFILE=DIR`` in the environment the datanodes and the baseline
+server run under cProfile (CPU time) and leave ``DIR/<server>-<pid>.prof``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+from bench.cache_bench import profiled
 from bench.common import emit, free_port, median, print_table, ratio, spawn, stop, wait_for_port
 
 SECRET = b"bench-secret"
@@ -50,7 +54,14 @@ def serve_blob(port: int) -> None:
     async def main() -> None:
         await RpcServer(Blob(), name="bench", secret=SECRET).serve("127.0.0.1", port)
 
-    trio.run(main)
+    profiled("blob", lambda: trio.run(main))
+
+
+def serve_datanode(argv: list[str]) -> None:
+    """``cachefs datanode ARGV`` in this process, profiled under BENCH_PROFILE."""
+    from cachefs.datanode import command
+
+    profiled("datanode", lambda: command.main(argv, standalone_mode=False))
 
 
 # ---------------------------------------------------------------- codec
@@ -154,9 +165,12 @@ def run(repeat: int, seconds: float, fsync: bool) -> dict:
     blob_port = free_port()
     procs = [spawn(["-m", "bench.storage_bench", "--serve-blob", str(blob_port)])]
     try:
+        # The bench's own entry point runs the same command, under cProfile when asked.
+        entry = ["-m", "bench.storage_bench", "--serve-datanode"] if os.environ.get("BENCH_PROFILE") else \
+            ["-m", "cachefs.cli", "datanode"]
         for i, port in enumerate(ports):
             procs.append(spawn(
-                ["-m", "cachefs.cli", "datanode", "--zone", ZONES[i], "--data-dir", str(root / f"dn{i}"),
+                [*entry, "--zone", ZONES[i], "--data-dir", str(root / f"dn{i}"),
                  "--capacity", "20G", "--listen", f"127.0.0.1:{port}", "--node-id", f"dn{i}",
                  "--secret-file", str(secret_file), "--log-level", "WARNING",
                  *([] if fsync else ["--no-fsync"])]))
@@ -195,9 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=1.5, help="duration of each run")
     parser.add_argument("--no-fsync", action="store_true", help="datanodes skip fsync (not crash safe)")
     parser.add_argument("--serve-blob", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-datanode", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_blob:
         return serve_blob(args.serve_blob)
+    if args.serve_datanode is not None:
+        return serve_datanode(args.serve_datanode)
     r = run(args.repeat, args.seconds, not args.no_fsync)
 
     def show() -> None:
