@@ -150,7 +150,8 @@ class RaftNode:
         self._xfer_in: dict[int, tuple[int, int, list[bytes]]] = {}  # src -> (xfer, size, parts)
         self._closed = False
         self._nursery: trio.Nursery | None = None
-        self.snapshotting = False  # a snapshot is being taken (by a child process)
+        self.snapshotting = False  # a snapshot is being taken
+        self.snapshot_child: int | None = None  # pid of the child serializing it, if forked
         self._snap_ready: Snapshot | None = None  # taken and saved, to compact the log with
         self._snap_lock = trio.Lock()  # snapshot files: ours vs. one installed from the leader
         label = str(node_id)
@@ -479,6 +480,7 @@ class RaftNode:
         self.snapshotting = True
         if self.dconfig.fork_snapshots and hasattr(os, "fork"):
             read_fd, pid = self._fork_serializer()
+            self.snapshot_child = pid
             self._nursery.start_soon(self._collect_snapshot, meta, read_fd, pid)
         else:
             self._nursery.start_soon(self._save_snapshot, Snapshot(meta, self.sm.snapshot()))
@@ -518,7 +520,11 @@ class RaftNode:
         return read_fd, pid
 
     async def _collect_snapshot(self, meta: Any, read_fd: int, pid: int) -> None:
+        owner = threading.Lock()  # whoever takes it closes the pipe and reaps the child
+
         def collect() -> tuple[bytes, int]:
+            if not owner.acquire(blocking=False):
+                return b"", -1  # cancelled before this thread ran: cleaned up below
             try:
                 with os.fdopen(read_fd, "rb") as pipe:
                     data = pipe.read()
@@ -527,14 +533,20 @@ class RaftNode:
             return data, os.waitstatus_to_exitcode(status)
 
         try:
-            data, code = await trio.to_thread.run_sync(collect, abandon_on_cancel=True)
+            try:
+                data, code = await trio.to_thread.run_sync(collect, abandon_on_cancel=True)
+            finally:
+                self.snapshot_child = None
         except BaseException:
-            # Stopped (or failed) while the child runs: end it; the abandoned
-            # thread then reads EOF and reaps it.
+            # Stopped (or failed) while the child runs: end it. A thread that
+            # already runs ``collect`` then reads EOF and reaps it.
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            if owner.acquire(blocking=False):
+                os.close(read_fd)
+                threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()
             self.snapshotting = False
             raise
         if code != 0:
