@@ -227,10 +227,12 @@ class ShardStore:
         finally:
             os.close(fd)
 
-    def get(self, volume: str, key: str, index: int, offset: int = 0, length: int = -1) -> tuple[bytes, bytes, int]:
+    def get(self, volume: str, key: str, index: int, offset: int = 0,
+            length: int = -1) -> tuple[bytes, bytes | memoryview, int]:
         """Read ``[offset, offset+length)`` of a shard's data (length -1: to the end).
 
-        Returns ``(meta, data, total data length)``.
+        Returns ``(meta, data, total data length)``; a range inside the chunks
+        read is a view of them, not a copy.
 
         Raises:
             NotFound: no such shard.
@@ -262,7 +264,7 @@ class ShardStore:
                     self._corrupt(fd, path, f"chunk {n} fails its checksum")
             if start == chunk_start and end == chunk_end:
                 return meta, raw, data_len
-            return meta, bytes(view[start - chunk_start : end - chunk_start]), data_len
+            return meta, view[start - chunk_start : end - chunk_start], data_len
         except OSError as exc:
             raise IOFailure(f"reading shard {key}.{index}: {exc}") from exc
         finally:

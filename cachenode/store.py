@@ -95,6 +95,7 @@ _U64 = struct.Struct("<Q")
 _SHARDS = 256
 _HEADER_PROBE = 4096
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)
 MMAP_MIN = 1 << 20
 
 
@@ -523,8 +524,10 @@ class BlockStore:
         view of it released), whatever the caller does with ``fd``. Lease
         breaks signal nobody (``F_SETOWN`` 0): SIGIO would kill the process.
         """
+        if _F_SETLEASE is None:  # not Linux
+            return None
         try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
         except OSError:  # open for writing elsewhere, no lease support, not our file
             return None
         try:
@@ -534,7 +537,7 @@ class BlockStore:
                 return memoryview(b"")  # truncated already: fails the length check, dropped
             m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
         except BaseException:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
             raise
         return memoryview(m)[start : start + length]
 
