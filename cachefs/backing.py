@@ -32,6 +32,11 @@ is slow is *hedged*: after a delay adapted to recent shard latencies one more
 shard is requested per outstanding slow one, and the first K answers win.
 Byte ranges of uncompressed blocks read only the covering data shards,
 unless something fails, in which case the whole block is rebuilt and sliced.
+Which shards and offsets cover a range depends on the block's header (its
+length, compression); a range read plans with the header of a full-size
+uncompressed block until it has seen the real one, which it then keeps
+(blocks are immutable, so a header never changes): later ranges of a short or
+compressed block take one round trip, not a wrong guess and a second.
 When the PG itself comes up short, the missing shards are looked for on
 their first few handoff substitutes, then on the datanodes outside the PG:
 after a join or leave the map moves slots at once but the shards only move
@@ -251,6 +256,7 @@ class BackingClient:
     SEARCH_LIMIT = 64  # shard reads spent looking outside the PG when it comes up short
     HANDOFF_SEARCH = 8  # substitutes per shard a put may use and a read looks at (handoff_order's first)
     HANDOFF_TRIES = 3  # substitutes a put tries per shard before it gives that shard up
+    HEADERS_KEPT = 16384  # block headers remembered for range reads (~300 bytes each)
 
     def __init__(self, pool: RpcPool, view: Any, *, zone: str | None = None, timeout: float = 10.0,
                  hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5,
@@ -268,6 +274,7 @@ class BackingClient:
         self.stats = _Stats()
         self._codecs: dict[VolumePolicy, Codec] = {}
         self._latency = 0.05  # EWMA of shard read latency, seconds
+        self._headers: collections.OrderedDict[tuple[str, BlockKey], BlockHeader] = collections.OrderedDict()
 
     # -- helpers --------------------------------------------------------------
 
@@ -320,6 +327,12 @@ class BackingClient:
                 raise
             await refresh()
             return self.view.policy(volume), self.view.placement(volume, key)
+
+    def _remember(self, volume: str, key: BlockKey, header: BlockHeader) -> None:
+        """Keep a block's header for its later range reads (bounded, oldest out)."""
+        self._headers[(volume, key)] = header
+        if len(self._headers) > self.HEADERS_KEPT:
+            self._headers.popitem(last=False)
 
     def _hedge_delay(self) -> float:
         return min(self.hedge_max, max(self.hedge_min, 4 * self._latency))
@@ -643,6 +656,7 @@ class BackingClient:
             raise self._failure(f"block {key.hex()}", policy, outcome)
         header = _consensus(outcome)
         self.codec(policy).check_header(header)
+        self._remember(volume, key, header)
         if outcome.errors:
             self.stats["degraded_reads"] += 1
         return header, {i: s.data for i, s in outcome.shards.items() if s.header == header}
@@ -710,7 +724,7 @@ class BackingClient:
 
     async def _get_range_ec(self, codec: Codec, volume: str, key: BlockKey, pg: tuple[str, ...],
                             offset: int, length: int) -> bytes:
-        guess = codec.expected_header(codec.policy.block_size)
+        guess = self._headers.get((volume, key)) or codec.expected_header(codec.policy.block_size)
         plan = codec.plan_range(guess, offset, length)
         for _attempt in range(2):
             if not plan:
@@ -718,6 +732,7 @@ class BackingClient:
             pieces = await self._read_plan(volume, key, pg, plan)
             header = _consensus(pieces)
             codec.check_header(header)
+            self._remember(volume, key, header)
             real = codec.plan_range(header, offset, length)
             if real == plan:
                 parts = [pieces.shards[n].data for n in range(len(plan))]
