@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -256,9 +257,11 @@ class Lab:
         self.save()
         if self.config.netns:
             self._net = netns.ensure(self.root, self.config.netns, [(n.name, n.zone) for n in self.nodes])
-        for node in self.nodes:
-            if not (node.pid and _alive(node.pid)):
-                self.start(node.name)
+        stopped = [n for n in self.nodes if not (n.pid and _alive(n.pid))]
+        if not self.config.netns:  # namespaced nodes each have an address of their own
+            _check_ports_free(stopped)
+        for node in stopped:
+            self.start(node.name)
         self.run(self._wait_ready, timeout)
 
     @property
@@ -306,7 +309,9 @@ class Lab:
         dead = [n.name for n in self.nodes if n.pid and not _alive(n.pid)]
         if dead:
             logs = self.root / "logs"
-            raise click.ClickException(f"lab nodes exited during start-up: {', '.join(dead)} (see {logs})")
+            last = _last_line(logs / f"{dead[0]}.log")
+            raise click.ClickException(f"lab nodes exited during start-up: {', '.join(dead)} "
+                                       f"({dead[0]}: {last}; see {logs})")
 
     # ------------------------------------------------------------ mount
 
@@ -447,6 +452,35 @@ def _openssl(*args: str) -> None:
                             stdin=subprocess.DEVNULL)
     if result.returncode != 0:
         raise click.ClickException(f"openssl {args[0]} failed: {result.stderr.strip()}")
+
+
+def _check_ports_free(nodes: list[Node]) -> None:
+    """Refuse to start when another program holds a port a node needs, naming
+    both, rather than letting that daemon die of EADDRINUSE mid start-up."""
+    for node in nodes:
+        host = node.addr.rsplit(":", 1)[0]
+        for port in (node.port, node.metrics_port):
+            if not port:
+                continue
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError as exc:
+                    raise click.ClickException(
+                        f"{host}:{port} ({node.name}) is in use by another program ({exc.strerror}): "
+                        "stop it or start the lab with another --base-port") from None
+
+
+def _last_line(path: Path) -> str:
+    """The last line of a log with words on it (not a traceback's frame of
+    ``+---`` and ``|``): usually the error a dead daemon died of."""
+    try:
+        tail = path.read_bytes()[-4096:].decode(errors="replace")
+    except OSError:
+        return "no log"
+    lines = [line.strip(" |+-") for line in tail.splitlines()]
+    return next((line for line in reversed(lines) if line), "empty log")
 
 
 def _alive(pid: int) -> bool:
