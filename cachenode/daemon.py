@@ -298,6 +298,9 @@ def command(
     """Run a cache node: blocks on local flash, read through from backing storage."""
     setup_logging("cachenode", log_level)
     keep_large_buffers()  # block-sized read and fill buffers: reuse heap memory, no fresh mmaps
+    # A read lease broken in the instant between F_SETLEASE and F_SETOWN 0
+    # (cachenode/store.py) would raise SIGIO at us, and its default is to die.
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
     secret = load_secret(secret_file, insecure)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     if capacity <= 0:
