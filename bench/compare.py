@@ -52,8 +52,14 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
 
     bed.set_link(RTT2)
     mnt = bed.mount_cachefs(work / "fio-cfs", l1_size=args.l1_size)
+
+    def remount() -> None:  # the cold case starts from an empty L1, as for JuiceFS's dropped cache
+        bed.umount_cachefs(mnt)
+        bed.mount_cachefs(mnt, l1_size=args.l1_size)
+
     ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
-                            runtime=args.fio_runtime, workdir=str(work), mount=str(mnt), lab=False)
+                            runtime=args.fio_runtime, workdir=str(work), mount=str(mnt), lab=False,
+                            remount=remount)
     try:
         _progress(f"fio: local disk, passthrough and cachefs ({args.fio_size}, {args.repeat} repeat(s))")
         result = fc.measure(ns)

@@ -130,7 +130,9 @@ class Remount:
 def cachefs_mount(
     args: argparse.Namespace, mountpoint: Path, remount: Remount | None = None
 ) -> Iterator[Path]:
-    if args.mount:
+    if args.mount:  # someone else's mount; they may say how to remount it
+        if remount is not None:
+            remount.fn = getattr(args, "remount", None)
         yield Path(args.mount)
         return
     if args.lab:
