@@ -68,6 +68,7 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     result = json.loads(proc.stdout)
     _finite(result, DATALOADER_KEYS + META_KEYS)
     assert result["fio"]["median_mib_s"]["cachefs_warm_seq"] > 0
+    assert result["fio"]["cold_after_remount"] is True  # the cold read did not come from L1
     assert result["dataloader"]["samples_per_s"]["rtt2ms"]["w1"]["warm"]["median"] > 0
     if _juicefs():
         _finite(result, JUICEFS_DATALOADER_KEYS + JUICEFS_FIO_KEYS + JUICEFS_META_KEYS)
