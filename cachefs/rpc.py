@@ -286,6 +286,9 @@ class Connection:
             while self._outbox and not self.closed:
                 bufs, self._outbox, self._outbox_bytes = self._outbox, [], 0
                 await self._send_buffers(bufs)
+                # Let go of what was sent at once: a payload may be a leased
+                # mapping of a cache file that another process waits to write.
+                del bufs
             self._sending = False
             self._drained.set()
             self._drained = trio.Event()
@@ -343,7 +346,8 @@ class Connection:
                 try:
                     data = await self.stream.receive_some(256 * 1024)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise ConnectionLost(f"{self.peer}: TLS stream failed: {exc}") from None
+                    reason = exc.__cause__ or exc  # the SSL error (a refused certificate) behind it
+                    raise ConnectionLost(f"{self.peer}: TLS stream failed: {reason}") from None
                 if not data:
                     raise ConnectionLost(f"{self.peer} closed the connection")
                 decoder.receive_data(data)
