@@ -559,13 +559,8 @@ class RpcServer:
             if inspect.isawaitable(result):
                 return result
             reply: wire.Event = self._response(req, result)
-        except CacheFSError as exc:
-            code = exc.code
-            reply = wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
-        except Exception:
-            code = "EIO"
-            log.exception("%s: handler %s failed", self.name, req.method)
-            reply = wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
+        except Exception as exc:
+            code, reply = self._failure(req, exc)
         try:
             conn.send(reply)
         except TypeError:
@@ -585,13 +580,8 @@ class RpcServer:
         try:
             try:
                 reply = await self._dispatch(conn, req, pending)
-            except CacheFSError as exc:
-                code = exc.code
-                reply = wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
-            except Exception:
-                code = "EIO"
-                log.exception("%s: handler %s failed", self.name, req.method)
-                reply = wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
+            except Exception as exc:
+                code, reply = self._failure(req, exc)
             try:
                 await conn.send_and_wait(reply)
             except TypeError:
@@ -607,6 +597,14 @@ class RpcServer:
             metrics.observe_call(self.name, req.method if req.method in self.methods else "<unknown>",
                                  code, time.perf_counter() - started,
                                  len(req.payload or b""))
+
+    def _failure(self, req: wire.Request, exc: Exception) -> tuple[str, wire.ErrorReply]:
+        """The metrics code and error reply for a handler that raised: its typed
+        error as it is, anything else (a bug) logged and answered as EIO."""
+        if isinstance(exc, CacheFSError):
+            return exc.code, wire.ErrorReply(req.call_id, exc.code, exc.message, _wire_details(exc.details))
+        log.error("%s: handler %s failed", self.name, req.method, exc_info=exc)
+        return "EIO", wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
 
     def _kwargs(self, conn: Connection, req: wire.Request, method: Method) -> dict[str, Any]:
         method.check(req.args)
