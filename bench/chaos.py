@@ -559,22 +559,16 @@ class Chaos:
 
     def corrupt_shards(self, count: int = 12) -> Row:
         """Bit flips and truncations in one datanode's shard files (at most M shards of a block)."""
+        if not self.work.files:  # run first, or alone: write something to damage
+            with self.load():
+                pass
         self.caches(up=False)
         victim = self.rng.choice(self.lab.of_kind("datanode"))
         files = sorted(p for p in (self.lab.root / victim.name / "shards").rglob("*")
                        if p.is_file() and not p.name.endswith(".corrupt"))
         chosen = self.rng.sample(files, min(count, len(files)))
         for i, path in enumerate(chosen):
-            size = path.stat().st_size
-            with open(path, "r+b") as f:
-                if i % 2 == 0 and size:
-                    pos = self.rng.randrange(size)
-                    f.seek(pos)
-                    byte = f.read(1)[0]
-                    f.seek(pos)
-                    f.write(bytes([byte ^ (1 << self.rng.randrange(8))]))
-                else:
-                    f.truncate(self.rng.randrange(size) if size else 0)
+            damage(path, self.rng, flip=i % 2 == 0)
         t0 = time.monotonic()
         self.probe()
         recover = time.monotonic() - t0
@@ -803,16 +797,7 @@ class Chaos:
                        for p in (self.lab.root / node.name / "blocks").rglob("*") if p.is_file())
         chosen = self.rng.sample(files, min(count, len(files)))
         for i, path in enumerate(chosen):
-            size = path.stat().st_size
-            with open(path, "r+b") as f:
-                if i % 2 == 0 and size:
-                    pos = self.rng.randrange(size)
-                    f.seek(pos)
-                    byte = f.read(1)[0]
-                    f.seek(pos)
-                    f.write(bytes([byte ^ 0x10]))
-                else:
-                    f.truncate(self.rng.randrange(size) if size else 0)
+            damage(path, self.rng, flip=i % 2 == 0)
         t0 = time.monotonic()
         row = self.record("corrupt cache block files (bit flips, truncation)", len(chosen), None,
                           f"{len(chosen)} of {len(files)} cached blocks")
@@ -905,6 +890,20 @@ class Chaos:
                 self.kill_client, self.fill_cache, self.fill_datanode, self.corrupt_wal_tail, self.corrupt_snapshot,
                 self.corrupt_cache_files,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
+
+
+def damage(path: Path, rng: random.Random, *, flip: bool) -> None:
+    """Flip one random bit of ``path``, or truncate it at a random length."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        if flip and size:
+            pos = rng.randrange(size)
+            f.seek(pos)
+            byte = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        else:
+            f.truncate(rng.randrange(size) if size else 0)
 
 
 def _summary(result: subprocess.CompletedProcess[str]) -> str:
