@@ -344,13 +344,13 @@ class Lab:
 
     def down(self, *, wipe: bool = False) -> None:
         self.umount()
-        alive = [n for n in self.nodes if n.pid and _alive(n.pid)]
-        for node in alive:
-            os.kill(node.pid, signal.SIGTERM)
-        for node in alive:
-            if not _reap(node.pid, timeout=10):
-                os.kill(node.pid, signal.SIGKILL)
-                _reap(node.pid, timeout=5)
+        alive = [n.pid for n in self.nodes if n.pid and _alive(n.pid)] + self._strays()
+        for pid in alive:
+            os.kill(pid, signal.SIGTERM)
+        for pid in alive:
+            if not _reap(pid, timeout=10):
+                os.kill(pid, signal.SIGKILL)
+                _reap(pid, timeout=5)
         for node in self.nodes:
             self._forget(node.name)
             node.pid = None
@@ -360,6 +360,24 @@ class Lab:
             self._net = None
         if wipe:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _strays(self) -> list[int]:
+        """Daemons of this lab the state file does not know: a ``lab up``
+        killed between starting a node and recording its pid leaves one.
+        They are found by their data directory under the lab's root."""
+        marker = f"{self.root}/".encode()
+        known = {n.pid for n in self.nodes if n.pid}
+        strays = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in known:
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"cachefs.cli" in argv and any(arg.startswith(marker) for arg in argv) and _alive(int(entry.name)):
+                strays.append(int(entry.name))
+        return strays
 
     # ------------------------------------------------------------ status
 

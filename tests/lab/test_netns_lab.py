@@ -308,6 +308,21 @@ def test_lab_down_after_lab_up_was_killed(tmp_path):
     assert down.returncode == 0, down.stderr
     assert lab_leftovers(prefix) == []
     assert not [pid for pid in pids if running(pid)]
+    assert not daemons_under(root)  # also any started after the last pid was recorded
+
+
+def daemons_under(root: Path) -> list[int]:
+    """Live cachefs processes with a path under ``root`` on their command line."""
+    marker = f"{root}/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if b"cachefs.cli" in argv and any(a.startswith(marker) for a in argv) and running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
 
 
 def test_cut_and_heal_a_single_node(tmp_path):
