@@ -70,6 +70,18 @@ TXN_MARK = ".cachefs-txn-"  # temporary names of files written in a transaction
 NAME_MAX = 255
 
 
+def _read_option_file(option: str, path: str) -> bytes:
+    """The stripped contents of a secret or token file, or a ValueError naming the option."""
+    try:
+        with open(path, "rb") as f:
+            value = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cachefs: {option} {path}: {exc.strerror}") from None
+    if not value:
+        raise ValueError(f"cachefs: {option} {path} is empty")
+    return value
+
+
 def _env_bool(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -126,14 +138,7 @@ class CacheFSFileSystem(AbstractFileSystem):
             return secret.encode() if isinstance(secret, str) else secret
         secret_file = secret_file or os.environ.get("CACHEFS_SECRET_FILE")
         if secret_file:
-            try:
-                with open(secret_file, "rb") as f:
-                    value = f.read().strip()
-            except OSError as exc:
-                raise ValueError(f"cachefs: secret_file {secret_file}: {exc.strerror}") from None
-            if not value:
-                raise ValueError(f"cachefs: secret_file {secret_file} is empty")
-            return value
+            return _read_option_file("secret_file", secret_file)
         env = os.environ.get("CACHEFS_SECRET", "").strip()
         if env:
             return env.encode()
@@ -150,14 +155,7 @@ class CacheFSFileSystem(AbstractFileSystem):
             return token if isinstance(token, str) else dict(token)
         token_file = token_file or os.environ.get("CACHEFS_TOKEN_FILE")
         if token_file:
-            try:
-                with open(token_file) as f:
-                    value = f.read().strip()
-            except OSError as exc:
-                raise ValueError(f"cachefs: token_file {token_file}: {exc.strerror}") from None
-            if not value:
-                raise ValueError(f"cachefs: token_file {token_file} is empty")
-            return value
+            return _read_option_file("token_file", token_file).decode()
         return os.environ.get("CACHEFS_TOKEN", "").strip() or None
 
     def token_for(self, volume: str) -> str | None:
