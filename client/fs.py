@@ -202,7 +202,8 @@ class CacheFS(pyfuse3.Operations):
         """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``):
         O_DIRECT readers bypass the page cache, and what a job just wrote is
         what it reads next (JuiceFS keeps written blocks in its cache too)."""
-        self.l1.put(key, bytes(data), cold=True)
+        if len(data) <= self.l1.capacity:  # else L1 would drop it: spare the copy
+            self.l1.put(key, bytes(data), cold=True)
 
     async def _flush_inode(self, inode: Inode) -> None:
         if inode.writer is not None:
