@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +37,22 @@ def free_base(first: int) -> int:
         if _ports_free([base + off + m for off in offsets for m in (0, 1000)]):  # metrics: port + 1000
             return base
     raise RuntimeError(f"no free lab port range in {first}-{first + 3000}")
+
+
+def running_chaos(root: Path, *, seed: int, netns_subnet: str | None = None) -> Iterator[object]:
+    """A quick Chaos lab, up and mounted, with a short workload (bench.chaos runs
+    the long version); torn down and its mount point removed afterwards."""
+    from bench.chaos import Chaos, quick_config
+
+    mnt = Path(tempfile.mkdtemp(prefix="cachefs-fault-mnt-"))
+    config = quick_config(str(root), free_base(23000))
+    config.netns = netns_subnet
+    c = Chaos(config, mnt, quick=True, seed=seed)
+    c._ops = 15  # keep CI short
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
+        if not mnt.is_mount():
+            shutil.rmtree(mnt, ignore_errors=True)

@@ -10,33 +10,21 @@ whole again for the next.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos import Chaos, quick_config
+from bench.chaos import Chaos
 
-from .conftest import free_base, needs_fuse_root
+from .conftest import needs_fuse_root, running_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory):
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     needs_fuse_root()
-    root = tmp_path_factory.mktemp("chaos")
-    mnt = Path(tempfile.mkdtemp(prefix="cachefs-fault-mnt-"))
-    c = Chaos(quick_config(str(root), free_base(23000)), mnt, quick=True, seed=7)
-    c._ops = 15  # keep CI short; bench.chaos runs the long version
-    try:
-        c.up()
-        yield c
-    finally:
-        c.down()
-        if not mnt.is_mount():
-            shutil.rmtree(mnt, ignore_errors=True)
+    yield from running_chaos(tmp_path_factory.mktemp("chaos"), seed=7)
 
 
 def _ok(row) -> None:

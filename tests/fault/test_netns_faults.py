@@ -6,40 +6,27 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos import Chaos, quick_config
+from bench.chaos import Chaos
 from cachefs import netns
 
-from .conftest import free_base, needs_fuse_root
+from .conftest import needs_fuse_root, running_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory):
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     needs_fuse_root()
     reason = netns.netns_supported()
     if reason:
         pytest.skip(f"network namespaces are not usable here: {reason}")
     if shutil.which("nsenter") is None:
         pytest.skip("nsenter is not installed")
-    root = tmp_path_factory.mktemp("chaosnet")
-    mnt = Path(tempfile.mkdtemp(prefix="cachefs-netfault-mnt-"))
-    config = quick_config(str(root), free_base(23000))
-    config.netns = netns.DEFAULT_SUBNET
-    c = Chaos(config, mnt, quick=True, seed=11)
-    c._ops = 15
-    try:
-        c.up()
-        yield c
-    finally:
-        c.down()
-        if not mnt.is_mount():
-            shutil.rmtree(mnt, ignore_errors=True)
+    yield from running_chaos(tmp_path_factory.mktemp("chaosnet"), seed=11, netns_subnet=netns.DEFAULT_SUBNET)
 
 
 def test_partition_the_metanode_leader(chaos: Chaos) -> None:
