@@ -14,6 +14,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cachefs cachefs
 COPY metanode metanode
+COPY datanode datanode
 COPY cachenode cachenode
 COPY client client
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .

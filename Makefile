@@ -40,7 +40,7 @@ test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check cachefs metanode cachenode client bench tests
+	$(BIN)/ruff check cachefs metanode datanode cachenode client bench tests
 
 lab: setup
 	$(BIN)/cachefs lab up --dir /tmp/cachefs-lab --mount /mnt/cachefs --workload

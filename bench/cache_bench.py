@@ -126,10 +126,9 @@ def serve_cache(
     inline: int,
     threads: int,
 ) -> None:
+    from cachefs.backing.codec import keep_large_buffers
     from cachefs.cachenode.service import CacheLimits, CacheService
     from cachefs.cachenode.store import BlockStore
-
-    from cachefs.erasure import keep_large_buffers
     from cachefs.ids import BlockKey
     from cachefs.rpc import RpcPool, RpcServer
 

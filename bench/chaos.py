@@ -45,7 +45,7 @@ import trio
 
 from bench.common import print_table
 from cachefs.errors import CacheFSError
-from cachefs.lab import Lab, LabConfig
+from cachefs.lab.cluster import Lab, LabConfig
 from cachefs.rpc import RpcPool
 
 # ---------------------------------------------------------------- the workload
@@ -416,7 +416,7 @@ class Chaos:
         argv = [sys.executable, "-m", "cachefs.cli", "repair", "--meta", ",".join(self.lab.meta_addrs),
                 "--secret-file", str(self.lab.secret_file), *extra]
         if self.lab.config.netns:  # the lab's addresses are reachable from the client namespace only
-            from cachefs import netns
+            from cachefs.lab import netns
 
             argv = self.lab.network.wrap(netns.CLIENT, argv)
         return subprocess.run(argv, capture_output=True, text=True, timeout=300)
@@ -859,7 +859,7 @@ class Chaos:
         (reads cross the lossy links too) and after heal. Recovery: from the
         loss going on until a probe write succeeds through it.
         """
-        from cachefs import netns
+        from cachefs.lab import netns
 
         fault = f"drop {percent:g}% of packets on all links"
         reason = netns.loss_supported()
@@ -970,7 +970,7 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
     mnt = Path(tempfile.mkdtemp(prefix="cachefs-chaos-mnt-"))
     config = (quick_config if quick else full_config)(root, base_port)
     if use_netns:
-        from cachefs import netns
+        from cachefs.lab import netns
 
         reason = netns.netns_supported()
         if reason:

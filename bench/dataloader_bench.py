@@ -26,7 +26,7 @@ Cases (samples/s; each repeated ``--repeat`` times, median and min-max):
   ``juicefs warmup`` with the page cache dropped.
 
 - ``native`` / ``native_second`` (g) the native API Dataset with
-  sampler-aware prefetch (``cachefs.torch.CacheFSDataset``, as in
+  sampler-aware prefetch (``cachefs.client.adapters.torch.CacheFSDataset``, as in
   bench/native_case.py) with the same decode as a transform, right after
   case (c) (cache tier warm, a fresh client): epoch 1 and epoch 2.
 """
@@ -125,10 +125,10 @@ def decode(data: bytes) -> Any:
 
 
 def run_native_epochs(bed: Testbed, directory: str, workers: int, epochs: int, batch_size: int) -> list[float]:
-    """Case (g): samples/s of each epoch of cachefs.torch's Dataset (no FUSE, sampler-aware prefetch)."""
+    """Case (g): samples/s of each epoch of cachefs.client.adapters.torch's Dataset (no FUSE, sampler-aware prefetch)."""
     import torch
 
-    from cachefs.torch import CacheFSDataset, make_loader
+    from cachefs.client.adapters.torch import CacheFSDataset, make_loader
 
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     ds = CacheFSDataset(bed.lab.meta_addrs, "lab", directory, secret=bed.lab.secret, zone="z1",
@@ -180,9 +180,9 @@ def _progress(msg: str) -> None:
 
 
 def _native_case() -> bool:
-    """Whether case (g) can run: the native Dataset (cachefs.torch) is there."""
+    """Whether case (g) can run: the native Dataset (cachefs.client.adapters.torch) is there."""
     try:
-        import cachefs.torch  # noqa: F401
+        import cachefs.client.adapters.torch  # noqa: F401
     except ImportError:
         return False
     return True
@@ -304,8 +304,8 @@ def _summarise(runs: dict[str, Any], args: argparse.Namespace, nbytes: int, bed:
         "batch_size": args.batch_size, "workers": args.workers, "repeat": args.repeat,
         "links": {p: PROFILES[p].describe() for p in args.profiles},
         "juicefs": bed.juicefs.version() if bed.juicefs is not None else None,
-        "native_case": ("run: cachefs.torch.CacheFSDataset, the same decode as transform, after case (c)"
-                        if args.native else "not run (--no-native, or cachefs.torch is missing)"),
+        "native_case": ("run: cachefs.client.adapters.torch.CacheFSDataset, the same decode as transform, after case (c)"
+                        if args.native else "not run (--no-native, or cachefs.client.adapters.torch is missing)"),
         "samples_per_s": table,
     }
     for pname in args.profiles:
@@ -349,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--no-native", dest="native", action="store_false",
-                        help="skip case (g), the native Dataset (cachefs.torch)")
+                        help="skip case (g), the native Dataset (cachefs.client.adapters.torch)")
     parser.add_argument("--profiles", default="rtt2ms,rtt10ms",
                         help=f"link profiles ({', '.join(f'{k}: {v.describe()}' for k, v in PROFILES.items())})")
 

@@ -182,10 +182,10 @@ def cachefs_mount(
 def _lab_mount(
     args: argparse.Namespace, mountpoint: Path, remount: Remount | None = None
 ) -> Iterator[Path]:
-    """A whole lab cluster (cachefs.lab: 3 metanodes, 6 datanodes, 6 cache nodes, ec:4+2) for this run."""
+    """A whole lab cluster (cachefs.lab.cluster: 3 metanodes, 6 datanodes, 6 cache nodes, ec:4+2) for this run."""
     import warnings
 
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     lab = Lab(LabConfig(root=str(mountpoint.parent / "lab"), base_port=args.lab_port, metrics=False))
     try:
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument(
         "--meta", help="metanode addresses (host:port,...): mount a volume for the run"
     )
-    where.add_argument("--lab", action="store_true", help="start a lab cluster (cachefs.lab) for the run")
+    where.add_argument("--lab", action="store_true", help="start a lab cluster (cachefs.lab.cluster) for the run")
     parser.add_argument("--lab-port", type=int, default=26000, help="base port of the --lab cluster")
     parser.add_argument("--volume", default="vol", help="volume to mount with --meta")
     parser.add_argument("--secret-file")

@@ -103,7 +103,6 @@ async def _timed(clients: int, seconds: float, make_op: Any) -> tuple[float, lis
 
 async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any]:
     from cachefs.metanode.client import MetaClient
-
     from cachefs.rpc import RpcPool
 
     out: dict[str, Any] = {}

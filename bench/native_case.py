@@ -49,7 +49,7 @@ def run_native(
     """Samples/s of each epoch of the native Dataset (sampler-aware prefetch)."""
     import torch
 
-    from cachefs.torch import CacheFSDataset, make_loader
+    from cachefs.client.adapters.torch import CacheFSDataset, make_loader
 
     ds = CacheFSDataset(
         meta_addrs, volume, directory, secret=secret, zone=zone, prefetch_depth=prefetch_depth
@@ -136,8 +136,7 @@ def _write_set(fs: Any, directory: str, files: int, size: int) -> None:
 
 def run(files: int, size: int, epochs: int, workers: list[int], batch_size: int) -> dict[str, Any]:
     from cachefs.client.api import connect
-
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     root = Path(tempfile.mkdtemp(prefix="cachefs-native-bench-"))
     lab = Lab(LabConfig(root=str(root / "lab"), metanodes=3, datanodes=3, cachenodes=2, zones=3,

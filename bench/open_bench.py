@@ -29,7 +29,6 @@ VOL = "bench"
 
 async def _bench(addrs: list[str], files: int) -> dict[str, Any]:
     from cachefs.metanode.client import MetaClient
-
     from cachefs.rpc import RpcPool
 
     async with RpcPool(secret=None) as pool:

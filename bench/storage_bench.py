@@ -59,7 +59,7 @@ def serve_blob(port: int) -> None:
 
 def serve_datanode(argv: list[str]) -> None:
     """``cachefs datanode ARGV`` in this process, profiled under BENCH_PROFILE."""
-    from cachefs.datanode import command
+    from cachefs.datanode.daemon import command
 
     profiled("datanode", lambda: command.main(argv, standalone_mode=False))
 
@@ -68,8 +68,8 @@ def serve_datanode(argv: list[str]) -> None:
 
 def codec_rates(seconds: float) -> tuple[float, float]:
     """(encode, degraded decode) MB/s of ec:4+2 on 4 MiB blocks, one core."""
-    from cachefs.erasure import Codec
-    from cachefs.policy import VolumePolicy
+    from cachefs.backing.codec import Codec
+    from cachefs.backing.policy import VolumePolicy
 
     codec = Codec(VolumePolicy.parse("ec:4+2"))
     data = os.urandom(BLOCK)
@@ -109,9 +109,10 @@ async def _loop(inflight: int, seconds: float, op) -> float:
 
 
 async def cluster_round(addrs: list[str], blob_addr: str, seconds: float, round_no: int) -> dict[str, float]:
-    from cachefs.backing import BackingClient, ClusterView, DatanodeInfo
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import ClusterView, DatanodeInfo
+    from cachefs.backing.policy import VolumePolicy
     from cachefs.ids import BlockKey
-    from cachefs.policy import VolumePolicy
     from cachefs.rpc import RpcPool
 
     infos = [DatanodeInfo(f"dn{i}", a, ZONES[i]) for i, a in enumerate(addrs)]

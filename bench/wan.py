@@ -206,7 +206,7 @@ class Relay:
 
 def wan_lab(root: Path, base_port: int, cachenodes: int = 2) -> Any:
     """A lab whose datanodes advertise a relay port: port + ``RELAY_OFFSET``."""
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     class WanLab(Lab):
         def _argv(self, node: Any) -> list[str]:

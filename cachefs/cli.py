@@ -17,17 +17,17 @@ from cachefs.config import load_toml, validate_section
 
 SUBCOMMANDS: dict[str, str] = {
     "metanode": "cachefs.metanode.daemon:command",
-    "datanode": "cachefs.datanode:command",
+    "datanode": "cachefs.datanode.daemon:command",
     "cachenode": "cachefs.cachenode.daemon:command",
     "volume": "cachefs.metanode.admin:volume",
     "mount": "cachefs.client.mount:mount_command",
     "umount": "cachefs.client.mount:umount_command",
     "warmup": "cachefs.cachenode.warmup:command",
-    "repair": "cachefs.repair:command",
-    "gc": "cachefs.client.gc:command",
+    "repair": "cachefs.backing.repair:command",
+    "gc": "cachefs.backing.gc:command",
     "status": "cachefs.status:status",
     "health": "cachefs.status:health",
-    "lab": "cachefs.lab:lab",
+    "lab": "cachefs.lab.cluster:lab",
     "bench": "cachefs.benchcmd:bench",
 }
 

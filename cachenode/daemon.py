@@ -2,7 +2,7 @@
 
 The daemon opens the block store (rebuilding its index from disk, so a node
 restarted after a crash serves what it had), serves the cache RPC methods,
-reads misses through :class:`cachefs.backing.BackingClient` using the cluster
+reads misses through :class:`cachefs.backing.client.BackingClient` using the cluster
 map from the metanodes, registers itself in that map and heartbeats its usage.
 
 Metanodes are optional, as for the datanode: without ``--meta`` (tests, a bare
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import trio
 
+from cachefs.backing.codec import keep_large_buffers
 from cachefs.config import (
     ADDR,
     ADDRS,
@@ -37,7 +38,6 @@ from cachefs.config import (
     setup_logging,
     tls_options,
 )
-from cachefs.erasure import keep_large_buffers
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
@@ -73,8 +73,8 @@ def lock_dir(cache_dir: Path) -> int:
 
 def add_rdma(server: RpcServer, service: CacheService) -> bool:
     """Serve ``rdma_get`` too when this machine has an RDMA device; else TCP only."""
-    from cachefs.client.transport import RdmaUnavailable
-    from cachefs.client.transport.rdma import RdmaResponder, probe_device
+    from cachefs.transport import RdmaUnavailable
+    from cachefs.transport.rdma import RdmaResponder, probe_device
 
     try:
         device = probe_device()
@@ -111,9 +111,9 @@ async def serve(
             backing: Any = NoBacking()
             meta_client = None
             if meta:
+                from cachefs.backing.client import BackingClient
+                from cachefs.backing.cluster import MetaClusterView
                 from cachefs.metanode.client import MetaClient
-
-                from cachefs.backing import BackingClient, MetaClusterView
 
                 meta_client = MetaClient(
                     pool, meta, client_id=f"cachenode-{node_id}", deadline=max(5.0, heartbeat)

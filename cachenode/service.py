@@ -97,7 +97,7 @@ BACKING_LATENCY = Histogram(
 
 
 class BlockSource(Protocol):
-    """Where misses are read from: ``cachefs.backing.BackingClient`` in production."""
+    """Where misses are read from: ``cachefs.backing.client.BackingClient`` in production."""
 
     async def get_block(self, volume: str, key: BlockKey) -> bytes | bytearray | memoryview: ...
 

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import trio
-from cachefs.client.slicemap import HOLE, Slice, resolve, segment_blocks
 
 from cachefs.config import ADDRS, load_secret, load_tls, tls_options
 from cachefs.errors import (
@@ -47,6 +46,7 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.layout import HOLE, Slice, resolve, segment_blocks
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 
@@ -302,7 +302,6 @@ async def run_warmup(
     quiet: bool = False,
     tls: ssl.SSLContext | None = None,
 ) -> WarmupReport:
-    from cachefs.metanode.client import MetaClient
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -313,6 +312,8 @@ async def run_warmup(
         TimeElapsedColumn,
         TransferSpeedColumn,
     )
+
+    from cachefs.metanode.client import MetaClient
 
     console = Console(stderr=True, quiet=quiet)
     async with RpcPool(secret=secret, tls=tls) as pool:

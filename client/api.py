@@ -70,9 +70,10 @@ from cachefs.errors import (
     NotFound,
     TooManyLinks,
 )
+from cachefs.messages import Attr
 from cachefs.rpc import RpcPool
 
-from .inodes import Attr, Inode
+from .inodes import Inode
 from .l1 import L1Cache
 from .reader import Readahead, Reader
 from .session import Session

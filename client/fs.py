@@ -45,12 +45,13 @@ from typing import Any, TypeVar
 
 import pyfuse3
 import trio
-from cachefs.metanode.commands import MAX_FILE_SIZE
 
 from cachefs.errors import CacheFSError, FileTooLarge, NoData, NotFound
 from cachefs.ids import BlockKey
+from cachefs.layout import MAX_FILE_SIZE
+from cachefs.messages import Attr
 
-from .inodes import Attr, Inode, InodeTable
+from .inodes import Inode, InodeTable
 from .l1 import L1Cache
 from .reader import Readahead, Reader
 from .session import Session
@@ -65,6 +66,29 @@ XATTR_CACHE = 64  # names cached per inode
 COMPACT_DELAY = 0.5
 FLUSH_IDLE = 5.0
 MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
+
+
+def entry_attributes(
+    attr: Attr, attr_timeout: float, entry_timeout: float, block_size: int = 4096
+) -> pyfuse3.EntryAttributes:
+    """The kernel's view of ``attr``."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = attr.ino
+    e.generation = attr.generation
+    e.st_mode = attr.mode
+    e.st_nlink = attr.nlink
+    e.st_uid = attr.uid
+    e.st_gid = attr.gid
+    e.st_rdev = attr.rdev
+    e.st_size = attr.size
+    e.st_blksize = block_size
+    e.st_blocks = (attr.size + 511) // 512
+    e.st_atime_ns = attr.atime_ns
+    e.st_mtime_ns = attr.mtime_ns
+    e.st_ctime_ns = attr.ctime_ns
+    e.attr_timeout = attr_timeout
+    e.entry_timeout = entry_timeout
+    return e
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -153,7 +177,8 @@ class CacheFS(pyfuse3.Operations):
         attr = inode.attr
         if inode.writer is not None and inode.size != attr.size:
             attr = attr.with_size(inode.size)
-        return attr.entry(
+        return entry_attributes(
+            attr,
             self.options.attr_timeout if attr_timeout is None else attr_timeout,
             self.options.entry_timeout,
             self.session.block_size,
@@ -556,8 +581,8 @@ class CacheFS(pyfuse3.Operations):
         known = self.inodes.get(attr.ino)
         if known is not None and known.writer is not None and known.writer.dirty:
             return self._entry(known)
-        return attr.entry(
-            self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
+        return entry_attributes(
+            attr, self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
         )
 
     @_fuse

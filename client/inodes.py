@@ -21,94 +21,20 @@ its reads need no ``read_chunk``.
 
 from __future__ import annotations
 
-import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import pyfuse3
-
-from cachefs.errors import IOFailure
+from cachefs.messages import Attr
 
 if TYPE_CHECKING:
-    from .slicemap import Slice
+    from cachefs.layout import Slice
+
     from .writer import FileWriter
 
-ATTR_FIELDS = (
-    "ino",
-    "mode",
-    "uid",
-    "gid",
-    "nlink",
-    "size",
-    "atime_ns",
-    "mtime_ns",
-    "ctime_ns",
-    "rdev",
-    "generation",
-    "version",
-)
+ROOT_INODE = 1  # pyfuse3.ROOT_INODE, the FUSE root (the kernel never forgets it)
 GHOSTS = 16384  # inodes whose slice lists are kept after they leave the table
-
-
-@dataclass(frozen=True, slots=True)
-class Attr:
-    """Inode attributes as the metanodes send them (see docs/contracts.md)."""
-
-    ino: int
-    mode: int
-    uid: int
-    gid: int
-    nlink: int
-    size: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    rdev: int = 0
-    generation: int = 0
-    version: int = 0
-
-    @classmethod
-    def from_wire(cls, raw: Any) -> Attr:
-        if not isinstance(raw, dict):
-            raise IOFailure(f"metanode sent attributes as {type(raw).__name__}")
-        try:
-            return cls(**{name: int(raw.get(name, 0)) for name in ATTR_FIELDS})
-        except (TypeError, ValueError) as exc:
-            raise IOFailure(f"malformed attributes from metanode: {exc}") from None
-
-    @property
-    def is_reg(self) -> bool:
-        return stat.S_ISREG(self.mode)
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    def with_size(self, size: int) -> Attr:
-        return Attr(**{**{n: getattr(self, n) for n in ATTR_FIELDS}, "size": size})
-
-    def entry(
-        self, attr_timeout: float, entry_timeout: float, block_size: int = 4096
-    ) -> pyfuse3.EntryAttributes:
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = self.ino
-        e.generation = self.generation
-        e.st_mode = self.mode
-        e.st_nlink = self.nlink
-        e.st_uid = self.uid
-        e.st_gid = self.gid
-        e.st_rdev = self.rdev
-        e.st_size = self.size
-        e.st_blksize = block_size
-        e.st_blocks = (self.size + 511) // 512
-        e.st_atime_ns = self.atime_ns
-        e.st_mtime_ns = self.mtime_ns
-        e.st_ctime_ns = self.ctime_ns
-        e.attr_timeout = attr_timeout
-        e.entry_timeout = entry_timeout
-        return e
 
 
 @dataclass(slots=True)
@@ -214,7 +140,7 @@ class InodeTable:
         self.drop_if_idle(inode)
 
     def drop_if_idle(self, inode: Inode) -> None:
-        if inode.idle and inode.ino != pyfuse3.ROOT_INODE:
+        if inode.idle and inode.ino != ROOT_INODE:
             if self._inodes.pop(inode.ino, None) is not inode:
                 return
             stamp = (inode.attr.version, inode.layout)

@@ -62,10 +62,10 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.rpc import RpcPool
+from cachefs.transport import MODES, RdmaUnavailable
 
 from .fs import MAX_BACKGROUND, CacheFS, Options
 from .session import Session
-from .transport import MODES, RdmaUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -39,11 +39,20 @@ import trio
 
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.layout import (
+    HOLE,
+    BlockPart,
+    Run,
+    Slice,
+    chunk_ranges,
+    overlay,
+    resolve,
+    segment_blocks,
+)
+from cachefs.tasks import run_all
 
 from .inodes import Inode
 from .l1 import L1Cache
-from .slicemap import HOLE, BlockPart, Run, Slice, chunk_ranges, overlay, resolve, segment_blocks
-from .tasks import run_all
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-from cachefs.metanode.client import MetaClient
 
-from cachefs.backing import BackingClient, MetaClusterView
+from cachefs.backing.client import BackingClient
+from cachefs.backing.cluster import MetaClusterView
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -43,13 +43,15 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
+from cachefs.layout import HOLE, Slice, resolve, segment_blocks, slice_blocks
+from cachefs.messages import Attr
+from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
+from cachefs.tasks import run_all
+from cachefs.transport import BlockTransport, open_transport
 
-from .inodes import Attr, Inode
-from .slicemap import HOLE, Slice, resolve, segment_blocks, slice_blocks
-from .tasks import run_all
-from .transport import BlockTransport, open_transport
+from .inodes import Inode
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import trio
-from cachefs.metanode.commands import MAX_FILE_SIZE
 
 from cachefs.errors import (
     CacheFSError,
@@ -51,10 +50,11 @@ from cachefs.errors import (
     ReadOnly,
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.layout import MAX_FILE_SIZE, Run, WritePlan, runs_end, slice_blocks
+from cachefs.messages import Attr
+from cachefs.tasks import run_all
 
-from .inodes import Attr, Inode
-from .slicemap import Run, WritePlan, runs_end, slice_blocks
-from .tasks import run_all
+from .inodes import Inode
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachefs.backing.placement import place_pgs
+from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import Exists, InvalidArgument, NotFound
-from cachefs.placement import place_pgs
-from cachefs.policy import VolumePolicy
 
 KINDS = ("datanode", "cachenode")
 
@@ -80,7 +80,7 @@ def compute_pgs(
     """Placement groups for a volume; [] while there are fewer datanodes than ``width``.
 
     The one place the cluster map computes placement: it delegates to
-    :func:`cachefs.placement.place_pgs` (rendezvous hashing with zone spread,
+    :func:`cachefs.backing.placement.place_pgs` (rendezvous hashing with zone spread,
     keeping the positions of nodes that stay).
     """
     if len(nodes) < width:

@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import InvalidArgument, NameTooLong
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE
-from cachefs.policy import VolumePolicy
+from cachefs.layout import MAX_FILE_SIZE
 
 NAME_MAX = 255
 PATH_MAX = 4096
@@ -36,7 +37,6 @@ U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1
 I64 = (1 << 63) - 1
 MAX_SLICE_ALLOC = 1 << 20
-MAX_FILE_SIZE = CHUNK_SIZE * U32
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -403,7 +403,7 @@ class Link(Command):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Unlink(Command):
     """``expect``/``keep``: the leader's stamp of whether the inode this drops
-    is still open somewhere (see ``namespace.MetaState.keeps`` and ``service.OpenTable``)."""
+    is still open somewhere (see ``namespace.MetaState.keeps`` and ``opentable.OpenTable``)."""
 
     TAG: ClassVar[int] = 15
     volume: str
@@ -595,7 +595,7 @@ class PurgeTrash(Command):
 @dataclasses.dataclass(frozen=True, slots=True)
 class PurgeOrphans(Command):
     """Free unlinked inodes that were kept because they might be open; the
-    leader proposes it once no session has them open (``service.OpenTable``)."""
+    leader proposes it once no session has them open (``opentable.OpenTable``)."""
 
     TAG: ClassVar[int] = 34
     volume: str

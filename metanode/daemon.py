@@ -62,9 +62,9 @@ async def run_gc(
     service: MetaService, pool: RpcPool, addrs: list[str], interval: float, grace: float
 ) -> None:
     """Collect every volume's trash while this replica leads (see module docstring)."""
-    from cachefs.client.gc import GarbageCollector
-
-    from cachefs.backing import BackingClient, MetaClusterView
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import MetaClusterView
+    from cachefs.backing.gc import GarbageCollector
 
     from .client import MetaClient
 

@@ -43,7 +43,7 @@ Bytes are the logical sizes of non-directories. A quota on a directory is
 checked against the growth of its subtree before any change (EDQUOT).
 
 Unlinked but open: which files are open is soft state on the leader
-(``service.OpenTable``), not replicated: open and release add no log entry.
+(``opentable.OpenTable``), not replicated: open and release add no log entry.
 Instead the leader stamps into every command that can drop a file's last
 link (``Unlink``, ``Rename`` over a target) the inode it expects to drop
 (``expect``) and whether to keep it (``keep``). The apply keeps the inode as an

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from cachefs.client.api import FileSystem, connect
 
 needs_fuse = pytest.mark.skipif(
@@ -44,7 +45,7 @@ def _free_base() -> int:
 
 @pytest.fixture(scope="package")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     root = tmp_path_factory.mktemp("apilab")
     base = _free_base()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from cachefs.client.api import FileSystem
 
-from cachefs.fsspec import CacheFSFileSystem
+from cachefs.client.adapters.fsspec import CacheFSFileSystem
+from cachefs.client.api import FileSystem
 
 from .conftest import needs_fuse
 

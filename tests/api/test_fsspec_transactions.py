@@ -14,9 +14,9 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from cachefs.client.api import connect
 
-from cachefs.fsspec import TXN_MARK, CacheFSFileSystem, TransactionFile
+from cachefs.client.adapters.fsspec import TXN_MARK, CacheFSFileSystem, TransactionFile
+from cachefs.client.api import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = "lab/fsspec-txn"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from cachefs.client.api import FileSystem, connect, open_volume
 
 from .conftest import drop_page_cache, needs_fuse

@@ -1,4 +1,4 @@
-"""cachefs.torch on a real cluster: every sample exactly once per epoch (shuffled,
+"""cachefs.client.adapters.torch on a real cluster: every sample exactly once per epoch (shuffled,
 several workers, several ranks), and the prefetch reading ahead of the loader."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the [torch] extra; `make venv` installs it
 
-from cachefs.client.api import FileSystem  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from cachefs.torch import CacheFSDataset, OrderBoard, PrefetchSampler, make_loader  # noqa: E402
+from cachefs.client.adapters.torch import CacheFSDataset, OrderBoard, PrefetchSampler, make_loader  # noqa: E402
+from cachefs.client.api import FileSystem  # noqa: E402
 
 N = 96
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.backing import ClusterView, DatanodeInfo
-from cachefs.policy import VolumePolicy
+from cachefs.backing.cluster import ClusterView, DatanodeInfo
+from cachefs.backing.policy import VolumePolicy
 
 SECRET = b"backing-test-secret"
 ZONES = ["a", "a", "b", "b", "c", "c"]

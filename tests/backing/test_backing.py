@@ -10,11 +10,11 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefs.backing import BackingClient
+from cachefs.backing.client import BackingClient
+from cachefs.backing.policy import VolumePolicy
+from cachefs.backing.repair import Repairer
 from cachefs.errors import NotFound, Unavailable
 from cachefs.ids import BlockKey
-from cachefs.policy import VolumePolicy
-from cachefs.repair import Repairer
 from cachefs.rpc import RpcPool
 
 from .conftest import SECRET, Datanodes

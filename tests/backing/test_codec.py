@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.erasure import BlockHeader, Codec
+from cachefs.backing.codec import BlockHeader, Codec
+from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import Corrupt, Unavailable
-from cachefs.policy import VolumePolicy
 
 POLICIES = ["ec:4+2", "ec:2+1", "ec:3+3", "replica:3", "replica:1"]
 

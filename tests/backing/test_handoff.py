@@ -9,11 +9,11 @@ import random
 
 import trio
 
-from cachefs.backing import BackingClient, _durable
+from cachefs.backing.client import BackingClient, _durable
+from cachefs.backing.placement import handoff_order
+from cachefs.backing.policy import VolumePolicy
+from cachefs.backing.repair import Repairer
 from cachefs.ids import BlockKey
-from cachefs.placement import handoff_order
-from cachefs.policy import VolumePolicy
-from cachefs.repair import Repairer
 from cachefs.rpc import RpcPool
 
 from .conftest import SECRET, Datanodes

@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 import trio
-from cachefs.metanode.client import MetaClient
 
 from cachefs.errors import CacheFSError
+from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 
 from ..metanode.cluster import MetaCluster

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.backing.placement import pg_of, place_pgs
+from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
-from cachefs.placement import pg_of, place_pgs
-from cachefs.policy import VolumePolicy
 
 
 def test_parse_policies() -> None:

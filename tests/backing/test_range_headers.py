@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from cachefs.backing import BackingClient
-from cachefs.policy import VolumePolicy
+from cachefs.backing.client import BackingClient
+from cachefs.backing.policy import VolumePolicy
 from cachefs.rpc import RpcPool
 
 from .conftest import SECRET, Datanodes

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachefs.backing import BackingClient, ClusterView
+from cachefs.backing.client import BackingClient
+from cachefs.backing.cluster import ClusterView
+from cachefs.backing.policy import VolumePolicy
+from cachefs.backing.repair import Repairer, Throttle
 from cachefs.errors import NoSpace
 from cachefs.ids import BlockKey
-from cachefs.policy import VolumePolicy
-from cachefs.repair import Repairer, Throttle
 from cachefs.rpc import RpcPool
 
 from .conftest import SECRET, Datanodes
@@ -109,7 +110,7 @@ async def test_join_moves_shards_and_removes_strays(cluster: Datanodes, volume: 
     async with RpcPool(secret=SECRET) as pool:
         client = BackingClient(pool, before)
         blocks = await _write(client, volume, 24, max_size=50_000)
-        from cachefs.placement import place_pgs
+        from cachefs.backing.placement import place_pgs
         nodes = [(d.id, d.zone, 1.0) for d in cluster.infos]
         pgs = place_pgs(nodes, 16, policy.n, previous=[list(pg) for pg in before.pgs(volume)])
         six = ClusterView.from_map(before.to_map() | {

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import trio
 
-from cachefs.backing import BackingClient
-from cachefs.policy import VolumePolicy
+from cachefs.backing.client import BackingClient
+from cachefs.backing.policy import VolumePolicy
 from cachefs.rpc import RpcPool
 
 from .conftest import SECRET, Datanodes

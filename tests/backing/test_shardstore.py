@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace, NotFound
 from cachefs.ids import BlockKey
-from cachefs.shardstore import CHUNK_SIZE, ShardStore
 
 KEY = BlockKey(42, 7).hex()
 
@@ -158,7 +158,7 @@ def test_kill_9_mid_write_leaves_only_whole_shards(tmp_path: Path) -> None:
     writer = textwrap.dedent(f"""
         import os, sys
         from cachefs.ids import BlockKey
-        from cachefs.shardstore import ShardStore
+        from cachefs.datanode.shardstore import ShardStore
         store = ShardStore({str(tmp_path)!r}, 1 << 34)
         data = os.urandom(3 << 20)
         for i in range(100_000):

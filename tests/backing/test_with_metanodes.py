@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 import trio
-from cachefs.metanode.client import MetaClient
 
-from cachefs.backing import BackingClient, MetaClusterView
+from cachefs.backing.client import BackingClient
+from cachefs.backing.cluster import MetaClusterView
 from cachefs.ids import BlockKey
+from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 
 from ..metanode.cluster import MetaCluster

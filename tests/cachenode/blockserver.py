@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
 from cachefs.cachenode.service import CacheLimits, CacheService
 from cachefs.cachenode.store import BlockStore, SecondMissAdmission
-
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import Reply, RpcPool, RpcServer, rpc_method
@@ -52,7 +52,7 @@ class MemoryBlockService:
 
 
 class RpcBlockSource:
-    """``get_block(volume, key)`` over RPC, the shape of ``cachefs.backing.BackingClient``."""
+    """``get_block(volume, key)`` over RPC, the shape of ``cachefs.backing.client.BackingClient``."""
 
     def __init__(self, pool: RpcPool, addr: str) -> None:
         self.pool = pool

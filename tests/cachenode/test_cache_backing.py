@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import trio
+
+from cachefs.backing.client import BackingClient
+from cachefs.backing.policy import VolumePolicy
 from cachefs.cachenode.service import CacheService
 from cachefs.cachenode.store import BlockStore
-
-from cachefs.backing import BackingClient
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
-from cachefs.policy import VolumePolicy
 from cachefs.rpc import RpcPool, RpcServer
 from tests.backing.conftest import SECRET, Datanodes
 

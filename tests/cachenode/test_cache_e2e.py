@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import trio
-from cachefs.metanode.client import MetaClient
 
-from cachefs.backing import BackingClient, ClusterView
+from cachefs.backing.client import BackingClient
+from cachefs.backing.cluster import ClusterView
 from cachefs.ids import BlockKey
+from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 from tests.metanode.cluster import MetaCluster

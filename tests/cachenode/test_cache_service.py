@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import trio
-from cachefs.cachenode.service import CacheLimits
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from prometheus_client import REGISTRY
 
+from cachefs.cachenode.service import CacheLimits
+from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.errors import Busy, CacheMiss, InvalidArgument, NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
@@ -247,7 +247,6 @@ class _BrokenSource:
 
 async def test_a_broken_backing_source_fails_readers_not_the_node(tmp_path: Path) -> None:
     from cachefs.cachenode.service import CacheService
-
     from cachefs.errors import IOFailure
 
     source = _BrokenSource()

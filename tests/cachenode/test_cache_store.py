@@ -8,10 +8,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission, encode_header, segment_sums
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cachefs.cachenode.store import BlockStore, SecondMissAdmission, encode_header, segment_sums
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import trio
-from cachefs.cachenode.store import BlockStore
 
+from cachefs.cachenode.store import BlockStore
 from cachefs.errors import Corrupt
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool

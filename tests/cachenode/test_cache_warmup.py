@@ -6,12 +6,12 @@ import random
 from pathlib import Path
 
 import trio
-from cachefs.cachenode.service import CacheService
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission
-from cachefs.cachenode.warmup import WarmFile, file_blocks, warm_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.cachenode.service import CacheService
+from cachefs.cachenode.store import BlockStore, SecondMissAdmission
+from cachefs.cachenode.warmup import WarmFile, file_blocks, warm_files
 from cachefs.ids import BlockKey
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcServer

@@ -182,7 +182,7 @@ def cluster(tmp_path_factory):
     """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1)."""
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         pytest.skip("needs root and /dev/fuse")
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     root = tmp_path_factory.mktemp("cluster")
     base = _free_base()

@@ -19,18 +19,18 @@ import time
 from typing import Any
 
 import trio
+
 from cachefs.client.fs import Options
 from cachefs.client.mount import run_fs
 from cachefs.client.session import Session
-from cachefs.client.transport.tcp import TcpTransport
+from cachefs.errors import NotFound
+from cachefs.ids import BlockKey
 from cachefs.metanode import commands as C
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import Failure, MetaState
-from cachefs.metanode.service import OpenTable
-
-from cachefs.errors import NotFound
-from cachefs.ids import BlockKey
+from cachefs.metanode.opentable import OpenTable
 from cachefs.rpc import RpcPool
+from cachefs.transport.tcp import TcpTransport
 
 VOLUME = "vol"
 

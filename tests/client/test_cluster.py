@@ -229,10 +229,11 @@ def _gc(cluster, *args: str) -> subprocess.CompletedProcess:
 
 def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster_mount: ClusterMount) -> None:
     import trio
-    from cachefs.client.gc import record_block_keys
-    from cachefs.client.slicemap import Slice
 
-    from cachefs.backing import BackingClient, MetaClusterView
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import MetaClusterView
+    from cachefs.backing.gc import record_block_keys
+    from cachefs.layout import Slice
     from cachefs.rpc import RpcPool
 
     mnt = cluster_mount.path

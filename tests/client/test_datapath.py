@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from cachefs.client.l1 import L1Cache
 from cachefs.client.mount import FUSECTL
-
 from cachefs.ids import BlockKey
 
 FIO_DIR = Path(__file__).resolve().parents[2] / "bench" / "fio"
@@ -117,8 +117,9 @@ def test_max_background_raised(mnt: Path) -> None:
 
 
 def test_slice_lists_outlive_a_forgotten_inode_at_the_same_version() -> None:
-    from cachefs.client.inodes import Attr, InodeTable
-    from cachefs.client.slicemap import Slice
+    from cachefs.client.inodes import InodeTable
+    from cachefs.layout import Slice
+    from cachefs.messages import Attr
 
     def attr(version: int) -> Attr:
         return Attr(ino=7, mode=0o100644, uid=0, gid=0, nlink=1, size=10,

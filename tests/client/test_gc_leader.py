@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from cachefs.client.api import FileSystem, connect
-from cachefs.client.gc import GarbageCollector
-from cachefs.metanode.client import MetaClient
 
-from cachefs.backing import BackingClient, MetaClusterView
+from cachefs.backing.client import BackingClient
+from cachefs.backing.cluster import MetaClusterView
+from cachefs.backing.gc import GarbageCollector
+from cachefs.client.api import FileSystem, connect
 from cachefs.ids import BlockKey
+from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 from tests.metanode.cluster import MetaCluster, free_ports
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cachefs.client.l1 import L1Cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.client.l1 import L1Cache
 from cachefs.ids import BlockKey
 
 ops_st = st.lists(

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
 from cachefs.client.mount import (
     check_mountpoint,
     fuse_options,
@@ -15,7 +17,6 @@ from cachefs.client.mount import (
     mount_entry,
     umount_command,
 )
-from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[2]
 

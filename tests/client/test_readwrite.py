@@ -14,18 +14,19 @@ import random
 
 import pytest
 import trio
-from cachefs.client.inodes import Attr, Inode
-from cachefs.client.l1 import L1Cache
-from cachefs.client.reader import Reader
-from cachefs.client.slicemap import Slice
-from cachefs.client.writer import FileWriter
-from cachefs.metanode import commands as C
-from cachefs.metanode.namespace import Failure, MetaState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.client.inodes import Inode
+from cachefs.client.l1 import L1Cache
+from cachefs.client.reader import Reader
+from cachefs.client.writer import FileWriter
 from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Unavailable
 from cachefs.ids import BlockKey
+from cachefs.layout import Slice
+from cachefs.messages import Attr
+from cachefs.metanode import commands as C
+from cachefs.metanode.namespace import Failure, MetaState
 
 VOL = "vol"
 BLOCK = 64 * 1024
@@ -291,9 +292,8 @@ compact_ops_st = st.lists(
 def test_session_io_with_compaction_matches_model(ops, seed) -> None:
     """The real Session (over the in-process namespace) with compactions in between."""
     from cachefs.client.session import Session
-    from cachefs.client.transport.tcp import TcpTransport
-
     from cachefs.rpc import RpcPool
+    from cachefs.transport.tcp import TcpTransport
     from tests.client.localfs import VOLUME, DictBacking, StateMeta
 
     rng = random.Random(seed)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from cachefs.client.slicemap import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefs.ids import BlockKey
+from cachefs.layout import (
     HOLE,
     Slice,
     WritePlan,
@@ -13,10 +17,6 @@ from cachefs.client.slicemap import (
     segment_blocks,
     slice_blocks,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from cachefs.ids import BlockKey
 
 CHUNK = 64
 BLOCK = 8

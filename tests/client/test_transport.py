@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from cachefs.client.transport import RdmaUnavailable, open_transport
-from cachefs.client.transport.rdma import QpInfo, SlabAllocator, probe_device
-from cachefs.client.transport.tcp import TcpTransport
 
 from cachefs.errors import InvalidArgument, NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import Reply, RpcPool, RpcServer, rpc_method
+from cachefs.transport import RdmaUnavailable, open_transport
+from cachefs.transport.rdma import QpInfo, SlabAllocator, probe_device
+from cachefs.transport.tcp import TcpTransport
 
 SYSTEM_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
 SECRET = b"transport-test-secret"
@@ -85,7 +85,7 @@ async def test_unknown_mode_is_rejected() -> None:
 )
 async def test_auto_falls_back_once_without_pyverbs(caplog) -> None:
     async with RpcPool(secret=None) as pool:
-        with caplog.at_level(logging.WARNING, logger="cachefs.client.transport"):
+        with caplog.at_level(logging.WARNING, logger="cachefs.transport"):
             transport = open_transport("auto", pool)
         assert transport.name == "tcp"
         records = [r for r in caplog.records if "RDMA not available" in r.getMessage()]
@@ -100,7 +100,7 @@ PROBE = textwrap.dedent(
     """
     import logging, sys, trio
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    from cachefs.client.transport import RdmaUnavailable, open_transport
+    from cachefs.transport import RdmaUnavailable, open_transport
     from cachefs.rpc import RpcPool
 
     async def main():

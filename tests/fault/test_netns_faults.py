@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.chaos import Chaos
-from cachefs import netns
+from cachefs.lab import netns
 
 from .conftest import needs_fuse_root, running_chaos
 

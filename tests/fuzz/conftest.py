@@ -16,7 +16,7 @@ from tests.fault.conftest import free_base
 
 def small_lab(root: str, base: int):
     """1 metanode, 3 datanodes (ec:2+1), 1 cache node: every kind of server, cheaply."""
-    from cachefs.lab import Lab, LabConfig
+    from cachefs.lab.cluster import Lab, LabConfig
 
     return Lab(LabConfig(root=root, metanodes=1, datanodes=3, cachenodes=1, zones=3, base_port=base,
                          policy="ec:2+1", metrics=True, data_capacity="2G", cache_capacity="256M",

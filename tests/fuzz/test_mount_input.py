@@ -20,7 +20,7 @@ import trio
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 
-MAX_FILE_SIZE = (64 << 20) * ((1 << 32) - 1)  # metanode/commands.py: CHUNK_SIZE * U32
+MAX_FILE_SIZE = (64 << 20) * ((1 << 32) - 1)  # cachefs/layout.py: CHUNK_SIZE * U32
 
 
 def _errno(fn, *args) -> int:

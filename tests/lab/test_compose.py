@@ -28,7 +28,7 @@ import yaml
 
 from cachefs.cli import main
 from cachefs.config import parse_size
-from cachefs.lab import VOLUME, Lab, LabConfig
+from cachefs.lab.cluster import VOLUME, Lab, LabConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pytest
 
-from cachefs.lab import Lab, LabConfig, _last_line
+from cachefs.lab.cluster import Lab, LabConfig, _last_line
 from tests.fault.conftest import free_base
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachefs import netns
 from cachefs.errors import CacheFSError
-from cachefs.lab import Lab, LabConfig
+from cachefs.lab import netns
+from cachefs.lab.cluster import Lab, LabConfig
 from cachefs.rpc import RpcPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]

@@ -7,8 +7,8 @@ import ipaddress
 import click
 import pytest
 
-from cachefs import netns
-from cachefs.lab import Lab, LabConfig
+from cachefs.lab import netns
+from cachefs.lab.cluster import Lab, LabConfig
 
 
 def lab_network(tmp_path) -> tuple[Lab, netns.Network]:

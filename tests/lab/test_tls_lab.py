@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cachefs.client.api import connect
 
-from cachefs.lab import Lab, _alive
+from cachefs.client.api import connect
+from cachefs.lab.cluster import Lab, _alive
 from tests.fault.conftest import free_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.fuse]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import trio
-from cachefs.metanode.admin import volume
-from cachefs.metanode.daemon import command
 from click.testing import CliRunner
 
+from cachefs.metanode.admin import volume
+from cachefs.metanode.daemon import command
 from cachefs.rpc import RpcPool
 
 from .cluster import MetaCluster

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from cachefs.metanode.client import MetaClient
 
 from cachefs.errors import CacheFSError
+from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 
 from .cluster import MetaCluster

@@ -7,11 +7,11 @@ import stat
 
 import msgpack
 import pytest
-from cachefs.metanode import commands as C
-from cachefs.metanode.namespace import DEDUP_WINDOW, Failure, MetaState
 
 from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE
+from cachefs.metanode import commands as C
+from cachefs.metanode.namespace import DEDUP_WINDOW, Failure, MetaState
 
 from .nsdriver import VOL, Driver
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import errno
 
-from cachefs.metanode import commands as C
-from cachefs.metanode.namespace import MetaState
-from cachefs.metanode.service import OpenTable
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE
+from cachefs.metanode import commands as C
+from cachefs.metanode.namespace import MetaState
+from cachefs.metanode.opentable import OpenTable
 
 from .nsdriver import VOL, Driver
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import trio
+
+from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.raft.driver import RaftNode
 from cachefs.metanode.service import MetaService
-
-from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool, RpcServer
 
 VOL = "v"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trio
+
 from cachefs.metanode import commands as C
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.namespace import MetaState
@@ -25,7 +26,6 @@ from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.metanode.raft.storage import decode_snapshot
 from cachefs.metanode.service import MetaService
-
 from cachefs.rpc import RpcPool, RpcServer
 
 from .cluster import free_ports

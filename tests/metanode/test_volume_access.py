@@ -8,10 +8,10 @@ import errno
 import msgpack
 import pytest
 import zstandard
-from cachefs.metanode import commands as C
-from cachefs.metanode.namespace import MetaState, hash_token
 
 from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.metanode import commands as C
+from cachefs.metanode.namespace import MetaState, hash_token
 from tests.metanode.test_service import Single, meta  # noqa: F401  (the fixture)
 
 TOKEN = "s3cret-token-of-tenant-a"
@@ -91,8 +91,9 @@ async def test_mount_volume_needs_the_token(meta: Single) -> None:  # noqa: F811
 
 
 def test_cli_access_options_are_checked_before_connecting(tmp_path) -> None:
-    from cachefs.metanode.admin import volume
     from click.testing import CliRunner
+
+    from cachefs.metanode.admin import volume
 
     token, empty = tmp_path / "t", tmp_path / "e"
     token.write_text("x\n")

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+from cachefs.errors import NotLeader
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.core import RaftConfig, RaftCore, Ready, Role
 from cachefs.metanode.raft.messages import EntryKind, Message, Snapshot, SnapshotMeta
-
-from cachefs.errors import NotLeader
 
 TICK = 10  # time units per tick
 

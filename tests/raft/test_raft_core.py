@@ -9,6 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefs.errors import NotLeader, ProtocolError
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft.core import RaftConfig, RaftCore, Role
 from cachefs.metanode.raft.messages import (
@@ -26,10 +30,6 @@ from cachefs.metanode.raft.messages import (
     Vote,
     VoteResp,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from cachefs.errors import NotLeader, ProtocolError
 
 CFG = RaftConfig(election_tick=10, heartbeat_tick=1)
 

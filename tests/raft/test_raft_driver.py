@@ -14,10 +14,10 @@ from pathlib import Path
 import msgpack
 import pytest
 import trio
-from cachefs.metanode.raft.core import RaftConfig
-from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 
 from cachefs.errors import InvalidArgument, NotFound, NotLeader
+from cachefs.metanode.raft.core import RaftConfig
+from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.rpc import RpcPool, RpcServer
 
 from .sim import KV

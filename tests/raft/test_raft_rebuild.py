@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from cachefs.metanode.raft.core import RaftCore
 from cachefs.metanode.raft.messages import InstallSnapshot, Message, Snapshot
 

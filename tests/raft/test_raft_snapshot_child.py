@@ -10,8 +10,8 @@ from pathlib import Path
 
 import msgpack
 import trio
-from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 
+from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.rpc import RpcPool, RpcServer
 
 from .sim import KV

@@ -6,11 +6,11 @@ import logging
 from pathlib import Path
 
 import pytest
+
+from cachefs.errors import Corrupt
 from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
 from cachefs.metanode.raft.storage import RaftStorage
-
-from cachefs.errors import Corrupt
 
 
 def entries(first: int, last: int, term: int) -> list[Entry]:

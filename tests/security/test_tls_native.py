@@ -24,10 +24,10 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from cachefs.client.api import connect, open_volume
 
-from cachefs.fsspec import CacheFSFileSystem
-from cachefs.lab import Lab, LabConfig, make_pki
+from cachefs.client.adapters.fsspec import CacheFSFileSystem
+from cachefs.client.api import connect, open_volume
+from cachefs.lab.cluster import Lab, LabConfig, make_pki
 from tests.fault.conftest import free_base
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_fsspec_over_tls(tls_lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_torch_dataset_over_tls(tls_lab: Lab) -> None:
     pytest.importorskip("torch")
-    from cachefs.torch import CacheFSDataset
+    from cachefs.client.adapters.torch import CacheFSDataset
 
     with connect(tls_lab.meta_addrs, "lab", secret=tls_lab.secret, **tls_lab.tls_files()) as fs:
         fs.makedirs("/ds", exist_ok=True)
@@ -155,7 +155,7 @@ def test_torch_dataset_over_tls(tls_lab: Lab) -> None:
     finally:
         ds.close()
     # Each DataLoader worker opens its own TLS connection from the file paths.
-    from cachefs.torch import make_loader
+    from cachefs.client.adapters.torch import make_loader
 
     ds = CacheFSDataset(tls_lab.meta_addrs, "lab", "/ds", secret=tls_lab.secret,
                         transform=_first_byte, **tls_lab.tls_files())  # fmt: skip
@@ -259,7 +259,7 @@ def test_fsspec_needs_the_volume_token(tls_lab: Lab, tmp_path: Path,
 
 def test_torch_dataset_needs_the_volume_token(tls_lab: Lab) -> None:
     pytest.importorskip("torch")
-    from cachefs.torch import CacheFSDataset
+    from cachefs.client.adapters.torch import CacheFSDataset
 
     with connect(tls_lab.meta_addrs, SECURE, secret=tls_lab.secret, token=TOKEN,
                  **tls_lab.tls_files()) as fs:  # fmt: skip

@@ -540,7 +540,7 @@ _dir_option = click.option("--dir", "root", default=None, type=click.Path(file_o
 
 
 def _lab_network(root: str | None) -> Network:
-    from cachefs.lab import DEFAULT_DIR
+    from cachefs.lab.cluster import DEFAULT_DIR
 
     net = Network.load(root or DEFAULT_DIR)
     if net is None:

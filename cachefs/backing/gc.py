@@ -45,10 +45,9 @@ import trio
 from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.layout import HOLE, Slice
 from cachefs.rpc import RpcPool
-
-from .slicemap import HOLE, Slice
-from .tasks import run_all
+from cachefs.tasks import run_all
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +205,9 @@ class GarbageCollector:
 
 async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: bytes | None, grace: float,
                  check: bool, tls: ssl.SSLContext | None = None) -> list[GcReport | CheckReport]:  # fmt: skip
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import MetaClusterView
     from cachefs.metanode.client import MetaClient
-
-    from cachefs.backing import BackingClient, MetaClusterView
 
     async with RpcPool(secret=secret, tls=tls) as pool:
         meta = MetaClient(pool, meta_addrs)

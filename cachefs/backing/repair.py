@@ -41,7 +41,9 @@ import click
 import trio
 from prometheus_client import Counter
 
-from cachefs.backing import BackingClient, ClusterView, MetaClusterView, MissingShard
+from cachefs.backing.client import BackingClient, MissingShard
+from cachefs.backing.cluster import ClusterView, MetaClusterView
+from cachefs.backing.placement import pg_of
 from cachefs.config import (
     ADDRS,
     SIZE,
@@ -54,7 +56,6 @@ from cachefs.config import (
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
 from cachefs.metrics import start_metrics
-from cachefs.placement import pg_of
 from cachefs.rpc import RpcPool
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import zstandard
 from pyeclib.ec_iface import ECDriver, ECDriverError
 
+from cachefs.backing.policy import VolumePolicy
 from cachefs.checksum import checksum
 from cachefs.errors import Corrupt, InvalidArgument, Unavailable
-from cachefs.policy import VolumePolicy
 
 EC_BACKEND = "isa_l_rs_vand"
 ZSTD_LEVEL = 1  # fast; training data is often already compressed

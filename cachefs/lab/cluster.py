@@ -7,7 +7,7 @@ shows every process, the metanode leader and the cache tier's usage and hit
 rates; ``lab down`` unmounts and stops everything, also after ``lab up``
 itself crashed, since every PID is recorded in a state file first. With
 ``--netns`` every daemon runs in its own network namespace on its own
-address (:mod:`cachefs.netns`), so zones can be cut off, made lossy and healed. With
+address (:mod:`cachefs.lab.netns`), so zones can be cut off, made lossy and healed. With
 ``--tls`` the lab makes a throwaway CA and one certificate per node (and one
 for clients) under ``DIR/tls`` with the ``openssl`` command, and every link,
 daemon to daemon and client to daemon, runs mutual TLS.
@@ -37,9 +37,9 @@ from typing import Any
 import click
 import trio
 
-from cachefs import netns
 from cachefs.config import load_tls
 from cachefs.errors import CacheFSError
+from cachefs.lab import netns
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 

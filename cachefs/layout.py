@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from cachefs.ids import CHUNK_SIZE, BlockKey
 
 HOLE = 0
+# The largest file: chunk indexes are 32-bit (the metanodes refuse a size past it).
+MAX_FILE_SIZE = CHUNK_SIZE * ((1 << 32) - 1)
 
 
 @dataclass(frozen=True, slots=True)

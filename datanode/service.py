@@ -1,0 +1,127 @@
+"""The datanode: an RPC service over a :class:`~cachefs.datanode.shardstore.ShardStore`.
+
+A datanode knows nothing about blocks, policies or placement: it stores,
+returns, lists and verifies shards named ``(volume, block key, shard index)``,
+each with the small opaque ``meta`` (the block header) its writer gave it.
+The backing-storage client (:mod:`cachefs.backing.client`) and repair
+(:mod:`cachefs.backing.repair`) hold all the logic.
+
+Store calls block on disk IO (and fsync), so they run in worker threads
+behind a capacity limiter; the trio thread only parses and replies.
+
+The daemon (:mod:`.daemon`) registers it in the metanodes' cluster map.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+from prometheus_client import Gauge
+
+from cachefs.datanode.shardstore import ShardStore
+from cachefs.errors import InvalidArgument
+from cachefs.ids import BlockKey
+from cachefs.rpc import Reply, rpc_method
+
+log = logging.getLogger(__name__)
+
+IO_THREADS = 8
+SCRUB_PAGE = 256
+
+_CAPACITY = Gauge("cachefs_datanode_capacity_bytes", "Bytes this datanode may store")
+_USED = Gauge("cachefs_datanode_used_bytes", "Bytes of shards stored")
+_SHARDS = Gauge("cachefs_datanode_shards", "Shards stored")
+_CORRUPT = Gauge("cachefs_datanode_corrupt_shards_found", "Corrupt shards detected (and dropped) since start")
+
+
+def _key_hex(key: bytes) -> str:
+    try:
+        return BlockKey.from_bytes(key).hex()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+class DatanodeService:
+    """The datanode's RPC methods (see docs/contracts.md, "Backing storage")."""
+
+    def __init__(self, store: ShardStore, node_id: str, zone: str) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.zone = zone
+        self._io = trio.CapacityLimiter(IO_THREADS)
+        _CAPACITY.set_function(lambda: store.capacity)
+        _USED.set_function(lambda: store.used)
+        _SHARDS.set_function(lambda: store.shard_count)
+        _CORRUPT.set_function(lambda: store.corrupt_found)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._io)
+
+    @rpc_method
+    async def put(self, volume: str, key: bytes, index: int, meta: bytes = b"",
+                  payload: Any = None) -> dict:
+        """Store shard ``index`` of ``key`` durably (replacing any older copy)."""
+        data = payload if payload is not None else b""
+        await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
+        return {"size": len(data)}
+
+    @rpc_method
+    async def get(self, volume: str, key: bytes, index: int, offset: int = 0,
+                  length: int = -1) -> Reply:
+        """Bytes of one shard (checksums verified); ``meta`` and total size ride along."""
+        meta, data, total = await self._run(self.store.get, volume, _key_hex(key), index,
+                                            offset, length)
+        return Reply({"meta": meta, "size": total}, payload=data)
+
+    @rpc_method
+    async def stat(self, volume: str, key: bytes, index: int) -> dict:
+        meta, size = await self._run(self.store.stat, volume, _key_hex(key), index)
+        return {"meta": meta, "size": size}
+
+    @rpc_method
+    async def delete(self, volume: str, key: bytes, index: int = -1) -> dict:
+        """Delete one shard, or every shard of the key held here (index -1)."""
+        return {"removed": await self._run(self.store.delete, volume, _key_hex(key), index)}
+
+    @rpc_method(name="list")
+    async def list_shards(self, volume: str, cursor: str = "", limit: int = 1000) -> dict:
+        """A page of ``[key, index, bytes]``; page on with the returned cursor until it is ""."""
+        limit = min(max(1, limit), 10_000)
+        page, cursor = await self._run(self.store.list, volume, cursor, limit)
+        return {"shards": [[BlockKey.from_hex(s.key).to_bytes(), s.index, s.size] for s in page],
+                "cursor": cursor}
+
+    @rpc_method
+    async def scrub(self, volume: str, cursor: str = "", limit: int = SCRUB_PAGE,
+                    max_bytes: int = 0) -> dict:
+        """Verify a page of shards end to end; corrupt ones are removed and named.
+
+        ``max_bytes`` (0: no cap) ends the page early once that many bytes
+        were read (one shard at least), so a rate-limited scrub reads in
+        small steps instead of bursts of ``limit`` shards; ``bytes`` in the
+        answer is what was read, for the caller's throttle.
+        """
+        limit = min(max(1, limit), 10_000)
+        page, cursor = await self._run(self.store.list, volume, cursor, limit)
+        corrupt = []
+        checked = read = 0
+        for info in page:
+            if not await self._run(self.store.verify, volume, info.key, info.index):
+                corrupt.append([BlockKey.from_hex(info.key).to_bytes(), info.index])
+            checked += 1
+            read += info.size
+            if 0 < max_bytes <= read and checked < len(page):
+                cursor = self.store.cursor_after(info)
+                break
+        return {"checked": checked, "corrupt": corrupt, "cursor": cursor, "bytes": read}
+
+    @rpc_method
+    async def volumes(self) -> list:
+        return await self._run(self.store.volumes)
+
+    @rpc_method
+    async def stats(self) -> dict:
+        return {"id": self.node_id, "zone": self.zone, **self.store.usage(),
+                "corrupt_found": self.store.corrupt_found}
