@@ -64,15 +64,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import hmac
-import operator
 import stat
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import msgpack
-import zstandard
 
 from cachefs.errors import (
     Busy,
@@ -189,10 +185,6 @@ class Inode:
                     yield p
         elif self.parent:
             yield self.parent
-
-
-_FIELDS = operator.attrgetter(*Inode.__slots__)
-_NFIELDS = len(Inode.__slots__)
 
 
 def hash_token(token: str) -> str:
@@ -1165,131 +1157,15 @@ class MetaState:
                 break
         return out
 
-    # -- snapshots -------------------------------------------------------------------
+    # -- snapshots (the format lives in snapshot.py) ---------------------------------
 
     def snapshot(self) -> bytes:
         """The whole replicated state, msgpack then zstd; deterministic bytes."""
-        volumes = []
-        for vol in self.volumes.values():
-            # one flat list, _NFIELDS values per inode: far cheaper to build and
-            # pack than a list per inode (this runs with the Raft loop waiting)
-            inodes: list[Any] = []
-            extend = inodes.extend
-            for i in vol.inodes.values():
-                fields = _FIELDS(i)
-                if fields[1] & _S_IFMT == _S_IFDIR:
-                    d: Dir = i.data
-                    flat: list[Any] = []
-                    for name, packed in d.entries.items():
-                        flat.append(name)
-                        flat.append(packed)
-                    fields = (
-                        *fields[:12],
-                        [flat, d.next_cookie, d.ubytes, d.uinodes, d.qbytes, d.qinodes],
-                    )
-                extend(fields)
-            volumes.append(
-                [
-                    vol.name,
-                    vol.next_ino,
-                    vol.used_bytes,
-                    bytes(vol.trash),
-                    sorted(vol.orphans),
-                    vol.created_ns,
-                    inodes,
-                    vol.token_hash,
-                ]
-            )
-        sessions = [[sid, s.client_id, s.volume, []] for sid, s in self.sessions.items()]
-        dedup = []
-        for client, seen in self.dedup.items():
-            answers = []
-            for seq, result in seen.items():
-                if isinstance(result, Failure):
-                    answers.append([seq, 1, [result.code, result.message]])
-                else:
-                    answers.append([seq, 0, result])
-            dedup.append(
-                [client, self.dedup_floor.get(client, 0), self.dedup_last.get(client, 0), answers]
-            )
-        state = [
-            4,
-            self.applied_index,
-            self.next_slice,
-            self.cluster.dump(),
-            volumes,
-            sessions,
-            dedup,
-            self.dedup_swept_ns,
-        ]
-        raw = msgpack.packb(state, use_bin_type=True)
-        return zstandard.ZstdCompressor(level=3).compress(raw)
+        from .snapshot import dump  # snapshot.py builds on this module's types
+
+        return dump(self)
 
     def restore(self, data: bytes) -> None:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
-        state = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        version, applied, next_slice, cluster, volumes, sessions, dedup, swept = state
-        if version not in (3, 4):
-            raise InvalidArgument(f"unknown snapshot version {version}")
-        self.applied_index = applied
-        self.next_slice = next_slice
-        self.cluster = ClusterMap.load(cluster)
-        self.volumes = {}
-        for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *access in volumes:
-            vol = Volume(name, created_ns)
-            vol.token_hash = access[0] if access else ""  # older snapshots: open
-            vol.inodes.clear()
-            vol.next_ino = next_ino
-            vol.used_bytes = used_bytes
-            vol.trash = bytearray(trash)
-            for k in range(0, len(inodes), _NFIELDS):
-                (
-                    ino,
-                    mode,
-                    uid,
-                    gid,
-                    nlink,
-                    size,
-                    atime,
-                    mtime,
-                    ctime,
-                    version,
-                    parent,
-                    xattrs,
-                    payload,
-                ) = inodes[k : k + _NFIELDS]
-                if mode & _S_IFMT == _S_IFDIR:
-                    pairs, next_cookie, ubytes, uinodes, qbytes, qinodes = payload
-                    directory = Dir()
-                    directory.entries = dict(zip(pairs[::2], pairs[1::2], strict=True))
-                    directory.next_cookie = next_cookie
-                    directory.ubytes, directory.uinodes = ubytes, uinodes
-                    directory.qbytes, directory.qinodes = qbytes, qinodes
-                    payload = directory
-                inode = Inode(ino, mode, uid, gid, ctime, payload)
-                inode.nlink = nlink
-                inode.size = size
-                # share one int object between equal stamps, as a fresh inode does
-                inode.mtime = ctime if mtime == ctime else mtime
-                inode.atime = inode.mtime if atime == mtime else atime
-                inode.version = version
-                inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
-                inode.xattrs = xattrs
-                vol.inodes[ino] = inode
-                if nlink == 0 and mode & _S_IFMT == _S_IFREG:
-                    vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
-            self.volumes[name] = vol
-        self.sessions = {}
-        for sid, client_id, volume, _files in sessions:
-            self.sessions[sid] = Session(client_id, volume)
-        self.dedup = {}
-        self.dedup_floor = {}
-        self.dedup_last = {}
-        self.dedup_swept_ns = swept
-        for client, floor, last, answers in dedup:
-            self.dedup_last[client] = last
-            self.dedup[client] = {
-                seq: Failure(*value) if failed else value for seq, failed, value in answers
-            }
-            if floor:
-                self.dedup_floor[client] = floor
+        from .snapshot import load
+
+        load(self, data)

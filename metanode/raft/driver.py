@@ -18,9 +18,9 @@ drops those messages: Raft tolerates loss and retries by itself.
 
 Snapshots are taken off the loop: at a Ready boundary (no await between
 reading the applied index and the fork, so the copy is exactly the state at
-that index) the process forks; the child serializes its copy-on-write view
-of the state machine into a pipe and exits, while the parent goes on
-stepping, persisting, applying and answering. A helper task collects the
+that index) the process forks (``snapshot_child.py``); the child serializes
+its copy-on-write view of the state machine into a pipe and exits, while the
+parent goes on stepping, persisting, applying and answering. A helper task collects the
 bytes, writes the snapshot file, and hands it to the loop, which compacts
 the log and rewrites the WAL between two Readys (the WAL is only ever
 written by the loop). Where fork is unavailable or ``fork_snapshots`` is
@@ -38,14 +38,10 @@ session table.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import random
-import signal
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,7 +54,8 @@ from cachefs.rpc import RpcPool, rpc_method
 
 from . import messages as wire
 from .core import RaftConfig, RaftCore, Ready, Role
-from .messages import EntryKind, InstallSnapshot, Message, Snapshot
+from .messages import EntryKind, InstallSnapshot, Message, Snapshot, SnapshotMeta
+from .snapshot_child import SnapshotChild, SnapshotChildFailed
 from .storage import RaftStorage
 
 log = logging.getLogger(__name__)
@@ -479,80 +476,25 @@ class RaftNode:
         assert self._nursery is not None
         self.snapshotting = True
         if self.dconfig.fork_snapshots and hasattr(os, "fork"):
-            read_fd, pid = self._fork_serializer()
-            self.snapshot_child = pid
-            self._nursery.start_soon(self._collect_snapshot, meta, read_fd, pid)
+            child = SnapshotChild.fork(self.sm.snapshot)
+            self.snapshot_child = child.pid
+            self._nursery.start_soon(self._collect_snapshot, meta, child)
         else:
             self._nursery.start_soon(self._save_snapshot, Snapshot(meta, self.sm.snapshot()))
 
-    def _fork_serializer(self) -> tuple[int, int]:
-        """Fork a child that writes ``sm.snapshot()`` into a pipe and exits.
-
-        The child runs no trio code and touches no shared resource: it only
-        serializes its copy-on-write memory and leaves with ``os._exit``.
-        """
-        read_fd, write_fd = os.pipe()
-        with warnings.catch_warnings():
-            # 3.12+ warns about forking a process with threads (ours: WAL
-            # workers); the child below uses none of their locks.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child
-            code = 1
-            try:
-                # Drop our copies of the sockets (a listener kept open here
-                # would hold the port after the parent died) and of trio's
-                # wakeup fds; the parent's stay as they are.
-                os.closerange(3, write_fd)
-                os.closerange(write_fd + 1, os.sysconf("SC_OPEN_MAX"))
-                gc.disable()
-                if threading.current_thread() is threading.main_thread():
-                    signal.set_wakeup_fd(-1)
-                    for sig in (signal.SIGINT, signal.SIGTERM):
-                        signal.signal(sig, signal.SIG_DFL)
-                view = memoryview(self.sm.snapshot())
-                while view:
-                    view = view[os.write(write_fd, view):]
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        return read_fd, pid
-
-    async def _collect_snapshot(self, meta: Any, read_fd: int, pid: int) -> None:
-        owner = threading.Lock()  # whoever takes it closes the pipe and reaps the child
-
-        def collect() -> tuple[bytes, int]:
-            if not owner.acquire(blocking=False):
-                return b"", -1  # cancelled before this thread ran: cleaned up below
-            try:
-                with os.fdopen(read_fd, "rb") as pipe:
-                    data = pipe.read()
-            finally:
-                _, status = os.waitpid(pid, 0)
-            return data, os.waitstatus_to_exitcode(status)
-
+    async def _collect_snapshot(self, meta: SnapshotMeta, child: SnapshotChild) -> None:
         try:
             try:
-                data, code = await trio.to_thread.run_sync(collect, abandon_on_cancel=True)
+                data = await child.result()
             finally:
                 self.snapshot_child = None
+        except SnapshotChildFailed as exc:
+            self.snapshotting = False
+            log.error("raft node %d: %s; will retry", self.id, exc)
+            return
         except BaseException:
-            # Stopped (or failed) while the child runs: end it. A thread that
-            # already runs ``collect`` then reads EOF and reaps it.
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if owner.acquire(blocking=False):
-                os.close(read_fd)
-                threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()
             self.snapshotting = False
             raise
-        if code != 0:
-            self.snapshotting = False
-            log.error("raft node %d: snapshot child exited with %d; will retry", self.id, code)
-            return
         await self._save_snapshot(Snapshot(meta, data))
 
     async def _save_snapshot(self, snap: Snapshot) -> None:
