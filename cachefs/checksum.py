@@ -10,7 +10,3 @@ CHECKSUM_SIZE = 8
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
-
-
-def checksum_bytes(data: bytes | bytearray | memoryview) -> bytes:
-    return xxhash.xxh3_64_digest(data)

@@ -91,7 +91,3 @@ def error_from_wire(code: str, message: str, details: dict[str, Any] | None = No
     if cls is None:
         return IOFailure(f"{code}: {message}", remote=True, **(details or {}))
     return cls(message, remote=True, **(details or {}))
-
-
-def known_codes() -> frozenset[str]:
-    return frozenset(_BY_CODE)

@@ -173,10 +173,6 @@ class Run:
     def end(self) -> int:
         return self.pos + len(self.data)
 
-    @property
-    def file_offset(self) -> int:
-        return self.chunk * CHUNK_SIZE + self.pos
-
 
 class WritePlan:
     """Dirty extents of one file; sealed runs come out in the order they must commit.

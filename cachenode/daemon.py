@@ -22,7 +22,7 @@ import signal
 import ssl
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 import trio
@@ -47,10 +47,9 @@ from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 from .service import CacheLimits, CacheService
 from .store import BlockStore, SecondMissAdmission
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
+
+LIMITS = CacheLimits()  # the library's defaults are the command line's
 
 
 class NoBacking:
@@ -244,21 +243,21 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
 @click.option(
     "--max-requests",
     type=click.IntRange(1, 1 << 20),
-    default=512,
+    default=LIMITS.max_requests,
     show_default=True,
     help="Concurrent get/put requests before answering busy.",
 )
 @click.option(
     "--max-per-client",
     type=click.IntRange(1, 1 << 20),
-    default=128,
+    default=LIMITS.max_per_client,
     show_default=True,
     help="Concurrent requests per client connection before answering busy.",
 )
 @click.option(
     "--max-backing-fetches",
     type=click.IntRange(1, 4096),
-    default=16,
+    default=LIMITS.max_backing_fetches,
     show_default=True,
     help="Concurrent whole-block fetches from backing storage.",
 )

@@ -303,11 +303,6 @@ class Session:
             finally:
                 self._unlock_idle(ino, lock)
 
-    @property
-    def open_inodes(self) -> dict[int, int]:
-        """Inodes this mount has open, with their open counts (read-only view)."""
-        return dict(self._open)
-
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         rows = await self.meta.read_chunk(self.volume, ino, chunk)
         return [Slice.from_wire(row) for row in rows]
