@@ -5,8 +5,8 @@ Theory of operation
 
 A ``get`` first looks in the :class:`~cachefs.cachenode.store.BlockStore`
 (memory tier, then flash). On a miss it joins the *fill* of that block: one
-background task per missing key (single-flight), so a hundred readers of one
-cold block cost one backing fetch. Fills run in the service's own nursery, not
+background task per missing key (a :mod:`~cachefs.singleflight`), so a hundred
+readers of one cold block cost one backing fetch. Fills run in the service's own nursery, not
 in the request's task, so a reader that gives up (deadline, disconnect) never
 cancels the fetch the others wait for. A fill:
 
@@ -51,6 +51,7 @@ in worker threads so one 4 MiB copy never stalls the other connections.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import BlockKey
 from cachefs.rpc import CallContext, Reply, rpc_method
+from cachefs.singleflight import Flight, SingleFlight
 
 from .store import BlockStore, SecondMissAdmission
 
@@ -96,10 +98,13 @@ BACKING_LATENCY = Histogram(
 )
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 class BlockSource(Protocol):
     """Where misses are read from: ``cachefs.backing.client.BackingClient`` in production."""
 
-    async def get_block(self, volume: str, key: BlockKey) -> bytes | bytearray | memoryview: ...
+    async def get_block(self, volume: str, key: BlockKey) -> Buffer: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,17 +129,6 @@ class CacheLimits:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"cache limit {name} must be at least 1")
-
-
-@dataclass(slots=True)
-class _Fill:
-    """One block being fetched from backing storage; its waiters share it."""
-
-    volume: str
-    event: trio.Event = field(default_factory=trio.Event)
-    data: bytes | bytearray | memoryview | None = None
-    error: CacheFSError | None = None
-    settled: trio.Event = field(default_factory=trio.Event)  # after the flash write too
 
 
 @dataclass(slots=True)
@@ -209,8 +203,7 @@ class CacheService:
         self.node = node
         self.counters = ServiceCounters()
         self._nursery = nursery
-        self._fills: dict[BlockKey, _Fill] = {}
-        self._background_fills = 0
+        self._fills: SingleFlight[BlockKey, Buffer] = SingleFlight()
         self._backing_slots = trio.CapacityLimiter(limits.max_backing_fetches)
         self._io_threads = trio.CapacityLimiter(limits.io_threads)
         self._active = 0
@@ -298,24 +291,22 @@ class CacheService:
             self._m_out.inc(len(data))
             return data, size, True
         fill = self._fills.get(key)
-        if fill is not None and fill.data is not None:  # fetched, still being written to flash
-            view, size = self._slice(fill.data, offset, length)
+        if fill is not None and fill.ready:  # fetched, still being written to flash
+            view, size = self._slice(fill.value, offset, length)
             self.counters.hits += 1
             self._m_hits.inc()
             return view, size, True
         self.counters.misses += 1
         self._m_misses.inc()
         if policy == "fast-fail":
-            if key not in self._fills and self._background_fills < self.limits.max_background_fills:
+            if key not in self._fills and len(self._fills) < self.limits.max_background_fills:
                 self._start_fill(volume, key, bypass_admission=False)
             raise CacheMiss(f"{key.hex()} is not cached on {self.node}; filling")
         fill = self._start_fill(volume, key, bypass_admission=False)
-        view, size = self._slice(await self._wait_fill(fill), offset, length)
+        view, size = self._slice(await fill.wait(), offset, length)
         return view, size, False
 
-    def _slice(
-        self, block: bytes | bytearray | memoryview, offset: int, length: int
-    ) -> tuple[memoryview, int]:
+    def _slice(self, block: Buffer, offset: int, length: int) -> tuple[memoryview, int]:
         size = len(block)
         if offset > size:
             raise InvalidArgument(f"offset {offset} is past the end of the block ({size})")
@@ -334,28 +325,19 @@ class CacheService:
             data, _size, _hit = await self.read(volume, key, offset, length, policy)
         return data
 
-    async def _wait_fill(self, fill: _Fill) -> bytes | bytearray | memoryview:
-        await fill.event.wait()
-        if fill.error is not None:
-            err = fill.error
-            raise type(err)(err.message, remote=err.remote, **err.details)
-        assert fill.data is not None
-        return fill.data
-
     # -- fills ------------------------------------------------------------------
 
-    def _start_fill(self, volume: str, key: BlockKey, *, bypass_admission: bool) -> _Fill:
-        fill = self._fills.get(key)
-        if fill is None:
-            fill = _Fill(volume)
-            self._fills[key] = fill  # no await between the lookup and this line: single flight
-            self._background_fills += 1
-            self._nursery.start_soon(self._run_fill, volume, key, fill, bypass_admission)
-        return fill
+    def _start_fill(self, volume: str, key: BlockKey, *, bypass_admission: bool) -> Flight[Buffer]:
+        """The fill of ``key``: the one under way, else a new one (single flight)."""
+        return self._fills.start(
+            key,
+            functools.partial(self._fetch, volume, key),
+            nursery=self._nursery,
+            then=functools.partial(self._keep, volume, key, bypass_admission),
+        )
 
-    async def _run_fill(
-        self, volume: str, key: BlockKey, fill: _Fill, bypass_admission: bool
-    ) -> None:
+    async def _fetch(self, volume: str, key: BlockKey) -> Buffer:
+        """A fill's backing fetch; its waiters are served from the bytes it returns."""
         try:
             async with self._backing_slots:
                 started = time.perf_counter()
@@ -371,32 +353,32 @@ class CacheService:
             self.counters.backing_fetches += 1
             self.counters.bytes_in += len(data)
             self._m_in.inc(len(data))
-            fill.data = data
-            fill.event.set()  # waiters are served from memory while the block goes to flash
-            admit = bypass_admission or self.admission is None or self.admission.admit(key)
-            if admit:
-                await self._store(volume, key, data)
-            else:
-                self.counters.not_admitted += 1
+            return data
         except CacheFSError as exc:
             self.counters.backing_errors += 1
-            fill.error = exc
             if not exc.remote:
                 log.info("%s: fill of %s failed: %s", self.node, key.hex(), exc)
+            raise
         except Exception:  # a bug must fail this block's readers, not the node
             self.counters.backing_errors += 1
             log.exception("%s: fill of %s failed unexpectedly", self.node, key.hex())
-            fill.error = IOFailure(f"internal error filling {key.hex()}")
-        finally:
-            fill.event.set()
-            fill.settled.set()
-            self._background_fills -= 1
-            if self._fills.get(key) is fill:
-                del self._fills[key]
+            raise IOFailure(f"internal error filling {key.hex()}") from None
 
-    async def _store(
-        self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview
-    ) -> bool:
+    async def _keep(self, volume: str, key: BlockKey, bypass_admission: bool, data: Buffer) -> None:
+        """A fill's second step: the block goes to flash if the admission rule lets it in."""
+        try:
+            if bypass_admission or self.admission is None or self.admission.admit(key):
+                await self._store(volume, key, data)
+            else:
+                self.counters.not_admitted += 1
+        except CacheFSError as exc:  # the readers have their bytes already
+            self.counters.backing_errors += 1
+            log.info("%s: block %s not cached: %s", self.node, key.hex(), exc)
+        except Exception:  # a bug must not end the node
+            self.counters.backing_errors += 1
+            log.exception("%s: storing %s failed unexpectedly", self.node, key.hex())
+
+    async def _store(self, volume: str, key: BlockKey, data: Buffer) -> bool:
         try:
             stored = await trio.to_thread.run_sync(
                 self.store.put, volume, key, data, limiter=self._io_threads
@@ -425,9 +407,9 @@ class CacheService:
                         ok, nbytes = True, entry.size
                     else:
                         fill = self._start_fill(volume, key, bypass_admission=True)
-                        data = await self._wait_fill(fill)
+                        data = await fill.wait()
                         nbytes = len(data)
-                        await fill.settled.wait()
+                        await fill.finished.wait()
                         # A get's fill may have been refused by the admission rule.
                         ok = key in self.store or await self._store(volume, key, data)
                 except CacheFSError as exc:

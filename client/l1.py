@@ -1,7 +1,9 @@
 """The L1 cache: whole blocks in this process's memory, LRU bounded in bytes.
 
 Blocks are immutable (a key never names other bytes), so an entry is never
-stale and needs no invalidation; the only policy is what to evict. The cache is
+stale and needs no invalidation; the only policy is what to evict. A block is
+kept as the buffer it arrived in (a ``bytearray`` from the RPC layer is the
+reply's own buffer, never written again), not copied into ``bytes``. The cache is
 a plain object used from trio tasks on one thread: no locks, and no ``await``
 happens inside any method, so every method is atomic with respect to the others.
 """
@@ -12,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from cachefs.ids import BlockKey
+
+Block = bytes | bytearray  # read-only by convention: nobody writes to a cached block
 
 
 @dataclass(slots=True)
@@ -31,7 +35,7 @@ class L1Cache:
         self.capacity = capacity
         self.used = 0
         self.stats = L1Stats()
-        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -39,7 +43,7 @@ class L1Cache:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> Block | None:
         data = self._blocks.get(key)
         if data is None:
             self.stats.misses += 1
@@ -48,7 +52,7 @@ class L1Cache:
         self.stats.hits += 1
         return data
 
-    def put(self, key: BlockKey, data: bytes, *, cold: bool = False) -> None:
+    def put(self, key: BlockKey, data: Block, *, cold: bool = False) -> None:
         """Insert (or refresh) a block; a block larger than the whole cache is not kept.
 
         ``cold`` inserts it as the next to be evicted: blocks this client just

@@ -7,7 +7,7 @@ segments make up the range (:mod:`.slicemap`), then serves each block piece:
 
 1. from the L1 cache if the whole block is there;
 2. for a *sequential* reader, by fetching whole blocks (one fetch per block
-   however many readers want it: ``_inflight``) into L1, and starting
+   however many readers want it, :mod:`cachefs.singleflight`) into L1, and starting
    background fetches of the next blocks within the readahead window; the
    window starts at one block and doubles on every sequential read up to
    ``readahead_max``, so a streaming reader has several blocks in flight;
@@ -29,6 +29,7 @@ answered with a view of that block: no buffer, no copy until the kernel's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -49,10 +50,11 @@ from cachefs.layout import (
     resolve,
     segment_blocks,
 )
+from cachefs.singleflight import SingleFlight
 from cachefs.tasks import run_all
 
 from .inodes import Inode
-from .l1 import L1Cache
+from .l1 import Block, L1Cache
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +114,9 @@ class Reader:
         self.l1 = l1
         self.readahead_max = readahead_max
         self._nursery = nursery
-        self._inflight: dict[BlockKey, trio.Event] = {}
-        # (ino, chunk, stamp) -> slice list fetch under way (one per list)
-        self._lists: dict[tuple[int, int, tuple[int, int]], trio.Event] = {}
+        self._blocks: SingleFlight[BlockKey, Block] = SingleFlight()
+        self._lists: SingleFlight[tuple[int, int, tuple[int, int]], list[Slice]] = SingleFlight()
         self._touched: OrderedDict[BlockKey, None] = OrderedDict()
-        self._failed: dict[BlockKey, CacheFSError] = {}
         self._prefetch_limit = trio.Semaphore(max_parallel)
         self.stats = {
             "bytes": 0,
@@ -132,22 +132,13 @@ class Reader:
     async def slices(self, inode: Inode, chunk: int) -> list[Slice]:
         """A chunk's slice list, cached per content version; one fetch at a
         time per list (``open`` starts one that the first read then joins)."""
-        while True:
-            cached = inode.chunks.get(chunk)
-            stamp = (inode.attr.version, inode.layout)
-            if cached is not None and cached[0] == stamp:
-                return cached[1]
-            key = (inode.ino, chunk, stamp)
-            running = self._lists.get(key)
-            if running is None:
-                break
-            await running.wait()  # then the cache has it, or we fetch ourselves
-        done = self._lists[key] = trio.Event()
-        try:
-            slices = await self.source.read_chunk(inode.ino, chunk)
-        finally:
-            del self._lists[key]
-            done.set()
+        stamp = (inode.attr.version, inode.layout)
+        cached = inode.chunks.get(chunk)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        slices = await self._lists.run(
+            (inode.ino, chunk, stamp), functools.partial(self.source.read_chunk, inode.ino, chunk)
+        )
         # The inode may have moved on while we waited; cache only if not.
         if (inode.attr.version, inode.layout) == stamp:
             inode.chunks[chunk] = (stamp, slices)
@@ -258,7 +249,7 @@ class Reader:
         block = self.l1.get(part.key)
         if block is None or len(block) < part.block_off + part.length:
             return False
-        dest[:] = block[part.block_off : part.block_off + part.length]
+        dest[:] = memoryview(block)[part.block_off : part.block_off + part.length]
         self.stats["l1_hit_bytes"] += part.length
         return True
 
@@ -280,33 +271,18 @@ class Reader:
 
         return run
 
-    async def block(self, key: BlockKey) -> bytes:
+    async def block(self, key: BlockKey) -> Block:
         """A whole block, from L1 or fetched once however many tasks ask."""
-        while True:
-            data = self.l1.get(key)
-            if data is not None:
-                return data
-            event = self._inflight.get(key)
-            if event is None:
-                break
-            await event.wait()
-            err = self._failed.get(key)
-            if err is not None:
-                raise type(err)(err.message, remote=err.remote, **err.details)
-        event = self._inflight[key] = trio.Event()
-        self._failed.pop(key, None)
-        try:
-            self.stats["block_fetches"] += 1
-            fetched = await self.source.fetch(key, 0, -1)
-            data = bytes(fetched)
-            self.l1.put(key, data)
+        data = self.l1.get(key)
+        if data is not None:
             return data
-        except CacheFSError as exc:
-            self._failed[key] = exc
-            raise
-        finally:
-            del self._inflight[key]
-            event.set()
+        return await self._blocks.run(key, functools.partial(self._fetch_block, key))
+
+    async def _fetch_block(self, key: BlockKey) -> Block:
+        self.stats["block_fetches"] += 1
+        data = await self.source.fetch(key, 0, -1)
+        self.l1.put(key, data)  # the received buffer itself: nobody else holds it
+        return data
 
     async def prefetch(self, inode: Inode, offset: int, length: int) -> None:
         """Fetch the blocks of ``[offset, offset+length)`` into L1 (errors are
@@ -325,7 +301,7 @@ class Reader:
                     for part in segment_blocks(seg, self.source.block_size):
                         if (
                             part.key not in self.l1
-                            and part.key not in self._inflight
+                            and part.key not in self._blocks
                             and part.key not in keys
                         ):
                             keys.append(part.key)
@@ -338,7 +314,7 @@ class Reader:
 
     async def _prefetch(self, key: BlockKey) -> None:
         async with self._prefetch_limit:
-            if key in self.l1 or key in self._inflight:
+            if key in self.l1 or key in self._blocks:
                 return
             self.stats["prefetches"] += 1
             try:
