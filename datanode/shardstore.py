@@ -25,7 +25,12 @@ and the next put of that shard (repair) clears it.
 Atomicity: a shard is written to ``tmp/``, fsynced, renamed into place, and
 the directory fsynced. Readers see the old shard or the new one, never a
 partial one, also after kill -9 or power loss; start-up removes leftover
-temporary files. Capacity is reserved before writing; a write that would pass
+temporary files. A new volume or fan directory is fsynced into its parent
+before any shard in it is acknowledged (without that, a power cut loses the
+directory and every shard in it). After kill -9 a directory may hold names
+only the page cache knows (a put killed between rename and directory
+fsync), so start-up fsyncs every directory it counts shards in before
+serving: what the store reports as present is durable. Capacity is reserved before writing; a write that would pass
 ``capacity`` (or hits a real ENOSPC) raises :class:`NoSpace` and leaves nothing.
 """
 
@@ -115,6 +120,8 @@ class ShardStore:
         self.durable = durable
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
+        self._dirs_lock = threading.Lock()
+        self._durable_dirs: set[Path] = set()  # volume and fan directories fsynced into their parents
         self.corrupt_found = 0
         self._shards_dir = self.root / "shards"
         self._tmp_dir = self.root / "tmp"
@@ -124,12 +131,18 @@ class ShardStore:
             log.info("removing leftover temporary shard %s", leftover.name)
             leftover.unlink(missing_ok=True)
         self.used, self.shard_count = self._scan_usage()
+        if durable:
+            self._fsync_dir(self.root)  # shards/ and tmp/ themselves
 
     # -- accounting -----------------------------------------------------------
 
     def _scan_usage(self) -> tuple[int, int]:
+        """Bytes and shards on disk; with ``durable``, every directory fsynced on the way."""
         used = count = 0
         for dirpath, _dirs, files in os.walk(self._shards_dir):
+            if self.durable:
+                self._fsync_dir(Path(dirpath))
+                self._durable_dirs.add(Path(dirpath))
             for name in files:
                 if name.endswith(".corrupt"):
                     continue
@@ -190,7 +203,7 @@ class ShardStore:
         self._reserve(delta)
         tmp = self._tmp_dir / f"{uuid.uuid4().hex}.tmp"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dirs(path.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for piece in pieces:
@@ -218,6 +231,23 @@ class ShardStore:
         if old_size < 0:
             with self._lock:
                 self.shard_count += 1
+
+    def _make_dirs(self, fan_dir: Path) -> None:
+        """The volume and fan directories of a shard exist and are durably in their parents.
+
+        Under one lock: a put that finds the directory made by another must
+        not go on before that one's parent fsync is done.
+        """
+        if fan_dir in self._durable_dirs:
+            return
+        with self._dirs_lock:
+            for d in (fan_dir.parent, fan_dir):
+                if d in self._durable_dirs:
+                    continue
+                d.mkdir(exist_ok=True)
+                if self.durable:
+                    self._fsync_dir(d.parent)
+                self._durable_dirs.add(d)
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:

@@ -8,15 +8,18 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore
+from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore, encode_shard_file
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace, NotFound
 from cachefs.ids import BlockKey
+from cachefs.testing.powercut import PowerCutDisk
+from cachefs.testing.powercut import supported as powercut_supported
 
 KEY = BlockKey(42, 7).hex()
 
@@ -199,3 +202,56 @@ def test_concurrent_puts_and_deletes_keep_exact_accounting(tmp_path: Path) -> No
         list(pool.map(work, range(8)))
     rescanned = ShardStore(tmp_path, 1 << 30)
     assert (store.used, store.shard_count) == (rescanned.used, rescanned.shard_count)
+
+
+# ---------------------------------------------------------------- on a disk that loses power
+
+
+@pytest.fixture
+def power_cut_disk(tmp_path: Path) -> Iterator[PowerCutDisk]:
+    if reason := powercut_supported():
+        pytest.skip(reason)
+    disk = PowerCutDisk(tmp_path / "disk", tmp_path / "data")
+    disk.mount()
+    try:
+        yield disk
+    finally:
+        disk.cut()
+
+
+@pytest.mark.fuse
+def test_stored_shards_survive_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
+    """A put that returned is durable: its file, and the new volume and fan
+    directories that hold it (a store on an empty disk creates all three)."""
+    root = power_cut_disk.mountpoint
+    store = ShardStore(root, 1 << 30)
+    shards = {("vol", BlockKey(i, 0).hex(), i % 3): os.urandom(1000 + i) for i in range(8)}
+    shards[("other", KEY, 1)] = os.urandom(CHUNK_SIZE + 1)
+    for (volume, key, index), data in shards.items():
+        store.put(volume, key, index, b"m", data)
+    power_cut_disk.cut()
+    power_cut_disk.mount()
+    store = ShardStore(root, 1 << 30)
+    assert store.usage()["shards"] == len(shards)
+    for (volume, key, index), data in shards.items():
+        assert store.get(volume, key, index) == (b"m", data, len(data))
+
+
+@pytest.mark.fuse
+def test_shards_found_at_start_up_are_made_durable(power_cut_disk: PowerCutDisk) -> None:
+    """After kill -9 the directories may hold names only the page cache knows
+    (a put killed between its rename and its directory fsync). What the store
+    finds and counts at start-up, it must make durable before it serves."""
+    root = power_cut_disk.mountpoint
+    ShardStore(root, 1 << 30).put("vol", KEY, 0, b"m", b"first")
+    fan = next((root / "shards" / "vol").iterdir())
+    with open(root / "tmp" / "x.tmp", "wb", buffering=0) as f:  # a put cut short after its rename
+        f.write(b"".join(bytes(p) for p in encode_shard_file(b"m", b"second")))
+        os.fsync(f.fileno())
+    os.replace(root / "tmp" / "x.tmp", fan / f"{KEY}.1")
+    store = ShardStore(root, 1 << 30)
+    assert store.usage()["shards"] == 2
+    power_cut_disk.cut()
+    power_cut_disk.mount()
+    store = ShardStore(root, 1 << 30)
+    assert store.get("vol", KEY, 1) == (b"m", b"second", 6)
