@@ -14,7 +14,9 @@ follower's conflicting suffix needs no separate truncate record.
 Group commit: a whole Raft ``Ready`` (every entry and the hard state) is one
 ``write`` and at most one ``fdatasync``. At start-up the WAL is scanned; at the
 first record that is short (a torn write from a crash) or fails its CRC (bit
-rot), the file is cut there, with a log line saying where and why.
+rot), the file is cut there, with a log line saying where and why; then the
+WAL and its directory are fsynced, since what a restart after kill -9 reads
+may not be on disk yet.
 
 A snapshot file is ``MAGIC [u32 crc32] zstd(msgpack [index, term, voters,
 data])``, written to a temporary name, fsynced and renamed, so it is either
@@ -293,7 +295,11 @@ class RaftStorage:
         fd = os.open(wal, os.O_WRONLY | os.O_APPEND)
         if res.problem is not None:
             os.ftruncate(fd, res.valid_len)
-            os.fsync(fd)
+        # After kill -9, what was just read may be only in the page cache (a
+        # save killed before its fsync, a rewrite before its directory fsync);
+        # the core takes it as persisted, so make it so before it acts on it.
+        os.fsync(fd)
+        _fsync_dir(d)
         return cls(d, fd, rep.hard_state, snapshot, rep.entries)
 
     def save(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from cachefs.errors import Corrupt
 from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
 from cachefs.metanode.raft.storage import RaftStorage
+from cachefs.testing.powercut import PowerCutDisk
+from cachefs.testing.powercut import supported as powercut_supported
 
 
 def entries(first: int, last: int, term: int) -> list[Entry]:
@@ -144,3 +148,61 @@ def test_scan_reports_where_it_stopped() -> None:
         res = storage.scan(buf[:cut])
         assert res.valid_len <= cut
         assert (res.problem is None) == (res.valid_len == cut)
+
+
+@pytest.fixture
+def power_cut_disk(tmp_path: Path) -> Iterator[PowerCutDisk]:
+    if reason := powercut_supported():
+        pytest.skip(reason)
+    disk = PowerCutDisk(tmp_path / "disk", tmp_path / "data")
+    disk.mount()
+    try:
+        yield disk
+    finally:
+        disk.cut()
+
+
+def _reboot_and_load(disk: PowerCutDisk) -> tuple[HardState, list[Entry]]:
+    disk.cut()
+    disk.mount()
+    st = RaftStorage.open(disk.mountpoint)
+    st.close()
+    return st.hard_state, st.entries
+
+
+@pytest.mark.fuse
+def test_records_open_loads_survive_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
+    """A replica killed between its WAL write and its fsync restarts with those
+    records in the page cache. The core takes what open() returns as
+    persisted (it acks those entries, it keeps that vote), so open() must
+    make them durable."""
+    d = power_cut_disk.mountpoint
+    st = RaftStorage.open(d)
+    st.save(entries(1, 3, 1), HardState(1, 2, 0), sync=True)
+    st.save(entries(4, 6, 2), HardState(2, 3, 0), sync=False)  # killed before the fsync
+    st.close()
+    st = RaftStorage.open(d)  # the restart
+    loaded = (st.hard_state, st.entries)
+    assert loaded == (HardState(2, 3, 0), entries(1, 3, 1) + entries(4, 6, 2))
+    st.close()
+    assert _reboot_and_load(power_cut_disk) == loaded
+
+
+@pytest.mark.fuse
+def test_a_wal_renamed_before_a_kill_survives_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
+    """A rewrite (compaction) killed between its rename and its directory
+    fsync leaves a WAL whose name only the page cache knows: the restart
+    loads it, so open() must make the name durable too."""
+    d = power_cut_disk.mountpoint
+    st = RaftStorage.open(d)
+    st.save(entries(1, 3, 1), HardState(1, 2, 0), sync=True)
+    st.close()
+    with open(d / "wal.log.new", "wb", buffering=0) as f:
+        f.write(storage.encode_base(0, 0) + storage.encode_ready(entries(1, 3, 1), HardState(2, 3, 0)))
+        os.fsync(f.fileno())
+    os.replace(d / "wal.log.new", d / "wal.log")  # and no directory fsync
+    st = RaftStorage.open(d)
+    loaded = (st.hard_state, st.entries)
+    assert loaded[0] == HardState(2, 3, 0)
+    st.close()
+    assert _reboot_and_load(power_cut_disk) == loaded
