@@ -73,6 +73,7 @@ from cachefs.errors import (
 from cachefs.messages import Attr
 from cachefs.rpc import RpcPool
 
+from .compaction import Compactor
 from .inodes import Inode
 from .l1 import L1Cache
 from .reader import Readahead, Reader
@@ -88,7 +89,6 @@ READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 5.0  # per metanode, when explaining a connect that timed out
-COMPACT_DELAY = 0.5
 IDLE_INODES = 65536  # slice lists of closed files kept for their next open
 BUFFER_SIZE = 1 << 20
 MAX_LINKS = 40  # symbolic links followed in one path, as Linux
@@ -222,12 +222,14 @@ class AsyncFileSystem:
         self._nursery = nursery
         self.l1 = L1Cache(options.l1_bytes)
         self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self.compactor = Compactor(
+            session, self.reader, nursery=nursery, threshold=options.compact_after
+        )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
         self._open: dict[int, Inode] = {}  # inodes with open files or dirty writers
         self._idle: OrderedDict[int, Inode] = OrderedDict()  # LRU of closed ones
         self._dentries: dict[tuple[int, str], tuple[int, float]] = {}
         self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
-        self._compacting: set[tuple[int, int]] = set()
         self._uid, self._gid = os.getuid(), os.getgid()
         self.closed = False
 
@@ -607,30 +609,9 @@ class AsyncFileSystem:
                 buffer_limit=self.options.write_buffer,
                 upload_limit=self._upload_limit,
                 write_through=self.options.write_through,
-                on_commit=self._maybe_compact,
+                on_commit=self.compactor.schedule,
             )
         return inode.writer
-
-    def _maybe_compact(self, inode: Inode, chunk: int, version: int) -> None:
-        """As the mount does: many small writes leave a chunk with many slices,
-        which every later read must resolve; rewrite it as one in the background."""
-        key = (inode.ino, chunk)
-        if key not in self._compacting:
-            self._compacting.add(key)
-            self._nursery.start_soon(self._compact, inode, chunk)
-
-    async def _compact(self, inode: Inode, chunk: int) -> None:
-        try:
-            await trio.sleep(COMPACT_DELAY)  # let a burst of writes finish first
-            if inode.writer is not None and inode.writer.dirty:
-                return
-            await self.session.compact_if_needed(
-                inode, chunk, self.reader, self.options.compact_after
-            )
-        except CacheFSError as exc:
-            log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
-        finally:
-            self._compacting.discard((inode.ino, chunk))
 
     async def _release(self, inode: Inode) -> None:
         inode.opens -= 1

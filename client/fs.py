@@ -51,6 +51,7 @@ from cachefs.ids import BlockKey
 from cachefs.layout import MAX_FILE_SIZE
 from cachefs.messages import Attr
 
+from .compaction import Compactor
 from .inodes import Inode, InodeTable
 from .l1 import L1Cache
 from .reader import Readahead, Reader
@@ -63,7 +64,6 @@ T = TypeVar("T")
 
 READDIR_BATCH = 256
 XATTR_CACHE = 64  # names cached per inode
-COMPACT_DELAY = 0.5
 FLUSH_IDLE = 5.0
 MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
 
@@ -155,11 +155,13 @@ class CacheFS(pyfuse3.Operations):
         self.inodes = InodeTable()
         self.l1 = L1Cache(options.l1_bytes)
         self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self.compactor = Compactor(
+            session, self.reader, nursery=nursery, threshold=options.compact_after
+        )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
-        self._compacting: set[tuple[int, int]] = set()
         self._ns_changed = 0.0  # time.monotonic() of our last namespace change
         session.on_block_stored = self._keep_written
         nursery.start_soon(self._seal_idle_writes)
@@ -219,7 +221,7 @@ class CacheFS(pyfuse3.Operations):
                 buffer_limit=self.options.write_buffer,
                 upload_limit=self._upload_limit,
                 write_through=self.options.write_through,
-                on_commit=self._maybe_compact,
+                on_commit=self.compactor.schedule,
             )
         return inode.writer
 
@@ -242,28 +244,6 @@ class CacheFS(pyfuse3.Operations):
                     await inode.writer.flush()
                 except CacheFSError as exc:
                     log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
-
-    def _maybe_compact(self, inode: Inode, chunk: int, version: int) -> None:
-        key = (inode.ino, chunk)
-        if key in self._compacting:
-            return
-        self._compacting.add(key)
-        self.nursery.start_soon(self._compact, inode, chunk)
-
-    async def _compact(self, inode: Inode, chunk: int) -> None:
-        try:
-            # Let a burst of writes finish first: compacting under a writer
-            # only loses the race (EBUSY) after reading the whole chunk.
-            await trio.sleep(COMPACT_DELAY)
-            if inode.writer is not None and inode.writer.dirty:
-                return
-            await self.session.compact_if_needed(
-                inode, chunk, self.reader, self.options.compact_after
-            )
-        except CacheFSError as exc:
-            log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
-        finally:
-            self._compacting.discard((inode.ino, chunk))
 
     # ------------------------------------------------------------------ lookups
 

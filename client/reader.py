@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +60,13 @@ log = logging.getLogger(__name__)
 
 SEQ_SLACK = 256 * 1024
 TOUCH_MEMORY = 8192
+
+
+async def _run(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    if len(jobs) == 1:
+        await jobs[0]()  # the common case: no nursery
+    elif jobs:
+        await run_all(jobs)
 
 
 class BlockSource(Protocol):
@@ -218,19 +225,47 @@ class Reader:
         for chunk, pos, buf_off, n in chunk_ranges(offset, len(view)):
             covers = [(r.pos, r.end) for r in pending if r.chunk == chunk]
             slices = await self.slices(inode, chunk)
-            for seg in resolve(slices, pos, pos + n):
-                if seg.slice_id == HOLE:
+            dest = view[buf_off : buf_off + n]
+            self._plan(slices, pos, dest, jobs, sequential=sequential, covers=covers)
+        await _run(jobs)
+
+    async def read_slices(self, slices: list[Slice], length: int) -> bytearray:
+        """Bytes ``[0, length)`` of a chunk whose slice list is ``slices``
+        (holes zero): exactly those slices, whatever the inode's cached lists
+        or pending writes say, which is what compaction rewrites. Parts in L1
+        are copied from there; the others are range fetches that stay out of
+        L1 (their blocks are about to be replaced)."""
+        buf = bytearray(length)
+        jobs: list[Callable[[], Awaitable[None]]] = []
+        self._plan(slices, 0, memoryview(buf), jobs, cache=False)
+        await _run(jobs)
+        return buf
+
+    def _plan(
+        self,
+        slices: list[Slice],
+        pos: int,
+        dest: memoryview,
+        jobs: list[Callable[[], Awaitable[None]]],
+        *,
+        sequential: bool = False,
+        cache: bool = True,
+        covers: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Fill ``dest`` with bytes ``[pos, pos+len(dest))`` of a chunk made of
+        ``slices``: copy what L1 holds now, and add a fetch to ``jobs`` for each
+        other part. Parts that one of ``covers`` spans are skipped; without
+        ``cache``, no block is fetched whole into L1."""
+        for seg in resolve(slices, pos, pos + len(dest)):
+            if seg.slice_id == HOLE:
+                continue
+            for part in segment_blocks(seg, self.source.block_size):
+                if any(a <= part.pos and part.pos + part.length <= b for a, b in covers):
                     continue
-                for part in segment_blocks(seg, self.source.block_size):
-                    if any(a <= part.pos and part.pos + part.length <= b for a, b in covers):
-                        continue
-                    dest = view[buf_off + part.pos - pos : buf_off + part.pos - pos + part.length]
-                    if not self._copy_from_l1(part, dest):
-                        jobs.append(self._job(part, dest, whole=sequential or self._seen_before(part.key)))
-        if len(jobs) == 1:
-            await jobs[0]()
-        elif jobs:
-            await run_all(jobs)
+                into = dest[part.pos - pos : part.pos - pos + part.length]
+                if not self._copy_from_l1(part, into):
+                    whole = cache and (sequential or self._seen_before(part.key))
+                    jobs.append(self._job(part, into, whole=whole))
 
     def _seen_before(self, key: BlockKey) -> bool:
         """Second-touch admission for random readers: the first random read of

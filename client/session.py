@@ -21,7 +21,6 @@ talk to. It owns:
 
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -39,19 +38,15 @@ from cachefs.errors import (
     InvalidArgument,
     NotFound,
     TimedOut,
-    Unavailable,
     Unreachable,
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
-from cachefs.layout import HOLE, Slice, resolve, segment_blocks, slice_blocks
+from cachefs.layout import Slice
 from cachefs.messages import Attr
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
-from cachefs.tasks import run_all
 from cachefs.transport import BlockTransport, open_transport
-
-from .inodes import Inode
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +338,16 @@ class Session:
         )
         return Attr.from_wire(raw)
 
+    async def compact_chunk(
+        self, ino: int, chunk: int, expect: list[int], slice_id: int, length: int
+    ) -> None:
+        """Swap ``slice_id`` in for the slices ``expect`` (see :mod:`.compaction`).
+
+        Raises:
+            Busy: the chunk's slices are no longer ``expect``.
+        """
+        await self.meta.compact_chunk(self.volume, ino, chunk, expect, slice_id, length)
+
     # ------------------------------------------------------------------ reads
 
     async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes | bytearray:
@@ -366,59 +371,3 @@ class Session:
                 log.info("cache node %s failed %s: %s", addr, key.hex(), exc)
         self.stats["backing_reads"] += 1
         return await self.backing.get_block(self.volume, key, offset, length)
-
-    # ------------------------------------------------------------------ compaction
-
-    async def compact_if_needed(
-        self, inode: Inode, chunk: int, reader: Any, threshold: int
-    ) -> None:
-        """Rewrite a chunk with many slices as one slice, swapped in atomically.
-
-        The metanodes refuse the swap (EBUSY) if the chunk changed since we read
-        its slice list; the new slice is then trashed and nothing is lost, and
-        we try again on the new list (a few times: a writer still committing
-        would otherwise leave the chunk uncompacted once it stops).
-        """
-        for _attempt in range(3):
-            if await self._compact_once(inode, chunk, reader, threshold):
-                return
-
-    async def _compact_once(self, inode: Inode, chunk: int, reader: Any, threshold: int) -> bool:
-        """One compaction attempt; False when the chunk changed under it."""
-        slices = await self.read_chunk(inode.ino, chunk)
-        if len(slices) < threshold:
-            return True
-        file_end = inode.attr.size - chunk * CHUNK_SIZE
-        length = min(max(s.pos + s.length for s in slices), file_end)
-        if length <= 0:
-            return True
-        buf = bytearray(length)
-        view = memoryview(buf)
-        await run_all(
-            functools.partial(self._fill, part, view[part.pos : part.pos + part.length])
-            for seg in resolve(slices, 0, length)
-            if seg.slice_id != HOLE
-            for part in segment_blocks(seg, self.block_size)
-        )
-        slice_id = await self.alloc_slice()
-        await run_all(
-            functools.partial(self.store_block, BlockKey(slice_id, index), view[start:end])
-            for index, start, end in slice_blocks(length, self.block_size)
-        )
-        try:
-            await self.meta.compact_chunk(
-                self.volume, inode.ino, chunk, [s.id for s in slices], slice_id, length
-            )
-        except Busy:
-            log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
-            return False
-        inode.chunks.pop(chunk, None)
-        inode.layout += 1
-        log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
-        return True
-
-    async def _fill(self, part: Any, dest: memoryview) -> None:
-        data = await self.fetch(part.key, part.block_off, part.length)
-        if len(data) != part.length:
-            raise Unavailable(f"block {part.key.hex()} is shorter than its slice says")
-        dest[:] = data

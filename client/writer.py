@@ -22,7 +22,7 @@ of a full buffer failed.
 
 Each run becomes a new slice, so a small random write stores a small slice
 and never rewrites a whole block. When a chunk's slice list grows past
-``compact_after`` the writer schedules a compaction (:class:`Compactor`):
+``compact_after`` the writer schedules a compaction (:class:`~.compaction.Compactor`):
 read the chunk, write it as one slice, and ask the metanodes to swap it in
 only if the chunk is still exactly what was read.
 

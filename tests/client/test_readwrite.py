@@ -291,6 +291,7 @@ compact_ops_st = st.lists(
 @given(ops=compact_ops_st, seed=st.integers(0, 1000))
 def test_session_io_with_compaction_matches_model(ops, seed) -> None:
     """The real Session (over the in-process namespace) with compactions in between."""
+    from cachefs.client.compaction import Compactor
     from cachefs.client.session import Session
     from cachefs.rpc import RpcPool
     from cachefs.transport.tcp import TcpTransport
@@ -323,7 +324,7 @@ def test_session_io_with_compaction_matches_model(ops, seed) -> None:
                 elif op == "flush":
                     await writer.flush()
                 elif op == "compact":
-                    await session.compact_if_needed(inode, 0, reader, threshold=1)
+                    await Compactor(session, reader, nursery=n, threshold=1).compact(inode, 0)
                 else:
                     await writer.flush()
                     inode.set_attr(await session.setattr(inode.ino, size=a))

@@ -1,0 +1,109 @@
+"""Compaction: a chunk that collected many slices is rewritten as one.
+
+Every committed run is a slice, so small random writes leave a chunk with
+many slices, which every later read of it must resolve. After each commit the
+writer tells the :class:`Compactor`, which lets the burst of writes finish
+(``COMPACT_DELAY``; compacting under a writer only loses the race after
+reading the whole chunk), reads the chunk's slice list and, past
+``threshold`` slices:
+
+1. reads the bytes those slices make up through the Reader (L1 where it has
+   them, range fetches otherwise);
+2. stores them as the blocks of one new slice;
+3. asks the metanodes to swap the new slice in only if the chunk is still
+   exactly the list it read (``compact_chunk``). If it changed, the answer is
+   EBUSY, the new slice goes to the trash and nothing is lost; the compactor
+   tries again on the new list, a few times, since a writer still committing
+   would otherwise leave the chunk uncompacted once it stops.
+
+One compaction at a time per chunk. A failed one is logged and skipped: the
+next commit to the chunk schedules another.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import trio
+
+from cachefs.errors import Busy, CacheFSError
+from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.layout import slice_blocks
+from cachefs.tasks import run_all
+
+from .inodes import Inode
+from .reader import Reader
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+COMPACT_DELAY = 0.5
+ATTEMPTS = 3
+
+
+class Compactor:
+    """Background compaction of one volume's chunks (see module docstring)."""
+
+    def __init__(
+        self, session: Session, reader: Reader, *, nursery: trio.Nursery, threshold: int
+    ) -> None:
+        self.session = session
+        self.reader = reader
+        self.threshold = threshold
+        self._nursery = nursery
+        self._running: set[tuple[int, int]] = set()
+
+    def schedule(self, inode: Inode, chunk: int, version: int) -> None:
+        """A commit to ``chunk`` of ``inode`` (the writer's ``on_commit``)."""
+        key = (inode.ino, chunk)
+        if key not in self._running:
+            self._running.add(key)
+            self._nursery.start_soon(self._later, inode, chunk)
+
+    async def _later(self, inode: Inode, chunk: int) -> None:
+        try:
+            await trio.sleep(COMPACT_DELAY)
+            if inode.writer is not None and inode.writer.dirty:
+                return
+            await self.compact(inode, chunk)
+        except CacheFSError as exc:
+            log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
+        finally:
+            self._running.discard((inode.ino, chunk))
+
+    async def compact(self, inode: Inode, chunk: int) -> None:
+        """Rewrite ``chunk`` as one slice if it has ``threshold`` slices or more.
+
+        Raises:
+            CacheFSError: reading, storing or swapping failed (nothing is lost).
+        """
+        for _attempt in range(ATTEMPTS):
+            if await self._once(inode, chunk):
+                return
+
+    async def _once(self, inode: Inode, chunk: int) -> bool:
+        """One attempt; False when the chunk changed under it."""
+        session = self.session
+        slices = await session.read_chunk(inode.ino, chunk)
+        if len(slices) < self.threshold:
+            return True
+        file_end = inode.attr.size - chunk * CHUNK_SIZE
+        length = min(max(s.pos + s.length for s in slices), file_end)
+        if length <= 0:
+            return True
+        view = memoryview(await self.reader.read_slices(slices, length))
+        slice_id = await session.alloc_slice()
+        await run_all(
+            functools.partial(session.store_block, BlockKey(slice_id, index), view[start:end])
+            for index, start, end in slice_blocks(length, session.block_size)
+        )
+        try:
+            await session.compact_chunk(inode.ino, chunk, [s.id for s in slices], slice_id, length)
+        except Busy:
+            log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
+            return False
+        inode.chunks.pop(chunk, None)
+        inode.layout += 1
+        log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
+        return True
