@@ -3,13 +3,13 @@
 Training code that reads through the mount pays a kernel round trip (and a
 copy) per 128 KiB-1 MiB request; reading in-process skips both, as 3FS's
 native API and CubeFS's AI-framework plugin do beside their FUSE clients.
-The library is the mount's own machinery, not a second implementation:
-:class:`~.session.Session` (metanode calls, cache-ring routing, backing
-storage fallback, the same transports), :class:`~.reader.Reader` (L1 block
-cache, readahead, one fetch per block however many readers ask) and
-:class:`~.writer.FileWriter` (buffered writes cut into slices, committed in
-order). So what the library writes, a mount sees after close, and the other
-way round (close-to-open: every ``open``/``stat`` asks the metanodes).
+The library runs the mount's own engine, not a second implementation: a
+:class:`~cachefs.client.volume.Volume` (the session with its metanode calls,
+cache-ring routing, backing-storage fallback and transports; L1, readahead
+and one fetch per block however many readers ask; buffered writes cut into
+slices and committed in order; compaction), with path calls on top. So what
+the library writes, a mount sees after close, and the other way round
+(close-to-open: every ``open``/``stat`` asks the metanodes).
 
 Two entry points:
 
@@ -40,6 +40,7 @@ Errors are raised as :class:`OSError` with the POSIX errno (so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import io
@@ -52,7 +53,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -68,17 +68,16 @@ from cachefs.errors import (
     IsADirectory,
     NotADirectory,
     NotFound,
+    ReadOnly,
     TooManyLinks,
 )
 from cachefs.messages import Attr
 from cachefs.rpc import RpcPool
 
-from .compaction import Compactor
 from .inodes import Inode
-from .l1 import L1Cache
-from .reader import Readahead, Reader
+from .reader import Readahead
 from .session import Session
-from .writer import FileWriter
+from .volume import ClientOptions, Volume
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +88,9 @@ READDIR_BATCH = 1024
 CONNECT_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 5.0  # per metanode, when explaining a connect that timed out
-IDLE_INODES = 65536  # slice lists of closed files kept for their next open
+IDLE_INODES = 65536  # closed files whose slice lists are kept for their next open
 BUFFER_SIZE = 1 << 20
 MAX_LINKS = 40  # symbolic links followed in one path, as Linux
-
-
-@dataclass(frozen=True, slots=True)
-class ClientOptions:
-    """Tunables of one client; the defaults are the mount's except a smaller L1,
-    since a training job often runs one client per DataLoader worker."""
-
-    l1_bytes: int = 256 << 20
-    readahead_max: int = 32 << 20
-    write_buffer: int = 64 << 20
-    write_through: bool = False
-    upload_parallel: int = 8
-    entry_timeout: float = 1.0  # how long a resolved directory name is trusted
-    compact_after: int = 64  # slices in a chunk before it is rewritten as one
-    transport: str = "tcp"
 
 
 def _oserror(exc: CacheFSError, path: str | None = None) -> OSError:
@@ -215,19 +199,11 @@ def _parse_mode(mode: str) -> str:
 class AsyncFileSystem:
     """One volume, trio-native. Make it with :func:`open_volume`."""
 
-    def __init__(self, session: Session, nursery: trio.Nursery, options: ClientOptions) -> None:
-        self.session = session
-        self.options = options
-        self.volume = session.volume
-        self._nursery = nursery
-        self.l1 = L1Cache(options.l1_bytes)
-        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
-        self.compactor = Compactor(
-            session, self.reader, nursery=nursery, threshold=options.compact_after
-        )
-        self._upload_limit = trio.Semaphore(options.upload_parallel)
-        self._open: dict[int, Inode] = {}  # inodes with open files or dirty writers
-        self._idle: OrderedDict[int, Inode] = OrderedDict()  # LRU of closed ones
+    def __init__(self, engine: Volume) -> None:
+        self.engine = engine
+        self.session = engine.session
+        self.options = engine.options
+        self.volume = engine.session.volume
         self._dentries: dict[tuple[int, str], tuple[int, float]] = {}
         self._files: weakref.WeakSet[AsyncFile] = weakref.WeakSet()
         self._uid, self._gid = os.getuid(), os.getgid()
@@ -235,36 +211,15 @@ class AsyncFileSystem:
 
     @property
     def block_size(self) -> int:
-        return self.session.block_size
+        return self.engine.block_size
 
     def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` as a background task of this client (it ends with the client)."""
-        self._nursery.start_soon(fn, *args)
+        self.engine.nursery.start_soon(fn, *args)
 
-    # ------------------------------------------------------------------ inodes
-
-    def _inode(self, attr: Attr) -> Inode:
-        """The one Inode object for ``attr.ino`` (shared by all its open files)."""
-        inode = self._open.get(attr.ino)
-        if inode is None:
-            inode = self._idle.pop(attr.ino, None)
-            if inode is None:
-                inode = Inode(attr)
-            self._idle[attr.ino] = inode
-            while len(self._idle) > IDLE_INODES:
-                self._idle.popitem(last=False)
-        inode.set_attr(attr)
-        return inode
-
-    def _pin(self, inode: Inode) -> None:
-        self._idle.pop(inode.ino, None)
-        self._open[inode.ino] = inode
-
-    def _unpin(self, inode: Inode) -> None:
-        if inode.opens <= 0 and (inode.writer is None or not inode.writer.dirty):
-            inode.writer = None
-            self._open.pop(inode.ino, None)
-            self._idle[inode.ino] = inode
+    def _writable(self) -> None:
+        if self.options.read_only:
+            raise ReadOnly(f"volume {self.volume} is open read-only")
 
     # ------------------------------------------------------------------ names
 
@@ -364,6 +319,7 @@ class AsyncFileSystem:
     async def symlink(self, target: str, path: str | os.PathLike[str]) -> None:
         """Make ``path`` a symbolic link to ``target`` (as ``os.symlink``)."""
         with _edge(os.fspath(path)):
+            self._writable()
             parent, name = await self._parent(path)
             await self.session.symlink(
                 parent, os.fsencode(name), os.fsencode(target), self._uid, self._gid
@@ -388,11 +344,10 @@ class AsyncFileSystem:
             else:
                 ns = (int(times[0] * 1e9), int(times[1] * 1e9))
         with _edge(os.fspath(path)):
+            self._writable()
             attr = await self._attr(path, follow=follow_symlinks)
-            new = await self.session.setattr(attr.ino, atime_ns=ns[0], mtime_ns=ns[1])
-            inode = self._open.get(new.ino) or self._idle.get(new.ino)
-            if inode is not None:
-                inode.set_attr(new)
+            inode = await self.engine.setattr(attr.ino, atime_ns=ns[0], mtime_ns=ns[1])
+            self.engine.inodes.drop_if_idle(inode)
 
     async def readlink(self, path: str | os.PathLike[str]) -> str:
         with _edge(os.fspath(path)):
@@ -469,6 +424,7 @@ class AsyncFileSystem:
 
     async def mkdir(self, path: str | os.PathLike[str], mode: int = 0o755) -> None:
         with _edge(os.fspath(path)):
+            self._writable()
             parent, name = await self._parent(path)
             await self.session.mkdir(
                 parent, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
@@ -478,6 +434,7 @@ class AsyncFileSystem:
         self, path: str | os.PathLike[str], mode: int = 0o755, exist_ok: bool = False
     ) -> None:
         with _edge(os.fspath(path)):
+            self._writable()
             names = split_path(path)
             ino = ROOT_INO
             for i, name in enumerate(names):
@@ -497,6 +454,7 @@ class AsyncFileSystem:
 
     async def remove(self, path: str | os.PathLike[str]) -> None:
         with _edge(os.fspath(path)):
+            self._writable()
             parent, name = await self._parent(path)
             await self.session.unlink(parent, os.fsencode(name))
 
@@ -504,6 +462,7 @@ class AsyncFileSystem:
 
     async def rmdir(self, path: str | os.PathLike[str]) -> None:
         with _edge(os.fspath(path)):
+            self._writable()
             parent, name = await self._parent(path)
             self._forget_name(parent, name)
             await self.session.rmdir(parent, os.fsencode(name))
@@ -511,6 +470,7 @@ class AsyncFileSystem:
     async def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         """Atomic rename; an existing ``dst`` file (or empty directory) is replaced."""
         with _edge(os.fspath(src)):
+            self._writable()
             parent, name = await self._parent(src)
             new_parent, new_name = await self._parent(dst)
             self._forget_name(parent, name)
@@ -537,15 +497,19 @@ class AsyncFileSystem:
             attr = await self._attr(path)
             if attr.is_dir:
                 raise IsADirectory(f"{_norm(path)} is a directory")
-            inode = self._inode(attr)
-            size = inode.size
-            lo = max(0, size + start) if start < 0 else min(start, size)
-            hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
-            if hi <= lo:
-                return b""
-            whole = lo == 0 and hi == size
-            ra = Readahead(self.block_size, self.options.readahead_max) if whole else None
-            return await self.reader.read(inode, lo, hi - lo, ra)
+            inodes = self.engine.inodes
+            inode = inodes.update(attr)
+            try:
+                size = inode.size
+                lo = max(0, size + start) if start < 0 else min(start, size)
+                hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+                if hi <= lo:
+                    return b""
+                whole = lo == 0 and hi == size
+                ra = self.engine.reader.new_readahead() if whole else None
+                return await self.engine.reader.read(inode, lo, hi - lo, ra)
+            finally:
+                inodes.drop_if_idle(inode)
 
     async def write_bytes(
         self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview
@@ -567,6 +531,8 @@ class AsyncFileSystem:
         m = _parse_mode(mode)
         spath = os.fspath(path)
         with _edge(spath):
+            if m != "rb":
+                self._writable()
             if m[0] == "r":
                 attr = await self._attr(path)
             else:
@@ -582,43 +548,16 @@ class AsyncFileSystem:
                     attr = await self.session.lookup(parent, raw)
             if attr.is_dir:
                 raise IsADirectory(f"{_norm(path)} is a directory")
-            inode = self._inode(attr)
-            await self.session.open(inode.ino)
-            inode.opens += 1
-            self._pin(inode)
+            inode = await self.engine.open(attr.ino, attr)
             try:
                 if m == "wb" and inode.size:
-                    if inode.writer is not None:
-                        await inode.writer.flush()
-                    inode.set_attr(await self.session.setattr(inode.ino, size=0))
-                    inode.chunks.clear()
-                    inode.layout += 1
+                    await self.engine.setattr(inode.ino, size=0)
             except BaseException:
-                await self._release(inode)
+                await self.engine.release(inode)
                 raise
         f = AsyncFile(self, inode, _norm(path), m)
         self._files.add(f)
         return f
-
-    def _writer(self, inode: Inode) -> FileWriter:
-        if inode.writer is None:
-            inode.writer = FileWriter(
-                self.session,
-                inode,
-                nursery=self._nursery,
-                buffer_limit=self.options.write_buffer,
-                upload_limit=self._upload_limit,
-                write_through=self.options.write_through,
-                on_commit=self.compactor.schedule,
-            )
-        return inode.writer
-
-    async def _release(self, inode: Inode) -> None:
-        inode.opens -= 1
-        try:
-            await self.session.release(inode.ino)
-        finally:
-            self._unpin(inode)
 
     async def aclose(self) -> None:
         """Close open files (committing what they wrote) and the session."""
@@ -637,14 +576,7 @@ class AsyncFileSystem:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the read path (L1, fetches) and block chain (cache vs backing)."""
-        s = self.l1.stats
-        return {
-            **self.reader.stats,
-            **self.session.stats,
-            "l1_hits": s.hits,
-            "l1_misses": s.misses,
-            "l1_used": self.l1.used,
-        }
+        return self.engine.stats()
 
 
 class AsyncFile:
@@ -657,7 +589,7 @@ class AsyncFile:
         self.mode = mode
         self.readable, self.writable = _MODES[mode]
         self.pos = inode.size if mode == "ab" else 0
-        self._ra: Readahead = fs.reader.new_readahead()
+        self._ra: Readahead = fs.engine.reader.new_readahead()
         self.closed = False
 
     @property
@@ -683,7 +615,7 @@ class AsyncFile:
     async def pread(self, offset: int, size: int) -> bytes:
         self._check("r")
         with _edge(self.path):
-            return await self.fs.reader.read(self.inode, offset, size, self._ra)
+            return await self.fs.engine.reader.read(self.inode, offset, size, self._ra)
 
     async def write(self, data: bytes | bytearray | memoryview) -> int:
         self._check("w")
@@ -698,7 +630,7 @@ class AsyncFile:
         if not data:
             return 0
         with _edge(self.path):
-            await self.fs._writer(self.inode).write(offset, bytes(data))
+            await self.fs.engine.writer(self.inode).write(offset, bytes(data))
         return len(data)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
@@ -726,9 +658,7 @@ class AsyncFile:
         size = self.pos if size is None else size
         await self.flush()
         with _edge(self.path):
-            self.inode.set_attr(await self.fs.session.setattr(self.inode.ino, size=size))
-        self.inode.chunks.clear()
-        self.inode.layout += 1
+            await self.fs.engine.setattr(self.inode.ino, size=size)
         return size
 
     async def close(self) -> None:
@@ -743,7 +673,7 @@ class AsyncFile:
                     await self.inode.writer.flush()
         finally:
             with _edge(self.path):
-                await self.fs._release(self.inode)
+                await self.fs.engine.release(self.inode)
 
     async def __aenter__(self) -> AsyncFile:
         return self
@@ -802,8 +732,7 @@ async def open_volume(
             failure = _oserror(exc, f"cachefs:{volume}")
         else:
             async with trio.open_nursery() as nursery:
-                fs = AsyncFileSystem(session, nursery, options)
-                await nursery.start(session.run)
+                fs = AsyncFileSystem(Volume(session, options, nursery=nursery, ghosts=IDLE_INODES))
                 try:
                     yield fs
                 finally:
@@ -1253,10 +1182,7 @@ def connect(
         OSError: see :func:`open_volume`.
     """
     if tunables:
-        base = options or ClientOptions()
-        options = ClientOptions(
-            **{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **tunables}
-        )
+        options = dataclasses.replace(options or ClientOptions(), **tunables)
     return FileSystem(meta_addrs, volume, secret=secret, zone=zone, options=options,
                       connect_timeout=connect_timeout, token=token, tls_cert=tls_cert,
                       tls_key=tls_key, tls_ca=tls_ca)  # fmt: skip

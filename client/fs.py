@@ -1,8 +1,7 @@
-"""The pyfuse3 operations: translate kernel requests into session calls.
+"""The pyfuse3 operations: translate kernel requests into engine and session calls.
 
-Only handlers live here; the read path is :mod:`.reader`, the write path
-:mod:`.writer`, the inode bookkeeping :mod:`.inodes`, the cluster calls
-:mod:`.session`.
+Only handlers live here; the engine of the volume (inodes, L1, reader,
+writers, compaction) is :mod:`.volume`, the metadata calls :mod:`.session`.
 
 Rules every handler keeps:
 
@@ -47,16 +46,12 @@ import pyfuse3
 import trio
 
 from cachefs.errors import CacheFSError, FileTooLarge, NoData, NotFound
-from cachefs.ids import BlockKey
 from cachefs.layout import MAX_FILE_SIZE
 from cachefs.messages import Attr
 
-from .compaction import Compactor
-from .inodes import Inode, InodeTable
-from .l1 import L1Cache
-from .reader import Readahead, Reader
-from .session import Session
-from .writer import FileWriter
+from .inodes import Inode
+from .reader import Readahead
+from .volume import Volume
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +59,6 @@ T = TypeVar("T")
 
 READDIR_BATCH = 256
 XATTR_CACHE = 64  # names cached per inode
-FLUSH_IDLE = 5.0
-MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
 
 
 def entry_attributes(
@@ -112,22 +105,6 @@ def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 @dataclass(slots=True)
-class Options:
-    """Tunables of one mount (the ``cachefs mount`` options)."""
-
-    l1_bytes: int = 512 << 20
-    readahead_max: int = 32 << 20
-    write_buffer: int = 64 << 20
-    attr_timeout: float = 1.0
-    entry_timeout: float = 1.0
-    write_through: bool = False
-    read_only: bool = False
-    upload_parallel: int = 8
-    compact_after: int = 64
-    max_background: int = MAX_BACKGROUND
-
-
-@dataclass(slots=True)
 class Handle:
     inode: Inode
     flags: int
@@ -147,31 +124,18 @@ class CacheFS(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, session: Session, options: Options, *, nursery: trio.Nursery) -> None:
+    def __init__(self, engine: Volume) -> None:
         super().__init__()
-        self.session = session
-        self.options = options
-        self.nursery = nursery
-        self.inodes = InodeTable()
-        self.l1 = L1Cache(options.l1_bytes)
-        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
-        self.compactor = Compactor(
-            session, self.reader, nursery=nursery, threshold=options.compact_after
-        )
-        self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self.engine = engine
+        self.session = engine.session
+        self.options = engine.options
+        self.inodes = engine.inodes
+        self.reader = engine.reader
+        self.nursery = engine.nursery
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
         self._ns_changed = 0.0  # time.monotonic() of our last namespace change
-        session.on_block_stored = self._keep_written
-        nursery.start_soon(self._seal_idle_writes)
-
-    async def _seal_idle_writes(self) -> None:
-        while True:
-            await trio.sleep(1.0)
-            for inode in self.inodes.all():
-                if inode.writer is not None:
-                    inode.writer.seal_idle(FLUSH_IDLE)
 
     # ------------------------------------------------------------------ helpers
 
@@ -211,39 +175,6 @@ class CacheFS(pyfuse3.Operations):
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
         return ctx.uid, gid, mode
-
-    def _writer(self, inode: Inode) -> FileWriter:
-        if inode.writer is None:
-            inode.writer = FileWriter(
-                self.session,
-                inode,
-                nursery=self.nursery,
-                buffer_limit=self.options.write_buffer,
-                upload_limit=self._upload_limit,
-                write_through=self.options.write_through,
-                on_commit=self.compactor.schedule,
-            )
-        return inode.writer
-
-    def _keep_written(self, key: BlockKey, data: bytes | memoryview) -> None:
-        """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``):
-        O_DIRECT readers bypass the page cache, and what a job just wrote is
-        what it reads next (JuiceFS keeps written blocks in its cache too)."""
-        if len(data) <= self.l1.capacity:  # else L1 would drop it: spare the copy
-            self.l1.put(key, bytes(data), cold=True)
-
-    async def _flush_inode(self, inode: Inode) -> None:
-        if inode.writer is not None:
-            await inode.writer.flush()
-
-    async def flush_all(self) -> None:
-        """Commit every dirty file (unmount, SIGTERM)."""
-        for inode in self.inodes.all():
-            if inode.writer is not None and inode.writer.dirty:
-                try:
-                    await inode.writer.flush()
-                except CacheFSError as exc:
-                    log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
 
     # ------------------------------------------------------------------ lookups
 
@@ -309,18 +240,9 @@ class CacheFS(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        node = self.inodes.get(inode)
         if fields.update_size:
             changes["size"] = attr.st_size
-            if node is not None:
-                # Pending writes must land before the truncate, not after it.
-                await self._flush_inode(node)
-        new = await self.session.setattr(inode, **changes)
-        node = self.inodes.update(new)
-        if fields.update_size:
-            node.chunks.clear()
-            node.layout += 1
-        return self._entry(node)
+        return self._entry(await self.engine.setattr(inode, **changes))
 
     @_fuse
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -394,7 +316,6 @@ class CacheFS(pyfuse3.Operations):
     def _open_handle(self, inode: Inode, flags: int) -> int:
         fh = self._fh()
         handle = self._handles[fh] = Handle(inode, flags, self.reader.new_readahead())
-        inode.opens += 1
         if not handle.direct:
             inode.cached_opens += 1
         return fh
@@ -424,15 +345,9 @@ class CacheFS(pyfuse3.Operations):
             and flags & os.O_ACCMODE != os.O_WRONLY
             and not flags & os.O_TRUNC
         ):
-            self.nursery.start_soon(self._start_reading, known, flags & os.O_ACCMODE == os.O_RDONLY)
-        attr = await self.session.open(inode)
-        try:
-            if attr is None:  # already open here: the leader was not asked
-                attr = await self.session.getattr(inode)
-        except BaseException:
-            await self.session.release(inode)
-            raise
-        node = self.inodes.update(attr)
+            read_only = flags & os.O_ACCMODE == os.O_RDONLY
+            self.nursery.start_soon(self.engine.read_early, known, read_only)
+        node = await self.engine.open(inode)
         node.void_xattrs()
         if node.writer is not None and node.writer.dirty:
             # Our own uncommitted writes: the kernel's pages hold them.
@@ -440,22 +355,8 @@ class CacheFS(pyfuse3.Operations):
         fh = self._open_handle(node, flags)
         if flags & os.O_TRUNC and node.size:
             # Normally the kernel truncates with setattr first; cover the rest.
-            await self._flush_inode(node)
-            node.set_attr(await self.session.setattr(inode, size=0))
-            node.chunks.clear()
-            node.layout += 1
+            await self.engine.setattr(inode, size=0)
         return self._file_info(fh, node, flags)
-
-    async def _start_reading(self, inode: Inode, read_only: bool) -> None:
-        """While ``open`` waits for the leader: chunk 0's slice list, and for a
-        read-only open the first block too (a data loader reads each file it
-        opens from the start; a sequential reader's readahead starts there)."""
-        try:
-            await self.reader.slices(inode, 0)
-            if read_only and self.l1.capacity >= self.session.block_size:  # else read twice
-                await self.reader.prefetch(inode, 0, self.session.block_size)
-        except CacheFSError as exc:
-            log.debug("early read of inode %d: %s", inode.ino, exc)
 
     @_fuse
     async def create(
@@ -465,9 +366,9 @@ class CacheFS(pyfuse3.Operations):
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
         self._namespace_changed()
         attr = await self.session.mknod(parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
-        node = self.inodes.learn(attr)
+        self.inodes.learn(attr)
         try:
-            await self.session.open(attr.ino)
+            node = await self.engine.open(attr.ino, attr)
         except BaseException:
             # The kernel never hears of this inode: take the lookup back.
             self.inodes.forget(attr.ino, 1)
@@ -498,20 +399,20 @@ class CacheFS(pyfuse3.Operations):
             inode.cached_version = None
             if inode.cached_opens:
                 self.nursery.start_soon(self._invalidate, inode.ino)
-        await self._writer(inode).write(off, buf)
+        await self.engine.writer(inode).write(off, buf)
         return len(buf)
 
     @_fuse
     async def flush(self, fh: int) -> None:
         handle = self._handles.get(fh)
         if handle is not None:
-            await self._flush_inode(handle.inode)
+            await self.engine.flush(handle.inode)
 
     @_fuse
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handles.get(fh)
         if handle is not None:
-            await self._flush_inode(handle.inode)
+            await self.engine.flush(handle.inode)
 
     @_fuse
     async def release(self, fh: int) -> None:
@@ -522,15 +423,9 @@ class CacheFS(pyfuse3.Operations):
         if not handle.direct:
             inode.cached_opens -= 1
         try:
-            await self._flush_inode(inode)
+            await self.engine.flush(inode)
         finally:
-            inode.opens -= 1
-            if inode.opens == 0 and inode.writer is not None and not inode.writer.dirty:
-                inode.writer = None
-            try:
-                await self.session.release(inode.ino)
-            finally:
-                self.inodes.drop_if_idle(inode)
+            await self.engine.release(inode)
 
     # ------------------------------------------------------------------ directories
 

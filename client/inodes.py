@@ -6,7 +6,9 @@ symlink, link, and each readdirplus entry the kernel accepted), and counts
 drop only in ``forget``. An inode leaves the table when the kernel forgot it
 and no handle has it open, so an unlinked file that is still open keeps its
 attributes (and its data, which the metanodes keep for our session) until the
-last close.
+last close. The native API has no kernel and counts no lookups: an inode is
+in its table while a file of it is open there or one of its reads runs
+(``update``, then ``drop_if_idle``).
 
 ``cached_version`` is the content version the kernel's page cache holds for
 the inode: open() keeps the cache (``keep_cache``) only when the metanodes
@@ -140,9 +142,11 @@ class InodeTable:
         self.drop_if_idle(inode)
 
     def drop_if_idle(self, inode: Inode) -> None:
-        if inode.idle and inode.ino != ROOT_INODE:
-            if self._inodes.pop(inode.ino, None) is not inode:
-                return
+        """Let ``inode`` leave the table if nothing holds it (lookups, opens,
+        dirty data). An object that already left (a native API read that
+        ended after another one) never takes its successor with it."""
+        if inode.idle and inode.ino != ROOT_INODE and self._inodes.get(inode.ino) is inode:
+            del self._inodes[inode.ino]
             stamp = (inode.attr.version, inode.layout)
             valid = {chunk: sl for chunk, (st, sl) in inode.chunks.items() if st == stamp}
             if valid and self._max_ghosts > 0:

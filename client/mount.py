@@ -64,8 +64,9 @@ from cachefs.errors import (
 from cachefs.rpc import RpcPool
 from cachefs.transport import MODES, RdmaUnavailable
 
-from .fs import MAX_BACKGROUND, CacheFS, Options
+from .fs import CacheFS
 from .session import Session
+from .volume import MAX_BACKGROUND, ClientOptions, Volume
 
 log = logging.getLogger(__name__)
 
@@ -205,34 +206,34 @@ class MountCollector:
     plain ints, so a scrape sees each one whole (no lock needed).
     """
 
-    def __init__(self, fs: CacheFS) -> None:
-        self.fs = fs
+    def __init__(self, engine: Volume) -> None:
+        self.engine = engine
 
     def collect(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        fs = self.fs
+        engine = self.engine
         l1 = GaugeMetricFamily("cachefs_mount_l1_bytes", "Bytes in the L1 block cache", labels=["kind"])
-        l1.add_metric(["used"], fs.l1.used)
-        l1.add_metric(["capacity"], fs.l1.capacity)
+        l1.add_metric(["used"], engine.l1.used)
+        l1.add_metric(["capacity"], engine.l1.capacity)
         yield l1
         l1c = CounterMetricFamily("cachefs_mount_l1_events", "L1 cache events", labels=["event"])
         for name in ("hits", "misses", "evictions"):
-            l1c.add_metric([name], getattr(fs.l1.stats, name))
+            l1c.add_metric([name], getattr(engine.l1.stats, name))
         yield l1c
         reads = CounterMetricFamily("cachefs_mount_read", "Read path counters", labels=["what"])
-        for name, value in fs.reader.stats.items():
+        for name, value in engine.reader.stats.items():
             reads.add_metric([name], value)
         yield reads
         chain = CounterMetricFamily("cachefs_mount_blocks", "Block fetches by source", labels=["what"])
-        for name, value in fs.session.stats.items():
+        for name, value in engine.session.stats.items():
             chain.add_metric([name], value)
         yield chain
         dirty = GaugeMetricFamily("cachefs_mount_dirty_bytes", "Bytes written and not yet committed")
-        dirty.add_metric([], sum(i.writer.buffered for i in fs.inodes.all() if i.writer is not None))
+        dirty.add_metric([], engine.dirty_bytes())
         yield dirty
         inodes = GaugeMetricFamily("cachefs_mount_inodes", "Inodes the kernel knows or has open")
-        inodes.add_metric([], len(fs.inodes))
+        inodes.add_metric([], len(engine.inodes))
         yield inodes
 
 
@@ -240,11 +241,10 @@ async def serve(
     meta_addrs: list[str],
     volume: str,
     mountpoint: str,
-    options: Options,
+    options: ClientOptions,
     *,
     secret: bytes | None,
     zone: str,
-    transport: str,
     ready: Callable[[str | None], None],
     metrics_port: int = 0,
     tls: ssl.SSLContext | None = None,
@@ -255,7 +255,7 @@ async def serve(
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 session = await Session.connect(
-                    pool, meta_addrs, volume, zone=zone, transport=transport, token=token
+                    pool, meta_addrs, volume, zone=zone, transport=options.transport, token=token
                 )
         except trio.TooSlowError:
             ready(
@@ -271,35 +271,34 @@ async def serve(
 async def run_fs(
     session: Session,
     mountpoint: str,
-    options: Options,
+    options: ClientOptions,
     ready: Callable[[str | None], None],
     metrics_port: int = 0,
 ) -> int:
     """Mount ``session``'s volume at ``mountpoint`` and serve until unmounted."""
     async with trio.open_nursery() as nursery:
-        fs = CacheFS(session, options, nursery=nursery)
+        engine = Volume(session, options, nursery=nursery)
         try:
-            pyfuse3.init(fs, mountpoint, fuse_options(session.volume, options.read_only))
+            pyfuse3.init(CacheFS(engine), mountpoint, fuse_options(session.volume, options.read_only))
         except RuntimeError as exc:
             ready(f"could not mount at {mountpoint}: {exc}")
             nursery.cancel_scope.cancel()
             await session.close()
             return 1
-        await nursery.start(session.run)
         if metrics_port:
             from prometheus_client import REGISTRY
 
             from cachefs.metrics import start_metrics
 
-            REGISTRY.register(MountCollector(fs))
+            REGISTRY.register(MountCollector(engine))
             start_metrics(metrics_port)
         nursery.start_soon(_announce, mountpoint, ready, options.max_background)
-        nursery.start_soon(_on_signals, fs)
+        nursery.start_soon(_on_signals, engine)
         try:
             await pyfuse3.main()
         finally:
             with trio.CancelScope(shield=True):
-                await fs.flush_all()
+                await engine.flush_all()
             nursery.cancel_scope.cancel()
             pyfuse3.close(unmount=True)
             with trio.CancelScope(shield=True):
@@ -327,11 +326,11 @@ async def _announce(
     ready(None)
 
 
-async def _on_signals(fs: CacheFS) -> None:
+async def _on_signals(engine: Volume) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("signal %d: committing dirty data and unmounting", signum)
-            await fs.flush_all()
+            await engine.flush_all()
             pyfuse3.terminate()
             return
 
@@ -455,13 +454,14 @@ def mount_command(
     _, tls = load_tls(tls_cert, tls_key, tls_ca)
     mountpoint = os.path.abspath(mountpoint)
     check_mountpoint(mountpoint)
-    options = Options(
+    options = ClientOptions(
         l1_bytes=l1_size,
         readahead_max=readahead,
         write_buffer=write_buffer,
         attr_timeout=attr_timeout,
         entry_timeout=entry_timeout,
         write_through=write_through,
+        transport=transport,
         read_only=read_only,
         max_background=max_background,
     )
@@ -469,7 +469,7 @@ def mount_command(
     def run(ready: Callable[[str | None], None]) -> int:
         try:
             main = functools.partial(
-                serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, transport=transport, ready=ready,
+                serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, ready=ready,
                 metrics_port=metrics_port, tls=tls, token=token
             )
             return trio.run(main)

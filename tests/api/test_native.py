@@ -82,6 +82,33 @@ def test_errors_are_oserrors_with_errno(fs: FileSystem) -> None:
         fs.open("native/err/file", "r", buffering=0)
 
 
+def test_a_read_only_client_reads_and_refuses_every_change(lab, fs: FileSystem) -> None:
+    fs.makedirs("native/ro/d", exist_ok=True)
+    fs.write_bytes("native/ro/f", b"kept")
+    with connect(lab.meta_addrs, "lab", secret=lab.secret, read_only=True) as ro:
+        assert ro.read_bytes("native/ro/f") == b"kept"
+        with ro.open("native/ro/f") as f:
+            assert f.read() == b"kept"
+        changes = [
+            lambda: ro.write_bytes("native/ro/new", b"x"),
+            lambda: ro.open("native/ro/f", "r+b"),
+            lambda: ro.open("native/ro/f", "ab"),
+            lambda: ro.mkdir("native/ro/e"),
+            lambda: ro.makedirs("native/ro/e/f"),
+            lambda: ro.remove("native/ro/f"),
+            lambda: ro.rmdir("native/ro/d"),
+            lambda: ro.rename("native/ro/f", "native/ro/g"),
+            lambda: ro.symlink("f", "native/ro/link"),
+            lambda: ro.utime("native/ro/f"),
+        ]
+        for change in changes:
+            with pytest.raises(OSError) as err:
+                change()
+            assert err.value.errno == errno.EROFS
+    assert sorted(fs.listdir("native/ro")) == ["d", "f"]
+    assert fs.read_bytes("native/ro/f") == b"kept"
+
+
 def test_text_mode(fs: FileSystem) -> None:
     fs.makedirs("native", exist_ok=True)
     with fs.open("native/text.txt", "w") as f:

@@ -20,9 +20,9 @@ from typing import Any
 
 import trio
 
-from cachefs.client.fs import Options
 from cachefs.client.mount import run_fs
 from cachefs.client.session import Session
+from cachefs.client.volume import ClientOptions
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.metanode import commands as C
@@ -189,7 +189,7 @@ class DictBacking:
         self.blocks.pop((volume, key), None)
 
 
-async def main_async(mountpoint: str, block_size: int, options: Options) -> int:
+async def main_async(mountpoint: str, block_size: int, options: ClientOptions) -> int:
     meta = StateMeta(block_size)
     info = await meta.mount_volume(VOLUME, "localfs")
     cmap = {"volumes": {VOLUME: {"block_size": block_size}}, "cachenodes": []}
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    options = Options(
+    options = ClientOptions(
         l1_bytes=args.l1,
         readahead_max=4 * args.block_size,
         write_buffer=args.write_buffer,

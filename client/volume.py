@@ -1,0 +1,220 @@
+"""The client engine of one volume, under both front ends (FUSE and the native API).
+
+Whichever way a volume is reached, a client needs the same machinery; this is
+the one place it is put together:
+
+- the :class:`~.session.Session` (metadata calls, the block chain) and its
+  upkeep task;
+- the inode table (:mod:`.inodes`): the FUSE front end counts the kernel's
+  lookups there, the native API keeps an inode there only while a file of it
+  is open (or being read); an inode that leaves keeps its slice lists for its
+  next open;
+- the L1 cache and the :class:`~.reader.Reader`; blocks this client stores go
+  into L1 too, at its cold end;
+- one :class:`~.writer.FileWriter` per inode being written, all under one
+  upload limit; every commit may schedule a compaction
+  (:class:`~.compaction.Compactor`); writes left idle in an open file are
+  sealed and uploaded after ``FLUSH_IDLE`` seconds, not at its close;
+- open, release and truncation of inodes.
+
+The front ends keep only what is theirs: handles, lookup counts, errno
+mapping and kernel cache invalidation (:mod:`.fs`); paths, file objects and
+``OSError`` (:mod:`.api`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from cachefs.errors import CacheFSError
+from cachefs.ids import BlockKey
+from cachefs.messages import Attr
+
+from .compaction import Compactor
+from .inodes import GHOSTS, Inode, InodeTable
+from .l1 import L1Cache
+from .reader import Reader
+from .session import Session
+from .writer import FileWriter
+
+log = logging.getLogger(__name__)
+
+FLUSH_IDLE = 5.0  # seconds without a write before an open file's extents are uploaded
+MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """Tunables of one client of a volume: ``cachefs mount``'s options, or
+    the keyword arguments of :func:`cachefs.client.api.connect`.
+
+    The defaults are a library client's. The mount's ``--l1-size`` defaults
+    to 512M instead: one mount serves every process of a node, while a
+    training job often runs one library client per DataLoader worker.
+    """
+
+    l1_bytes: int = 256 << 20
+    readahead_max: int = 32 << 20
+    write_buffer: int = 64 << 20  # per file being written
+    write_through: bool = False  # also put written blocks into the cache tier
+    upload_parallel: int = 8  # block uploads in flight
+    compact_after: int = 64  # slices in a chunk before it is rewritten as one
+    transport: str = "tcp"  # to the cache nodes: tcp, rdma or auto
+    read_only: bool = False
+    entry_timeout: float = 1.0  # how long a resolved name is trusted
+    attr_timeout: float = 1.0  # mount only: the kernel's attribute cache
+    max_background: int = MAX_BACKGROUND  # mount only: FUSE background requests
+
+
+class Volume:
+    """One volume's client engine (see module docstring)."""
+
+    def __init__(
+        self,
+        session: Session,
+        options: ClientOptions,
+        *,
+        nursery: trio.Nursery,
+        ghosts: int = GHOSTS,
+    ) -> None:
+        """Start the session's upkeep and the idle sealing in ``nursery``;
+        ``ghosts``: how many inodes that left the table keep their slice lists."""
+        self.session = session
+        self.options = options
+        self.nursery = nursery
+        self.inodes = InodeTable(ghosts)
+        self.l1 = L1Cache(options.l1_bytes)
+        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self.compactor = Compactor(
+            session, self.reader, nursery=nursery, threshold=options.compact_after
+        )
+        self._upload_limit = trio.Semaphore(options.upload_parallel)
+        session.on_block_stored = self._keep_written
+        nursery.start_soon(session.run)
+        nursery.start_soon(self._seal_idle_writes)
+
+    @property
+    def block_size(self) -> int:
+        return self.session.block_size
+
+    # ------------------------------------------------------------------ open files
+
+    async def open(self, ino: int, fresh: Attr | None = None) -> Inode:
+        """Count an open of ``ino`` and return its inode with fresh attributes:
+        the leader's, from the first open here (the session announces it),
+        else ``fresh`` (just read by the caller), else a ``getattr``."""
+        attr = await self.session.open(ino)
+        try:
+            if attr is None:  # already open here: the leader was not asked
+                attr = fresh if fresh is not None else await self.session.getattr(ino)
+        except BaseException:
+            await self.session.release(ino)
+            raise
+        inode = self.inodes.update(attr)
+        inode.opens += 1
+        return inode
+
+    async def release(self, inode: Inode) -> None:
+        """Uncount an open; after the last one here the (committed) writer goes
+        and the leader is told."""
+        inode.opens -= 1
+        if inode.opens <= 0 and inode.writer is not None and not inode.writer.dirty:
+            inode.writer = None
+        try:
+            await self.session.release(inode.ino)
+        finally:
+            self.inodes.drop_if_idle(inode)
+
+    async def setattr(self, ino: int, **changes: int) -> Inode:
+        """Change attributes. A new size first commits pending writes (they
+        must land before the truncate, not after it) and drops the cached
+        slice lists."""
+        inode = self.inodes.get(ino)
+        if "size" in changes and inode is not None:
+            await self.flush(inode)
+        inode = self.inodes.update(await self.session.setattr(ino, **changes))
+        if "size" in changes:
+            inode.chunks.clear()
+            inode.layout += 1
+        return inode
+
+    async def read_early(self, inode: Inode, first_block: bool) -> None:
+        """Fetch chunk 0's slice list, and with ``first_block`` the first block
+        too, while an ``open`` waits for the leader (a data loader reads each
+        file it opens from the start; a sequential reader's readahead starts
+        there). The reads that follow join these fetches."""
+        try:
+            await self.reader.slices(inode, 0)
+            if first_block and self.l1.capacity >= self.block_size:  # else read twice
+                await self.reader.prefetch(inode, 0, self.block_size)
+        except CacheFSError as exc:
+            log.debug("early read of inode %d: %s", inode.ino, exc)
+
+    # ------------------------------------------------------------------ writes
+
+    def writer(self, inode: Inode) -> FileWriter:
+        """The inode's writer, shared by all its handles."""
+        if inode.writer is None:
+            inode.writer = FileWriter(
+                self.session,
+                inode,
+                nursery=self.nursery,
+                buffer_limit=self.options.write_buffer,
+                upload_limit=self._upload_limit,
+                write_through=self.options.write_through,
+                on_commit=self.compactor.schedule,
+            )
+        return inode.writer
+
+    async def flush(self, inode: Inode) -> None:
+        """Commit what was written to ``inode`` so far (close, fsync).
+
+        Raises:
+            CacheFSError: see :meth:`.FileWriter.flush`.
+        """
+        if inode.writer is not None:
+            await inode.writer.flush()
+
+    async def flush_all(self) -> None:
+        """Commit every dirty file (unmount, SIGTERM); failures are logged."""
+        for inode in self.inodes.all():
+            if inode.writer is not None and inode.writer.dirty:
+                try:
+                    await inode.writer.flush()
+                except CacheFSError as exc:
+                    log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
+
+    def dirty_bytes(self) -> int:
+        return sum(i.writer.buffered for i in self.inodes.all() if i.writer is not None)
+
+    async def _seal_idle_writes(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            for inode in self.inodes.all():
+                if inode.writer is not None:
+                    inode.writer.seal_idle(FLUSH_IDLE)
+
+    def _keep_written(self, key: BlockKey, data: bytes | memoryview) -> None:
+        """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``):
+        O_DIRECT readers bypass the page cache, and what a job just wrote is
+        what it reads next (JuiceFS keeps written blocks in its cache too)."""
+        if len(data) <= self.l1.capacity:  # else L1 would drop it: spare the copy
+            # A copy: ``data`` is a view of the writer's whole run.
+            self.l1.put(key, bytes(data), cold=True)
+
+    # ------------------------------------------------------------------ counters
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the read path (L1, fetches) and block chain (cache vs backing)."""
+        s = self.l1.stats
+        return {
+            **self.reader.stats,
+            **self.session.stats,
+            "l1_hits": s.hits,
+            "l1_misses": s.misses,
+            "l1_used": self.l1.used,
+        }
