@@ -58,11 +58,12 @@ class PowerCutDisk:
         return self.backing / "tree"
 
     def mount(self, timeout: float = 20.0) -> None:
-        """Start the layer and wait until the mount answers.
+        """Start the layer and wait until the mount answers (see :meth:`start`, :meth:`wait`)."""
+        self.start()
+        self.wait(timeout)
 
-        Raises:
-            RuntimeError: the layer exited or did not mount within ``timeout``.
-        """
+    def start(self) -> None:
+        """Start the layer's process (booting several disks: start each, then wait for each)."""
         if self.proc is not None:
             raise RuntimeError(f"{self.mountpoint}: the power-cut layer is already running")
         self.backing.mkdir(parents=True, exist_ok=True)
@@ -71,6 +72,15 @@ class PowerCutDisk:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cachefs.testing.powercutfs", str(self.backing), str(self.mountpoint)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait(self, timeout: float = 20.0) -> None:
+        """Until the started layer is mounted.
+
+        Raises:
+            RuntimeError: the layer exited or did not mount within ``timeout``.
+        """
+        if self.proc is None:
+            raise RuntimeError(f"{self.mountpoint}: the power-cut layer was not started")
         deadline = time.monotonic() + timeout
         while not is_mounted(self.mountpoint):
             if self.proc.poll() is not None:
