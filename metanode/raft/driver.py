@@ -42,6 +42,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +70,8 @@ RAFT_FSYNC = Histogram("cachefs_raft_wal_sync_seconds", "WAL write + fsync per R
 RAFT_BATCH = Histogram("cachefs_raft_proposals_per_append", "Proposals batched into one append",
                        ["node"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
 RAFT_SNAPSHOTS = Counter("cachefs_raft_snapshots_total", "Snapshots taken or installed", ["node"])
+RAFT_STORAGE_ERRORS = Counter("cachefs_raft_storage_errors_total",
+                              "WAL or snapshot writes that failed (and were retried)", ["node"])
 
 
 class StateMachine(Protocol):
@@ -159,8 +162,9 @@ class RaftNode:
         self._m_fsync = RAFT_FSYNC.labels(label)
         self._m_batch = RAFT_BATCH.labels(label)
         self._m_snapshots = RAFT_SNAPSHOTS.labels(label)
+        self._m_storage_errors = RAFT_STORAGE_ERRORS.labels(label)
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
-                      "send_errors": 0}
+                      "send_errors": 0, "storage_errors": 0}
 
     @classmethod
     async def create(cls, node_id: int, peers: dict[int, str], data_dir: str | os.PathLike[str],
@@ -382,17 +386,20 @@ class RaftNode:
         if rd.snapshot is not None:
             snap = rd.snapshot
             async with self._snap_lock:
-                await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
-            await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
-                                          rd.hard_state or self.core.persisted_hard_state(), [])
+                await self._durably(self.storage.save_snapshot, snap)
+            await self._durably(self.storage.rewrite, snap.meta,
+                                rd.hard_state or self.core.persisted_hard_state(), [])
         if rd.must_sync:
             started = time.perf_counter()
-            await trio.to_thread.run_sync(self.storage.save, rd.entries, rd.hard_state, True)
+            await self._durably(self.storage.save, rd.entries, rd.hard_state, True)
             self._m_fsync.observe(time.perf_counter() - started)
         elif rd.hard_state is not None:
             # Only the commit index moved: a few bytes into the page cache,
             # no fsync, not worth a thread hop (it is relearned after a crash).
-            self.storage.save(rd.entries, rd.hard_state, False)
+            try:
+                self.storage.save(rd.entries, rd.hard_state, False)
+            except OSError:
+                await self._durably(self.storage.save, rd.entries, rd.hard_state, False)
         self._send(rd.messages)
         if rd.snapshot is not None:
             self.sm.restore(rd.snapshot.data)
@@ -426,6 +433,27 @@ class RaftNode:
             and self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries
         ):
             self._start_snapshot()
+
+    async def _durably(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a storage call in a worker thread until it succeeds.
+
+        A failed write (a full disk, a size limit) leaves nothing behind
+        (``RaftStorage.save`` cuts it back off), so it is retried: this
+        replica stalls, logged and counted, and its peers go on without it;
+        it does not die. A failed fsync is not retried (``IOFailure``).
+        """
+        delay = 0.05
+        while True:
+            try:
+                await trio.to_thread.run_sync(fn, *args)
+                return
+            except OSError as exc:
+                self.stats["storage_errors"] += 1
+                self._m_storage_errors.inc()
+                log.error("raft node %d: %s failed (%s); retrying in %.2fs", self.id,
+                          getattr(fn, "__name__", fn), exc, delay)
+                await trio.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def _apply(self, index: int, term: int, kind: EntryKind, data: bytes) -> None:
         error: CacheFSError | None = None
@@ -504,7 +532,14 @@ class RaftNode:
                 have = self.storage.snapshot
                 if have is not None and have.meta.index >= snap.meta.index:
                     return  # the leader installed a newer one meanwhile
-                await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+                try:
+                    await trio.to_thread.run_sync(self.storage.save_snapshot, snap)
+                except OSError as exc:  # a full disk: try again at the next trigger
+                    self.stats["storage_errors"] += 1
+                    self._m_storage_errors.inc()
+                    log.error("raft node %d: saving the snapshot at %d failed: %s", self.id,
+                              snap.meta.index, exc)
+                    return
             self._snap_ready = snap
             self._wake.set()
         finally:
@@ -520,8 +555,8 @@ class RaftNode:
             if snap.meta.index <= core.log.snap_index:
                 return
             core.compact(snap)
-            await trio.to_thread.run_sync(self.storage.rewrite, snap.meta,
-                                          core.persisted_hard_state(), core.stable_entries())
+            await self._durably(self.storage.rewrite, snap.meta, core.persisted_hard_state(),
+                                core.stable_entries())
             self.stats["snapshots"] += 1
             self._m_snapshots.inc()
             log.info("raft node %d: snapshot at %d (%d bytes), log compacted", self.id,

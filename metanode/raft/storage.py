@@ -7,16 +7,30 @@ On disk, in ``data_dir``::
 
 A WAL record is ``[u32 length][u32 crc32][u8 type][payload]``; the CRC covers
 type and payload. Types: ``BASE`` (the log starts after this snapshot index
-and term: the first record of every WAL file), ``ENTRY`` and ``HARD_STATE``.
-Replaying "entry i" means "cut the log after i-1, then append", so a
-follower's conflicting suffix needs no separate truncate record.
+and term: the first record of every WAL file), ``ENTRY``, ``HARD_STATE``, and
+``READY``, whose payload is the ``ENTRY`` and ``HARD_STATE`` records of one
+Raft ``Ready``. Replaying "entry i" means "cut the log after i-1, then
+append", so a follower's conflicting suffix needs no separate truncate record.
 
-Group commit: a whole Raft ``Ready`` (every entry and the hard state) is one
-``write`` and at most one ``fdatasync``. At start-up the WAL is scanned; at the
-first record that is short (a torn write from a crash) or fails its CRC (bit
-rot), the file is cut there, with a log line saying where and why; then the
-WAL and its directory are fsynced, since what a restart after kill -9 reads
-may not be on disk yet.
+Group commit: a whole ``Ready`` is one ``READY`` record, one ``write``
+(repeated until every byte is in; a failed write is cut back off, so the file
+never keeps half a Ready in front of later ones) and at most one
+``fdatasync``.
+
+At start-up the WAL is scanned. A crash can only damage its end: the last
+write may be short (torn) or hold garbage where its pages never reached the
+disk, and since a write is one record, that is the last record. So a bad
+*last* record (short, or failing its CRC, with no whole record after it) is
+cut off with a log line; then the WAL and its directory are fsynced, since
+what a restart after kill -9 reads may not be on disk yet. A bad record with
+whole records after it is different: those were written after it, and maybe
+fsynced and acknowledged, so cutting there would forget votes and entries
+this replica promised. That is refused (:class:`~cachefs.errors.Corrupt`,
+naming the file and the offsets), as etcd refuses a CRC mismatch before the
+tail. The way back is to rebuild the replica from its peers (docs/raft.md).
+(Writes that were never synced can in principle reach the disk out of order,
+garbling an earlier unsynced Ready behind a later one; that is refused too:
+rebuilding costs time, cutting fsynced records would cost safety.)
 
 A snapshot file is ``MAGIC [u32 crc32] zstd(msgpack [index, term, voters,
 data])``, written to a temporary name, fsynced and renamed, so it is either
@@ -41,13 +55,13 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zstandard
 
-from cachefs.errors import Corrupt
+from cachefs.errors import Corrupt, IOFailure
 
 from .messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
 
 log = logging.getLogger(__name__)
 
-BASE, ENTRY, HARD_STATE = 1, 2, 3
+BASE, ENTRY, HARD_STATE, READY = 1, 2, 3, 4
 _HEADER = struct.Struct(">IIB")
 MAX_RECORD = 1 << 30
 SNAP_MAGIC = b"CFSNAP1\n"
@@ -77,66 +91,11 @@ def encode_base(index: int, term: int) -> bytes:
 
 
 def encode_ready(entries: list[Entry] | tuple[Entry, ...], hs: HardState | None) -> bytes:
-    """Entries first, then the hard state: a torn write that kept the hard
-    state kept the entries it commits."""
-    out = encode_entries(entries)
+    """One ``READY`` record: the entries, then the hard state (b"" if none)."""
+    inner = encode_entries(entries)
     if hs is not None:
-        out += encode_hard_state(hs)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class ScanResult:
-    records: list[tuple[int, Any]]
-    valid_len: int  # bytes of whole, checked records from the start
-    problem: str | None  # why scanning stopped early, or None at a clean end
-    record_no: int  # the number of the record where it stopped
-
-
-def _decode_payload(kind: int, payload: bytes) -> Any:
-    obj = msgpack.unpackb(payload, raw=False)
-    if kind == ENTRY:
-        term, index, ekind, data = obj
-        if type(data) is not bytes or ekind not in (0, 1):
-            raise ValueError("bad entry")
-        return Entry(int(term), int(index), data, EntryKind(ekind))
-    if kind == HARD_STATE:
-        term, vote, commit = obj
-        return HardState(int(term), int(vote), int(commit))
-    if kind == BASE:
-        index, term = obj
-        return (int(index), int(term))
-    raise ValueError(f"unknown record type {kind}")
-
-
-def scan(buf: bytes | bytearray | memoryview) -> ScanResult:
-    """Decode records until the end or the first bad one."""
-    view = memoryview(buf)
-    records: list[tuple[int, Any]] = []
-    pos = 0
-    end = len(view)
-    hsize = _HEADER.size
-    while pos < end:
-        n = len(records)
-        if end - pos < hsize:
-            return ScanResult(records, pos, f"torn record header ({end - pos} bytes)", n)
-        length, crc, kind = _HEADER.unpack_from(view, pos)
-        if length > MAX_RECORD:
-            return ScanResult(records, pos, f"corrupt record length {length}", n)
-        if end - pos - hsize < length:
-            return ScanResult(
-                records, pos, f"torn record ({end - pos - hsize} of {length} bytes)", n
-            )
-        payload = bytes(view[pos + hsize : pos + hsize + length])
-        if zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != crc:
-            return ScanResult(records, pos, "CRC mismatch", n)
-        try:
-            obj = _decode_payload(kind, payload)
-        except Exception as exc:  # a CRC-valid but undecodable record: a bug or an attack
-            return ScanResult(records, pos, f"undecodable record ({exc})", n)
-        records.append((kind, obj))
-        pos += hsize + length
-    return ScanResult(records, pos, None, len(records))
+        inner += encode_hard_state(hs)
+    return _record(READY, inner) if inner else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +149,133 @@ def replay(records: list[tuple[int, Any]], snapshot: SnapshotMeta) -> Replayed:
     return Replayed(hs, entries, problem)
 
 
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    records: list[tuple[int, Any]]
+    valid_len: int  # bytes of whole, checked records from the start
+    problem: str | None  # why scanning stopped early, or None at a clean end
+    record_no: int  # the number of the record where it stopped
+    # where the first whole, checked record after the bad one starts: the
+    # damage is not at the tail (None: nothing valid follows, a torn end)
+    resumes_at: int | None = None
+
+
+def _decode_payload(kind: int, payload: bytes) -> Any:
+    if kind == READY:
+        inner = scan(payload)
+        if inner.problem is not None or any(k in (BASE, READY) for k, _ in inner.records):
+            raise ValueError(f"bad record inside a Ready ({inner.problem or 'nested'})")
+        return inner.records
+    obj = msgpack.unpackb(payload, raw=False)
+    if kind == ENTRY:
+        term, index, ekind, data = obj
+        if type(data) is not bytes or ekind not in (0, 1):
+            raise ValueError("bad entry")
+        return Entry(int(term), int(index), data, EntryKind(ekind))
+    if kind == HARD_STATE:
+        term, vote, commit = obj
+        return HardState(int(term), int(vote), int(commit))
+    if kind == BASE:
+        index, term = obj
+        return (int(index), int(term))
+    raise ValueError(f"unknown record type {kind}")
+
+
+# Resyncing after a bad record looks for the bytes a record header ends with:
+# its type and the head of its payload (BASE: a msgpack array of 2; READY:
+# the header of its first inner record, whose own payload is an array of 4
+# (ENTRY) or 3 (HARD_STATE)). Only these two start a write, so only they
+# prove that something was written after the damage.
+_H = _HEADER.size
+_RESYNC = (
+    (bytes((BASE, 0x92)), _H - 1, BASE),
+    (bytes((ENTRY, 0x94)), 2 * _H - 1, READY),
+    (bytes((HARD_STATE, 0x93)), 2 * _H - 1, READY),
+)
+
+
+def _next_whole_record(raw: bytes, start: int) -> int | None:
+    """Where the first whole ``BASE`` or ``READY`` record with a valid CRC
+    after ``start`` begins, or None. Runs only on a damaged WAL, at start-up."""
+    end = len(raw)
+    best: int | None = None
+    for pattern, back, kind in _RESYNC:
+        at = raw.find(pattern, start + 1 + back)
+        while at != -1 and (best is None or at - back < best):
+            pos = at - back
+            length, crc, k = _HEADER.unpack_from(raw, pos)
+            if k == kind and 0 < length <= end - pos - _H:
+                payload = raw[pos + _H : pos + _H + length]
+                if zlib.crc32(payload, zlib.crc32(bytes((kind,)))) == crc:
+                    best = pos
+                    break
+            at = raw.find(pattern, at + 1)
+    return best
+
+
+def scan(buf: bytes | bytearray | memoryview) -> ScanResult:
+    """Decode records until the end or the first bad one, and say whether
+    whole records follow that one (``resumes_at``). The records of a
+    ``READY`` come out one by one, as if written singly."""
+    raw = bytes(buf)
+    records: list[tuple[int, Any]] = []
+    pos = 0
+    count = 0
+    end = len(raw)
+
+    def stop(problem: str, resumes_at: int | None = None) -> ScanResult:
+        if resumes_at is None:
+            resumes_at = _next_whole_record(raw, pos)
+        return ScanResult(records, pos, problem, count, resumes_at)
+
+    while pos < end:
+        if end - pos < _H:
+            return stop(f"torn record header ({end - pos} bytes)")
+        length, crc, kind = _HEADER.unpack_from(raw, pos)
+        if length > MAX_RECORD:
+            return stop(f"corrupt record length {length}")
+        if end - pos - _H < length:
+            return stop(f"torn record ({end - pos - _H} of {length} bytes)")
+        payload = raw[pos + _H : pos + _H + length]
+        if zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != crc:
+            return stop("CRC mismatch")
+        try:
+            obj = _decode_payload(kind, payload)
+        except Exception as exc:  # CRC-valid but undecodable: a bug, never a torn write
+            return stop(f"undecodable record ({exc})", pos + _H + length)
+        if kind == READY:
+            records.extend(obj)
+        else:
+            records.append((kind, obj))
+        count += 1
+        pos += _H + length
+    return ScanResult(records, pos, None, count)
+
+
+def recover(raw: bytes, snapshot: SnapshotMeta, name: str) -> tuple[Replayed, ScanResult]:
+    """Scan and replay a WAL read at start-up (``name`` is for errors).
+
+    A bad last record is left for the caller to cut (``ScanResult.valid_len``).
+
+    Raises:
+        Corrupt: damage before the tail (whole records follow the bad one),
+            or records that do not fit together or with the snapshot.
+    """
+    res = scan(raw)
+    if res.problem is not None and res.resumes_at is not None:
+        raise Corrupt(
+            f"raft WAL {name}: {res.problem} at byte {res.valid_len} (record {res.record_no}), "
+            f"but whole records follow from byte {res.resumes_at}: damage before the tail, "
+            f"not a torn write. Refusing to start rather than forget what those records "
+            f"promised; rebuild this replica from its peers (move its data directory aside "
+            f"and restart it, see docs/raft.md)"
+        )
+    rep = replay(res.records, snapshot)
+    if rep.problem is not None:
+        raise Corrupt(f"raft WAL {name}: {rep.problem}")
+    return rep, res
+
+
 def encode_snapshot(snapshot: Snapshot) -> bytes:
     m = snapshot.meta
     body = zstandard.ZstdCompressor(level=3).compress(
@@ -227,6 +313,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents), each fsynced into its parent:
+    a directory entry that never reached the disk takes the WAL with it."""
+    if path.is_dir():
+        return
+    _make_dir(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    _fsync_dir(path.parent)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -258,14 +357,14 @@ class RaftStorage:
 
     @classmethod
     def open(cls, data_dir: str | os.PathLike[str]) -> RaftStorage:
-        """Load (or create) the store, cutting a torn or corrupt WAL tail.
+        """Load (or create) the store, cutting a torn or garbled last record.
 
         Raises:
-            Corrupt: the newest snapshot is unreadable, or WAL and snapshot
-                do not fit together.
+            Corrupt: the newest snapshot is unreadable, the WAL is damaged
+                before its tail, or WAL and snapshot do not fit together.
         """
         d = Path(data_dir)
-        d.mkdir(parents=True, exist_ok=True)
+        _make_dir(d)
         for stale in d.glob("*.tmp"):
             stale.unlink()
         snaps = sorted(d.glob("snap-*.snap"))
@@ -277,21 +376,18 @@ class RaftStorage:
         if not wal.exists():
             _write_atomic(wal, encode_base(meta.index, meta.term))
         raw = wal.read_bytes()
-        res = scan(raw)
+        rep, res = recover(raw, meta, str(wal))
         if res.problem is not None:
             level = logging.WARNING if res.problem.startswith("torn") else logging.ERROR
             log.log(
                 level,
-                "raft WAL %s: %s at byte %d (record %d); cutting %d bytes there",
+                "raft WAL %s: %s at byte %d (record %d), the last one; cutting %d bytes there",
                 wal,
                 res.problem,
                 res.valid_len,
                 res.record_no,
                 len(raw) - res.valid_len,
             )
-        rep = replay(res.records, meta)
-        if rep.problem is not None:
-            raise Corrupt(f"raft WAL {wal}: {rep.problem}")
         fd = os.open(wal, os.O_WRONLY | os.O_APPEND)
         if res.problem is not None:
             os.ftruncate(fd, res.valid_len)
@@ -305,12 +401,38 @@ class RaftStorage:
     def save(
         self, entries: list[Entry] | tuple[Entry, ...], hard_state: HardState | None, sync: bool
     ) -> None:
-        """One Ready: one write, and one fdatasync when ``sync``."""
+        """One Ready: one write, and one fdatasync when ``sync``.
+
+        A write can be short (a full disk, a file size limit): the rest is
+        written on, and if that fails the partial Ready is cut off again, so
+        a later Ready never lands behind half a record.
+
+        Raises:
+            OSError: the write failed; nothing of this Ready is in the file,
+                and the same call may be retried.
+            IOFailure: the fdatasync failed: not to be retried.
+        """
         buf = encode_ready(entries, hard_state)
         if buf:
-            os.write(self._fd, buf)
+            start = os.lseek(self._fd, 0, os.SEEK_END)
+            view = memoryview(buf)
+            try:
+                while view:
+                    view = view[os.write(self._fd, view) :]
+            except BaseException:
+                os.ftruncate(self._fd, start)
+                raise
         if sync:
-            os.fdatasync(self._fd)
+            try:
+                os.fdatasync(self._fd)
+            except OSError as exc:
+                # After a failed fsync the kernel may have dropped the dirty
+                # pages and cleared the error, so a retry could "succeed"
+                # without the data (PostgreSQL's fsyncgate): stop instead.
+                raise IOFailure(
+                    f"raft WAL {self.data_dir / WAL_NAME}: fdatasync failed ({exc.strerror}); "
+                    f"what it covered may not be on disk, so this replica stops"
+                ) from exc
             self.syncs += 1
 
     def save_snapshot(self, snapshot: Snapshot) -> None:

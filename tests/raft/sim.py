@@ -202,12 +202,13 @@ class SimNode:
     def start(self) -> None:
         sim = self.sim
         snap = storage.decode_snapshot(self.disk.snapshot) if self.disk.snapshot else None
-        res = storage.scan(self.disk.wal)
-        if res.problem is not None:  # the cut the real storage does at start-up
+        # What RaftStorage.open does: refuse damage before the tail (a crash
+        # never makes that), cut a bad last record.
+        rep, res = storage.recover(bytes(self.disk.wal), snap.meta if snap else SnapshotMeta(),
+                                   f"node {self.id}")
+        if res.problem is not None:
             del self.disk.wal[res.valid_len:]
             self.disk.synced = len(self.disk.wal)
-        rep = storage.replay(res.records, snap.meta if snap else SnapshotMeta())
-        assert rep.problem is None, rep.problem
         self.core = RaftCore(self.id, sim.ids, rng=random.Random(sim.rng.random()),
                              config=sim.config, hard_state=rep.hard_state, snapshot=snap,
                              entries=rep.entries)

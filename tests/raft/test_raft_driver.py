@@ -7,6 +7,8 @@ opens the same data directory again.
 
 from __future__ import annotations
 
+import resource
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,7 @@ import msgpack
 import pytest
 import trio
 
-from cachefs.errors import InvalidArgument, NotFound, NotLeader
+from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.rpc import RpcPool, RpcServer
@@ -200,4 +202,86 @@ async def test_lagging_follower_gets_a_snapshot(tmp_path: Path) -> None:
         assert back.node.core.log.snap_index >= 20  # it came as a snapshot
         with pytest.raises(InvalidArgument):  # chunks must come in order
             await back.node.raft_snapshot(src=1, xfer=7, chunk=1, chunks=2, payload=b"x")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_full_disk_stalls_a_replica_without_killing_it(tmp_path: Path) -> None:
+    """A file size limit makes every WAL append fail (as ENOSPC would): the
+    replicas log, count and retry; once writes succeed again the proposal
+    made meanwhile commits, on nodes that never stopped."""
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path)
+        for i in (1, 2, 3):
+            await cluster.start(i)
+        leader = await cluster.leader()
+        # WALs far bigger than anything else this process writes meanwhile
+        # (pytest's capture files), so the limit only bites them.
+        await leader.node.propose(put("c", 1, "b" * (1 << 20), 0))
+        await cluster.converged(leader.node.applied)
+        limit = max(r.node.storage.wal_size() for r in cluster.replicas.values())
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        result: list[object] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+
+            async def propose() -> None:
+                result.append(await leader.node.propose(put("c", 2, "during", 1)))
+
+            nursery.start_soon(propose)
+            with trio.fail_after(10):
+                while sum(r.node.stats["storage_errors"] for r in cluster.replicas.values()) < 3:
+                    await trio.sleep(0.02)
+            assert not result
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        with trio.fail_after(10):
+            while not result:
+                await trio.sleep(0.02)
+        assert result == [True]
+        assert all(not r.node._closed for r in cluster.replicas.values())
+        await cluster.converged(leader.node.applied)
+        assert all(r.sm.data["during"] == 1 for r in cluster.replicas.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_with_a_damaged_wal_refuses_to_start_and_is_rebuilt(
+    tmp_path: Path,
+) -> None:
+    """A record damaged before the WAL's tail: the replica refuses to start
+    (naming file and offset) instead of forgetting what it acknowledged. The
+    documented way back (move the data dir aside, restart) brings it back by
+    snapshot install from the leader."""
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path,
+                          driver_config=DriverConfig(tick_interval=0.02, snapshot_entries=10))
+        for i in (1, 2, 3):
+            await cluster.start(i)
+        leader = await cluster.leader()
+        victim = next(i for i in cluster.replicas if i != leader.node.id)
+        for k in range(3):
+            await propose_all(leader.node, [put(f"c{j}", k + 1, f"k{j}", 10 * k + j)
+                                            for j in range(10)])
+        await cluster.converged(leader.node.applied)
+        with trio.fail_after(10):
+            while leader.node.core.log.snap_index < 20:
+                await trio.sleep(0.01)
+        cluster.kill(victim)
+        await trio.sleep(0.05)
+        wal = tmp_path / f"m{victim}" / "wal.log"
+        raw = bytearray(wal.read_bytes())
+        assert len(raw) > 200
+        raw[40] ^= 0x20  # inside the first Ready after the BASE record
+        wal.write_bytes(bytes(raw))
+        with pytest.RaisesGroup(pytest.RaisesExc(Corrupt, match=f"WAL {wal}: CRC mismatch at "
+                                                 f"byte 12 .* rebuild this replica"),
+                                flatten_subgroups=True):
+            await cluster.start(victim)
+        (tmp_path / f"m{victim}").rename(tmp_path / f"m{victim}.damaged")
+        back = await cluster.start(victim)
+        await propose_all(leader.node, [put("d", 1, "after", 1)])
+        await cluster.converged(leader.node.applied)
+        assert back.sm.data == leader.sm.data
+        assert back.node.core.log.snap_index >= 20  # it came back as a snapshot
         nursery.cancel_scope.cancel()

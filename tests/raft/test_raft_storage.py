@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,25 +70,111 @@ def test_torn_tail_is_cut_with_a_log_line(tmp_path: Path, caplog: pytest.LogCapt
     assert RaftStorage.open(tmp_path).entries == entries(1, 10, 1) + entries(11, 11, 2)
 
 
-def test_bit_flip_in_the_middle_cuts_at_that_record(tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def _wal_of_20(tmp_path: Path) -> tuple[Path, list[int]]:
+    """A WAL of 20 single-entry Readys; the offset of each."""
     st = RaftStorage.open(tmp_path)
     offsets = []
     for i in range(1, 21):
         offsets.append(st.wal_size())
         st.save(entries(i, i, 1), HardState(1, 1, i - 1), sync=False)
+    offsets.append(st.wal_size())
     st.close()
-    wal = tmp_path / storage.WAL_NAME
+    return tmp_path / storage.WAL_NAME, offsets
+
+
+def _damage(wal: Path, offset: int, mask: int = 0x10) -> None:
     raw = bytearray(wal.read_bytes())
-    raw[offsets[9] + 12] ^= 0x10  # inside entry 10's payload
+    raw[offset] ^= mask
     wal.write_bytes(bytes(raw))
+
+
+def test_bit_flip_before_the_tail_is_refused_naming_file_and_offset(tmp_path: Path) -> None:
+    """Entries 11..20 and their hard states were written after entry 10, maybe
+    fsynced and acknowledged: cutting at 10 would forget them (and the vote)."""
+    wal, offsets = _wal_of_20(tmp_path)
+    before = wal.read_bytes()
+    _damage(wal, offsets[9] + 12)  # inside entry 10's payload
+    damaged = wal.read_bytes()
+    with pytest.raises(Corrupt) as info:
+        RaftStorage.open(tmp_path)
+    msg = str(info.value)
+    assert str(wal) in msg and f"CRC mismatch at byte {offsets[9]}" in msg
+    assert "rebuild this replica" in msg
+    assert wal.read_bytes() == damaged != before  # nothing cut
+
+
+@pytest.mark.parametrize("where", ["length", "type", "crc"])
+def test_a_damaged_header_before_the_tail_is_refused(tmp_path: Path, where: str) -> None:
+    """A flipped length can make a middle record look torn (it claims to run
+    past the end): the whole records after it still give it away."""
+    wal, offsets = _wal_of_20(tmp_path)
+    at, mask = {"length": (offsets[4], 0x40), "type": (offsets[4] + 8, 0x03),
+                "crc": (offsets[4] + 5, 0x01)}[where]
+    _damage(wal, at, mask)
+    with pytest.raises(Corrupt, match=f"at byte {offsets[4]} .*follow from byte {offsets[5]}"):
+        RaftStorage.open(tmp_path)
+
+
+def test_a_garbled_last_record_is_cut_with_an_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last write never fully reached the disk: its CRC fails and nothing
+    whole follows, so it is cut (it was never acknowledged)."""
+    wal, offsets = _wal_of_20(tmp_path)
+    _damage(wal, offsets[19] + 12)
     with caplog.at_level(logging.WARNING, logger="cachefs.metanode.raft.storage"):
         st = RaftStorage.open(tmp_path)
-    assert st.entries == entries(1, 9, 1)
-    assert st.hard_state == HardState(1, 1, 8)
-    assert wal.stat().st_size == offsets[9]
+    assert st.entries == entries(1, 19, 1)
+    assert wal.stat().st_size == offsets[19]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "CRC mismatch" in errors[0] and f"byte {offsets[9]}" in errors[0]
+    assert len(errors) == 1 and "CRC mismatch" in errors[0] and f"byte {offsets[19]}" in errors[0]
+    st.close()
+
+
+def test_a_zero_filled_tail_is_cut(tmp_path: Path) -> None:
+    """The file grew but the pages never came: zeros after the last record."""
+    wal, offsets = _wal_of_20(tmp_path)
+    with open(wal, "ab") as f:
+        f.write(bytes(10_000))
+    st = RaftStorage.open(tmp_path)
+    assert st.entries == entries(1, 20, 1) and wal.stat().st_size == offsets[20]
+    st.close()
+
+
+def test_an_undecodable_record_is_refused_even_last(tmp_path: Path) -> None:
+    """A CRC-valid record that does not decode is a bug, not a torn write."""
+    st = RaftStorage.open(tmp_path)
+    st.save(entries(1, 3, 1), None, sync=True)
+    st.close()
+    wal = tmp_path / storage.WAL_NAME
+    with open(wal, "ab") as f:
+        f.write(storage._record(storage.ENTRY, b"\x94\x01\x04\x07\xc0"))  # kind 7, data nil
+    with pytest.raises(Corrupt, match="undecodable"):
+        RaftStorage.open(tmp_path)
+
+
+def test_a_short_write_is_finished_or_cut_back(tmp_path: Path) -> None:
+    """A file size limit makes write() short, then fail (as a full disk does).
+    The Ready must not be half in the file: a later one would land behind
+    the torn half and look like damage before the tail."""
+    st = RaftStorage.open(tmp_path)
+    st.save(entries(1, 3, 1), HardState(1, 1, 3), sync=True)
+    size = st.wal_size()
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, old[1]))
+        with pytest.raises(OSError) as info:
+            st.save(entries(4, 40, 1), HardState(1, 1, 40), sync=True)
+        assert info.value.errno == errno.EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert st.wal_size() == size
+    st.save(entries(4, 5, 1), HardState(1, 1, 5), sync=True)  # the disk has room again
+    st.close()
+    st = RaftStorage.open(tmp_path)
+    assert st.entries == entries(1, 5, 1) and st.hard_state == HardState(1, 1, 5)
     st.close()
 
 
