@@ -48,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from cachefs.errors import InvalidArgument, NotLeader
+from cachefs.errors import InvalidArgument, NotLeader, ProtocolError
 
 from .log import RaftLog
 from .messages import (
@@ -67,6 +67,58 @@ from .messages import (
     Vote,
     VoteResp,
 )
+
+
+class InvalidMessage(ProtocolError):
+    """A message no correct peer sends (forged, or from a buggy peer).
+
+    ``step`` raises it *before* changing any state, so a driver drops the
+    message, logs and counts it, and goes on.
+    """
+
+
+# Terms and indices never get anywhere near this; a message that claims more
+# is refused, so our own arithmetic (term + 1, index + n) stays in the wire's
+# unsigned 64-bit range.
+MAX_TERM = MAX_INDEX = 1 << 62
+
+
+def _check(ok: bool, m: Message, why: str) -> None:
+    if not ok:
+        raise InvalidMessage(f"raft: {type(m).__name__} from {m.src}: {why}")
+
+
+def validate(m: Message) -> None:
+    """What holds for every message a correct peer sends, whatever our state.
+
+    Raises:
+        InvalidMessage: with the rule it breaks.
+    """
+    _check(m.term <= MAX_TERM, m, f"term {m.term} is out of range")
+    match m:
+        case Vote():
+            _check(m.last_index <= MAX_INDEX, m, "last_index is out of range")
+            _check(m.last_term <= m.term, m, f"log term {m.last_term} is past the term {m.term}")
+            _check((m.last_index == 0) == (m.last_term == 0), m,
+                   f"log end ({m.last_index}, {m.last_term}) is not a log's end")
+        case Append():
+            _check(m.prev_index + len(m.entries) <= MAX_INDEX and m.commit <= MAX_INDEX, m,
+                   "an index is out of range")
+            _check((m.prev_index == 0) == (m.prev_term == 0), m,
+                   f"prev ({m.prev_index}, {m.prev_term}) is not a log position")
+            last = m.prev_term
+            for e in m.entries:
+                _check(1 <= e.term <= m.term and e.term >= last, m,
+                       f"entry {e.index} of term {e.term} after term {last} (leader term {m.term})")
+                last = e.term
+        case AppendResp():
+            _check(m.index <= MAX_INDEX and m.hint_term <= m.term, m, "index or hint out of range")
+            _check(not m.reject or m.hint_index <= m.index, m,
+                   f"hint {m.hint_index} past the rejected index {m.index}")
+        case InstallSnapshot():
+            meta = m.snapshot.meta
+            _check(1 <= meta.term <= m.term and 1 <= meta.index <= MAX_INDEX, m,
+                   f"snapshot ({meta.index}, {meta.term}) in term {m.term}")
 
 
 class Role(Enum):
@@ -321,8 +373,17 @@ class RaftCore:
         return seq
 
     def step(self, m: Message) -> None:
+        """Take one message from a peer.
+
+        Raises:
+            InvalidMessage: a message no correct peer sends; nothing changed.
+        """
         if m.dst != self.id or m.src not in self.voters or m.src == self.id:
             return
+        validate(m)
+        if isinstance(m, InstallSnapshot):
+            _check(tuple(sorted(m.snapshot.meta.voters)) == self.voters, m,
+                   f"snapshot of voters {m.snapshot.meta.voters}, ours are {self.voters}")
         if m.term > self.term:
             if isinstance(m, Vote):
                 in_lease = (
@@ -537,6 +598,9 @@ class RaftCore:
 
     # -- follower / candidate
     def _step_follower(self, m: Message) -> None:
+        if isinstance(m, Append | Heartbeat | InstallSnapshot):
+            _check(self.lead in (NONE, m.src), m, f"a second leader in term {self.term} "
+                   f"(we follow {self.lead})")
         if isinstance(m, Append):
             self.election_elapsed = 0
             self.lead = m.src
@@ -628,7 +692,11 @@ class RaftCore:
         pr = self.prs.get(m.src)
         if pr is None:
             return
+        _check(not isinstance(m, Append | Heartbeat | InstallSnapshot), m,
+               f"a second leader in our term {self.term}")
         if isinstance(m, AppendResp):
+            _check(m.index <= self.log.last_index(), m,
+                   f"answers index {m.index}, past our last {self.log.last_index()}")
             pr.recent_active = True
             if m.reject:
                 next_probe = m.hint_index
@@ -659,6 +727,7 @@ class RaftCore:
             while self._send_append(m.src, send_empty=False):
                 pass
         elif isinstance(m, HeartbeatResp):
+            _check(m.ctx <= self._read_seq, m, f"echoes read {m.ctx}, we sent {self._read_seq}")
             pr.recent_active = True
             if m.reject and m.hint_index < pr.match:
                 # The follower was rebuilt from an empty directory: what it had

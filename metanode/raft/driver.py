@@ -26,6 +26,12 @@ the log and rewrites the WAL between two Readys (the WAL is only ever
 written by the loop). Where fork is unavailable or ``fork_snapshots`` is
 off, the state machine is serialized inline as before.
 
+Peer input is untrusted. ``raft_step`` drops messages that are not a peer's
+to this node (and snapshots, which come chunked through ``raft_snapshot``,
+spooled to disk and size-capped by ``transfer.py``); the loop drops what the
+core refuses (``InvalidMessage``). Both are counted
+(``cachefs_raft_refused_messages_total``) and logged at most once a second.
+
 Proposals resolve with the state machine's apply result once their entry
 (index *and* term) is applied. A :class:`~cachefs.errors.CacheFSError` raised
 by ``apply`` is that command's (deterministic) answer and is raised to the
@@ -47,14 +53,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
-import zstandard
 from prometheus_client import Counter, Gauge, Histogram
 
-from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, Unavailable
-from cachefs.rpc import RpcPool, rpc_method
+from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, ProtocolError, Unavailable
+from cachefs.rpc import CallContext, RpcPool, rpc_method
 
 from . import messages as wire
-from .core import RaftConfig, RaftCore, Ready, Role
+from . import transfer
+from .core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
 from .messages import EntryKind, InstallSnapshot, Message, Snapshot, SnapshotMeta
 from .snapshot_child import SnapshotChild, SnapshotChildFailed
 from .storage import RaftStorage
@@ -70,6 +76,9 @@ RAFT_FSYNC = Histogram("cachefs_raft_wal_sync_seconds", "WAL write + fsync per R
 RAFT_BATCH = Histogram("cachefs_raft_proposals_per_append", "Proposals batched into one append",
                        ["node"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
 RAFT_SNAPSHOTS = Counter("cachefs_raft_snapshots_total", "Snapshots taken or installed", ["node"])
+RAFT_REFUSED = Counter("cachefs_raft_refused_messages_total",
+                       "Peer messages dropped as invalid: forged, or from a buggy peer",
+                       ["node", "type"])
 RAFT_STORAGE_ERRORS = Counter("cachefs_raft_storage_errors_total",
                               "WAL or snapshot writes that failed (and were retried)", ["node"])
 
@@ -113,8 +122,11 @@ class DriverConfig:
     snapshot_entries: int = 10_000  # applied entries between snapshots
     rpc_timeout: float = 2.0  # per raft_step call
     max_outbox: int = 10_000  # messages queued per peer before dropping the oldest
+    max_inbox: int = 10_000  # peer messages waiting for the loop before dropping the oldest
     snapshot_chunk: int = 4 << 20  # InstallSnapshot travels zstd-compressed in chunks
-    max_snapshot: int = 4 << 30  # refuse to assemble a bigger one
+    # Refuse an InstallSnapshot over this many bytes (spooled or decompressed):
+    # receiving one holds at most one copy of its data in memory.
+    max_snapshot: int = 4 << 30
     fork_snapshots: bool = True  # serialize snapshots in a forked child (see the module doc)
 
 
@@ -147,7 +159,9 @@ class RaftNode:
         self._send_wake: dict[int, trio.Event] = {p: trio.Event() for p in self._outbox}
         self._scope: trio.CancelScope | None = None
         self._xfer_out = 0
-        self._xfer_in: dict[int, tuple[int, int, list[bytes]]] = {}  # src -> (xfer, size, parts)
+        self._receiver = transfer.SnapshotReceiver(storage.data_dir, dconfig.max_snapshot)
+        self._refused_quiet = 0  # refusals not logged yet (one log line a second)
+        self._refused_log_at = 0.0
         self._closed = False
         self._nursery: trio.Nursery | None = None
         self.snapshotting = False  # a snapshot is being taken
@@ -163,8 +177,10 @@ class RaftNode:
         self._m_batch = RAFT_BATCH.labels(label)
         self._m_snapshots = RAFT_SNAPSHOTS.labels(label)
         self._m_storage_errors = RAFT_STORAGE_ERRORS.labels(label)
+        self._label = label
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
-                      "send_errors": 0, "storage_errors": 0}
+                      "send_errors": 0, "storage_errors": 0, "refused": 0,
+                      "inbox_dropped": 0}
 
     @classmethod
     async def create(cls, node_id: int, peers: dict[int, str], data_dir: str | os.PathLike[str],
@@ -272,47 +288,93 @@ class RaftNode:
         self._wake.set()
 
     @rpc_method
-    def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None) -> None:
+    def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None,
+                  ctx: CallContext | None = None) -> None:
         """Peers' messages: a msgpack batch in the bulk payload (a plain
-        method: the RPC layer runs it inline, it only queues)."""
+        method: the RPC layer runs it inline, it only queues).
+
+        Raises:
+            InvalidArgument: no payload.
+            ProtocolError: the batch does not decode (counted as refused).
+        """
         if payload is None:
             raise InvalidArgument("raft_step needs a payload")
-        msgs = wire.decode_batch(bytes(payload))
-        if not self._closed:
-            self._inbox.extend(msgs)
-            self._wake.set()
+        try:
+            msgs = wire.decode_batch(bytes(payload))
+        except ProtocolError as exc:
+            self._refuse("batch", exc.message)
+            raise
+        if self._closed:
+            return
+        inbox = self._inbox
+        for m in msgs:
+            if isinstance(m, InstallSnapshot):
+                self._refuse("InstallSnapshot", "a snapshot must come by raft_snapshot")
+            elif not self._may_speak_for(ctx, m.src) or m.dst != self.id:
+                self._refuse(type(m).__name__, f"from {m.src} to {m.dst}: not a peer's message "
+                             f"to node {self.id}")
+            else:
+                inbox.append(m)
+        if len(inbox) > self.dconfig.max_inbox:  # the loop is stalled (disk): Raft resends
+            self.stats["inbox_dropped"] += len(inbox) - self.dconfig.max_inbox
+            del inbox[: len(inbox) - self.dconfig.max_inbox]
+        self._wake.set()
 
     @rpc_method
     async def raft_snapshot(self, src: int, xfer: int, chunk: int, chunks: int, *,
-                            payload: bytes | bytearray | memoryview | None = None) -> None:
-        """One chunk of a zstd-compressed InstallSnapshot from leader ``src``;
-        the last one completes the message and steps it."""
-        if payload is None or not 0 <= chunk < chunks:
-            raise InvalidArgument("raft_snapshot: bad chunk")
-        if chunk == 0:
-            self._xfer_in[src] = (xfer, 0, [])
-        cur = self._xfer_in.get(src)
-        if cur is None or cur[0] != xfer or len(cur[2]) != chunk:
-            self._xfer_in.pop(src, None)
-            raise InvalidArgument(f"raft_snapshot: chunk {chunk} of transfer {xfer} out of order")
-        size = cur[1] + len(payload)
-        if size > self.dconfig.max_snapshot:
-            self._xfer_in.pop(src, None)
-            raise InvalidArgument("raft_snapshot: over max_snapshot")
-        cur[2].append(bytes(payload))
-        self._xfer_in[src] = (xfer, size, cur[2])
-        if chunk + 1 < chunks:
-            return
-        del self._xfer_in[src]
+                            payload: bytes | bytearray | memoryview | None = None,
+                            ctx: CallContext | None = None) -> None:
+        """One chunk of an InstallSnapshot from leader ``src`` (``transfer.py``);
+        the last one completes the message and steps it.
+
+        Raises:
+            InvalidArgument: out of order, over ``max_snapshot``, or not from
+                a peer; ProtocolError: it does not decode. Both drop the
+                transfer (the leader starts again later).
+        """
+        if payload is None:
+            raise InvalidArgument("raft_snapshot needs a payload")
+        if not self._may_speak_for(ctx, src):
+            self._refuse("InstallSnapshot", f"chunk from {src}: not a peer")
+            raise InvalidArgument(f"raft_snapshot: {src} is not a peer of node {self.id}")
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                b"".join(cur[2]), max_output_size=self.dconfig.max_snapshot)
-        except zstandard.ZstdError as exc:
-            raise InvalidArgument(f"raft_snapshot: undecodable ({exc})") from None
-        msgs = wire.decode_batch(raw)
-        if not self._closed:
-            self._inbox.extend(msgs)
-            self._wake.set()
+            m = await self._receiver.chunk(src, xfer, chunk, chunks, payload)
+        except (InvalidArgument, ProtocolError) as exc:
+            self._refuse("InstallSnapshot", exc.message)
+            raise
+        if m is None or self._closed:
+            return
+        if m.dst != self.id:
+            self._refuse("InstallSnapshot", f"for node {m.dst}")
+            raise InvalidArgument(f"raft_snapshot: the snapshot is for node {m.dst}")
+        self._inbox.append(m)
+        self._wake.set()
+
+    def _may_speak_for(self, ctx: CallContext | None, src: int) -> bool:
+        """Whether a message that says it is from ``src`` is taken at all.
+
+        This is where a message's ``src`` is to be checked against the
+        authenticated identity of the connection it came on (``ctx``) once
+        the RPC layer binds connections to identities: then a client, or
+        any non-member, cannot speak for a member. Until then only messages
+        from non-members (and from ourselves) are refused here.
+        """
+        return src in self.peers and src != self.id
+
+    def _refuse(self, what: str, reason: str) -> None:
+        """Count a refused peer message, and log it (at most once a second:
+        a hostile peer must not be able to flood the log)."""
+        self.stats["refused"] += 1
+        RAFT_REFUSED.labels(self._label, what).inc()
+        now = time.monotonic()
+        if now < self._refused_log_at:
+            self._refused_quiet += 1
+            return
+        more = f" (and {self._refused_quiet} more since the last report)" \
+            if self._refused_quiet else ""
+        log.warning("raft node %d: refused a %s: %s%s", self.id, what, reason, more)
+        self._refused_quiet = 0
+        self._refused_log_at = now + 1.0
 
     def close(self) -> None:
         """Stop the node's tasks; waiting callers get ``Unavailable``."""
@@ -334,6 +396,7 @@ class RaftNode:
         finally:
             self._closed = True
             self._fail_all(Unavailable(f"raft node {self.id} stopped"))
+            self._receiver.close()
             self.storage.close()
 
     async def _ticker(self) -> None:
@@ -355,7 +418,10 @@ class RaftNode:
                 core.tick()
             inbox, self._inbox = self._inbox, []
             for m in inbox:
-                core.step(m)
+                try:
+                    core.step(m)
+                except InvalidMessage as exc:  # changed nothing: drop it
+                    self._refuse(type(m).__name__, exc.message)
             if self._proposals:
                 props, self._proposals = self._proposals, []
                 try:
@@ -614,8 +680,7 @@ class RaftNode:
                 await self._send_snapshot(addr, snaps[-1])
 
     async def _send_snapshot(self, addr: str, m: InstallSnapshot) -> None:
-        blob = await trio.to_thread.run_sync(
-            lambda: zstandard.ZstdCompressor(level=1).compress(wire.encode_batch([m])))
+        blob = await trio.to_thread.run_sync(transfer.encode, m)
         size = self.dconfig.snapshot_chunk
         chunks = max(1, -(-len(blob) // size))
         self._xfer_out += 1
