@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A read asks the inode's chunk slice lists (cached per content version) which
-segments make up the range (:mod:`.slicemap`), then serves each block piece:
+segments make up the range (:mod:`cachefs.layout`), then serves each block piece:
 
 1. from the L1 cache if the whole block is there;
 2. for a *sequential* reader, by fetching whole blocks (one fetch per block

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Each inode being written has one :class:`FileWriter` (shared by its handles).
-Writes go into a :class:`~.slicemap.WritePlan`, which merges them into runs;
+Writes go into a :class:`~cachefs.layout.WritePlan`, which merges them into runs;
 a sealed run becomes one slice:
 
     sealed run --alloc id--> blocks put to backing storage (in parallel)
