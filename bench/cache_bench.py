@@ -33,7 +33,8 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, free_port, median, print_table, ratio, spawn, stop, wait_for_port
+from bench.common import emit, median, print_table, ratio, spawn, stop, wait_for_port
+from cachefs.testing.ports import free_port
 
 MiB = 1 << 20
 BLOCK = 4 * MiB

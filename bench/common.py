@@ -29,12 +29,6 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -33,7 +33,8 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, free_port, median, print_table, ratio, spawn, stop
+from bench.common import emit, median, print_table, ratio, spawn, stop
+from cachefs.testing.ports import free_port
 
 VOL = "bench"
 CLIENTS = (1, 32)

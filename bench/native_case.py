@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -111,22 +110,6 @@ def _epochs(loader: Any, epochs: int) -> list[float]:
 # ---------------------------------------------------------------------- standalone run
 
 
-def _free_base() -> int:
-    for k in range(30):
-        base = 21000 + ((os.getpid() + k) % 30) * 300
-        ok = True
-        for off in (1, 2, 3, 101, 102, 103, 201, 202):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + off))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range for the lab")
-
-
 def _write_set(fs: Any, directory: str, files: int, size: int) -> None:
     fs.makedirs(directory, exist_ok=True)
     blob = os.urandom(size + files)
@@ -137,11 +120,13 @@ def _write_set(fs: Any, directory: str, files: int, size: int) -> None:
 def run(files: int, size: int, epochs: int, workers: list[int], batch_size: int) -> dict[str, Any]:
     from cachefs.client.api import connect
     from cachefs.lab.cluster import Lab, LabConfig
+    from cachefs.testing.ports import free_lab_base
 
     root = Path(tempfile.mkdtemp(prefix="cachefs-native-bench-"))
-    lab = Lab(LabConfig(root=str(root / "lab"), metanodes=3, datanodes=3, cachenodes=2, zones=3,
-                        base_port=_free_base(), policy="ec:2+1", metrics=False, data_capacity="8G",
-                        cache_capacity="2G", cache_memory="64M"))  # fmt: skip
+    config = LabConfig(root=str(root / "lab"), metanodes=3, datanodes=3, cachenodes=2, zones=3, policy="ec:2+1",
+                       metrics=False, data_capacity="8G", cache_capacity="2G", cache_memory="64M")
+    config.base_port = free_lab_base(config)
+    lab = Lab(config)
     mnt = root / "mnt"
     result: dict[str, Any] = {
         "files": files,
@@ -194,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        print("needs root and /dev/fuse (the FUSE baseline mounts the lab)", file=sys.stderr)
+    from cachefs.testing.fuse import fuse_unavailable
+
+    if reason := fuse_unavailable():
+        print(f"{reason}: the FUSE baseline mounts the lab", file=sys.stderr)
         return 2
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     with warnings.catch_warnings():

@@ -18,7 +18,8 @@ import time
 
 import trio
 
-from bench.common import emit, free_port, median, print_table, ratio, spawn, stop, wait_for_port
+from bench.common import emit, median, print_table, ratio, spawn, stop, wait_for_port
+from cachefs.testing.ports import free_port
 
 SECRET = b"bench-secret"
 MiB = 1 << 20

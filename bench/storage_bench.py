@@ -30,7 +30,8 @@ from pathlib import Path
 import trio
 
 from bench.cache_bench import profiled
-from bench.common import emit, free_port, median, print_table, ratio, spawn, stop, wait_for_port
+from bench.common import emit, median, print_table, ratio, spawn, stop, wait_for_port
+from cachefs.testing.ports import free_port
 
 SECRET = b"bench-secret"
 MiB = 1 << 20

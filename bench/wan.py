@@ -45,7 +45,8 @@ from typing import Any
 
 import trio
 
-from bench.common import REPO, free_port, spawn, stop, wait_for_port
+from bench.common import REPO, spawn, stop, wait_for_port
+from cachefs.testing.ports import free_port
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ import pytest
 from cachefs.client.adapters.fsspec import CacheFSFileSystem
 from cachefs.client.api import FileSystem
 
-from .conftest import needs_fuse
-
 
 @pytest.fixture(scope="module")
 def cfs(lab) -> CacheFSFileSystem:
@@ -168,7 +166,7 @@ def test_pickles_and_reconnects(cfs: CacheFSFileSystem) -> None:
     assert clone.cat("lab/fsspec/pickled") == b"p"
 
 
-@needs_fuse
+@pytest.mark.needs_fuse
 def test_fsspec_and_mount_agree(cfs: CacheFSFileSystem, fs: FileSystem, mount: Path) -> None:
     data = os.urandom(3 << 20)
     (mount / "fsspec-mnt").mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ import trio
 
 from cachefs.client.api import FileSystem, connect, open_volume
 
-from .conftest import drop_page_cache, needs_fuse
+from .conftest import drop_page_cache
 
 MiB = 1 << 20
 
@@ -234,7 +234,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@needs_fuse
+@pytest.mark.needs_fuse
 def test_library_and_mount_read_the_same_bytes(fs: FileSystem, mount: Path) -> None:
     """Files written through the mount read the same through the library, and
     files written through the library read the same through the mount."""
@@ -266,7 +266,7 @@ def test_library_and_mount_read_the_same_bytes(fs: FileSystem, mount: Path) -> N
             assert fm.read(n) == fl.read(n)
 
 
-@needs_fuse
+@pytest.mark.needs_fuse
 def test_library_writes_are_visible_to_the_mount(fs: FileSystem, mount: Path) -> None:
     fs.makedirs("ckpt/step1", exist_ok=True)
     blob = os.urandom(5 * MiB + 1)

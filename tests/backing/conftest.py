@@ -23,16 +23,11 @@ import pytest
 
 from cachefs.backing.cluster import ClusterView, DatanodeInfo
 from cachefs.backing.policy import VolumePolicy
+from cachefs.testing.ports import free_ports
 
 SECRET = b"backing-test-secret"
 ZONES = ["a", "a", "b", "b", "c", "c"]
 _volume_ids = itertools.count()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Datanodes:
@@ -47,7 +42,7 @@ class Datanodes:
         self.extra = extra or []
         self.secret_file = root / "secret"
         self.secret_file.write_bytes(SECRET)
-        self.ports = [free_port() for _ in zones]
+        self.ports = free_ports(len(zones))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(zones)
 
     def data_dir(self, i: int) -> Path:

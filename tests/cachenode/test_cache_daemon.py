@@ -17,14 +17,9 @@ from cachefs.errors import CacheFSError, ConnectionLost, TimedOut, Unavailable, 
 from cachefs.ids import BlockKey
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool, RpcServer
+from cachefs.testing.ports import free_port
 
 from .blockserver import MemoryBlockService, RpcBlockSource
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Node:
@@ -35,7 +30,7 @@ class Node:
         self.extra = list(extra)
         self.zone = zone
         self.capacity = capacity
-        self.port = _free_port()
+        self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -23,9 +23,10 @@ from cachefs.ids import BlockKey
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
+from cachefs.testing.ports import free_port
 from tests.metanode.cluster import MetaCluster
 
-from .test_cache_daemon import Node, _free_port
+from .test_cache_daemon import Node
 
 BS = 64 * 1024
 VOLUME = "warm"
@@ -34,7 +35,7 @@ VOLUME = "warm"
 class Datanode:
     def __init__(self, root: Path, i: int, zone: str, meta: str) -> None:
         self.log = root / f"dn{i}.log"
-        self.addr = f"127.0.0.1:{_free_port()}"
+        self.addr = f"127.0.0.1:{free_port()}"
         self.args = [
             sys.executable,
             "-m",

@@ -25,11 +25,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-needs_fuse = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
-)
-
-
 def mounted(path: Path) -> bool:
     real = os.path.realpath(path)
     return any(
@@ -93,9 +88,7 @@ class LocalMount:
 
 
 @pytest.fixture
-def localmount(tmp_path: Path) -> Iterator[LocalMount]:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.skip("needs root and /dev/fuse")
+def localmount(needs_fuse, tmp_path: Path) -> Iterator[LocalMount]:
     m = LocalMount(tmp_path)
     try:
         yield m
@@ -159,36 +152,17 @@ def lab_processes() -> Iterator[None]:
             gc.collect()  # any dropped Popen still in a cycle warns now, not in a later test
 
 
-def _free_base() -> int:
-    """A base port whose lab ports (base+1.., +101.., +201..) are all free now."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(30000, 60000, 1000)
-        ports = [base + off + i for off in (0, 100, 200) for i in range(1, 8)]
-        try:
-            for port in ports:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range for the test cluster")
-
-
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
+def cluster(needs_fuse, tmp_path_factory):
     """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1)."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.skip("needs root and /dev/fuse")
     from cachefs.lab.cluster import Lab, LabConfig
+    from cachefs.testing.ports import free_lab_base
 
     root = tmp_path_factory.mktemp("cluster")
-    base = _free_base()
-    lab = Lab(LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, base_port=base,
-                        policy="ec:2+1", metrics=False, data_capacity="8G", cache_capacity="2G",
-                        cache_memory="32M"))  # fmt: skip
+    config = LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, policy="ec:2+1",
+                       metrics=False, data_capacity="8G", cache_capacity="2G", cache_memory="32M")
+    config.base_port = free_lab_base(config)
+    lab = Lab(config)
     try:
         with lab_processes():
             lab.up(timeout=120)

@@ -23,13 +23,12 @@ import trio
 from cachefs.client.mount import run_fs
 from cachefs.client.session import Session
 from cachefs.client.volume import ClientOptions
-from cachefs.errors import NotFound
-from cachefs.ids import BlockKey
 from cachefs.metanode import commands as C
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import Failure, MetaState
 from cachefs.metanode.opentable import OpenTable
 from cachefs.rpc import RpcPool
+from cachefs.testing.backing import DictBacking
 from cachefs.transport.tcp import TcpTransport
 
 VOLUME = "vol"
@@ -166,27 +165,6 @@ class StateMeta:
 
     async def compact_chunk(self, volume, ino, chunk, expect, slice_id, length) -> Any:
         return self._do(C.CompactChunk, volume, ino, chunk, list(expect), slice_id, length)
-
-
-class DictBacking:
-    """Blocks in memory, with the BackingClient's get/put/delete signatures."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[tuple[str, BlockKey], bytes] = {}
-
-    async def put_block(self, volume: str, key: BlockKey, data: Any) -> None:
-        self.blocks[(volume, key)] = bytes(data)
-
-    async def get_block(
-        self, volume: str, key: BlockKey, offset: int = 0, length: int = -1
-    ) -> bytes:
-        data = self.blocks.get((volume, key))
-        if data is None:
-            raise NotFound(f"no block {key.hex()}")
-        return data[offset:] if length < 0 else data[offset : offset + length]
-
-    async def delete_block(self, volume: str, key: BlockKey) -> None:
-        self.blocks.pop((volume, key), None)
 
 
 async def main_async(mountpoint: str, block_size: int, options: ClientOptions) -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.testing.ports import free_port
+
 from .conftest import REPO, ClusterMount, lab_processes, mounted
 
 FIO_DIR = REPO / "bench" / "fio"
@@ -312,12 +314,9 @@ def _cache_stats(cluster) -> dict[str, dict]:
 
 
 def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: Path) -> None:
-    import socket
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0", "--metrics-port", str(port))
     try:
         before = _cache_stats(cluster)

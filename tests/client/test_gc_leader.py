@@ -24,7 +24,8 @@ from cachefs.client.api import FileSystem, connect
 from cachefs.ids import BlockKey
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
-from tests.metanode.cluster import MetaCluster, free_ports
+from cachefs.testing.ports import free_ports
+from tests.metanode.cluster import MetaCluster
 
 VOL = "v"
 BLOCK = 64 << 10

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,9 +67,7 @@ def test_mount_options_start_from_pyfuse3_defaults() -> None:
     } <= opts
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
-)
+@pytest.mark.needs_fuse
 def test_busy_mount_point_and_umount_of_foreign_mount(tmp_path: Path) -> None:
     src, mnt = tmp_path / "src", tmp_path / "mnt"
     src.mkdir()

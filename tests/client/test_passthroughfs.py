@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/dev/fuse") or os.geteuid() != 0, reason="needs root and /dev/fuse"
-)
+pytestmark = pytest.mark.needs_fuse
 
 
 def mounted(path: Path) -> bool:

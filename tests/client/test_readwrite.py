@@ -294,8 +294,9 @@ def test_session_io_with_compaction_matches_model(ops, seed) -> None:
     from cachefs.client.compaction import Compactor
     from cachefs.client.session import Session
     from cachefs.rpc import RpcPool
+    from cachefs.testing.backing import DictBacking
     from cachefs.transport.tcp import TcpTransport
-    from tests.client.localfs import VOLUME, DictBacking, StateMeta
+    from tests.client.localfs import VOLUME, StateMeta
 
     rng = random.Random(seed)
 

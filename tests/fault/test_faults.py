@@ -16,14 +16,13 @@ import pytest
 
 from bench.chaos import Chaos
 
-from .conftest import needs_fuse_root, running_chaos
+from .conftest import running_chaos
 
-pytestmark = [pytest.mark.slow, pytest.mark.fuse]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
-    needs_fuse_root()
     yield from running_chaos(tmp_path_factory.mktemp("chaos"), seed=7)
 
 

@@ -13,14 +13,13 @@ import pytest
 from bench.chaos import Chaos
 from cachefs.lab import netns
 
-from .conftest import needs_fuse_root, running_chaos
+from .conftest import running_chaos
 
-pytestmark = [pytest.mark.slow, pytest.mark.fuse]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
-    needs_fuse_root()
     reason = netns.netns_supported()
     if reason:
         pytest.skip(f"network namespaces are not usable here: {reason}")

@@ -9,13 +9,13 @@ import click
 import pytest
 
 from cachefs.lab.cluster import Lab, LabConfig, _last_line
-from tests.fault.conftest import free_base
+from cachefs.testing.ports import free_lab_base
 
 
 def test_a_taken_port_is_named_and_nothing_starts(tmp_path: Path) -> None:
-    base = free_base(23000)
-    lab = Lab(LabConfig(root=str(tmp_path / "lab"), metanodes=1, datanodes=3, cachenodes=1, zones=3,
-                        base_port=base, metrics=False))
+    config = LabConfig(root=str(tmp_path / "lab"), metanodes=1, datanodes=3, cachenodes=1, zones=3, metrics=False)
+    base = config.base_port = free_lab_base(config)
+    lab = Lab(config)
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", base + 101))
         squatter.listen()

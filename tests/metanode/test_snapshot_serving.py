@@ -27,8 +27,7 @@ from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.metanode.raft.storage import decode_snapshot
 from cachefs.metanode.service import MetaService
 from cachefs.rpc import RpcPool, RpcServer
-
-from .cluster import free_ports
+from cachefs.testing.ports import free_ports
 
 VOL = "vol"
 PRELOAD = 50_000  # inodes in the tree before the snapshot

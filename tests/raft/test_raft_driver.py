@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import resource
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.rpc import RpcPool, RpcServer
+from cachefs.testing.ports import free_ports
 
 from .sim import KV
 
@@ -39,16 +39,6 @@ class Machine(KV):
 
 def put(client: str, seq: int, key: str, value: int) -> bytes:
     return msgpack.packb([client, seq, "put", key, value, None])
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass

@@ -13,9 +13,9 @@ import trio
 
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
 from cachefs.rpc import RpcPool, RpcServer
+from cachefs.testing.ports import free_ports
 
 from .sim import KV
-from .test_raft_driver import free_ports
 
 
 class GatedKV(KV):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import trio
@@ -21,6 +20,7 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.rpc import Limits, RpcPool
+from cachefs.testing.ports import free_port
 
 from .conftest import SECRET, EchoService, start_server
 
@@ -292,10 +292,7 @@ async def test_idle_connections_are_closed_and_reopened(nursery):
 
 
 async def test_unreachable_peer_backs_off(nursery):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    addr = f"127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()  # nothing listens there now
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
     async with RpcPool(secret=SECRET, backoff_initial=0.5) as pool:
         with pytest.raises(Unreachable, match="cannot connect"):
             await pool.call(addr, "echo")

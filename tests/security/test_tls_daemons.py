@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,10 @@ from click.testing import CliRunner
 from cachefs.cli import main
 from cachefs.errors import CacheFSError, TimedOut
 from cachefs.rpc import Limits, RpcPool, client_tls
+from cachefs.testing.ports import free_port
 
 SECRET = b"tls-daemons-test-secret"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_pki(ca: trustme.CA, d: Path, name: str) -> dict[str, str]:
@@ -61,8 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     other = _write_pki(trustme.CA(), d, "other")
     secret_file = d / "secret"
     secret_file.write_bytes(SECRET)
-    meta = f"127.0.0.1:{_free_port()}"
-    data = f"127.0.0.1:{_free_port()}"
+    meta = f"127.0.0.1:{free_port()}"
+    data = f"127.0.0.1:{free_port()}"
     base = [sys.executable, "-m", "cachefs.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEFS_")}
     logs = [open(d / "meta.log", "wb"), open(d / "data.log", "wb")]  # noqa: SIM115 - closed below

@@ -28,7 +28,7 @@ import pytest
 from cachefs.client.adapters.fsspec import CacheFSFileSystem
 from cachefs.client.api import connect, open_volume
 from cachefs.lab.cluster import Lab, LabConfig, make_pki
-from tests.fault.conftest import free_base
+from cachefs.testing.ports import free_lab_base
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "tenant-tls-token-7f3a"
@@ -43,9 +43,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def tls_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     root = tmp_path_factory.mktemp("tlslab")
-    lab = Lab(LabConfig(root=str(root), metanodes=1, datanodes=3, cachenodes=1, zones=3,
-                        base_port=free_base(36000), policy="ec:2+1", metrics=False,
-                        data_capacity="2G", cache_capacity="256M", cache_memory="16M", tls=True))  # fmt: skip
+    config = LabConfig(root=str(root), metanodes=1, datanodes=3, cachenodes=1, zones=3, policy="ec:2+1",
+                       metrics=False, data_capacity="2G", cache_capacity="256M", cache_memory="16M", tls=True)
+    config.base_port = free_lab_base(config)
+    lab = Lab(config)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
