@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "gc": "cachefs.backing.gc:command",
     "status": "cachefs.status:status",
     "health": "cachefs.status:health",
-    "lab": "cachefs.lab.cluster:lab",
+    "lab": "cachefs.lab.cli:lab",
     "bench": "cachefs.benchcmd:bench",
 }
 

@@ -1,4 +1,4 @@
-"""The local lab: a whole cachefs cluster on one machine, and its CLI.
+"""The local lab: a whole cachefs cluster on one machine.
 
 ``cachefs lab up`` starts 3 metanodes, 6 datanodes and 6 cache nodes spread
 over 3 zones (real processes on 127.0.0.1, each with its own data directory
@@ -9,7 +9,7 @@ itself crashed, since every PID is recorded in a state file first. With
 ``--netns`` every daemon runs in its own network namespace on its own
 address (:mod:`cachefs.lab.netns`), so zones can be cut off, made lossy and healed. With
 ``--tls`` the lab makes a throwaway CA and one certificate per node (and one
-for clients) under ``DIR/tls`` with the ``openssl`` command, and every link,
+for clients) under ``DIR/tls`` (:mod:`cachefs.lab.pki`), and every link,
 daemon to daemon and client to daemon, runs mutual TLS.
 
 The same :class:`Lab` class is what the end-to-end tests and benchmarks use
@@ -18,7 +18,6 @@ to start, kill and restart nodes, so the lab people run is the lab we test.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -34,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
 import trio
 
 from cachefs.config import load_tls
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns
+from cachefs.lab.pki import make_pki
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 
@@ -49,7 +48,11 @@ STATE_FILE = "lab.json"
 VOLUME = "lab"
 TLS_DIR = "tls"
 TLS_CLIENT = "client"  # the certificate the mount, `lab status` and lab clients show
-TLS_DAYS = 30
+
+
+class LabError(Exception):
+    """The lab cannot do what was asked (no lab there, a port taken, a node died
+    starting, a mount failed); the message says what and where to look."""
 
 
 @dataclass
@@ -132,6 +135,10 @@ class Lab:
                 return node
         raise KeyError(f"no node {name!r} in this lab")
 
+    def running(self) -> list[str]:
+        """Names of the nodes whose recorded process is alive."""
+        return [n.name for n in self.nodes if n.pid and _alive(n.pid)]
+
     def of_kind(self, kind: str) -> list[Node]:
         return [n for n in self.nodes if n.kind == kind]
 
@@ -211,7 +218,7 @@ class Lab:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise click.ClickException(f"no lab in {root} (no {STATE_FILE}); start one with `cachefs lab up`") from None
+            raise LabError(f"no lab in {root} (no {STATE_FILE}); start one with `cachefs lab up`") from None
         data["nodes"] = [Node(**n) for n in data["nodes"]]
         return cls(LabConfig(**data))
 
@@ -219,7 +226,7 @@ class Lab:
         """Start (or restart) one node; its output goes to logs/NAME.log."""
         node = self.node(name)
         if node.pid and _alive(node.pid):
-            raise click.ClickException(f"{name} is already running (pid {node.pid})")
+            raise LabError(f"{name} is already running (pid {node.pid})")
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
         logf = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
@@ -270,7 +277,7 @@ class Lab:
         if self._net is None:
             self._net = netns.Network.load(self.root)
             if self._net is None:
-                raise click.ClickException(f"lab {self.root} has no network namespaces ({netns.STATE_FILE})")
+                raise LabError(f"lab {self.root} has no network namespaces ({netns.STATE_FILE})")
         return self._net
 
     def run(self, async_fn: Any, *args: Any) -> Any:
@@ -310,8 +317,8 @@ class Lab:
         if dead:
             logs = self.root / "logs"
             last = _last_line(logs / f"{dead[0]}.log")
-            raise click.ClickException(f"lab nodes exited during start-up: {', '.join(dead)} "
-                                       f"({dead[0]}: {last}; see {logs})")
+            raise LabError(f"lab nodes exited during start-up: {', '.join(dead)} "
+                           f"({dead[0]}: {last}; see {logs})")
 
     # ------------------------------------------------------------ mount
 
@@ -327,7 +334,7 @@ class Lab:
             result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
         if result.returncode != 0:
             tail = logf.read_text(errors="replace").splitlines()[-10:]
-            raise click.ClickException(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
+            raise LabError(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
         self.config.mountpoint = mountpoint
         self.save()
 
@@ -416,62 +423,6 @@ class Lab:
         return out
 
 
-def make_pki(d: Path, hosts: dict[str, str]) -> None:
-    """A throwaway CA (``d/ca.pem``) and a certificate per name (``d/NAME.pem``,
-    ``d/NAME-key.pem``) for ``hosts[NAME]``, made with the ``openssl`` command.
-
-    Each certificate is good for both ends of a link (server and client
-    auth), since inside the cluster every daemon is also a client. Files that
-    exist are kept, so a restarted lab keeps its certificates.
-
-    Raises:
-        click.ClickException: no ``openssl`` command, or it failed.
-    """
-    if shutil.which("openssl") is None:
-        raise click.ClickException("--tls needs the openssl command (apt-get install openssl)")
-    d.mkdir(parents=True, exist_ok=True)
-    d.chmod(0o700)
-    ca, ca_key = d / "ca.pem", d / "ca-key.pem"
-    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    if not (ca.exists() and ca_key.exists()):
-        _openssl("req", "-x509", *curve, "-keyout", str(ca_key), "-out", str(ca), "-days", str(TLS_DAYS),
-                 "-subj", "/CN=cachefs lab CA", "-addext", "basicConstraints=critical,CA:TRUE",
-                 "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    for name, host in hosts.items():
-        cert, key = d / f"{name}.pem", d / f"{name}-key.pem"
-        if cert.exists() and key.exists():
-            continue
-        csr, ext = d / f"{name}.csr", d / f"{name}.ext"
-        san = f"IP:{host}" if _is_ip(host) else f"DNS:{host}"
-        ext.write_text("basicConstraints=critical,CA:FALSE\n"
-                       "keyUsage=critical,digitalSignature,keyEncipherment\n"
-                       "extendedKeyUsage=serverAuth,clientAuth\n"
-                       f"subjectAltName={san}\n")
-        _openssl("req", "-new", *curve, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
-        _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-                 "-set_serial", str(secrets.randbits(63)), "-days", str(TLS_DAYS),
-                 "-extfile", str(ext), "-out", str(cert))
-        csr.unlink()
-        ext.unlink()
-    for key in d.glob("*-key.pem"):
-        key.chmod(0o600)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _openssl(*args: str) -> None:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=60,
-                            stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise click.ClickException(f"openssl {args[0]} failed: {result.stderr.strip()}")
-
-
 def _check_ports_free(nodes: list[Node]) -> None:
     """Refuse to start when another program holds a port a node needs, naming
     both, rather than letting that daemon die of EADDRINUSE mid start-up."""
@@ -485,7 +436,7 @@ def _check_ports_free(nodes: list[Node]) -> None:
                 try:
                     s.bind((host, port))
                 except OSError as exc:
-                    raise click.ClickException(
+                    raise LabError(
                         f"{host}:{port} ({node.name}) is in use by another program ({exc.strerror}): "
                         "stop it or start the lab with another --base-port") from None
 
@@ -529,156 +480,3 @@ def _reap(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-# ---------------------------------------------------------------- CLI
-
-DEFAULT_DIR = "/tmp/cachefs-lab"
-
-
-@click.group()
-def lab() -> None:
-    """A complete local cluster on this machine (3 metanodes, 6 datanodes, 6 cache nodes, 3 zones)."""
-
-
-@lab.command("up")
-@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False),
-              help="Where the lab keeps its data, logs and state file.")
-@click.option("--mount", "mountpoint", default=None, help="Mount the lab volume here.")
-@click.option("--policy", default="ec:4+2", show_default=True, help="Backing policy of the lab volume.")
-@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True)
-@click.option("--base-port", type=click.IntRange(1024, 60000), default=17000, show_default=True,
-              help="Metanodes listen on base+1.., datanodes on base+101.., cache nodes on base+201..")
-@click.option("--cache-capacity", default="2G", show_default=True, help="Flash capacity of each cache node.")
-@click.option("--workload", is_flag=True, help="Run a short fio job on the mount and print the status.")
-@click.option("--netns", "use_netns", is_flag=True,
-              help="Each daemon in its own network namespace on a bridge (root; see `lab cut`).")
-@click.option("--subnet", default=netns.DEFAULT_SUBNET, show_default=True,
-              help="Private range for the namespaces' addresses (with --netns).")
-@click.option("--latency", multiple=True, metavar="ZONE=DELAY",
-              help="With --netns: delay packets to a zone's nodes, e.g. z3=20ms (repeatable; needs sch_netem).")
-@click.option("--tls", is_flag=True,
-              help="Mutual TLS on every link: a throwaway CA and per-node certificates in DIR/tls (openssl).")
-def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
-           cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...],
-           tls: bool) -> None:
-    """Start the lab cluster (and mount it with --mount)."""
-    from cachefs.config import setup_logging
-
-    setup_logging("lab")
-    if (Path(root) / STATE_FILE).exists():
-        existing = Lab.load(root)
-        running = [n.name for n in existing.nodes if n.pid and _alive(n.pid)]
-        if running:
-            raise click.ClickException(f"a lab is already running in {root} ({len(running)} processes); "
-                                       f"`cachefs lab down --dir {root}` first")
-    delays = dict(item.split("=", 1) for item in latency if "=" in item)
-    if len(delays) != len(latency) or (latency and not use_netns):
-        raise click.UsageError("--latency takes ZONE=DELAY and needs --netns")
-    the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
-                            cache_capacity=cache_capacity, netns=subnet if use_netns else "", tls=tls))
-    click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
-    started = time.monotonic()
-    try:
-        the_lab.up()
-        for zone, delay in delays.items():
-            the_lab.network.set_latency(zone, delay)
-    except BaseException:
-        click.echo(f"start-up failed; stopping what started (logs in {root}/logs)", err=True)
-        the_lab.down()
-        raise
-    click.echo(f"cluster ready in {time.monotonic() - started:.1f}s; volume '{VOLUME}' ({policy})")
-    if tls:
-        click.echo(f"TLS on every link; clients use {' '.join(the_lab.tls_args())}")
-    if mountpoint:
-        the_lab.mount(mountpoint)
-        click.echo(f"mounted at {mountpoint}")
-    if workload:
-        if not mountpoint:
-            raise click.UsageError("--workload needs --mount")
-        run_workload(mountpoint)
-        _print_status(the_lab)
-    click.echo(f"stop with: cachefs lab down --dir {root}")
-
-
-def run_workload(mountpoint: str) -> None:
-    """A short fio job with checksums, then a re-read: proof the mount works."""
-    job = ["fio", "--name=lab", f"--directory={mountpoint}", "--size=64M", "--bs=1M", "--numjobs=2",
-           "--rw=write", "--verify=crc32c", "--do_verify=1", "--end_fsync=1", "--group_reporting",
-           "--output-format=terse", "--terse-version=3", "--verify_state_save=0"]
-    if shutil.which("fio") is None:
-        raise click.ClickException("fio is not installed (make setup installs it)")
-    click.echo("workload: fio 2 x 64 MiB sequential write with crc32c verify ...")
-    result = subprocess.run(job, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        raise click.ClickException(f"fio failed:\n{result.stdout}\n{result.stderr}")
-    fields = result.stdout.strip().splitlines()[-1].split(";")
-    read_kib, write_kib = int(fields[6]), int(fields[47])
-    click.echo(f"fio ok: write {write_kib / 1024:.0f} MiB/s, verify-read {read_kib / 1024:.0f} MiB/s, "
-               f"errors {fields[4]}")
-
-
-def _print_status(the_lab: Lab) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    st = the_lab.run(the_lab.status)
-    tls = " — TLS" if the_lab.config.tls else ""
-    table = Table(title=f"cachefs lab ({the_lab.root}) — leader {st['leader'] or 'none'}{tls}")
-    netns_lab = bool(the_lab.config.netns)
-    for col in ("node", "kind", "zone", "address", "pid", "state") + (("link",) if netns_lab else ()):
-        table.add_column(col)
-    for n in st["nodes"]:
-        state = "up" if n["alive"] and n["health"] and "error" not in n["health"] else (
-            "unhealthy" if n["alive"] else "down")
-        table.add_row(n["name"], n["kind"], n["zone"], n["addr"], str(n["pid"] or "-"), state,
-                      *([n["link"]] if netns_lab else []))
-    console = Console()
-    console.print(table)
-    if st["cache"]:
-        cache = Table(title="cache tier")
-        for col in ("node", "used", "capacity", "blocks", "hits", "misses", "hit rate"):
-            cache.add_column(col, justify="right")
-        for c in st["cache"]:
-            if "error" in c:
-                cache.add_row(c["name"], c["error"], "", "", "", "", "")
-                continue
-            hits, misses = c.get("hits", 0), c.get("misses", 0)
-            rate = f"{hits / (hits + misses):.0%}" if hits + misses else "-"
-            cache.add_row(c["name"], _mib(c.get("used", 0)), _mib(c.get("capacity", 0)), str(c.get("blocks", 0)),
-                          str(hits), str(misses), rate)
-        console.print(cache)
-    if the_lab.config.mountpoint:
-        console.print(f"mounted at {the_lab.config.mountpoint}")
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-@lab.command("status")
-@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def lab_status(root: str, as_json: bool) -> None:
-    """Every process, the metanode leader, cache usage and hit rates."""
-    the_lab = Lab.load(root)
-    if as_json:
-        click.echo(json.dumps(the_lab.run(the_lab.status)))
-    else:
-        _print_status(the_lab)
-
-
-@lab.command("down")
-@click.option("--dir", "root", default=DEFAULT_DIR, show_default=True, type=click.Path(file_okay=False))
-@click.option("--wipe", is_flag=True, help="Also delete the lab's data directory.")
-def lab_down(root: str, wipe: bool) -> None:
-    """Unmount and stop every lab process (works after a crash too)."""
-    the_lab = Lab.load(root)
-    the_lab.down(wipe=wipe)
-    click.echo("lab stopped" + (" and wiped" if wipe else ""))
-
-
-lab.add_command(netns.cut_command)
-lab.add_command(netns.heal_command)
-lab.add_command(netns.latency_command)
-lab.add_command(netns.loss_command)

@@ -46,6 +46,10 @@ Clean-up: the state file ``netns.json`` (in the lab directory) is written
 before anything is created, and :func:`destroy` removes every namespace and
 link whose name starts with the lab's prefix, so ``lab down`` cleans up after
 a crash of ``lab up`` itself, and never touches anything it did not create.
+
+Errors: :class:`NetnsError` when a step fails, :class:`BadArgument` for
+input that cannot be; the ``cachefs lab`` commands (:mod:`cachefs.lab.cli`)
+show them as click errors.
 """
 
 from __future__ import annotations
@@ -66,8 +70,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import click
-
 log = logging.getLogger(__name__)
 
 STATE_FILE = "netns.json"
@@ -82,8 +84,13 @@ _PREFIX = re.compile(r"^cfs[0-9a-f]{5}$")
 T = TypeVar("T")
 
 
-class NetnsError(click.ClickException):
-    """An ``ip``/``tc`` step failed; the message names the command and its error."""
+class NetnsError(Exception):
+    """An ``ip``/``tc``/``nft`` step failed (the message names the command and its
+    error), or a state file names interfaces that are not a lab's."""
+
+
+class BadArgument(ValueError):
+    """A subnet, target, delay, percentage or cut kind that cannot be: the caller's mistake."""
 
 
 def node_ip(subnet: str, index: int) -> str:
@@ -91,12 +98,12 @@ def node_ip(subnet: str, index: int) -> str:
     try:
         net = ipaddress.ip_network(subnet)
     except ValueError as exc:
-        raise click.UsageError(f"subnet {subnet!r}: {exc}") from None
+        raise BadArgument(f"subnet {subnet!r}: {exc}") from None
     host = 2 if index == 0 else 9 + index
     if host >= net.num_addresses - 1:
-        raise click.UsageError(f"subnet {subnet} is too small for {index} lab nodes")
+        raise BadArgument(f"subnet {subnet} is too small for {index} lab nodes")
     if not net.is_private:
-        raise click.UsageError(f"subnet {subnet} is not a private range")
+        raise BadArgument(f"subnet {subnet} is not a private range")
     return str(net.network_address + host)
 
 
@@ -174,7 +181,7 @@ class Network:
             return [self.endpoint(target)]
         except KeyError:
             zones = sorted({ep.zone for ep in self.endpoints})
-            raise click.UsageError(f"{target!r} is neither a lab node nor a zone ({', '.join(zones)}; "
+            raise BadArgument(f"{target!r} is neither a lab node nor a zone ({', '.join(zones)}; "
                                    f"{ALL!r}: every link)") from None
 
     # ------------------------------------------------------------ create
@@ -272,7 +279,7 @@ class Network:
         loss both ways (nftables, see :meth:`set_loss`).
         """
         if how not in ("link", "loss"):
-            raise click.UsageError(f"cut how={how!r}: use link or loss")
+            raise BadArgument(f"cut how={how!r}: use link or loss")
         eps = self.targets(target)
         for ep in eps:
             self.cut_links[ep.name] = how
@@ -312,7 +319,7 @@ class Network:
         """Drop ``percent`` % of the packets each way on the links of ``target`` (a node,
         a zone or ``all``); 0 removes it. Returns the names it applies to."""
         if not 0 <= percent <= 100:
-            raise click.UsageError(f"loss {percent}%: use a percentage from 0 to 100")
+            raise BadArgument(f"loss {percent}%: use a percentage from 0 to 100")
         eps = self.targets(target)
         for ep in eps:
             if percent:
@@ -367,7 +374,7 @@ class Network:
     def set_latency(self, zone: str, delay: str | None) -> None:
         """Delay every packet delivered to ``zone``'s nodes by ``delay`` (e.g. "20ms"); None removes it."""
         if not re.fullmatch(r"\d+(\.\d+)?(us|ms|s)", delay or "0ms"):
-            raise click.UsageError(f"latency {delay!r}: use a duration like 500us, 20ms, 1s")
+            raise BadArgument(f"latency {delay!r}: use a duration like 500us, 20ms, 1s")
         if delay:
             self.latency[zone] = delay
         else:
@@ -413,7 +420,7 @@ def netns_supported() -> str | None:
     try:
         _ip("netns", "add", probe)
     except NetnsError as exc:
-        return str(exc.message)
+        return str(exc)
     except FileNotFoundError:
         return "the ip command (iproute2) is not installed"
     _ip("netns", "del", probe)
@@ -435,7 +442,7 @@ def loss_supported() -> str | None:
              stdin="table bridge t {\n  chain c {\n    type filter hook forward priority filter;\n"
                    "    numgen random mod 10000 < 500 counter drop\n  }\n}\n")
     except NetnsError as exc:
-        return str(exc.message)
+        return str(exc)
     finally:
         _ip("netns", "del", probe)
     return None
@@ -528,62 +535,3 @@ def _setns(fd: int) -> None:
     if _libc.setns(fd, _CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-__all__ = ["Network", "NetnsError", "destroy", "loss_supported", "netns_supported", "node_ip"]
-
-
-# ---------------------------------------------------------------- CLI (cachefs lab cut|heal|latency)
-
-_dir_option = click.option("--dir", "root", default=None, type=click.Path(file_okay=False),
-                           help="The lab's directory (default: /tmp/cachefs-lab).")
-
-
-def _lab_network(root: str | None) -> Network:
-    from cachefs.lab.cluster import DEFAULT_DIR
-
-    net = Network.load(root or DEFAULT_DIR)
-    if net is None:
-        raise click.ClickException(f"no network namespaces in {root or DEFAULT_DIR}: "
-                                   "start the lab with `cachefs lab up --netns`")
-    return net
-
-
-@click.command("cut")
-@click.argument("target")
-@click.option("--how", type=click.Choice(["link", "loss"]), default="link", show_default=True,
-              help="link: the node's veth goes down; loss: nftables drops every packet to and from it.")
-@_dir_option
-def cut_command(target: str, how: str, root: str | None) -> None:
-    """Cut TARGET (a node like data3, or a zone like z2) off a --netns lab's network."""
-    click.echo(f"cut off: {', '.join(_lab_network(root).cut(target, how))}")
-
-
-@click.command("heal")
-@click.argument("target", required=False)
-@_dir_option
-def heal_command(target: str | None, root: str | None) -> None:
-    """Reconnect TARGET (a node, a zone or all; default: everything cut or lossy)."""
-    healed = _lab_network(root).heal(target)
-    click.echo(f"reconnected: {', '.join(healed) or 'nothing was cut'}")
-
-
-@click.command("latency")
-@click.argument("zone")
-@click.argument("delay", required=False)
-@_dir_option
-def latency_command(zone: str, delay: str | None, root: str | None) -> None:
-    """Add DELAY (like 20ms) to every packet bound for ZONE's nodes; no DELAY removes it (needs sch_netem)."""
-    _lab_network(root).set_latency(zone, delay)
-    click.echo(f"{zone}: {delay or 'no added'} latency")
-
-
-@click.command("loss")
-@click.argument("percent", type=click.FloatRange(0, 100))
-@click.argument("target", default=ALL)
-@_dir_option
-def loss_command(percent: float, target: str, root: str | None) -> None:
-    """Drop PERCENT % of the packets each way on TARGET's links (a node, a zone, or all:
-    every link, the default); 0 removes it, as does `lab heal` (needs nftables)."""
-    names = _lab_network(root).set_loss(percent, target)
-    click.echo(f"{percent:g}% packet loss on the links of {', '.join(names)}")

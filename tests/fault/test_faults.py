@@ -1,4 +1,4 @@
-"""The fault matrix as tests: the scenarios of ``python -m bench.chaos`` on the quick lab.
+"""The fault matrix as tests: the scenarios of :mod:`cachefs.lab.chaos` (``python -m bench.chaos``) on the quick lab.
 
 One lab of real processes (3 metanodes, 3 datanodes with ec:2+1, 2 cache
 nodes) and one FUSE mount for the whole module; each test injects one fault
@@ -14,16 +14,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos import Chaos
-
-from .conftest import running_chaos
+from cachefs.lab.chaos import Chaos, running_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
-    yield from running_chaos(tmp_path_factory.mktemp("chaos"), seed=7)
+    with running_chaos(tmp_path_factory.mktemp("chaos"), seed=7) as c:
+        yield c
 
 
 def _ok(row) -> None:

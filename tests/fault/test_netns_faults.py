@@ -10,10 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos import Chaos
 from cachefs.lab import netns
-
-from .conftest import running_chaos
+from cachefs.lab.chaos import Chaos, running_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
 
@@ -25,7 +23,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
         pytest.skip(f"network namespaces are not usable here: {reason}")
     if shutil.which("nsenter") is None:
         pytest.skip("nsenter is not installed")
-    yield from running_chaos(tmp_path_factory.mktemp("chaosnet"), seed=11, netns_subnet=netns.DEFAULT_SUBNET)
+    with running_chaos(tmp_path_factory.mktemp("chaosnet"), seed=11, netns_subnet=netns.DEFAULT_SUBNET) as c:
+        yield c
 
 
 def test_partition_the_metanode_leader(chaos: Chaos) -> None:

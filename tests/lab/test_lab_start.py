@@ -5,10 +5,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import click
 import pytest
 
-from cachefs.lab.cluster import Lab, LabConfig, _last_line
+from cachefs.lab.cluster import Lab, LabConfig, LabError, _last_line
 from cachefs.testing.ports import free_lab_base
 
 
@@ -19,7 +18,7 @@ def test_a_taken_port_is_named_and_nothing_starts(tmp_path: Path) -> None:
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", base + 101))
         squatter.listen()
-        with pytest.raises(click.ClickException, match=rf"127.0.0.1:{base + 101} \(data1\) is in use"):
+        with pytest.raises(LabError, match=rf"127.0.0.1:{base + 101} \(data1\) is in use"):
             lab.up(timeout=5)
     assert all(node.pid is None for node in lab.nodes)
 

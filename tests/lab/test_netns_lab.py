@@ -371,8 +371,8 @@ def test_zone_latency_with_netem(tmp_path):
         try:
             net.set_latency("z2", "40ms")
         except netns.NetnsError as exc:
-            if "sch_netem" in exc.message:
-                pytest.skip(f"this kernel has no tc netem: {exc.message}")
+            if "sch_netem" in str(exc):
+                pytest.skip(f"this kernel has no tc netem: {exc}")
             raise
 
         def rtt(ip: str) -> float:

@@ -27,7 +27,8 @@ import pytest
 
 from cachefs.client.adapters.fsspec import CacheFSFileSystem
 from cachefs.client.api import connect, open_volume
-from cachefs.lab.cluster import Lab, LabConfig, make_pki
+from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.lab.pki import make_pki
 from cachefs.testing.ports import free_lab_base
 
 ROOT = Path(__file__).resolve().parents[2]
