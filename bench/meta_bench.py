@@ -33,44 +33,12 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, median, print_table, ratio, spawn, stop
-from cachefs.testing.ports import free_port
+from bench.common import emit, median, print_table, ratio
+from cachefs.testing.metacluster import MetaCluster
 
 VOL = "bench"
 CLIENTS = (1, 32)
 LISTING = 10_000
-
-
-def _start_cluster(root: Path, extra: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
-    ports = [free_port() for _ in range(3)]
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    peers = ",".join(f"{i + 1}={a}" for i, a in enumerate(addrs))
-    procs = []
-    for i in range(3):
-        log = open(root / f"meta{i + 1}.log", "wb")  # noqa: SIM115 - the child owns it
-        procs.append(
-            spawn(
-                [
-                    "-m",
-                    "cachefs.cli",
-                    "metanode",
-                    "--id",
-                    str(i + 1),
-                    "--peers",
-                    peers,
-                    "--data-dir",
-                    str(root / f"meta{i + 1}"),
-                    "--insecure",
-                    "--log-level",
-                    "warning",
-                    *extra,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-        log.close()
-    return procs, addrs
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -281,12 +249,12 @@ def main(argv: list[str] | None = None) -> int | None:
         print(json.dumps(measure_memory(args.memory_only)))
         return 0
     root = Path(tempfile.mkdtemp(prefix="meta-bench-"))
-    procs, addrs = _start_cluster(root, ["--no-read-lease"] if args.no_read_lease else [])
+    cluster = MetaCluster(root, 3, extra=["--no-read-lease"] if args.no_read_lease else [], log_level="warning")
+    cluster.start_all()
     try:
-        res = trio.run(_bench, addrs, args.seconds, args.repeat)
+        res = trio.run(_bench, cluster.addrs, args.seconds, args.repeat)
     finally:
-        for p in procs:
-            stop(p)
+        cluster.stop_all()
         shutil.rmtree(root, ignore_errors=True)
     mem = None
     if args.inodes:

@@ -21,8 +21,8 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, median, print_table, ratio, stop
-from bench.meta_bench import _start_cluster
+from bench.common import emit, median, print_table, ratio
+from cachefs.testing.metacluster import MetaCluster
 
 VOL = "bench"
 
@@ -78,12 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--files", type=int, default=300)
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="open-bench-"))
-    procs, addrs = _start_cluster(root, [])
+    cluster = MetaCluster(root, 3, log_level="warning")
+    cluster.start_all()
     try:
-        result = trio.run(_bench, addrs, args.files)
+        result = trio.run(_bench, cluster.addrs, args.files)
     finally:
-        for proc in procs:
-            stop(proc)
+        cluster.stop_all()
         shutil.rmtree(root, ignore_errors=True)
 
     def show() -> None:

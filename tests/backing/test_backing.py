@@ -16,8 +16,7 @@ from cachefs.backing.repair import Repairer
 from cachefs.errors import NotFound, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
-
-from .conftest import SECRET, Datanodes
+from cachefs.testing.datanodes import SECRET, Datanodes
 
 MiB = 1 << 20
 _slices = iter(range(1, 1 << 40))

@@ -15,8 +15,7 @@ from cachefs.backing.policy import VolumePolicy
 from cachefs.backing.repair import Repairer
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
-
-from .conftest import SECRET, Datanodes
+from cachefs.testing.datanodes import SECRET, Datanodes
 
 MiB = 1 << 20
 _slices = iter(range(1 << 41, 1 << 42))

@@ -12,8 +12,7 @@ import trio
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
-
-from ..metanode.cluster import MetaCluster
+from cachefs.testing.metacluster import MetaCluster
 
 
 def _heartbeating_client(pool: RpcPool, addrs: list[str]) -> MetaClient:

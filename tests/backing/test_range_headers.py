@@ -8,8 +8,8 @@ from typing import Any
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
 from cachefs.rpc import RpcPool
+from cachefs.testing.datanodes import SECRET, Datanodes
 
-from .conftest import SECRET, Datanodes
 from .test_backing import new_key
 
 

@@ -18,8 +18,8 @@ from cachefs.backing.repair import Repairer, Throttle
 from cachefs.errors import NoSpace
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
+from cachefs.testing.datanodes import SECRET, Datanodes
 
-from .conftest import SECRET, Datanodes
 from .test_backing import new_key
 
 

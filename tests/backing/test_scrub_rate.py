@@ -13,8 +13,8 @@ import trio
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
 from cachefs.rpc import RpcPool
+from cachefs.testing.datanodes import SECRET, Datanodes
 
-from .conftest import SECRET, Datanodes
 from .test_backing import new_key
 
 

@@ -14,9 +14,10 @@ from cachefs.backing.cluster import MetaClusterView
 from cachefs.ids import BlockKey
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
+from cachefs.testing.datanodes import Datanodes
+from cachefs.testing.metacluster import MetaCluster
 
-from ..metanode.cluster import MetaCluster
-from .conftest import ZONES, Datanodes
+from .conftest import ZONES
 
 
 async def _wait(predicate, timeout: float = 30.0) -> None:

@@ -16,7 +16,7 @@ from cachefs.cachenode.store import BlockStore
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool, RpcServer
-from tests.backing.conftest import SECRET, Datanodes
+from cachefs.testing.datanodes import SECRET, Datanodes
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from cachefs.ids import BlockKey
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
+from cachefs.testing.metacluster import MetaCluster
 from cachefs.testing.ports import free_port
-from tests.metanode.cluster import MetaCluster
 
 from .test_cache_daemon import Node
 

@@ -24,8 +24,8 @@ from cachefs.client.api import FileSystem, connect
 from cachefs.ids import BlockKey
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
+from cachefs.testing.metacluster import MetaCluster
 from cachefs.testing.ports import free_ports
-from tests.metanode.cluster import MetaCluster
 
 VOL = "v"
 BLOCK = 64 << 10

@@ -43,11 +43,11 @@ def consistent(root: Path) -> int:
 
 
 @pytest.fixture
-def d(mnt: Path, request) -> Path:
-    path = mnt / request.node.name.replace("[", "_").replace("]", "")
+def d(small_mnt: Path, request) -> Path:
+    path = small_mnt / request.node.name.replace("[", "_").replace("]", "")
     path.mkdir()
     yield path
-    consistent(mnt)
+    consistent(small_mnt)
 
 
 def test_names_up_to_255_bytes_and_no_longer(d: Path) -> None:
@@ -59,12 +59,12 @@ def test_names_up_to_255_bytes_and_no_longer(d: Path) -> None:
     assert sorted(os.listdir(d)) == ["a" * 255]
 
 
-def test_nul_and_slash_in_names_refused_by_the_metanode(lab, mnt: Path, d: Path) -> None:
+def test_nul_and_slash_in_names_refused_by_the_metanode(small_lab, small_mnt: Path, d: Path) -> None:
     ino = os.stat(d).st_ino
 
     async def scenario():
-        async with RpcPool(secret=lab.secret) as pool:
-            meta = lab.meta_client(pool, deadline=10)
+        async with RpcPool(secret=small_lab.secret) as pool:
+            meta = small_lab.meta_client(pool, deadline=10)
             for bad in (b"a\0b", b"a/b", b"/", b"\0", b".", b"..", b""):
                 with pytest.raises(CacheFSError) as info:
                     await meta.mknod("lab", ino, bad, 0o100644, 0, 0, 0)
@@ -164,12 +164,12 @@ def test_rename_directory_into_itself_and_links_to_directories(d: Path) -> None:
     assert os.listdir(d / "a") == ["b"]
 
 
-def _set_quota(lab, ino: int, **kw) -> dict:
+def _set_quota(small_lab, ino: int, **kw) -> dict:
     """Set a directory quota; returns the usage before (``inodes``, ``bytes``)."""
 
     async def go():
-        async with RpcPool(secret=lab.secret) as pool:
-            meta = lab.meta_client(pool, deadline=10)
+        async with RpcPool(secret=small_lab.secret) as pool:
+            meta = small_lab.meta_client(pool, deadline=10)
             usage = await meta.get_usage("lab", ino)
             if "max_inodes" in kw:
                 kw["max_inodes"] += usage["inodes"]
@@ -179,8 +179,8 @@ def _set_quota(lab, ino: int, **kw) -> dict:
     return trio.run(go)
 
 
-def test_inode_quota_exceeded_is_edquot(lab, d: Path) -> None:
-    _set_quota(lab, os.stat(d).st_ino, max_inodes=2)  # two more than now
+def test_inode_quota_exceeded_is_edquot(small_lab, d: Path) -> None:
+    _set_quota(small_lab, os.stat(d).st_ino, max_inodes=2)  # two more than now
     (d / "ok").write_bytes(b"x" * 1000)
     (d / "s1").mkdir()
     assert _errno(os.mkdir, d / "s2") == errno.EDQUOT
@@ -189,8 +189,8 @@ def test_inode_quota_exceeded_is_edquot(lab, d: Path) -> None:
     assert sorted(os.listdir(d)) == ["ok", "s1"]
 
 
-def test_byte_quota_exceeded_is_edquot(lab, d: Path) -> None:
-    _set_quota(lab, os.stat(d).st_ino, max_bytes=1 << 20)
+def test_byte_quota_exceeded_is_edquot(small_lab, d: Path) -> None:
+    _set_quota(small_lab, os.stat(d).st_ino, max_bytes=1 << 20)
     with pytest.raises(OSError) as info, open(d / "big", "wb") as f:
         f.write(b"y" * (2 << 20))
         f.flush()

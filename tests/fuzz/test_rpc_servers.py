@@ -118,9 +118,9 @@ async def _connections(pool: RpcPool, addr: str) -> int:
     return (await pool.call(addr, "health", timeout=5)).result["connections"]
 
 
-def _fuzz(lab, kind: str, plan) -> None:
-    addr = lab.of_kind(kind)[0].addr
-    secret = lab.secret
+def _fuzz(small_lab, kind: str, plan) -> None:
+    addr = small_lab.of_kind(kind)[0].addr
+    secret = small_lab.secret
 
     async def scenario():
         async with RpcPool(secret=secret) as pool:
@@ -153,25 +153,25 @@ def _fuzz(lab, kind: str, plan) -> None:
 
 
 @pytest.mark.parametrize("kind", ["metanode", "datanode", "cachenode"])
-def test_hostile_input_never_hurts_a_real_server(lab, kind: str) -> None:
+def test_hostile_input_never_hurts_a_real_server(small_lab, kind: str) -> None:
     @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.lists(st.tuples(attacks(kind), st.booleans()), min_size=1, max_size=6))
     def run(plan):
-        _fuzz(lab, kind, plan)
+        _fuzz(small_lab, kind, plan)
 
     run()
     # The process is still the one the lab started.
-    node = lab.of_kind(kind)[0]
+    node = small_lab.of_kind(kind)[0]
     assert node.pid and os.waitpid(node.pid, os.WNOHANG) == (0, 0)
 
 
-def test_every_method_rejects_wrong_types_with_einval(lab) -> None:
+def test_every_method_rejects_wrong_types_with_einval(small_lab) -> None:
     """A wrong type for each argument is EINVAL naming it, on every method of every server."""
 
     async def scenario():
-        async with RpcPool(secret=lab.secret) as pool:
+        async with RpcPool(secret=small_lab.secret) as pool:
             for kind, methods in METHODS.items():
-                addr = lab.of_kind(kind)[0].addr
+                addr = small_lab.of_kind(kind)[0].addr
                 before = await _fingerprint(pool, kind, addr)
                 for method in methods:
                     if method in DESTRUCTIVE or method.startswith("raft_"):

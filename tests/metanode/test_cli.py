@@ -14,8 +14,7 @@ from click.testing import CliRunner
 from cachefs.metanode.admin import volume
 from cachefs.metanode.daemon import command
 from cachefs.rpc import RpcPool
-
-from .cluster import MetaCluster
+from cachefs.testing.metacluster import MetaCluster
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,7 @@ import trio
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
-
-from .cluster import MetaCluster
+from cachefs.testing.metacluster import MetaCluster
 
 VOL = "v"
 

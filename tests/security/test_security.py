@@ -21,35 +21,35 @@ USER_A, USER_B = 4242, 4343
 
 
 @pytest.mark.parametrize("secret", [b"wrong-secret-" + b"x" * 20, None], ids=["wrong-secret", "no-secret"])
-def test_every_daemon_refuses_a_client_without_the_secret(lab, secret) -> None:
+def test_every_daemon_refuses_a_client_without_the_secret(small_lab, secret) -> None:
     async def scenario():
         async with RpcPool(secret=secret) as pool:
-            for node in lab.nodes:
+            for node in small_lab.nodes:
                 for method, args in (("health", {}), ("stats", {}), ("cluster_map", {})):
                     with pytest.raises(CacheFSError) as info:
                         await pool.call(node.addr, method, args, timeout=5)
                     assert isinstance(info.value, AuthFailed), (node.name, method, info.value)
         # The right secret still gets in, so the refusals were about the secret.
-        async with RpcPool(secret=lab.secret) as pool:
-            for node in lab.nodes:
+        async with RpcPool(secret=small_lab.secret) as pool:
+            for node in small_lab.nodes:
                 assert (await pool.call(node.addr, "health", timeout=5)).result["service"]
 
     trio.run(scenario)
 
 
-def test_a_daemon_with_the_wrong_secret_cannot_join(lab, tmp_path: Path) -> None:
+def test_a_daemon_with_the_wrong_secret_cannot_join(small_lab, tmp_path: Path) -> None:
     """A datanode started with another secret never shows up in the cluster map."""
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
-    port = lab.node("data1").port + 50
+    port = small_lab.node("data1").port + 50
     proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", "datanode", "--zone", "z1", "--data-dir",
                              str(tmp_path / "d"), "--capacity", "1G", "--listen", f"127.0.0.1:{port}",
-                             "--meta", ",".join(lab.meta_addrs), "--node-id", "intruder", "--heartbeat", "0.2",
+                             "--meta", ",".join(small_lab.meta_addrs), "--node-id", "intruder", "--heartbeat", "0.2",
                              "--secret-file", str(secret)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         async def check():
-            async with RpcPool(secret=lab.secret) as pool:
-                meta = lab.meta_client(pool, deadline=10)
+            async with RpcPool(secret=small_lab.secret) as pool:
+                meta = small_lab.meta_client(pool, deadline=10)
                 await trio.sleep(3)
                 cmap = await meta.cluster_map()
                 return [n["id"] for n in cmap["datanodes"]]
@@ -88,8 +88,8 @@ def outcomes(result: subprocess.CompletedProcess[str]) -> dict[str, str]:
 
 
 @pytest.fixture
-def area(mnt: Path, request) -> Path:
-    path = mnt / f"perm-{request.node.name}"
+def area(small_mnt: Path, request) -> Path:
+    path = small_mnt / f"perm-{request.node.name}"
     path.mkdir()
     path.chmod(0o755)
     return path
@@ -169,28 +169,28 @@ t("create_shared", lambda: open({str(shared)!r} + "/g", "w").write("g"))
 # ---------------------------------------------------------------- what endpoints give away
 
 
-def test_metrics_and_status_expose_no_file_names_or_secrets(lab, mnt: Path) -> None:
+def test_metrics_and_status_expose_no_file_names_or_secrets(small_lab, small_mnt: Path) -> None:
     marker = "topsecret-" + secrets.token_hex(6)
-    (mnt / marker).mkdir()
-    (mnt / marker / f"{marker}.bin").write_bytes(os.urandom(100_000))
-    assert (mnt / marker / f"{marker}.bin").stat().st_size == 100_000
-    secret = lab.secret.decode()
+    (small_mnt / marker).mkdir()
+    (small_mnt / marker / f"{marker}.bin").write_bytes(os.urandom(100_000))
+    assert (small_mnt / marker / f"{marker}.bin").stat().st_size == 100_000
+    secret = small_lab.secret.decode()
     pages = []
-    for node in lab.nodes:
+    for node in small_lab.nodes:
         if node.metrics_port:
             with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as resp:
                 pages.append((node.name, resp.read().decode()))
-    assert len(pages) == len(lab.nodes)
-    status = subprocess.run([sys.executable, "-m", "cachefs.cli", "status", "--meta", ",".join(lab.meta_addrs),
-                             "--secret-file", str(lab.secret_file), "--json"], capture_output=True, text=True,
+    assert len(pages) == len(small_lab.nodes)
+    status = subprocess.run([sys.executable, "-m", "cachefs.cli", "status", "--meta", ",".join(small_lab.meta_addrs),
+                             "--secret-file", str(small_lab.secret_file), "--json"], capture_output=True, text=True,
                             timeout=60)
     assert status.returncode == 0, status.stderr
     pages.append(("status", status.stdout + status.stderr))
 
     async def rpc_views():
-        async with RpcPool(secret=lab.secret) as pool:
+        async with RpcPool(secret=small_lab.secret) as pool:
             out = []
-            for node in lab.nodes:
+            for node in small_lab.nodes:
                 for method in ("health", "stats", "meta_status"):
                     try:
                         out.append((f"{node.name}.{method}", repr((await pool.call(node.addr, method, timeout=5))
@@ -203,6 +203,6 @@ def test_metrics_and_status_expose_no_file_names_or_secrets(lab, mnt: Path) -> N
     for name, text in pages:
         assert marker not in text, f"{name} shows a file name"
         assert secret not in text, f"{name} shows the cluster secret"
-    log_dir = Path(lab.config.root) / "logs"
+    log_dir = Path(small_lab.config.root) / "logs"
     for log in log_dir.iterdir():
         assert secret not in log.read_text(errors="replace"), f"{log.name} holds the cluster secret"

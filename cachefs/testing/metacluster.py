@@ -1,4 +1,5 @@
-"""Real metanode processes on 127.0.0.1 for tests and the metadata benchmark."""
+"""Real metanode processes on 127.0.0.1 (insecure, on free ports) for tests and the
+metadata benchmarks: each ``cachefs metanode`` with its own data directory and log."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from cachefs.testing.ports import free_ports
 class MetaCluster:
     """``n`` ``cachefs metanode`` processes with data dirs under ``root``."""
 
-    def __init__(self, root: Path, n: int = 3, *, extra: list[str] | None = None) -> None:
+    def __init__(self, root: Path, n: int = 3, *, extra: list[str] | None = None,
+                 log_level: str = "info") -> None:
         self.root = root
         self.ports = free_ports(n)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
         self.peers = ",".join(f"{i + 1}={a}" for i, a in enumerate(self.addrs))
         self.extra = extra or []
+        self.log_level = log_level
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self, i: int) -> None:
@@ -43,7 +46,7 @@ class MetaCluster:
                 str(self.root / f"meta{i}"),
                 "--insecure",
                 "--log-level",
-                "info",
+                self.log_level,
                 *self.extra,
             ],
             stdout=log,
