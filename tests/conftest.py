@@ -2,6 +2,8 @@
 
 - ``@pytest.mark.needs_fuse`` (and the ``needs_fuse`` fixture, for fixtures
   that mount): skipped unless this host can run real FUSE mounts.
+- ``power_cut_disk``: a fresh mounted :class:`~cachefs.testing.powercut.PowerCutDisk`
+  (a directory that loses what was not made durable when its power is cut).
 - ``small_lab`` and ``small_mnt``: one small lab of real processes (every
   kind of server) and a FUSE mount of it, for the whole session (the
   bad-input and security suites share it).
@@ -70,3 +72,15 @@ def small_mnt(small_lab) -> Iterator[Path]:
         small_lab.umount()
         if not os.path.ismount(path):
             path.rmdir()
+
+
+@pytest.fixture
+def power_cut_disk(needs_fuse, tmp_path: Path) -> Iterator[object]:
+    from cachefs.testing.powercut import PowerCutDisk
+
+    disk = PowerCutDisk(tmp_path / "disk", tmp_path / "data")
+    disk.mount()
+    try:
+        yield disk
+    finally:
+        disk.cut()

@@ -12,23 +12,20 @@ files on the dead mount.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from cachefs.testing.fuse import fuse_unavailable
+
 FSTYPE = "fuse.powercut"
 
 
 def supported() -> str:
     """Why the layer cannot run here, or "" when it can."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        return "needs root and /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "needs fusermount3 (apt-get install fuse3)"
-    return ""
+    return fuse_unavailable() or ""
 
 
 def is_mounted(path: str | os.PathLike[str], fstype: str = FSTYPE) -> bool:

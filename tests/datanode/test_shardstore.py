@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore, encode_shard_fil
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace, NotFound
 from cachefs.ids import BlockKey
 from cachefs.testing.powercut import PowerCutDisk
-from cachefs.testing.powercut import supported as powercut_supported
 
 KEY = BlockKey(42, 7).hex()
 
@@ -207,19 +205,7 @@ def test_concurrent_puts_and_deletes_keep_exact_accounting(tmp_path: Path) -> No
 # ---------------------------------------------------------------- on a disk that loses power
 
 
-@pytest.fixture
-def power_cut_disk(tmp_path: Path) -> Iterator[PowerCutDisk]:
-    if reason := powercut_supported():
-        pytest.skip(reason)
-    disk = PowerCutDisk(tmp_path / "disk", tmp_path / "data")
-    disk.mount()
-    try:
-        yield disk
-    finally:
-        disk.cut()
-
-
-@pytest.mark.fuse
+@pytest.mark.needs_fuse
 def test_stored_shards_survive_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
     """A put that returned is durable: its file, and the new volume and fan
     directories that hold it (a store on an empty disk creates all three)."""
@@ -237,7 +223,7 @@ def test_stored_shards_survive_a_power_cut(power_cut_disk: PowerCutDisk) -> None
         assert store.get(volume, key, index) == (b"m", data, len(data))
 
 
-@pytest.mark.fuse
+@pytest.mark.needs_fuse
 def test_shards_found_at_start_up_are_made_durable(power_cut_disk: PowerCutDisk) -> None:
     """After kill -9 the directories may hold names only the page cache knows
     (a put killed between its rename and its directory fsync). What the store

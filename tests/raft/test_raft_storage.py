@@ -7,7 +7,6 @@ import logging
 import os
 import resource
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
 from cachefs.metanode.raft.storage import RaftStorage
 from cachefs.testing.powercut import PowerCutDisk
-from cachefs.testing.powercut import supported as powercut_supported
 
 
 def entries(first: int, last: int, term: int) -> list[Entry]:
@@ -239,18 +237,6 @@ def test_scan_reports_where_it_stopped() -> None:
         assert (res.problem is None) == (res.valid_len == cut)
 
 
-@pytest.fixture
-def power_cut_disk(tmp_path: Path) -> Iterator[PowerCutDisk]:
-    if reason := powercut_supported():
-        pytest.skip(reason)
-    disk = PowerCutDisk(tmp_path / "disk", tmp_path / "data")
-    disk.mount()
-    try:
-        yield disk
-    finally:
-        disk.cut()
-
-
 def _reboot_and_load(disk: PowerCutDisk) -> tuple[HardState, list[Entry]]:
     disk.cut()
     disk.mount()
@@ -259,7 +245,7 @@ def _reboot_and_load(disk: PowerCutDisk) -> tuple[HardState, list[Entry]]:
     return st.hard_state, st.entries
 
 
-@pytest.mark.fuse
+@pytest.mark.needs_fuse
 def test_records_open_loads_survive_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
     """A replica killed between its WAL write and its fsync restarts with those
     records in the page cache. The core takes what open() returns as
@@ -277,7 +263,7 @@ def test_records_open_loads_survive_a_power_cut(power_cut_disk: PowerCutDisk) ->
     assert _reboot_and_load(power_cut_disk) == loaded
 
 
-@pytest.mark.fuse
+@pytest.mark.needs_fuse
 def test_a_wal_renamed_before_a_kill_survives_a_power_cut(power_cut_disk: PowerCutDisk) -> None:
     """A rewrite (compaction) killed between its rename and its directory
     fsync leaves a WAL whose name only the page cache knows: the restart

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.testing.powercut import PowerCutDisk, supported
+from cachefs.testing.powercut import PowerCutDisk
 
-pytestmark = [pytest.mark.fuse, pytest.mark.skipif(bool(supported()), reason=supported() or "-")]
+pytestmark = pytest.mark.needs_fuse
 
 
 @pytest.fixture
