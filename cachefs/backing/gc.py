@@ -1,4 +1,4 @@
-"""Garbage collection of trashed slices, and ``cachefs gc [--check]``.
+"""Garbage collection of trashed slices (the ``cachefs gc [--check]`` command is in cachefs/cli/gc.py).
 
 Theory of operation
 -------------------
@@ -34,19 +34,15 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import click
 import trio
 
-from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import HOLE, Slice
-from cachefs.rpc import RpcPool
 from cachefs.tasks import run_all
 
 log = logging.getLogger(__name__)
@@ -201,64 +197,3 @@ class GarbageCollector:
             cursor = reply.result["cursor"]
             if not cursor:
                 return keys
-
-
-async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: bytes | None, grace: float,
-                 check: bool, tls: ssl.SSLContext | None = None) -> list[GcReport | CheckReport]:  # fmt: skip
-    from cachefs.backing.client import BackingClient
-    from cachefs.backing.cluster import MetaClusterView
-    from cachefs.metanode.client import MetaClient
-
-    async with RpcPool(secret=secret, tls=tls) as pool:
-        meta = MetaClient(pool, meta_addrs)
-        view = MetaClusterView(meta.cluster_map)
-        await view.refresh()
-        gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
-        cmap = await meta.cluster_map()
-        names = list(volumes) or sorted(cmap["volumes"])
-        if check:
-            addrs = [n["addr"] for n in cmap["datanodes"] if n.get("state", "up") == "up"]
-            return [await gc.check(v, addrs) for v in names]
-        return [await gc.collect(v) for v in names]
-
-
-@click.command("gc")
-@click.option("--meta", type=ADDRS, required=True, help="Metanode addresses (host:port,...).")
-@click.option("--volume", "volumes", multiple=True, help="Volume to collect (repeatable; default: all).")
-@click.option("--grace", type=click.FloatRange(0), default=DEFAULT_GRACE, show_default=True,
-              help="Seconds a slice stays in the trash before its blocks are deleted.")  # fmt: skip
-@click.option("--check", is_flag=True, help="Change nothing; report missing and unreferenced blocks.")
-@click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
-              help="File holding the cluster secret (or set CACHEFS_SECRET).")  # fmt: skip
-@click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster.")
-@click.option("--log-level", default="WARNING", show_default=True)
-@tls_options
-def command(meta: list[str], volumes: tuple[str, ...], grace: float, check: bool, secret_file: str | None,
-            insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
-            tls_ca: str | None) -> None:  # fmt: skip
-    """Delete the blocks of trashed slices (or, with --check, audit block storage)."""
-    setup_logging("gc", log_level)
-    secret = load_secret(secret_file, insecure)
-    _, tls = load_tls(tls_cert, tls_key, tls_ca)
-    try:
-        reports = trio.run(functools.partial(run_gc, meta, volumes, secret=secret, grace=grace, check=check,
-                                                     tls=tls))
-    except CacheFSError as exc:
-        raise click.ClickException(str(exc)) from None
-    failed = False
-    for r in reports:
-        if isinstance(r, CheckReport):
-            click.echo(f"{r.volume}: {r.files} files, {r.referenced_blocks} referenced blocks, "
-                       f"{r.stored_blocks} stored, {r.trashed_slices} trashed slices")  # fmt: skip
-            click.echo(f"  missing: {len(r.missing)}" + "".join(f"\n    {k}" for k in r.missing[:50]))
-            click.echo(f"  unreferenced (writes in flight, open unlinked files, or leaks): {len(r.unreferenced)}"
-                       + "".join(f"\n    {k}" for k in r.unreferenced[:50]))  # fmt: skip
-            failed |= bool(r.missing)
-        else:
-            click.echo(f"{r.volume}: purged {r.slices_purged} slices, deleted {r.blocks_deleted} blocks, "
-                       f"freed {r.bytes_freed} bytes")  # fmt: skip
-        for err in r.errors:
-            click.echo(f"  error: {err}", err=True)
-        failed |= bool(r.errors)
-    if failed:
-        raise SystemExit(1)

@@ -2,7 +2,9 @@
 
 Subcommands live next to the code they run and are imported only when used,
 so ``cachefs mount`` does not pay for importing the metanode. The table below
-is the one place that says which module provides which subcommand.
+is the one place that says which module provides which subcommand. A command
+whose wiring would make a shared-core module import a component (repair and
+gc build a metanode client) lives in this package instead.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ SUBCOMMANDS: dict[str, str] = {
     "mount": "cachefs.client.mount:mount_command",
     "umount": "cachefs.client.mount:umount_command",
     "warmup": "cachefs.cachenode.warmup:command",
-    "repair": "cachefs.backing.repair:command",
-    "gc": "cachefs.backing.gc:command",
+    "repair": "cachefs.cli.repair:command",
+    "gc": "cachefs.cli.gc:command",
     "status": "cachefs.status:status",
     "health": "cachefs.status:health",
     "lab": "cachefs.lab.cli:lab",
@@ -85,7 +87,3 @@ def main(ctx: click.Context, config_path: str | None) -> None:
             # Subcommand contexts inherit default_map[name]: flags and
             # environment variables still win over these values.
             ctx.default_map = {name: _section_defaults(config_path, name, data[name], command, ctx)}
-
-
-if __name__ == "__main__":
-    main()
