@@ -2,20 +2,29 @@
 
 - ``@pytest.mark.needs_fuse`` (and the ``needs_fuse`` fixture, for fixtures
   that mount): skipped unless this host can run real FUSE mounts.
+- No test may log a WARNING (or worse) from our own loggers (``cachefs.*``)
+  unless it says it expects that: ``@pytest.mark.allow_log(LOGGER, MATCH)``
+  allows records of LOGGER (and its children) whose message matches the
+  regular expression MATCH (any message when omitted). A warning nobody
+  expected is a bug, or a test that provokes one without saying so.
+  Daemons run as processes log to their own files; this sees what runs in
+  the test's own process (clients, in-process servers, the lab harness).
 - ``power_cut_disk``: a fresh mounted :class:`~cachefs.testing.powercut.PowerCutDisk`
   (a directory that loses what was not made durable when its power is cut).
 - ``small_lab`` and ``small_mnt``: one small lab of real processes (every
   kind of server) and a FUSE mount of it, for the whole session (the
   bad-input and security suites share it).
 
-Free ports, the FUSE check and dict block storage are in
-:mod:`cachefs.testing`, which the benchmarks share; conftests never import
-each other.
+Free ports, the FUSE check, dict block storage and metanode and datanode
+processes are in :mod:`cachefs.testing`, which the benchmarks share;
+conftests never import each other.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -24,6 +33,10 @@ from pathlib import Path
 import pytest
 
 from cachefs.testing.fuse import fuse_unavailable
+
+pytest_plugins = ["pytester"]  # tests/testing/test_log_fixture.py runs pytest on this conftest
+
+OUR_LOGGERS = "cachefs"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -37,6 +50,52 @@ def needs_fuse_fixture() -> None:
     """For fixtures that mount: skips every test that uses them where FUSE cannot run."""
     if reason := fuse_unavailable():
         pytest.skip(reason)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _allowance(logger: str, match: str | None = None) -> tuple[str, str | None]:
+    """The arguments of ``@pytest.mark.allow_log``."""
+    return logger, match
+
+
+def _allowed(record: logging.LogRecord, markers: list[pytest.Mark]) -> bool:
+    for mark in markers:
+        logger, match = _allowance(*mark.args, **mark.kwargs)
+        if (record.name == logger or record.name.startswith(logger + ".")) and (
+                match is None or re.search(match, record.getMessage())):
+            return True
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_warning_logs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test on a WARNING+ record of ours it did not declare (see the module docstring)."""
+    handler = _Records()
+    logger = logging.getLogger(OUR_LOGGERS)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:  # e.g. a CLI run in-process set the root to ERROR
+        logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    markers = list(request.node.iter_markers("allow_log"))
+    unexpected = [r for r in handler.records if not _allowed(r, markers)]
+    if unexpected:
+        lines = "\n".join(f"  {r.levelname} {r.name}: {r.getMessage()}" for r in unexpected[:20])
+        pytest.fail(f"{len(unexpected)} unexpected WARNING+ log record(s) from cachefs loggers "
+                    f"(fix the cause, or mark the test @pytest.mark.allow_log(logger, match)):\n{lines}",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,7 @@ async def test_wiped_disk_is_rebuilt_by_cachefs_repair(cluster: Datanodes, volum
         assert again.shards_missing == 0 and again.healthy
 
 
+@pytest.mark.allow_log("cachefs.backing.repair", match=r"scrub: .* corrupt on")
 async def test_scrub_finds_and_repairs_corrupt_shards(cluster: Datanodes, volume: str) -> None:
     view = cluster.view({volume: VolumePolicy.parse("ec:2+1")}, pg_count=8)
     async with RpcPool(secret=SECRET) as pool:
@@ -134,6 +135,7 @@ async def test_join_moves_shards_and_removes_strays(cluster: Datanodes, volume: 
                 assert six.placement(volume, BlockKey.from_hex(key_hex))[int(index)] == f"dn{i}"
 
 
+@pytest.mark.allow_log("cachefs.backing.repair", match=r"scrub: .* corrupt on|cannot be rebuilt")
 async def test_unrecoverable_blocks_are_reported(cluster: Datanodes, volume: str) -> None:
     view = cluster.view({volume: VolumePolicy.parse("ec:2+1")}, pg_count=4)
     async with RpcPool(secret=SECRET) as pool:

@@ -120,6 +120,7 @@ async def test_fast_fail_answers_miss_and_fills_in_background(tmp_path: Path) ->
         assert c.backing.fetches[key] == 1
 
 
+@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
 async def test_corrupt_cached_block_is_refetched(tmp_path: Path) -> None:
     blocks = _blocks(1)
     key, data = next(iter(blocks.items()))
@@ -245,6 +246,7 @@ class _BrokenSource:
         return 42  # type: ignore[return-value]
 
 
+@pytest.mark.allow_log("cachefs.cachenode.service", match=r"fill of .* failed unexpectedly")
 async def test_a_broken_backing_source_fails_readers_not_the_node(tmp_path: Path) -> None:
     from cachefs.cachenode.service import CacheService
     from cachefs.errors import IOFailure

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from cachefs.cachenode.store import BlockStore
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 SIZE = 2 << 20  # over the store's mmap_min: whole-block hits are mapped
 
 
+@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
 def test_truncating_process_waits_for_a_served_mapping(tmp_path: Path) -> None:
     store = BlockStore.open(tmp_path, 64 << 20, mmap_min=1)
     key = BlockKey(3, 1)

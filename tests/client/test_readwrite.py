@@ -235,6 +235,7 @@ async def test_small_random_writes_do_not_rewrite_blocks(nursery) -> None:
     assert sum(map(len, src.blocks.values())) - stored == 3 * 512
 
 
+@pytest.mark.allow_log("cachefs.client.writer", match=r"failed: \[EUNAVAIL\] datanodes down")
 async def test_failed_upload_is_reported_on_flush(nursery) -> None:
     src = InProcess()
     inode = src.new_file()
@@ -247,6 +248,7 @@ async def test_failed_upload_is_reported_on_flush(nursery) -> None:
         await writer.write(100, b"y")
 
 
+@pytest.mark.allow_log("cachefs.client.writer", match=r"failed: \[EDQUOT\]")
 async def test_a_commit_over_quota_is_edquot_at_a_later_write_and_at_flush(nursery) -> None:
     """The commit of a full buffer fails over quota: the write that waits for
     room, and the flush, say EDQUOT (not EIO), so the kernel tells the truth."""

@@ -51,6 +51,7 @@ def test_ranges(tmp_path_factory, size, offset, length) -> None:
     assert got == (data[offset:] if length == -1 else data[offset : offset + length])
 
 
+@pytest.mark.allow_log("cachefs.datanode.shardstore", match=r"corrupt shard .*; removing it")
 @pytest.mark.parametrize("damage", ["flip-data", "flip-header", "truncate", "zero", "extend"])
 def test_corruption_is_detected_and_the_shard_dropped(tmp_path: Path, damage: str) -> None:
     store = ShardStore(tmp_path, 1 << 30)
@@ -83,6 +84,7 @@ def test_corruption_is_detected_and_the_shard_dropped(tmp_path: Path, damage: st
         store.get("vol", KEY, 0)
 
 
+@pytest.mark.allow_log("cachefs.datanode.shardstore", match=r"corrupt shard .*; removing it")
 def test_range_reads_check_only_their_chunks(tmp_path: Path) -> None:
     store = ShardStore(tmp_path, 1 << 30)
     data = os.urandom(4 * CHUNK_SIZE)

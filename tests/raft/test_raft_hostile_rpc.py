@@ -109,6 +109,7 @@ def alive(cluster: Cluster) -> None:
         check_core(r.node.core)
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a \w+: .*not a peer")
 async def test_non_members_change_nothing(tmp_path: Path) -> None:
     outsiders = (4, 99)
 
@@ -143,6 +144,7 @@ async def test_non_members_change_nothing(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a \w+")
 async def test_forged_member_messages_crash_no_node(tmp_path: Path) -> None:
     batches = draw(st.lists(hostile.messages(MEMBERS), min_size=1, max_size=6), 250)
     snaps = draw(snapshot_calls(MEMBERS), 60)
@@ -205,6 +207,7 @@ async def _send(pool: RpcPool, addr: str, blob_chunks: list[bytes], xfer: int = 
                         payload=chunk, timeout=10)
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a InstallSnapshot")
 @needs_hwm_reset
 async def test_a_big_transfer_is_spooled_to_disk_not_memory(tmp_path: Path) -> None:
     """128 MiB of chunks (incompressible, so they do not decode): the
@@ -222,6 +225,7 @@ async def test_a_big_transfer_is_spooled_to_disk_not_memory(tmp_path: Path) -> N
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a InstallSnapshot")
 @needs_hwm_reset
 async def test_a_decompression_bomb_is_refused_within_the_limit(tmp_path: Path) -> None:
     """Under a MiB that decompresses to 1 GiB behind a header that claims

@@ -46,6 +46,7 @@ def test_group_commit_is_one_write_and_one_fsync(tmp_path: Path) -> None:
     assert RaftStorage.open(tmp_path).hard_state.commit == 100
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.storage", match=r"torn record header")
 def test_torn_tail_is_cut_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     st = RaftStorage.open(tmp_path)
     st.save(entries(1, 10, 1), HardState(1, 1, 10), sync=True)
@@ -113,6 +114,7 @@ def test_a_damaged_header_before_the_tail_is_refused(tmp_path: Path, where: str)
         RaftStorage.open(tmp_path)
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.storage", match=r"CRC mismatch .* the last one; cutting")
 def test_a_garbled_last_record_is_cut_with_an_error_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -129,6 +131,7 @@ def test_a_garbled_last_record_is_cut_with_an_error_line(
     st.close()
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.storage", match=r"CRC mismatch .* the last one; cutting")
 def test_a_zero_filled_tail_is_cut(tmp_path: Path) -> None:
     """The file grew but the pages never came: zeros after the last record."""
     wal, offsets = _wal_of_20(tmp_path)

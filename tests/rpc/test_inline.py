@@ -51,6 +51,7 @@ class InlineService:
         return object()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"handler \w+ failed|msgpack cannot encode")
 async def test_inline_answers_errors_and_payloads(nursery):
     _, addr = await start_server(nursery, service=InlineService())
     async with RpcPool(secret=SECRET) as pool:

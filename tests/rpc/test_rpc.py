@@ -86,6 +86,7 @@ async def test_deadline_frees_the_slot_and_drops_the_late_reply(nursery):
         assert conn is await pool.connection(addr)
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"handler \w+ failed")
 async def test_errors_cross_the_wire_typed_with_details(nursery):
     _, addr = await start_server(nursery)
     async with RpcPool(secret=SECRET) as pool:
@@ -167,6 +168,7 @@ async def test_shutdown_grace_bounds_the_wait(nursery):
 
 # ---------------------------------------------------------------- auth
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"authentication failed")
 async def test_wrong_secret_is_refused(nursery):
     _, addr = await start_server(nursery)
     async with RpcPool(secret=b"wrong") as pool:
@@ -206,6 +208,7 @@ async def _send(stream, event):
         await stream.send_all(buf)
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"expected the handshake, got Request")
 async def test_request_without_handshake_is_refused(nursery):
     server, addr = await start_server(nursery)
     stream = await _raw_connect(addr)
@@ -220,6 +223,7 @@ async def test_request_without_handshake_is_refused(nursery):
     assert server.connections == set()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"authentication failed")
 async def test_replayed_handshake_is_refused(nursery):
     _, addr = await start_server(nursery)
     # Record a valid handshake...
@@ -240,6 +244,7 @@ async def test_replayed_handshake_is_refused(nursery):
     assert isinstance(reply, wire.ErrorReply) and reply.code == "EAUTH"
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"sent no handshake")
 async def test_silent_peer_is_dropped_after_handshake_timeout(nursery):
     server, addr = await start_server(nursery, limits=Limits(handshake_timeout=0.2))
     stream = await _raw_connect(addr)
@@ -251,6 +256,7 @@ async def test_silent_peer_is_dropped_after_handshake_timeout(nursery):
 
 # ---------------------------------------------------------------- limits
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"closing connection from .*\(limit \d+\)")
 async def test_frame_over_the_size_limit_closes_only_that_connection(nursery):
     _, addr = await start_server(nursery, limits=Limits(max_payload=1 << 20))
     async with RpcPool(secret=SECRET, limits=Limits(max_payload=64 << 20)) as big, \

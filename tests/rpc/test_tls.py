@@ -58,6 +58,7 @@ async def test_untrusted_server_certificate_is_refused(nursery, pki):
             await pool.call(addr, "echo")
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"sent no handshake")
 async def test_plaintext_client_cannot_talk_to_a_tls_server(nursery, pki):
     server, addr = await _tls_server(nursery, pki)
     async with RpcPool(secret=SECRET) as pool:
