@@ -58,8 +58,8 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
             shutil.rmtree(root, ignore_errors=True)
         if not os.path.ismount(mnt):
             mnt.rmdir()
-    result = {**totals(chaos.rows), "quick": quick, "seconds": round(time.monotonic() - started, 1),
-              "policy": config.policy}
+    result = {**totals(chaos.rows), "power_cuts": chaos.power_cuts, "quick": quick,
+              "seconds": round(time.monotonic() - started, 1), "policy": config.policy}
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -15,6 +15,12 @@ and the time until a probe (create, write, fsync, read back) succeeds again.
 An operation that failed is not acknowledged and its names are left out of
 the check ("uncertain"): a failed rename may still have committed.
 
+The power cut moves every metanode's and datanode's data directory onto a
+power-cut layer (:mod:`cachefs.testing.powercut`: a disk that forgets what
+was not fsynced, file data and directory entries alike), kills every daemon
+mid-workload, cuts the power of every disk at once, reboots, and checks.
+A missing fsync anywhere on the write path shows up there as lost data.
+
 ``python -m bench.chaos [--quick] [--json]`` runs the whole matrix; the
 fault tests (tests/fault/) run the same scenarios on the quick lab.
 """
@@ -47,6 +53,7 @@ from cachefs.errors import CacheFSError
 from cachefs.lab import netns
 from cachefs.lab.cluster import Lab, LabConfig
 from cachefs.rpc import RpcPool
+from cachefs.testing.powercut import PowerCutDisk
 
 # ---------------------------------------------------------------- the workload
 
@@ -306,6 +313,8 @@ class Chaos:
         self._ops = ops or (40 if quick else 200)  # workload operations per fault
         self._acked_before = 0
         self.packets_dropped = 0  # by the last packet_loss fault (nftables' counters)
+        self.power_cuts = 0
+        self._disks: dict[str, PowerCutDisk] = {}  # node name -> its power-cut layer, during power_cut
 
     # -- set-up
 
@@ -321,6 +330,8 @@ class Chaos:
     def down(self) -> None:
         with _quiet_popen():
             self.lab.down()
+        for disk in self._disks.values():  # a power cut that broke half way
+            disk.unmount()
 
     # -- helpers
 
@@ -672,6 +683,91 @@ class Chaos:
                            f"{victim} full at {held >> 20} MiB; {refused} operations refused "
                            f"({', '.join(f'{k} x{v}' for k, v in sorted(errnos.items())) or '-'})")
 
+    # -- power loss
+
+    def power_cut(self) -> Row:
+        """Power lost on every server at once mid-workload: everything acknowledged is on disk.
+
+        The metanodes' and datanodes' data directories move onto power-cut
+        layers first (a kill -9 and a restart). Once the workload has had
+        writes and namespace changes acknowledged on them, every daemon is
+        killed and every disk loses what was not fsynced; then the disks and
+        daemons come back (the client mount stays, as a training node on
+        other power would) and everything acknowledged so far is checked.
+        Afterwards the data directories go back to plain disks.
+        """
+        names = [n.name for n in self.lab.nodes if n.kind in ("metanode", "datanode")]
+        try:
+            self._onto_power_cut_disks(names)
+            acked, files = self.work.acked, len(self.work.files)
+            with self.load("powercut"):
+                self._wait_files(files + 3)
+                on_disks = self.work.acked - acked
+                t0 = time.monotonic()
+                daemons = [n.name for n in self.lab.nodes if n.pid]
+                for name in daemons:
+                    self.lab.kill(name)
+                for disk in self._disks.values():
+                    disk.cut()
+                self._boot_disks()
+                self.restart_dead()
+                self.probe()
+                recover = time.monotonic() - t0
+            self.power_cuts += 1
+            return self.record("power cut on every server mid-workload", len(daemons), recover,
+                               f"{len(daemons)} daemons, {len(self._disks)} disks cut after {on_disks} "
+                               "operations acknowledged on them")
+        finally:
+            self._off_power_cut_disks()
+
+    def _wait_files(self, count: int, timeout: float = 60) -> None:
+        """Until the workload has ``count`` files acknowledged (written, fsynced, closed)."""
+        end = time.monotonic() + timeout
+        while len(self.work.files) < count:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the workload had {len(self.work.files)} of {count} files "
+                                   f"acknowledged after {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def _boot_disks(self) -> None:
+        for disk in self._disks.values():
+            disk.start()
+        for disk in self._disks.values():
+            disk.wait()
+
+    def _wait_cluster(self, timeout: float = 90) -> None:
+        self.leader(timeout)
+        self._wait_datanodes_up(timeout)
+
+    def _onto_power_cut_disks(self, names: list[str]) -> None:
+        """Stop ``names`` and restart them with their data directory on a power-cut layer
+        (backed by ``ROOT/disks/NAME``, which adopts the directory as it is)."""
+        for name in names:
+            self.lab.kill(name)
+        for name in names:
+            data, backing = self.lab.root / name, self.lab.root / "disks" / name
+            backing.mkdir(parents=True)
+            os.rename(data, backing / "tree")
+            data.mkdir()
+            self._disks[name] = PowerCutDisk(backing, data, self.lab.root / "logs" / f"{name}-disk.log")
+        self._boot_disks()
+        self.start(*names)
+        self._wait_cluster()
+
+    def _off_power_cut_disks(self) -> None:
+        """Back onto plain data directories: stop, unmount (a clean shutdown), move back, restart."""
+        for name in self._disks:
+            self.lab.kill(name)
+        for name, disk in list(self._disks.items()):
+            disk.unmount()
+            data = self.lab.root / name
+            data.rmdir()
+            os.rename(disk.tree, data)
+            shutil.rmtree(disk.backing)  # the layer's own hard links to the same files
+            del self._disks[name]
+        self.restart_dead()
+        self._wait_cluster()
+
     # -- on-disk corruption
 
     def _follower(self) -> str:
@@ -884,8 +980,8 @@ class Chaos:
     def scenarios(self) -> list[Callable[[], Row]]:
         return [self.kill_leader, self.kill_follower, self.kill_two_metanodes, self.restart_all_metanodes,
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
-                self.kill_client, self.fill_cache, self.fill_datanode, self.corrupt_wal_tail, self.corrupt_snapshot,
-                self.corrupt_cache_files,
+                self.kill_client, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
+                self.corrupt_snapshot, self.corrupt_cache_files,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 
 
