@@ -68,7 +68,7 @@ async def _attack(addr, kind, data, authed):
         await stream.aclose()
 
 
-@pytest.mark.allow_log("cachefs.rpc", match=r"closing connection from|sent no handshake")
+@pytest.mark.allow_log("cachefs.rpc", match=r"closing connection from|sent no handshake|handler \w+ failed")
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(attacks, st.booleans()), min_size=1, max_size=6))
 def test_hostile_frames_never_hurt_the_server_or_other_clients(plan):
