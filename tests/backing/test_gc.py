@@ -33,7 +33,8 @@ GRACE = 2.0
 
 
 @pytest.fixture
-def cluster(tmp_path: Path):
+def gc_cluster(tmp_path: Path):
+    """Three metanodes that collect garbage every 0.3 s, and one datanode (not the shared tests/backing datanodes)."""
     c = MetaCluster(tmp_path, extra=["--gc-interval", "0.3", "--gc-grace", str(GRACE)])
     c.start_all()
     (dn_port,) = free_ports(1)
@@ -100,8 +101,8 @@ def _wait_stored(dn_addr: str, want: set[int], timeout: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def test_the_leader_deletes_trashed_blocks_after_the_grace(cluster) -> None:
-    c, dn_addr = cluster
+def test_the_leader_deletes_trashed_blocks_after_the_grace(gc_cluster) -> None:
+    c, dn_addr = gc_cluster
     trio.run(_setup, c)
     fs: FileSystem = connect(c.addrs, VOL, secret=None)
     try:
