@@ -34,6 +34,8 @@ from typing import Any
 import trio
 
 from bench.common import emit, median, print_table, ratio
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.testing.metacluster import MetaCluster
 
 VOL = "bench"
@@ -80,7 +82,7 @@ async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any
         with trio.fail_after(60):
             while True:
                 try:
-                    await admin.create_volume(VOL, "replica:3")
+                    await admin.mutate(C.CreateVolume(VOL, "replica:3"))
                     break
                 except Exception:  # noqa: BLE001 - the cluster is still electing
                     await trio.sleep(0.2)
@@ -97,22 +99,22 @@ async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any
         async def create_op(c: int) -> Any:
             mc = MetaClient(pool, [leader, *addrs])
             run_id[0] += 1
-            d = (await mc.mkdir(VOL, 1, f"c{run_id[0]}".encode(), 0o755))["ino"]
+            d = (await mc.mutate(C.Mkdir(VOL, 1, f"c{run_id[0]}".encode(), 0o755))).ino
             n = iter(range(10**9))
 
             async def op() -> None:
-                await mc.mknod(VOL, d, b"f%d" % next(n), 0o100644)
+                await mc.mutate(C.Mknod(VOL, d, b"f%d" % next(n), 0o100644))
 
             return op
 
-        target = await admin.mkdir(VOL, 1, b"target", 0o755)
-        await admin.mknod(VOL, target["ino"], b"file", 0o100644)
+        target = await admin.mutate(C.Mkdir(VOL, 1, b"target", 0o755))
+        await admin.mutate(C.Mknod(VOL, target.ino, b"file", 0o100644))
 
         async def getattr_op(c: int) -> Any:
             mc = MetaClient(pool, [leader, *addrs])
 
             async def op() -> None:
-                await mc.getattr(VOL, target["ino"])
+                await mc.query(Q.GetAttr(VOL, target.ino))
 
             return op
 
@@ -120,7 +122,7 @@ async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any
             mc = MetaClient(pool, [leader, *addrs])
 
             async def op() -> None:
-                await mc.lookup(VOL, target["ino"], b"file")
+                await mc.query(Q.Lookup(VOL, target.ino, b"file"))
 
             return op
 
@@ -144,14 +146,14 @@ async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any
                 }
 
         # a 10,000-entry directory, listed in pages of 1,000
-        big = (await admin.mkdir(VOL, 1, b"big", 0o755))["ino"]
+        big = (await admin.mutate(C.Mkdir(VOL, 1, b"big", 0o755))).ino
         async with trio.open_nursery() as nursery:
             for c in range(32):
 
                 async def fill(c: int = c) -> None:
                     mc = MetaClient(pool, [leader, *addrs])
                     for i in range(c, LISTING, 32):
-                        await mc.mknod(VOL, big, b"e%05d" % i, 0o100644)
+                        await mc.mutate(C.Mknod(VOL, big, b"e%05d" % i, 0o100644))
 
                 nursery.start_soon(fill)
         times = []
@@ -159,7 +161,7 @@ async def _bench(addrs: list[str], seconds: float, repeat: int) -> dict[str, Any
             t = time.perf_counter()
             cookie, total = 0, 0
             while True:
-                page = await admin.readdir(VOL, big, cookie, 1000)
+                page = await admin.query(Q.ReadDir(VOL, big, cookie, 1000))
                 if not page:
                     break
                 total += len(page)
@@ -174,7 +176,6 @@ def measure_memory(n: int) -> dict[str, float]:
     """Resident bytes per inode for ``n`` files of one slice each (run in a fresh process)."""
     import gc
 
-    from cachefs.metanode import commands as C
     from cachefs.metanode.namespace import MetaState
 
     def rss() -> int:
@@ -187,7 +188,7 @@ def measure_memory(n: int) -> dict[str, float]:
 
     def do(cls: type[C.Command], *args: Any) -> Any:
         n = next(counter)  # log index and client seq alike, as a real log would have them
-        return state.apply(n, cls("bench-client", n, now + n, *args))
+        return state.apply(n, cls(*args, client_id="bench-client", seq=n, now_ns=now + n))
 
     do(C.CreateVolume, VOL, "replica:3", "none", 4 << 20, 64)
     gc.collect()
@@ -197,9 +198,9 @@ def measure_memory(n: int) -> dict[str, float]:
     per_dir = 1000
     made = 0
     for d in range((n + per_dir - 1) // per_dir):
-        dino = do(C.Mkdir, VOL, 1, b"d%06d" % d, 0o755, 0, 0)["ino"]
+        dino = do(C.Mkdir, VOL, 1, b"d%06d" % d, 0o755, 0, 0).ino
         for _ in range(min(per_dir, n - made)):
-            ino = do(C.Mknod, VOL, dino, b"sample-%08d.jpg" % made, 0o100644, 0, 0, 0)["ino"]
+            ino = do(C.Mknod, VOL, dino, b"sample-%08d.jpg" % made, 0o100644, 0, 0, 0).ino
             do(C.WriteSlice, VOL, ino, 0, sid + made, 0, 110_000, 0, now + made)
             made += 1
     build = time.perf_counter() - t

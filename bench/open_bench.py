@@ -22,6 +22,8 @@ from typing import Any
 import trio
 
 from bench.common import emit, median, print_table, ratio
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.testing.metacluster import MetaCluster
 
 VOL = "bench"
@@ -36,32 +38,32 @@ async def _bench(addrs: list[str], files: int) -> dict[str, Any]:
         with trio.fail_after(60):
             while True:
                 try:
-                    await mc.create_volume(VOL, "replica:3")
+                    await mc.mutate(C.CreateVolume(VOL, "replica:3"))
                     break
                 except Exception:  # noqa: BLE001 - the cluster is still electing
                     await trio.sleep(0.2)
-        session = (await mc.mount_volume(VOL))["session"]
+        session = (await mc.mount_volume(VOL)).session
         mknod: list[float] = []
         inos = []
         for i in range(files):
             t = time.perf_counter()
-            inos.append((await mc.mknod(VOL, 1, b"f%d" % i, 0o100644))["ino"])
+            inos.append((await mc.mutate(C.Mknod(VOL, 1, b"f%d" % i, 0o100644))).ino)
             mknod.append(time.perf_counter() - t)
         getattr_: list[float] = []
         for ino in inos:
             t = time.perf_counter()
-            await mc.getattr(VOL, ino)
+            await mc.query(Q.GetAttr(VOL, ino))
             getattr_.append(time.perf_counter() - t)
         assert mc.leader is not None
         before = (await pool.call(mc.leader, "meta_status", {}, timeout=5)).result
         pair: list[float] = []
         for ino in inos:
             t = time.perf_counter()
-            await mc.open(VOL, ino, session)
-            await mc.release(VOL, ino, session)
+            await mc.query(Q.Open(VOL, ino, session))
+            await mc.query(Q.Release(VOL, ino, session))
             pair.append(time.perf_counter() - t)
         after = (await pool.call(mc.leader, "meta_status", {}, timeout=5)).result
-        await mc.close_session(VOL, session)
+        await mc.close_session(session)
     return {
         "files": files,
         "open_release_p50_ms": median(pair) * 1e3,

@@ -405,11 +405,12 @@ class Testbed:
 
     async def _cache_states(self) -> list[str]:
         from cachefs.errors import CacheFSError
+        from cachefs.queries import ClusterMap
         from cachefs.rpc import RpcPool
 
         async with RpcPool(secret=self.lab.secret) as pool:
             try:
-                cmap = await self.lab.meta_client(pool, deadline=3.0).cluster_map()
+                cmap = await self.lab.meta_client(pool, deadline=3.0).query(ClusterMap())
             except CacheFSError:
                 return []
         return [n["state"] for n in cmap["cachenodes"]]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import click
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError, NotFound
 
 if TYPE_CHECKING:
@@ -66,11 +68,13 @@ class Registrar:
 
     async def tick(self) -> None:
         if not self.registered:
-            await self.meta.register_node(self.kind, self.node_id, self.addr, self.zone, self.capacity)
+            await self.meta.mutate(
+                C.RegisterNode(self.kind, self.node_id, self.addr, self.zone, self.capacity)
+            )
             self.registered = True
             log.info("registered as %s %s (%s) in zone %s", self.kind, self.node_id, self.addr, self.zone)
         try:
-            await self.meta.node_heartbeat(self.kind, self.node_id, self.used())
+            await self.meta.query(Q.NodeHeartbeat(self.kind, self.node_id, self.used()))
         except NotFound:
             self.registered = False  # the map forgot us (removed by an operator?): register again
             raise

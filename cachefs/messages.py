@@ -1,39 +1,43 @@
-"""Typed replies of the metanodes, shared by every part that reads them.
+"""Typed replies of the metanodes, shared by the state machine and every reader.
 
-A reply is a frozen class validated when it is decoded (``from_wire``): a
-malformed answer from a metanode becomes an ``IOFailure`` at the edge, never
-a half-built object deeper in.
+A reply is a frozen ``NamedTuple``: the field order written in the class is
+its wire encoding (msgpack packs a tuple as an array, so the metanode sends
+what its state machine returned without converting it, and an attribute
+reply costs 12 integers, not 12 keys). Readers decode a reply once, at the
+edge (``MetaClient`` calls the decoder its command or query names): a
+malformed answer from a metanode becomes an ``IOFailure`` there, never a
+half-built object deeper in.
+
+Replies of the administrative calls (volume specs, the cluster map, volume
+lists) stay JSON-shaped maps: the CLI prints them as they are, under keys
+other tools read.
 """
 
 from __future__ import annotations
 
 import stat
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from cachefs.errors import IOFailure
+from cachefs.layout import Slice
 
-ATTR_FIELDS = (
-    "ino",
-    "mode",
-    "uid",
-    "gid",
-    "nlink",
-    "size",
-    "atime_ns",
-    "mtime_ns",
-    "ctime_ns",
-    "rdev",
-    "generation",
-    "version",
-)
 
-@dataclass(frozen=True, slots=True)
-class Attr:
-    """Inode attributes as the metanodes send them (see docs/contracts.md)."""
+def _ints(raw: Any, n: int, what: str) -> None:
+    """``raw`` is a list (or tuple) of ``n`` integers, else IOFailure."""
+    if (
+        not isinstance(raw, list | tuple)
+        or len(raw) != n
+        or not all(type(v) is int for v in raw)
+    ):
+        raise IOFailure(f"malformed {what} from metanode: {raw!r:.200}")
+
+
+class Attr(NamedTuple):
+    """Inode attributes; ``version`` grows with every change of the content
+    (slice write, truncate), so clients know when their page cache is stale."""
 
     ino: int
-    mode: int
+    mode: int  # with the S_IF* type bits
     uid: int
     gid: int
     nlink: int
@@ -47,12 +51,8 @@ class Attr:
 
     @classmethod
     def from_wire(cls, raw: Any) -> Attr:
-        if not isinstance(raw, dict):
-            raise IOFailure(f"metanode sent attributes as {type(raw).__name__}")
-        try:
-            return cls(**{name: int(raw.get(name, 0)) for name in ATTR_FIELDS})
-        except (TypeError, ValueError) as exc:
-            raise IOFailure(f"malformed attributes from metanode: {exc}") from None
+        _ints(raw, 12, "attributes")
+        return cls._make(raw)
 
     @property
     def is_reg(self) -> bool:
@@ -63,4 +63,162 @@ class Attr:
         return stat.S_ISDIR(self.mode)
 
     def with_size(self, size: int) -> Attr:
-        return Attr(**{**{n: getattr(self, n) for n in ATTR_FIELDS}, "size": size})
+        return self._replace(size=size)
+
+
+class DirEntry(NamedTuple):
+    """One ``readdir`` row: pass ``cookie`` back to continue after this entry."""
+
+    name: bytes
+    attr: Attr
+    cookie: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DirEntry:
+        if not isinstance(raw, list | tuple) or len(raw) != 3:
+            raise IOFailure(f"malformed directory entry from metanode: {raw!r:.200}")
+        name, attr, cookie = raw
+        if type(name) is not bytes or type(cookie) is not int:
+            raise IOFailure(f"malformed directory entry from metanode: {raw!r:.200}")
+        return cls(name, Attr.from_wire(attr), cookie)
+
+
+class FsStats(NamedTuple):
+    """``statfs`` of a volume: the statvfs fields, then the volume's own usage."""
+
+    bsize: int
+    frsize: int
+    blocks: int
+    bfree: int
+    bavail: int
+    files: int
+    ffree: int
+    favail: int
+    namemax: int
+    used_bytes: int
+    used_inodes: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> FsStats:
+        _ints(raw, 11, "statfs")
+        return cls._make(raw)
+
+
+class Usage(NamedTuple):
+    """A directory subtree's bytes and inodes (every link counts), and its quota."""
+
+    bytes: int
+    inodes: int
+    max_bytes: int | None
+    max_inodes: int | None
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Usage:
+        if (
+            not isinstance(raw, list | tuple)
+            or len(raw) != 4
+            or not all(type(v) is int for v in raw[:2])
+            or not all(v is None or type(v) is int for v in raw[2:])
+        ):
+            raise IOFailure(f"malformed usage from metanode: {raw!r:.200}")
+        return cls._make(raw)
+
+
+class MountInfo(NamedTuple):
+    """A new client session on a volume; ``policy`` is the volume's spec as
+    in the cluster map."""
+
+    root: int
+    session: str
+    policy: dict[str, Any]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> MountInfo:
+        if (
+            not isinstance(raw, list | tuple)
+            or len(raw) != 3
+            or type(raw[0]) is not int
+            or type(raw[1]) is not str
+            or not isinstance(raw[2], dict)
+        ):
+            raise IOFailure(f"malformed mount info from metanode: {raw!r:.200}")
+        return cls._make(raw)
+
+
+class TrashEntry(NamedTuple):
+    """A slice no file references any more, waiting for the garbage collector."""
+
+    slice_id: int
+    size: int
+    deleted_ns: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TrashEntry:
+        _ints(raw, 3, "trash entry")
+        return cls._make(raw)
+
+
+# -- decoders for replies without a class of their own ------------------------------
+
+
+def _listed(decode: Any, what: str) -> Any:
+    def decode_list(raw: Any) -> list[Any]:
+        if not isinstance(raw, list | tuple):
+            raise IOFailure(f"metanode sent {what} as {type(raw).__name__}")
+        return [decode(row) for row in raw]
+
+    decode_list.__name__ = f"list_of_{what.replace(' ', '_')}"
+    return decode_list
+
+
+dir_entries = _listed(DirEntry.from_wire, "directory entries")
+trash_entries = _listed(TrashEntry.from_wire, "trash entries")
+
+
+def slices(raw: Any) -> list[Slice]:
+    """A chunk's slice list, ``[slice_id, pos, length, offset]`` each, in commit order."""
+    if not isinstance(raw, list | tuple):
+        raise IOFailure(f"metanode sent a slice list as {type(raw).__name__}")
+    out = []
+    for row in raw:
+        _ints(row, 4, "slice")
+        try:
+            out.append(Slice.from_wire(row))
+        except ValueError as exc:
+            raise IOFailure(f"malformed slice from metanode: {exc}") from None
+    return out
+
+
+def nothing(raw: Any) -> None:
+    if raw is not None:
+        raise IOFailure(f"metanode answered {type(raw).__name__} where it owes nothing")
+
+
+def integer(raw: Any) -> int:
+    if type(raw) is not int:
+        raise IOFailure(f"metanode sent {type(raw).__name__} for an integer")
+    return raw
+
+
+def boolean(raw: Any) -> bool:
+    if type(raw) is not bool:
+        raise IOFailure(f"metanode sent {type(raw).__name__} for a boolean")
+    return raw
+
+
+def blob(raw: Any) -> bytes:
+    if type(raw) is not bytes:
+        raise IOFailure(f"metanode sent {type(raw).__name__} for bytes")
+    return raw
+
+
+def blobs(raw: Any) -> list[bytes]:
+    if not isinstance(raw, list | tuple) or not all(type(v) is bytes for v in raw):
+        raise IOFailure(f"metanode sent {type(raw).__name__} for a list of bytes")
+    return list(raw)
+
+
+def mapping(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise IOFailure(f"metanode sent {type(raw).__name__} for a map")
+    return raw

@@ -51,6 +51,7 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """The cluster as the metanodes see it: leader, nodes, volumes."""
     from cachefs.metanode.client import MetaClient
+    from cachefs.queries import ClusterMap
 
     secret = load_secret(secret_file, insecure)
     _, tls = load_tls(tls_cert, tls_key, tls_ca)
@@ -58,7 +59,7 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
     async def fetch() -> tuple[dict, str | None]:
         async with RpcPool(secret=secret, tls=tls) as pool:
             client = MetaClient(pool, meta, deadline=timeout)
-            cmap = await client.cluster_map()
+            cmap = await client.query(ClusterMap())
             return cmap, client.leader
 
     try:

@@ -117,7 +117,7 @@ async def serve(
                 meta_client = MetaClient(
                     pool, meta, client_id=f"cachenode-{node_id}", deadline=max(5.0, heartbeat)
                 )
-                view = MetaClusterView(meta_client.cluster_map)
+                view = MetaClusterView(meta_client)
                 nursery.start_soon(view.run)
                 backing = BackingClient(pool, view, zone=zone)
             service = CacheService(

@@ -27,16 +27,16 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 import trio
 
+from cachefs import queries as Q
 from cachefs.config import ADDRS, load_secret, load_tls, tls_options
 from cachefs.errors import (
     CacheFSError,
@@ -47,6 +47,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import HOLE, Slice, resolve, segment_blocks
+from cachefs.messages import Attr
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 
@@ -65,14 +66,14 @@ READDIR_LIMIT = 1000
 
 def file_blocks(
     size: int,
-    chunks: Mapping[int, Sequence[Sequence[int]]],
+    chunks: Mapping[int, Sequence[Slice]],
     block_size: int,
     chunk_size: int = CHUNK_SIZE,
 ) -> dict[BlockKey, int]:
     """The blocks a full read of a ``size``-byte file touches, with its bytes in each.
 
     ``chunks`` maps a chunk index to its slice list as ``read_chunk`` returns
-    it (``[slice_id, pos, length, offset]`` rows in commit order, newest last).
+    it (in commit order, newest last).
     The values sum to the file's non-hole bytes.
     """
     if block_size <= 0:
@@ -80,8 +81,7 @@ def file_blocks(
     out: dict[BlockKey, int] = {}
     for chunk in range(-(-size // chunk_size)):
         end = min(chunk_size, size - chunk * chunk_size)
-        slices = [Slice.from_wire(row) for row in chunks.get(chunk, ())]
-        for seg in resolve(slices, 0, end):
+        for seg in resolve(chunks.get(chunk, ()), 0, end):
             if seg.slice_id == HOLE:
                 continue
             for part in segment_blocks(seg, block_size):
@@ -112,37 +112,35 @@ async def resolve_paths(
     files: list[WarmFile] = []
     limiter = trio.CapacityLimiter(threads)
 
-    async def lookup(path: str) -> dict[str, Any]:
-        attr = await meta.getattr(volume, ROOT_INO)
+    async def lookup(path: str) -> Attr:
+        attr = await meta.query(Q.GetAttr(volume, ROOT_INO))
         for name in (p for p in path.split("/") if p and p != "."):
             try:
-                attr = await meta.lookup(volume, attr["ino"], os.fsencode(name))
+                attr = await meta.query(Q.Lookup(volume, attr.ino, os.fsencode(name)))
             except NotFound:
                 raise NotFound(f"{path}: no such file or directory in volume {volume!r}") from None
         return attr
 
-    async def resolve_file(path: str, attr: dict[str, Any]) -> None:
+    async def resolve_file(path: str, attr: Attr) -> None:
         async with limiter:
-            size = int(attr["size"])
             chunks = {}
-            for chunk in range(-(-size // CHUNK_SIZE)):
-                chunks[chunk] = await meta.read_chunk(volume, attr["ino"], chunk)
-        warm = WarmFile(path, size, file_blocks(size, chunks, block_size))
+            for chunk in range(-(-attr.size // CHUNK_SIZE)):
+                chunks[chunk] = await meta.query(Q.ReadChunk(volume, attr.ino, chunk))
+        warm = WarmFile(path, attr.size, file_blocks(attr.size, chunks, block_size))
         files.append(warm)
         if on_file is not None:
             on_file(warm)
 
-    async def walk(path: str, attr: dict[str, Any], nursery: trio.Nursery) -> None:
-        mode = int(attr["mode"])
-        if stat.S_ISREG(mode):
+    async def walk(path: str, attr: Attr, nursery: trio.Nursery) -> None:
+        if attr.is_reg:
             nursery.start_soon(resolve_file, path, attr)
-        elif stat.S_ISDIR(mode):
+        elif attr.is_dir:
             cookie = 0
             while True:
                 async with limiter:
-                    rows = await meta.readdir(volume, attr["ino"], cookie, READDIR_LIMIT)
+                    rows = await meta.query(Q.ReadDir(volume, attr.ino, cookie, READDIR_LIMIT))
                 for name, child, next_cookie in rows:
-                    text = os.fsdecode(name) if isinstance(name, bytes) else str(name)
+                    text = os.fsdecode(name)
                     if text in (".", ".."):
                         continue
                     await walk(f"{path.rstrip('/')}/{text}", child, nursery)
@@ -318,7 +316,7 @@ async def run_warmup(
     console = Console(stderr=True, quiet=quiet)
     async with RpcPool(secret=secret, tls=tls) as pool:
         reader = MetaClient(pool, meta, deadline=20.0)
-        cmap = await reader.cluster_map()
+        cmap = await reader.query(Q.ClusterMap())
         vol = cmap.get("volumes", {}).get(volume)
         if vol is None:
             raise click.UsageError(f"no volume {volume!r} in the cluster map")

@@ -5,12 +5,14 @@ talk to. It owns:
 
 - the metanode client (leader following, retries and dedup live there) and the
   volume session from ``mount_volume`` (the metanodes keep unlinked files we
-  hold open until we release them or the session ends);
+  hold open until we release them or the session ends); each metadata call
+  below is one command or query of this volume (:mod:`cachefs.commands`,
+  :mod:`cachefs.queries`);
 - the session's open files: an inode's first open is announced to the leader
-  (``open``) and its last close too (``release``), one at a time per inode so
+  (``Open``) and its last close too (``Release``), one at a time per inode so
   they reach it in order; both are soft state there, not log entries. Every
   heartbeat carries the whole open set, which is how a new leader learns it
-  after a failover (see ``metanode.service.OpenTable``);
+  after a failover (see ``metanode.opentable.OpenTable``);
 - the cluster map, refreshed in the background, which feeds the backing-storage
   client's placement and the cache router's rings;
 - the block chain for reads (DESIGN.md "Reads"): the owner of the block on our
@@ -28,6 +30,8 @@ from typing import Any
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import MetaClusterView
 from cachefs.errors import (
@@ -42,7 +46,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import Attr
+from cachefs.messages import Attr, DirEntry
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
@@ -120,16 +124,16 @@ class Session:
         """
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
         meta = MetaClient(pool, meta_addrs, client_id=client_id)
-        info = await meta.mount_volume(volume, client_id, token)
-        cmap = await meta.cluster_map()
+        info = await meta.mount_volume(volume, token)
+        cmap = await meta.query(Q.ClusterMap())
         if volume not in cmap.get("volumes", {}):
             raise NotFound(f"volume {volume!r} is not in the cluster map")
-        view = MetaClusterView(meta.cluster_map)
+        view = MetaClusterView(meta)
         await view.refresh()
         return cls(
             meta,
             volume,
-            str(info["session"]),
+            info.session,
             cmap,
             zone=zone,
             transport=open_transport(transport, pool),
@@ -163,12 +167,12 @@ class Session:
             try:
                 if self.session_id and not await self.heartbeat():
                     log.warning("session %s expired; opening a new one", self.session_id)
-                    info = await self.meta.mount_volume(self.volume, self.meta.client_id)
-                    self.session_id = str(info["session"])
+                    info = await self.meta.mount_volume(self.volume)
+                    self.session_id = info.session
                     await self._reopen_all()
                     if self.on_new_session is not None:
                         await self.on_new_session()
-                cmap = await self.meta.cluster_map()
+                cmap = await self.meta.query(Q.ClusterMap())
                 self._set_map(cmap)
                 if self.view is not None:
                     await self.view.refresh()
@@ -177,82 +181,80 @@ class Session:
 
     async def heartbeat(self) -> bool:
         """Keep the session alive and announce its open set; False: it is gone."""
-        return bool(await self.meta.session_heartbeat(self.session_id, sorted(self._open)))
+        return await self.meta.query(Q.SessionHeartbeat(self.session_id, tuple(sorted(self._open))))
 
     async def _reopen_all(self) -> None:
         """A new metanode session: hold our open files again."""
         for ino in list(self._open):
             try:
-                await self.meta.open(self.volume, ino, self.session_id)
+                await self.meta.query(Q.Open(self.volume, ino, self.session_id))
             except CacheFSError as exc:
                 log.error("could not re-open inode %d in the new session: %s", ino, exc)
 
     async def close(self) -> None:
         try:
-            await self.meta.close_session(self.volume, self.session_id)
+            await self.meta.close_session(self.session_id)
         except CacheFSError as exc:
             log.warning("could not close session %s: %s", self.session_id, exc)
         await self.transport.aclose()
 
     # ------------------------------------------------------------------ metadata
+    # The calls fs.py and api.py make, each one command or query on this volume.
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        return Attr.from_wire(await self.meta.lookup(self.volume, parent, name))
+        return await self.meta.query(Q.Lookup(self.volume, parent, name))
 
     async def getattr(self, ino: int) -> Attr:
-        return Attr.from_wire(await self.meta.getattr(self.volume, ino))
+        return await self.meta.query(Q.GetAttr(self.volume, ino))
 
     async def setattr(self, ino: int, **changes: int) -> Attr:
-        return Attr.from_wire(await self.meta.setattr(self.volume, ino, **changes))
+        return await self.meta.mutate(C.SetAttr(self.volume, ino, **changes))
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
     ) -> Attr:
-        return Attr.from_wire(
-            await self.meta.mknod(self.volume, parent, name, mode, rdev, uid, gid)
-        )
+        return await self.meta.mutate(C.Mknod(self.volume, parent, name, mode, rdev, uid, gid))
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        return Attr.from_wire(await self.meta.mkdir(self.volume, parent, name, mode, uid, gid))
+        return await self.meta.mutate(C.Mkdir(self.volume, parent, name, mode, uid, gid))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
-        return Attr.from_wire(await self.meta.symlink(self.volume, parent, name, target, uid, gid))
+        return await self.meta.mutate(C.Symlink(self.volume, parent, name, target, uid, gid))
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
-        return Attr.from_wire(await self.meta.link(self.volume, ino, new_parent, new_name))
+        return await self.meta.mutate(C.Link(self.volume, ino, new_parent, new_name))
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        await self.meta.unlink(self.volume, parent, name)
+        await self.meta.mutate(C.Unlink(self.volume, parent, name))
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.meta.rmdir(self.volume, parent, name)
+        await self.meta.mutate(C.Rmdir(self.volume, parent, name))
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int
     ) -> None:
-        await self.meta.rename(self.volume, parent, name, new_parent, new_name, flags)
+        await self.meta.mutate(C.Rename(self.volume, parent, name, new_parent, new_name, flags))
 
     async def readlink(self, ino: int) -> bytes:
-        return bytes(await self.meta.readlink(self.volume, ino))
+        return await self.meta.query(Q.ReadLink(self.volume, ino))
 
-    async def readdir(self, ino: int, cookie: int, limit: int) -> list[tuple[bytes, Attr, int]]:
-        rows = await self.meta.readdir(self.volume, ino, cookie, limit)
-        return [(bytes(name), Attr.from_wire(attr), int(nxt)) for name, attr, nxt in rows]
+    async def readdir(self, ino: int, cookie: int, limit: int) -> list[DirEntry]:
+        return await self.meta.query(Q.ReadDir(self.volume, ino, cookie, limit))
 
     async def statfs(self) -> dict[str, Any]:
-        return await self.meta.statfs(self.volume)
+        return (await self.meta.query(Q.StatFs(self.volume)))._asdict()
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        await self.meta.setxattr(self.volume, ino, name, value)
+        await self.meta.mutate(C.SetXattr(self.volume, ino, name, value))
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return bytes(await self.meta.getxattr(self.volume, ino, name))
+        return await self.meta.query(Q.GetXattr(self.volume, ino, name))
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return [bytes(n) for n in await self.meta.listxattr(self.volume, ino)]
+        return await self.meta.query(Q.ListXattr(self.volume, ino))
 
     async def removexattr(self, ino: int, name: bytes) -> None:
-        await self.meta.removexattr(self.volume, ino, name)
+        await self.meta.mutate(C.RemoveXattr(self.volume, ino, name))
 
     def _lock(self, ino: int) -> trio.Lock:
         lock = self._open_locks.get(ino)
@@ -275,11 +277,10 @@ class Session:
             count = self._open.get(ino, 0)
             if not count:
                 try:
-                    raw = await self.meta.open(self.volume, ino, self.session_id)
+                    attr = await self.meta.query(Q.Open(self.volume, ino, self.session_id))
                 except BaseException:
                     self._unlock_idle(ino, lock)
                     raise
-                attr = Attr.from_wire(raw)
             self._open[ino] = count + 1
         return attr
 
@@ -294,13 +295,12 @@ class Session:
             self._open.pop(ino, None)
             try:
                 if count:
-                    await self.meta.release(self.volume, ino, self.session_id)
+                    await self.meta.query(Q.Release(self.volume, ino, self.session_id))
             finally:
                 self._unlock_idle(ino, lock)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
-        rows = await self.meta.read_chunk(self.volume, ino, chunk)
-        return [Slice.from_wire(row) for row in rows]
+        return await self.meta.query(Q.ReadChunk(self.volume, ino, chunk))
 
     # ------------------------------------------------------------------ writes
 
@@ -308,7 +308,7 @@ class Session:
         """A new slice id, from a batch of ``SLICE_BATCH`` taken from the metanodes."""
         async with self._slice_lock:
             if not self._slice_ids:
-                first = int(await self.meta.alloc_slices(SLICE_BATCH))
+                first = await self.meta.mutate(C.AllocSlices(SLICE_BATCH))
                 self._slice_ids = range(first, first + SLICE_BATCH)
             sid = self._slice_ids[0]
             self._slice_ids = self._slice_ids[1:]
@@ -333,10 +333,9 @@ class Session:
     async def write_slice(
         self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
     ) -> Attr:
-        raw = await self.meta.write_slice(
-            self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns
+        return await self.meta.mutate(
+            C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns)
         )
-        return Attr.from_wire(raw)
 
     async def compact_chunk(
         self, ino: int, chunk: int, expect: list[int], slice_id: int, length: int
@@ -346,7 +345,9 @@ class Session:
         Raises:
             Busy: the chunk's slices are no longer ``expect``.
         """
-        await self.meta.compact_chunk(self.volume, ino, chunk, expect, slice_id, length)
+        await self.meta.mutate(
+            C.CompactChunk(self.volume, ino, chunk, tuple(expect), slice_id, length)
+        )
 
     # ------------------------------------------------------------------ reads
 

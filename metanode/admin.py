@@ -10,12 +10,14 @@ from typing import Any
 import click
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
+from cachefs.commands import check_policy
 from cachefs.config import ADDRS, SIZE, load_secret, load_tls, tls_options
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 
 from .client import MetaClient
-from .commands import CreateVolume, check_policy
 
 _meta = click.option(
     "--meta",
@@ -126,20 +128,11 @@ def create(
     token = _access(token_file, open_)
     try:
         policy = check_policy(policy, compression, block_size)
-        CreateVolume("", 0, 0, name, policy, compression, block_size, pg_count)  # validates all
+        cmd = C.CreateVolume(name, policy, compression, block_size, pg_count)  # validates all
     except CacheFSError as exc:
         raise click.BadParameter(exc.message, param_hint="NAME/--policy/--block-size") from None
     spec = _run(
-        meta,
-        secret_file,
-        insecure,
-        lambda mc: mc.call(
-            "create_volume",
-            {"name": name, "policy": policy, "compression": compression,
-             "block_size": block_size, "pg_count": pg_count, "token": token},
-            mutation=True,
-        ),  # fmt: skip
-        (tls_cert, tls_key, tls_ca),
+        meta, secret_file, insecure, lambda mc: mc.mutate(cmd, token=token), (tls_cert, tls_key, tls_ca)
     )
     click.echo(f"created volume {name}: {json.dumps(spec)}")
 
@@ -174,9 +167,9 @@ def set_(
     async def change(mc: MetaClient) -> dict:
         out: dict = {}
         if compression is not None:
-            out.update(await mc.set_volume(name, compression))
+            out.update(await mc.mutate(C.SetVolumeCompression(name, compression)))
         if token_file is not None or open_:
-            out.update(await mc.call("set_volume_access", {"name": name, "token": token}, mutation=True))
+            out.update(await mc.mutate(C.SetVolumeAccess(name), token=token))
         return out
 
     spec = _run(meta, secret_file, insecure, change, (tls_cert, tls_key, tls_ca))
@@ -207,7 +200,7 @@ def _access(token_file: str | None, open_: bool) -> str | None:
 def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
           tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """List the volumes with their policy and usage."""
-    vols = _run(meta, secret_file, insecure, lambda mc: mc.list_volumes(), (tls_cert, tls_key, tls_ca))
+    vols = _run(meta, secret_file, insecure, lambda mc: mc.query(Q.ListVolumes()), (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(vols))
         return
@@ -257,7 +250,9 @@ def quota(
 
     async def go(mc: MetaClient) -> Any:
         if clear or max_bytes is not None or max_inodes is not None:
-            return await mc.set_quota(name, ino, max_bytes, max_inodes)
-        return await mc.get_usage(name, ino)
+            usage = await mc.mutate(C.SetQuota(name, ino, max_bytes, max_inodes))
+        else:
+            usage = await mc.query(Q.GetUsage(name, ino))
+        return usage._asdict()
 
     click.echo(json.dumps(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))))

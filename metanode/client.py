@@ -1,12 +1,21 @@
-"""MetaClient: the metanode RPC surface for the FUSE client, tools and benches.
+"""MetaClient: the metanodes' interface for the FUSE client, tools and benches.
+
+Callers build a command (:mod:`cachefs.commands`) or a query
+(:mod:`cachefs.queries`), which validates itself, and hand it to
+:meth:`MetaClient.mutate` or :meth:`MetaClient.query`; the answer comes back
+decoded by the class's ``REPLY`` (a typed reply of :mod:`cachefs.messages`)::
+
+    attr = await meta.mutate(C.Mkdir(volume, parent, b"dir", 0o755, uid, gid))
+    attr = await meta.query(Q.GetAttr(volume, attr.ino))
 
 It finds the leader (asking the addresses in turn and following ``NotLeader``
 hints), retries a call that failed for reasons of availability (no leader
 yet, leader died, connection lost, timed out) until its deadline, and raises
-typed errors for everything else. A mutation keeps the same
-``(client_id, seq)`` across all its retries, so the metanodes apply it once
-and answer a retry with the first answer: a create whose reply was lost in a
-failover comes back as the inode it made, not as EEXIST.
+typed errors for everything else. A mutation gets this client's
+``client_id`` and a fresh ``seq``, and keeps them across all its retries, so
+the metanodes apply it once and answer a retry with the first answer: a
+create whose reply was lost in a failover comes back as the inode it made,
+not as EEXIST.
 
 A mounted session must heartbeat, or the leader ends it after its timeout
 (and frees the unlinked files it held open). ``mount_volume`` therefore
@@ -19,10 +28,12 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -32,9 +43,12 @@ from cachefs.errors import (
     Unavailable,
     Unreachable,
 )
+from cachefs.messages import MountInfo
 from cachefs.rpc import RpcPool
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 _RETRY = (NotLeader, Unreachable, ConnectionLost, TimedOut, Unavailable, Busy)
 
@@ -74,15 +88,33 @@ class MetaClient:
         self._heartbeats: dict[str, trio.CancelScope] = {}
         self._tokens: dict[str, str] = {}  # volume -> mount token, for remounts
 
+    async def mutate(
+        self, cmd: C.Command[R], *, token: str | None = None, deadline: float | None = None
+    ) -> R:
+        """Apply ``cmd`` once, however often it has to be sent; its decoded reply.
+        ``token``: a volume's mount token, for the commands that take one.
+
+        Raises:
+            TimedOut: no leader answered within the deadline.
+            CacheFSError: the metanodes' answer, typed.
+            IOFailure: the reply was malformed.
+        """
+        if not cmd.NAME:
+            raise ValueError(f"{type(cmd).__name__} is proposed by the leader, not sent")
+        args: dict[str, Any] = {"a": cmd.to_request(self.client_id, next(self._seq))}
+        if token is not None:
+            args["token"] = token
+        return type(cmd).REPLY(await self.call(cmd.NAME, args, deadline=deadline))
+
+    async def query(self, q: Q.Query[R], *, deadline: float | None = None) -> R:
+        """Ask the leader ``q``; its decoded reply (raises as :meth:`mutate`)."""
+        return type(q).REPLY(await self.call(q.NAME, {"a": q.to_wire()}, deadline=deadline))
+
     async def call(
-        self,
-        method: str,
-        args: dict[str, Any],
-        *,
-        mutation: bool = False,
-        deadline: float | None = None,
+        self, method: str, args: dict[str, Any], *, deadline: float | None = None
     ) -> Any:
-        """Call ``method`` on the leader, retrying availability failures.
+        """Call ``method`` on the leader, retrying availability failures; the
+        raw result (:meth:`mutate` and :meth:`query` build the arguments).
 
         One unreachable or frozen metanode costs a bounded share of the
         deadline, not all of it: an attempt on the known leader gets at most
@@ -97,12 +129,6 @@ class MetaClient:
                 availability error is chained).
             CacheFSError: the metanodes' answer, typed.
         """
-        if mutation:
-            args = {
-                **args,
-                "client_id": args.get("client_id") or self.client_id,
-                "seq": next(self._seq),
-            }
         budget = self.deadline if deadline is None else deadline
         give_up = trio.current_time() + budget
         backoff = 0.02
@@ -185,57 +211,22 @@ class MetaClient:
         addr = live[self._turn % len(live)]
         return addr, len(live) - 1
 
-    async def _m(self, method: str, **args: Any) -> Any:
-        return await self.call(method, args, mutation=True)
+    # -- sessions ---------------------------------------------------------------------
 
-    async def _r(self, method: str, **args: Any) -> Any:
-        return await self.call(method, args)
-
-    # -- volumes and sessions ---------------------------------------------------------
-
-    async def create_volume(
-        self,
-        name: str,
-        policy: str,
-        compression: str = "none",
-        block_size: int = 4 << 20,
-        pg_count: int = 64,
-    ) -> dict[str, Any]:
-        return await self._m(
-            "create_volume",
-            name=name,
-            policy=policy,
-            compression=compression,
-            block_size=block_size,
-            pg_count=pg_count,
-        )
-
-    async def set_volume(self, name: str, compression: str) -> dict[str, Any]:
-        return await self._m("set_volume", name=name, compression=compression)
-
-    async def list_volumes(self) -> dict[str, Any]:
-        return await self._r("list_volumes")
-
-    async def mount_volume(
-        self, volume: str, client_id: str | None = None, token: str | None = None
-    ) -> dict[str, Any]:
-        """``token``: the volume's mount token (kept for later remounts)."""
+    async def mount_volume(self, volume: str, token: str | None = None) -> MountInfo:
+        """Open a session on ``volume`` and keep it alive with heartbeats until
+        :meth:`close_session`. ``token``: the volume's mount token (kept for
+        later remounts)."""
         if token is not None:
             self._tokens[volume] = token
-        info = await self._m(
-            "mount_volume",
-            volume=volume,
-            client_id=client_id or self.client_id,
-            token=self._tokens.get(volume),
-        )
-        session = str(info["session"])
-        if session not in self._heartbeats:
+        info = await self.mutate(C.MountVolume(volume), token=self._tokens.get(volume))
+        if info.session not in self._heartbeats:
             scope = trio.CancelScope()
-            self._heartbeats[session] = scope
+            self._heartbeats[info.session] = scope
             if self._nursery is not None:
-                self._nursery.start_soon(self._heartbeat, session, scope)
+                self._nursery.start_soon(self._heartbeat, info.session, scope)
             else:
-                trio.lowlevel.spawn_system_task(self._heartbeat, session, scope)
+                trio.lowlevel.spawn_system_task(self._heartbeat, info.session, scope)
         return info
 
     async def _heartbeat(self, session: str, scope: trio.CancelScope) -> None:
@@ -245,8 +236,8 @@ class MetaClient:
             while True:
                 await trio.sleep(self.heartbeat_interval)
                 try:
-                    alive = await self.call(
-                        "session_heartbeat", {"session": session}, deadline=self.heartbeat_interval
+                    alive = await self.query(
+                        Q.SessionHeartbeat(session), deadline=self.heartbeat_interval
                     )
                 except CacheFSError as exc:
                     if not warned:
@@ -265,19 +256,12 @@ class MetaClient:
                     )
                     return
 
-    async def session_heartbeat(self, session: str, opens: list[int] | None = None) -> bool:
-        """Keep ``session`` alive; ``opens`` (the inodes it holds open) lets a
-        new leader learn the session's open set."""
-        args: dict[str, Any] = {"session": session}
-        if opens is not None:
-            args["opens"] = opens
-        return bool(await self.call("session_heartbeat", args))
-
-    async def close_session(self, volume: str, session: str) -> None:
+    async def close_session(self, session: str) -> None:
+        """Stop the session's heartbeats and end it (its unlinked-open files go)."""
         scope = self._heartbeats.pop(session, None)
         if scope is not None:
             scope.cancel()
-        await self._m("close_session", volume=volume, session=session)
+        await self.mutate(C.CloseSession(session))
 
     def close(self) -> None:
         """Stop every heartbeat (the sessions then expire on the metanodes)."""
@@ -288,202 +272,3 @@ class MetaClient:
     async def meta_status(self, addr: str) -> dict[str, Any]:
         """One replica's view (any replica answers)."""
         return (await self.pool.call(addr, "meta_status", {}, timeout=self.attempt_timeout)).result
-
-    # -- namespace reads ----------------------------------------------------------------
-
-    async def lookup(self, volume: str, parent: int, name: bytes) -> dict[str, Any]:
-        return await self._r("lookup", volume=volume, parent=parent, name=name)
-
-    async def getattr(self, volume: str, ino: int) -> dict[str, Any]:
-        return await self._r("getattr", volume=volume, ino=ino)
-
-    async def readlink(self, volume: str, ino: int) -> bytes:
-        return await self._r("readlink", volume=volume, ino=ino)
-
-    async def readdir(self, volume: str, ino: int, cookie: int = 0, limit: int = 1000) -> list[Any]:
-        return await self._r("readdir", volume=volume, ino=ino, cookie=cookie, limit=limit)
-
-    async def statfs(self, volume: str) -> dict[str, Any]:
-        return await self._r("statfs", volume=volume)
-
-    async def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
-        return await self._r("getxattr", volume=volume, ino=ino, name=name)
-
-    async def listxattr(self, volume: str, ino: int) -> list[bytes]:
-        return await self._r("listxattr", volume=volume, ino=ino)
-
-    async def read_chunk(self, volume: str, ino: int, chunk: int) -> list[list[int]]:
-        return await self._r("read_chunk", volume=volume, ino=ino, chunk=chunk)
-
-    async def get_usage(self, volume: str, ino: int) -> dict[str, Any]:
-        return await self._r("get_usage", volume=volume, ino=ino)
-
-    async def list_trash(
-        self, volume: str, limit: int = 1000, before_ns: int | None = None
-    ) -> list[list[int]]:
-        return await self._r("list_trash", volume=volume, limit=limit, before_ns=before_ns)
-
-    # -- namespace mutations -------------------------------------------------------------
-
-    async def setattr(
-        self,
-        volume: str,
-        ino: int,
-        *,
-        mode: int | None = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        size: int | None = None,
-        atime_ns: int | None = None,
-        mtime_ns: int | None = None,
-    ) -> dict[str, Any]:
-        return await self._m(
-            "setattr",
-            volume=volume,
-            ino=ino,
-            mode=mode,
-            uid=uid,
-            gid=gid,
-            size=size,
-            atime_ns=atime_ns,
-            mtime_ns=mtime_ns,
-        )
-
-    async def mknod(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        mode: int,
-        rdev: int = 0,
-        uid: int = 0,
-        gid: int = 0,
-    ) -> dict[str, Any]:
-        return await self._m(
-            "mknod", volume=volume, parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid
-        )
-
-    async def mkdir(
-        self, volume: str, parent: int, name: bytes, mode: int, uid: int = 0, gid: int = 0
-    ) -> dict[str, Any]:
-        return await self._m(
-            "mkdir", volume=volume, parent=parent, name=name, mode=mode, uid=uid, gid=gid
-        )
-
-    async def symlink(
-        self, volume: str, parent: int, name: bytes, target: bytes, uid: int = 0, gid: int = 0
-    ) -> dict[str, Any]:
-        return await self._m(
-            "symlink", volume=volume, parent=parent, name=name, target=target, uid=uid, gid=gid
-        )
-
-    async def link(self, volume: str, ino: int, new_parent: int, new_name: bytes) -> dict[str, Any]:
-        return await self._m(
-            "link", volume=volume, ino=ino, new_parent=new_parent, new_name=new_name
-        )
-
-    async def unlink(self, volume: str, parent: int, name: bytes) -> None:
-        await self._m("unlink", volume=volume, parent=parent, name=name)
-
-    async def rmdir(self, volume: str, parent: int, name: bytes) -> None:
-        await self._m("rmdir", volume=volume, parent=parent, name=name)
-
-    async def rename(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        new_parent: int,
-        new_name: bytes,
-        flags: int = 0,
-    ) -> None:
-        await self._m(
-            "rename",
-            volume=volume,
-            parent=parent,
-            name=name,
-            new_parent=new_parent,
-            new_name=new_name,
-            flags=flags,
-        )
-
-    async def setxattr(
-        self, volume: str, ino: int, name: bytes, value: bytes, flags: int = 0
-    ) -> None:
-        await self._m("setxattr", volume=volume, ino=ino, name=name, value=value, flags=flags)
-
-    async def removexattr(self, volume: str, ino: int, name: bytes) -> None:
-        await self._m("removexattr", volume=volume, ino=ino, name=name)
-
-    async def open(self, volume: str, ino: int, session: str) -> dict[str, Any]:
-        return await self._m("open", volume=volume, ino=ino, session=session)
-
-    async def release(self, volume: str, ino: int, session: str) -> None:
-        await self._m("release", volume=volume, ino=ino, session=session)
-
-    async def set_quota(
-        self, volume: str, ino: int, max_bytes: int | None = None, max_inodes: int | None = None
-    ) -> dict[str, Any]:
-        return await self._m(
-            "set_quota", volume=volume, ino=ino, max_bytes=max_bytes, max_inodes=max_inodes
-        )
-
-    # -- data -------------------------------------------------------------------------
-
-    async def alloc_slices(self, count: int = 1) -> int:
-        return await self._m("alloc_slices", count=count)
-
-    async def write_slice(
-        self,
-        volume: str,
-        ino: int,
-        chunk: int,
-        slice_id: int,
-        pos: int,
-        length: int,
-        offset: int,
-        mtime_ns: int,
-    ) -> dict[str, Any]:
-        return await self._m(
-            "write_slice",
-            volume=volume,
-            ino=ino,
-            chunk=chunk,
-            slice_id=slice_id,
-            pos=pos,
-            length=length,
-            offset=offset,
-            mtime_ns=mtime_ns,
-        )
-
-    async def compact_chunk(
-        self, volume: str, ino: int, chunk: int, expect: list[int], slice_id: int, length: int
-    ) -> dict[str, Any]:
-        return await self._m(
-            "compact_chunk",
-            volume=volume,
-            ino=ino,
-            chunk=chunk,
-            expect=list(expect),
-            slice_id=slice_id,
-            length=length,
-        )
-
-    async def purge_trash(self, volume: str, slice_ids: list[int]) -> int:
-        return await self._m("purge_trash", volume=volume, slice_ids=list(slice_ids))
-
-    # -- cluster map --------------------------------------------------------------------
-
-    async def cluster_map(self) -> dict[str, Any]:
-        return await self._r("cluster_map")
-
-    async def register_node(self, kind: str, id: str, addr: str, zone: str, capacity: int) -> int:
-        return await self._m(
-            "register_node", kind=kind, id=id, addr=addr, zone=zone, capacity=capacity
-        )
-
-    async def remove_node(self, kind: str, id: str) -> int:
-        return await self._m("remove_node", kind=kind, id=id)
-
-    async def node_heartbeat(self, kind: str, id: str, used: int) -> None:
-        await self._r("node_heartbeat", kind=kind, id=id, used=used)

@@ -25,12 +25,12 @@ from pathlib import Path
 import click
 import trio
 
+from cachefs.commands import check_addr
 from cachefs.config import ADDR, daemon_options, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
-from .commands import check_addr
 from .namespace import MetaState
 from .raft.driver import DriverConfig, RaftNode
 from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
@@ -69,7 +69,7 @@ async def run_gc(
     from .client import MetaClient
 
     meta = MetaClient(pool, addrs, deadline=max(5.0, interval))
-    view = MetaClusterView(meta.cluster_map)
+    view = MetaClusterView(meta)
     gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
     while True:
         await trio.sleep(interval)

@@ -4,9 +4,11 @@ Theory of operation
 -------------------
 ``MetaState`` is a pure, deterministic state machine (the Raft state machine
 protocol: ``apply(index, command) -> result``, ``snapshot()``, ``restore()``).
-Mutations arrive as encoded :mod:`commands`; reads (``lookup``, ``getattr``,
-``readdir``, ``read_chunk``...) are plain methods the service calls after a
-read-index. ``apply`` never raises: a refused mutation returns a
+Mutations arrive as encoded :mod:`cachefs.commands`; reads (``lookup``, ``getattr``,
+``readdir``, ``read_chunk``...) are plain methods that :mod:`cachefs.queries` run on
+the leader. Results are the typed replies of :mod:`cachefs.messages`
+(named tuples, so msgpack sends them, and keeps them in the dedup table
+of the snapshot, as arrays). ``apply`` never raises: a refused mutation returns a
 :class:`Failure` carrying the errno-like code, and it changes nothing, because
 every operation checks all its preconditions before its first write.
 
@@ -70,6 +72,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from cachefs import commands as C
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -88,8 +91,8 @@ from cachefs.errors import (
     error_from_wire,
 )
 from cachefs.ids import CHUNK_SIZE
+from cachefs.messages import Attr, DirEntry, FsStats, MountInfo, TrashEntry, Usage
 
-from . import commands as C
 from .clustermap import ClusterMap, VolumeSpec
 
 ROOT = 1
@@ -185,6 +188,11 @@ class Inode:
                     yield p
         elif self.parent:
             yield self.parent
+
+
+# Attr's fields are written in order below: skip NamedTuple's keyword-taking
+# __new__ (getattr answers are the hottest path).
+_new_attr = tuple.__new__
 
 
 def hash_token(token: str) -> str:
@@ -558,23 +566,26 @@ class MetaState:
     # -- attributes ---------------------------------------------------------------
 
     @staticmethod
-    def attr(inode: Inode) -> dict[str, Any]:
+    def attr(inode: Inode) -> Attr:
         kind = _kind(inode.mode)
         rdev = inode.data if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0
-        return {
-            "ino": inode.ino,
-            "mode": inode.mode,
-            "uid": inode.uid,
-            "gid": inode.gid,
-            "nlink": inode.nlink,
-            "size": DIR_SIZE if kind == _S_IFDIR else inode.size,
-            "atime_ns": inode.atime,
-            "mtime_ns": inode.mtime,
-            "ctime_ns": inode.ctime,
-            "rdev": rdev,
-            "generation": 0,  # inode numbers are never reused
-            "version": inode.version,
-        }
+        return _new_attr(
+            Attr,
+            (
+                inode.ino,
+                inode.mode,
+                inode.uid,
+                inode.gid,
+                inode.nlink,
+                DIR_SIZE if kind == _S_IFDIR else inode.size,
+                inode.atime,
+                inode.mtime,
+                inode.ctime,
+                rdev,
+                0,  # generation: inode numbers are never reused
+                inode.version,
+            ),
+        )
 
     # -- volumes and sessions ------------------------------------------------------
 
@@ -607,7 +618,7 @@ class MetaState:
         self._vol(cmd.name)
         return self.cluster.set_compression(cmd.name, cmd.compression)
 
-    def _mount_volume(self, cmd: C.MountVolume) -> dict[str, Any]:
+    def _mount_volume(self, cmd: C.MountVolume) -> MountInfo:
         self._vol(cmd.volume)
         if not cmd.client_id:
             raise InvalidArgument("mount_volume needs a client_id")
@@ -615,11 +626,7 @@ class MetaState:
         if session in self.sessions:  # only without a log index (tests applying directly)
             session = f"{cmd.client_id}/{self.applied_index}.{len(self.sessions)}"
         self.sessions[session] = Session(cmd.client_id, cmd.volume)
-        return {
-            "root": ROOT,
-            "session": session,
-            "policy": self.cluster.volumes[cmd.volume].to_dict(),
-        }
+        return MountInfo(ROOT, session, self.cluster.volumes[cmd.volume].to_dict())
 
     def _close_session(self, cmd: C.CloseSession) -> None:
         """The leader then drops the session's opens and purges orphans it held."""
@@ -637,7 +644,7 @@ class MetaState:
                 freed += 1
         return freed
 
-    def check_open(self, volume: str, ino: int, session: str) -> dict[str, Any]:
+    def check_open(self, volume: str, ino: int, session: str) -> Attr:
         """What the leader checks before it counts an open: the session is on
         this volume and the inode a regular file (an orphan too); its attrs."""
         vol = self._vol(volume)
@@ -678,7 +685,7 @@ class MetaState:
         now: int,
         data: Any,
         size: int = 0,
-    ) -> dict[str, Any]:
+    ) -> Attr:
         parent = self._dir(vol, parent_ino)
         if name in parent.data.entries:
             raise Exists(f"{name!r} exists in directory {parent_ino}")
@@ -697,19 +704,19 @@ class MetaState:
         self._touch(parent, now)
         return self.attr(inode)
 
-    def _mknod(self, cmd: C.Mknod) -> dict[str, Any]:
+    def _mknod(self, cmd: C.Mknod) -> Attr:
         vol = self._vol(cmd.volume)
         mode = cmd.mode if _kind(cmd.mode) else cmd.mode | _S_IFREG
         kind = _kind(mode)
         data = cmd.rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else None
         return self._create(vol, cmd.parent, cmd.name, mode, cmd.uid, cmd.gid, cmd.now_ns, data)
 
-    def _mkdir(self, cmd: C.Mkdir) -> dict[str, Any]:
+    def _mkdir(self, cmd: C.Mkdir) -> Attr:
         vol = self._vol(cmd.volume)
         mode = (cmd.mode & 0o7777) | _S_IFDIR
         return self._create(vol, cmd.parent, cmd.name, mode, cmd.uid, cmd.gid, cmd.now_ns, Dir())
 
-    def _symlink(self, cmd: C.Symlink) -> dict[str, Any]:
+    def _symlink(self, cmd: C.Symlink) -> Attr:
         vol = self._vol(cmd.volume)
         return self._create(
             vol,
@@ -723,7 +730,7 @@ class MetaState:
             size=len(cmd.target),
         )
 
-    def _link(self, cmd: C.Link) -> dict[str, Any]:
+    def _link(self, cmd: C.Link) -> Attr:
         vol = self._vol(cmd.volume)
         inode = self._inode(vol, cmd.ino)
         if inode.is_dir:
@@ -886,7 +893,7 @@ class MetaState:
         self._touch(src_dir, cmd.now_ns)
         self._touch(dst_dir, cmd.now_ns)
 
-    def _setattr(self, cmd: C.SetAttr) -> dict[str, Any]:
+    def _setattr(self, cmd: C.SetAttr) -> Attr:
         vol = self._vol(cmd.volume)
         inode = self._inode(vol, cmd.ino)
         kind = _kind(inode.mode)
@@ -957,7 +964,7 @@ class MetaState:
             inode.xattrs = None
         inode.ctime = cmd.now_ns
 
-    def _set_quota(self, cmd: C.SetQuota) -> dict[str, Any]:
+    def _set_quota(self, cmd: C.SetQuota) -> Usage:
         vol = self._vol(cmd.volume)
         inode = self._dir(vol, cmd.ino)
         d: Dir = inode.data
@@ -972,7 +979,7 @@ class MetaState:
         self.next_slice += cmd.count
         return first
 
-    def _write_slice(self, cmd: C.WriteSlice) -> dict[str, Any]:
+    def _write_slice(self, cmd: C.WriteSlice) -> Attr:
         vol = self._vol(cmd.volume)
         inode = self._inode(vol, cmd.ino)
         kind = _kind(inode.mode)
@@ -1001,7 +1008,7 @@ class MetaState:
         inode.mtime = inode.ctime = cmd.mtime_ns
         return self.attr(inode)
 
-    def _compact_chunk(self, cmd: C.CompactChunk) -> dict[str, Any]:
+    def _compact_chunk(self, cmd: C.CompactChunk) -> Attr:
         vol = self._vol(cmd.volume)
         inode = self._inode(vol, cmd.ino)
         if _kind(inode.mode) != _S_IFREG:
@@ -1039,9 +1046,9 @@ class MetaState:
     def _remove_node(self, cmd: C.RemoveNode) -> int:
         return self.cluster.remove(cmd.kind, cmd.node_id)
 
-    # -- reads (called by the service after read_index) -------------------------------
+    # -- reads (run by the queries, on the leader) --------------------------------------
 
-    def lookup(self, volume: str, parent: int, name: bytes) -> dict[str, Any]:
+    def lookup(self, volume: str, parent: int, name: bytes) -> Attr:
         C.check_name(name)
         vol = self._vol(volume)
         d = self._dir(vol, parent)
@@ -1050,7 +1057,7 @@ class MetaState:
             raise NotFound(f"no {name!r} in directory {parent}")
         return self.attr(vol.inodes[ino])
 
-    def getattr(self, volume: str, ino: int) -> dict[str, Any]:
+    def getattr(self, volume: str, ino: int) -> Attr:
         return self.attr(self._inode(self._vol(volume), ino))
 
     def readlink(self, volume: str, ino: int) -> bytes:
@@ -1059,9 +1066,9 @@ class MetaState:
             raise InvalidArgument(f"inode {ino} is not a symlink")
         return inode.data
 
-    def readdir(self, volume: str, ino: int, cookie: int, limit: int) -> list[list[Any]]:
+    def readdir(self, volume: str, ino: int, cookie: int, limit: int) -> list[DirEntry]:
         """Entries after ``cookie`` (0: from the start), at most ``limit`` of them,
-        as ``[name, attr, cookie_of_this_entry]``."""
+        each with its own cookie."""
         if not isinstance(cookie, int) or cookie < 0 or not isinstance(limit, int) or limit < 1:
             raise InvalidArgument("cookie must be >= 0 and limit >= 1")
         vol = self._vol(volume)
@@ -1069,7 +1076,7 @@ class MetaState:
         if not inode.is_dir:
             raise NotADirectory(f"inode {ino} is not a directory")
         d: Dir = inode.data
-        out: list[list[Any]] = []
+        out: list[DirEntry] = []
         inodes = vol.inodes
         if cookie and len(d.entries) >= INDEX_MIN_ENTRIES:
             if d.index is None:
@@ -1078,13 +1085,13 @@ class MetaState:
             start = bisect.bisect_right(cookies, cookie)
             for name in names[start : start + limit]:
                 packed = d.entries[name]
-                out.append([name, self.attr(inodes[packed & INO_MASK]), packed >> INO_BITS])
+                out.append(DirEntry(name, self.attr(inodes[packed & INO_MASK]), packed >> INO_BITS))
             return out
         for name, packed in d.entries.items():
             c = packed >> INO_BITS
             if c <= cookie:
                 continue
-            out.append([name, self.attr(inodes[packed & INO_MASK]), c])
+            out.append(DirEntry(name, self.attr(inodes[packed & INO_MASK]), c))
             if len(out) >= limit:
                 break
         return out
@@ -1099,7 +1106,8 @@ class MetaState:
         inode = self._inode(self._vol(volume), ino)
         return list(inode.xattrs or ())
 
-    def read_chunk(self, volume: str, ino: int, chunk: int) -> list[list[int]]:
+    def read_chunk(self, volume: str, ino: int, chunk: int) -> list[tuple[int, int, int, int]]:
+        """``(slice_id, pos, length, offset)`` per slice, in commit order."""
         if not isinstance(chunk, int) or not 0 <= chunk < C.U32:
             raise InvalidArgument(f"bad chunk index {chunk!r}")
         inode = self._inode(self._vol(volume), ino)
@@ -1107,22 +1115,17 @@ class MetaState:
             raise IsADirectory(f"inode {ino} is a directory")
         if _kind(inode.mode) != _S_IFREG:
             raise InvalidArgument(f"inode {ino} is not a regular file")
-        return [[s, p, n, o] for s, p, n, o, _ in _chunk_records(inode.data, chunk)]
+        return [(s, p, n, o) for s, p, n, o, _ in _chunk_records(inode.data, chunk)]
 
-    def usage(self, volume: str, ino: int) -> dict[str, Any]:
+    def usage(self, volume: str, ino: int) -> Usage:
         vol = self._vol(volume)
         inode = self._inode(vol, ino)
         if not inode.is_dir:
             raise NotADirectory(f"inode {ino} is not a directory")
         d: Dir = inode.data
-        return {
-            "bytes": d.ubytes,
-            "inodes": d.uinodes,
-            "max_bytes": d.qbytes,
-            "max_inodes": d.qinodes,
-        }
+        return Usage(d.ubytes, d.uinodes, d.qbytes, d.qinodes)
 
-    def statfs(self, volume: str) -> dict[str, Any]:
+    def statfs(self, volume: str) -> FsStats:
         vol = self._vol(volume)
         capacity, _reported = self.cluster.capacity()
         used = sum(v.used_bytes for v in self.volumes.values())
@@ -1131,28 +1134,28 @@ class MetaState:
         free = max(total - used, 0)
         files = len(vol.inodes)
         max_files = MAX_INO
-        return {
-            "bsize": bsize,
-            "frsize": bsize,
-            "blocks": total // bsize,
-            "bfree": free // bsize,
-            "bavail": free // bsize,
-            "files": max_files,
-            "ffree": max_files - files,
-            "favail": max_files - files,
-            "namemax": C.NAME_MAX,
-            "used_bytes": vol.used_bytes,
-            "used_inodes": files,
-        }
+        return FsStats(
+            bsize=bsize,
+            frsize=bsize,
+            blocks=total // bsize,
+            bfree=free // bsize,
+            bavail=free // bsize,
+            files=max_files,
+            ffree=max_files - files,
+            favail=max_files - files,
+            namemax=C.NAME_MAX,
+            used_bytes=vol.used_bytes,
+            used_inodes=files,
+        )
 
-    def trash(self, volume: str, limit: int, before_ns: int | None = None) -> list[list[int]]:
-        """Unreferenced slices, oldest first: ``[slice_id, slice_size, deleted_ns]``."""
+    def trash(self, volume: str, limit: int, before_ns: int | None = None) -> list[TrashEntry]:
+        """Unreferenced slices, oldest first."""
         vol = self._vol(volume)
-        out: list[list[int]] = []
+        out: list[TrashEntry] = []
         for rec in _TRASH.iter_unpack(vol.trash):
             if before_ns is not None and rec[2] >= before_ns:
                 continue
-            out.append(list(rec))
+            out.append(TrashEntry._make(rec))
             if len(out) >= limit:
                 break
         return out

@@ -1,11 +1,22 @@
-"""The metanode RPC service: the contract's methods on top of a RaftNode.
+"""The metanode RPC service: the commands and queries on top of a RaftNode.
 
-Mutations are validated by constructing their :mod:`commands` class (a bad
-argument is refused here, before it reaches the log), stamped with the
-leader's clock, and proposed; the apply result comes back, or its
+The interface is the classes: every client command (:mod:`cachefs.commands`, those
+with a ``NAME``) and every query (:mod:`cachefs.queries`) is served as the RPC
+method of its ``NAME`` by one generic handler (:func:`_serves_interface`).
+
+Mutations: the handler decodes the request into its command (which
+validates it: a bad argument is refused here, before it reaches the log),
+stamps it with the leader's clock, and :meth:`MetaService.mutate` proposes
+it; the apply result comes back, or its
 :class:`~cachefs.metanode.namespace.Failure` is raised as the typed error.
-Reads are linearizable: they wait for ``read_index`` and then read the
-local state. With ``read_lease`` on (the default), a leader that had its
+The few commands that need the leader's own work around the proposal (a
+stamp from its soft state, a token to hash or check, soft state to update
+after) name it in ``_COMMAND_HOOKS``, one table next to the handler.
+
+Reads: the handler decodes the query, and :meth:`MetaService.query` runs its
+state-machine read (its ``run``); the leader's soft state and the cluster
+map are answered by ``_QUERY_HOOKS`` instead. Reads are linearizable: they
+wait for ``read_index`` and then read the local state. With ``read_lease`` on (the default), a leader that had its
 leadership confirmed by a quorum at most half an election timeout ago serves
 reads without another round (the issue's "leader lease bounded by the
 election timeout"): followers that confirmed it ignore votes for an election
@@ -26,6 +37,7 @@ see :class:`~.opentable.OpenTable`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,10 +45,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from cachefs.errors import CacheFSError, FileTooLarge, NotLeader
+from cachefs import commands as C
+from cachefs import queries as Q
+from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
 from cachefs.rpc import rpc_method
 
-from . import commands as C
 from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
 
@@ -49,10 +62,37 @@ T = TypeVar("T")
 
 SESSION_TIMEOUT = 60.0
 NODE_TIMEOUT = 15.0
-MAX_READDIR = 10_000
 LEASE_FRACTION = 0.5  # of the shortest election timeout
 
 
+def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
+    """Give ``cls`` one RPC method per client command and per query, named by
+    the class's ``NAME``, whose one argument ``a`` is the class's wire list
+    (``Command.to_request`` / ``Query.to_wire``). Query handlers are plain
+    functions, so the RPC reader answers them inline (see ``_answer``)."""
+
+    def mutation(command: type[C.Command[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def handle(self: MetaService, a: list, token: str | None = None) -> Any:
+            return await self.mutate(command.from_request(a, time.time_ns()), token)
+
+        return handle
+
+    def query(query: type[Q.Query[Any]]) -> Callable[..., Any]:
+        def handle(self: MetaService, a: list) -> Any:
+            return self.query(query.from_wire(a))
+
+        return handle
+
+    for name, command in C.REQUESTS.items():
+        setattr(cls, f"_rpc_{name}", rpc_method(mutation(command), name=name))
+    for name, q in Q.QUERIES.items():
+        if not hasattr(q, "run") and q not in cls._QUERY_HOOKS:
+            raise TypeError(f"query {q.__name__} has neither a state read (run) nor a hook")
+        setattr(cls, f"_rpc_{name}", rpc_method(query(q), name=name))
+    return cls
+
+
+@_serves_interface
 class MetaService:
     """Register with ``RpcServer(MetaService(state, node), ...)``."""
 
@@ -88,8 +128,7 @@ class MetaService:
             raise NotLeader("metanode is starting", leader=None)
         return self.node
 
-    async def _propose(self, cls: type[C.Command], client_id: str, seq: int, *args: Any) -> Any:
-        cmd = cls(client_id, seq, time.time_ns(), *args)  # validates: may raise EINVAL etc.
+    async def _propose(self, cmd: C.Command[Any]) -> Any:
         result = await self._raft().propose(cmd.encode(), decoded=cmd)
         if isinstance(result, Failure):
             raise result.error()
@@ -142,19 +181,12 @@ class MetaService:
             self._leader_term = node.term
         self._was_leader = leader
 
-    async def _propose_freeing(
-        self,
-        cls: type[C.Command],
-        client_id: str,
-        seq: int,
-        inos: list[tuple[str, int]],
-        *args: Any,
-    ) -> Any:
+    async def _propose_freeing(self, cmd: C.Command[Any], inos: list[tuple[str, int]]) -> Any:
         """Propose a command that may free ``inos``; opens of them wait for it."""
         for key in inos:
             self._freeing[key] = self._freeing.get(key, 0) + 1
         try:
-            return await self._propose(cls, client_id, seq, *args)
+            return await self._propose(cmd)
         finally:
             for key in inos:
                 left = self._freeing[key] - 1
@@ -166,21 +198,15 @@ class MetaService:
             self._freed = trio.Event()
 
     async def _propose_drop(
-        self,
-        cls: type[C.Command],
-        client_id: str,
-        seq: int,
-        volume: str,
-        parent: int,
-        name: bytes,
-        *args: Any,
+        self, cmd: C.Unlink | C.Rename, volume: str, parent: int, name: bytes
     ) -> Any:
         """Unlink or rename over ``parent/name``, stamped with ``(expect, keep)``."""
         self._check_leadership()
         expect = self.state.predict_drop(volume, parent, name)
         keep = self.opens.keep(self.state, volume, expect)
         freeing = [(volume, expect)] if expect and not keep else []
-        result = await self._propose_freeing(cls, client_id, seq, freeing, *args, expect, keep)
+        stamped = dataclasses.replace(cmd, expect=expect, keep=keep)
+        result = await self._propose_freeing(stamped, freeing)
         if keep:
             self._wake.set()  # kept an orphan nobody may hold: purge it soon
         return result
@@ -213,9 +239,8 @@ class MetaService:
                 if not self.opens.is_open(name, i) and (name, i) not in self._freeing
             ][:100_000]
             if inos:
-                freed += await self._propose_freeing(
-                    C.PurgeOrphans, "", 0, [(name, i) for i in inos], name, inos
-                )
+                cmd = C.PurgeOrphans(name, tuple(inos), now_ns=time.time_ns())
+                freed += await self._propose_freeing(cmd, [(name, i) for i in inos])
         return freed
 
     async def run_housekeeping(
@@ -240,7 +265,7 @@ class MetaService:
                 if now - seen > self.session_timeout:
                     log.info("session %s silent for %.0fs: closing it", sid, now - seen)
                     try:
-                        await self._propose(C.CloseSession, "", 0, sid)
+                        await self._propose(C.CloseSession(sid, now_ns=time.time_ns()))
                     except CacheFSError as exc:
                         log.info("could not expire session %s: %s", sid, exc)
                     self._session_seen.pop(sid, None)
@@ -258,6 +283,158 @@ class MetaService:
     def _touch_session(self, session: str) -> None:
         self._session_seen[session] = time.monotonic()
 
+    # -- the interface: one handler for every command, one for every query -----------
+
+    async def mutate(self, cmd: C.Command[Any], token: str | None = None) -> Any:
+        """Propose a client's command (decoded and stamped with ``now_ns``),
+        through its leader hook if it has one; ``token``: a volume's mount
+        token, for the commands that take one (it never enters the log)."""
+        if token is not None and type(cmd) not in self._TAKES_TOKEN:
+            raise InvalidArgument(f"{cmd.NAME} takes no token")
+        hook = self._COMMAND_HOOKS.get(type(cmd))
+        if hook is None:
+            return await self._propose(cmd)
+        return await hook(self, cmd, token)
+
+    def query(self, q: Q.Query[Any]) -> Any:
+        """Answer a query: its state read (inline under the lease), or its hook."""
+        hook = self._QUERY_HOOKS.get(type(q))
+        if hook is None:
+            return self._answer(q.run)  # type: ignore[attr-defined]  # checked at class build
+        return hook(self, q)
+
+    # -- leader hooks of commands ------------------------------------------------------
+
+    async def _with_token_hash(
+        self, cmd: C.CreateVolume | C.SetVolumeAccess, token: str | None
+    ) -> Any:
+        """Stamp the hash of the request's token: mounts then need the token."""
+        return await self._propose(
+            dataclasses.replace(cmd, token_hash=hash_token(token) if token else "")
+        )
+
+    async def _mount_volume(self, cmd: C.MountVolume, token: str | None) -> Any:
+        """Open a session; a volume with a token refuses a wrong or missing one
+        (PermissionDenied). The token never enters the log."""
+        (await self._read()).check_volume_token(cmd.volume, token)
+        self._check_leadership()
+        term = self._leader_term
+        # decoded as a client would: a retry answered from a restored dedup table is an array
+        info = C.MountVolume.REPLY(await self._propose(cmd))
+        self._check_leadership()
+        if self._leader_term == term:  # mounted on this leader's watch: no opens yet
+            self.opens.known.add(info.session)
+        self._touch_session(info.session)
+        return info
+
+    async def _close_session(self, cmd: C.CloseSession, token: None) -> None:
+        self._session_seen.pop(cmd.session, None)
+        await self._propose(cmd)
+        self.opens.end_session(cmd.session)
+        try:  # unmount frees the unlinked files it held before it returns
+            await self.purge_orphans()
+        except CacheFSError as exc:
+            log.info("could not purge orphans: %s", exc)
+            self._wake.set()
+
+    async def _unlink(self, cmd: C.Unlink, token: None) -> None:
+        await self._propose_drop(cmd, cmd.volume, cmd.parent, cmd.name)
+
+    async def _rename(self, cmd: C.Rename, token: None) -> None:
+        if cmd.flags & C.RENAME_EXCHANGE:  # drops nothing
+            await self._propose(cmd)
+        else:
+            await self._propose_drop(cmd, cmd.volume, cmd.new_parent, cmd.new_name)
+
+    async def _register_node(self, cmd: C.RegisterNode, token: None) -> int:
+        epoch = await self._propose(cmd)
+        self.state.cluster.heartbeat(
+            cmd.kind, cmd.node_id, self._used(cmd.kind, cmd.node_id), time.monotonic()
+        )
+        return epoch
+
+    def _used(self, kind: str, node_id: str) -> int:
+        nodes = (
+            self.state.cluster.datanodes if kind == "datanode" else self.state.cluster.cachenodes
+        )
+        node = nodes.get(node_id)
+        return node.used if node else 0
+
+    _TAKES_TOKEN = frozenset({C.CreateVolume, C.SetVolumeAccess, C.MountVolume})
+    _COMMAND_HOOKS: dict[type, Callable[..., Awaitable[Any]]] = {
+        C.CreateVolume: _with_token_hash,
+        C.SetVolumeAccess: _with_token_hash,
+        C.MountVolume: _mount_volume,
+        C.CloseSession: _close_session,
+        C.Unlink: _unlink,
+        C.Rename: _rename,
+        C.RegisterNode: _register_node,
+    }
+
+    # -- queries the service answers: soft state and the cluster map -------------------
+
+    async def _open(self, q: Q.Open) -> Any:
+        """Count an open (see :class:`OpenTable`); a retry simply counts again."""
+        state = await self._leader_read()
+        state.check_open(q.volume, q.ino, q.session)
+        self._touch_session(q.session)
+        self.opens.open(q.volume, q.session, q.ino, time.time_ns())
+        while (q.volume, q.ino) in self._freeing:  # stamped "not open" before we counted
+            await self._freed.wait()
+        try:
+            return state.check_open(q.volume, q.ino, q.session)
+        except CacheFSError:
+            self.opens.release(q.volume, q.session, q.ino)  # the unlink came first
+            raise
+
+    async def _release(self, q: Q.Release) -> None:
+        state = await self._leader_read()
+        self._touch_session(q.session)
+        if self.opens.release(q.volume, q.session, q.ino):
+            vol = state.volumes.get(q.volume)
+            if vol is not None and q.ino in vol.orphans:
+                self._wake.set()
+
+    async def _leader_read(self) -> MetaState:
+        """A read on the leader, with the open table of the current term."""
+        state = await self._read()
+        self._check_leadership()
+        if not self._was_leader:
+            node = self._raft()
+            raise NotLeader("not the leader", leader=node.leader_addr)
+        return state
+
+    async def _session_heartbeat(self, q: Q.SessionHeartbeat) -> bool:
+        state = await self._read()
+        s = state.sessions.get(q.session)
+        if s is None:
+            return False
+        self._touch_session(q.session)
+        if q.opens is not None:
+            self._check_leadership()
+            self.opens.announce(s.volume, q.session, list(q.opens))
+            self._wake.set()
+        return True
+
+    async def _node_heartbeat(self, q: Q.NodeHeartbeat) -> None:
+        """Soft state: no log entry; only the leader keeps it."""
+        state = await self._read()
+        self._check_leadership()
+        state.cluster.heartbeat(q.kind, q.node_id, q.used, time.monotonic())
+
+    async def _cluster_map(self, q: Q.ClusterMap) -> dict[str, Any]:
+        state = await self._read()
+        self._check_leadership()  # a new leader restarts the liveness clocks first
+        return q.run(state)
+
+    _QUERY_HOOKS: dict[type, Callable[..., Awaitable[Any]]] = {
+        Q.Open: _open,
+        Q.Release: _release,
+        Q.SessionHeartbeat: _session_heartbeat,
+        Q.NodeHeartbeat: _node_heartbeat,
+        Q.ClusterMap: _cluster_map,
+    }
+
     # -- status ---------------------------------------------------------------------
 
     @rpc_method
@@ -274,433 +451,3 @@ class MetaService:
             "volumes": len(self.state.volumes),
             "sessions": len(self.state.sessions),
         }
-
-    # -- volumes and sessions ---------------------------------------------------------
-
-    @rpc_method
-    async def create_volume(
-        self,
-        name: str,
-        policy: str,
-        compression: str = "none",
-        block_size: int = 4 << 20,
-        pg_count: int = 64,
-        client_id: str = "",
-        seq: int = 0,
-        token: str | None = None,
-    ) -> dict:
-        """``token``: mounts then need it; without one the volume is open."""
-        hashed = hash_token(token) if token else ""
-        return await self._propose(
-            C.CreateVolume, client_id, seq, name, policy, compression, block_size, pg_count, hashed
-        )
-
-    @rpc_method
-    async def set_volume_access(
-        self, name: str, token: str | None = None, client_id: str = "", seq: int = 0
-    ) -> dict:
-        """Require ``token`` for mounts of ``name`` from now on, or (None) open it."""
-        return await self._propose(
-            C.SetVolumeAccess, client_id, seq, name, hash_token(token) if token else ""
-        )
-
-    @rpc_method
-    async def set_volume(
-        self, name: str, compression: str, client_id: str = "", seq: int = 0
-    ) -> dict:
-        """Change a volume's compression (for new blocks)."""
-        return await self._propose(C.SetVolumeCompression, client_id, seq, name, compression)
-
-    @rpc_method
-    async def list_volumes(self) -> dict:
-        state = await self._read()
-        out = {}
-        for name, spec in state.cluster.volumes.items():
-            stats = state.statfs(name)
-            out[name] = {
-                **spec.to_dict(),
-                "used_bytes": stats["used_bytes"],
-                "used_inodes": stats["used_inodes"],
-                "open": not state.volumes[name].token_hash,
-            }
-        return out
-
-    @rpc_method
-    async def mount_volume(
-        self, volume: str, client_id: str, seq: int = 0, token: str | None = None
-    ) -> dict:
-        """Open a session; a volume with a token refuses a wrong or missing one
-        (PermissionDenied). The token never enters the log."""
-        (await self._read()).check_volume_token(volume, token)
-        self._check_leadership()
-        term = self._leader_term
-        result = await self._propose(C.MountVolume, client_id, seq, volume)
-        self._check_leadership()
-        if self._leader_term == term:  # mounted on this leader's watch: no opens yet
-            self.opens.known.add(result["session"])
-        self._touch_session(result["session"])
-        return result
-
-    @rpc_method
-    async def session_heartbeat(self, session: str, opens: list | None = None) -> bool:
-        """Keep a session alive; False if it is gone (the client must remount).
-        ``opens``: the inodes the session has open, which a new leader learns
-        this way (see :class:`OpenTable`)."""
-        state = await self._read()
-        s = state.sessions.get(session)
-        if s is None:
-            return False
-        self._touch_session(session)
-        if opens is not None:
-            self._check_leadership()
-            self.opens.announce(s.volume, session, [int(i) for i in opens])
-            self._wake.set()
-        return True
-
-    @rpc_method
-    async def close_session(
-        self, volume: str, session: str, client_id: str = "", seq: int = 0
-    ) -> None:
-        self._session_seen.pop(session, None)
-        await self._propose(C.CloseSession, client_id, seq, session)
-        self.opens.end_session(session)
-        try:  # unmount frees the unlinked files it held before it returns
-            await self.purge_orphans()
-        except CacheFSError as exc:
-            log.info("could not purge orphans: %s", exc)
-            self._wake.set()
-
-    # -- namespace reads ----------------------------------------------------------------
-
-    @rpc_method
-    def lookup(self, volume: str, parent: int, name: bytes) -> dict | Awaitable[dict]:
-        return self._answer(lambda s: s.lookup(volume, parent, name))
-
-    @rpc_method
-    def getattr(self, volume: str, ino: int) -> dict | Awaitable[dict]:
-        return self._answer(lambda s: s.getattr(volume, ino))
-
-    @rpc_method
-    def readlink(self, volume: str, ino: int) -> bytes | Awaitable[bytes]:
-        return self._answer(lambda s: s.readlink(volume, ino))
-
-    @rpc_method
-    def readdir(self, volume: str, ino: int, cookie: int = 0, limit: int = 1000) -> list | Awaitable[list]:
-        return self._answer(lambda s: s.readdir(volume, ino, cookie, min(limit, MAX_READDIR)))
-
-    @rpc_method
-    def statfs(self, volume: str) -> dict | Awaitable[dict]:
-        return self._answer(lambda s: s.statfs(volume))
-
-    @rpc_method
-    def getxattr(self, volume: str, ino: int, name: bytes) -> bytes | Awaitable[bytes]:
-        return self._answer(lambda s: s.getxattr(volume, ino, name))
-
-    @rpc_method
-    def listxattr(self, volume: str, ino: int) -> list | Awaitable[list]:
-        return self._answer(lambda s: s.listxattr(volume, ino))
-
-    @rpc_method
-    def read_chunk(self, volume: str, ino: int, chunk: int) -> list | Awaitable[list]:
-        return self._answer(lambda s: s.read_chunk(volume, ino, chunk))
-
-    @rpc_method
-    def get_usage(self, volume: str, ino: int) -> dict | Awaitable[dict]:
-        """Bytes and inodes of a directory's subtree, and its quota."""
-        return self._answer(lambda s: s.usage(volume, ino))
-
-    @rpc_method
-    def list_trash(
-        self, volume: str, limit: int = 1000, before_ns: int | None = None
-    ) -> list | Awaitable[list]:
-        """Unreferenced slices for the garbage collector: ``[slice_id, size, deleted_ns]``."""
-        return self._answer(lambda s: s.trash(volume, max(1, min(limit, 100_000)), before_ns))
-
-    # -- namespace mutations -------------------------------------------------------------
-
-    @rpc_method
-    async def setattr(
-        self,
-        volume: str,
-        ino: int,
-        mode: int | None = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        size: int | None = None,
-        atime_ns: int | None = None,
-        mtime_ns: int | None = None,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        if isinstance(size, int) and size > C.MAX_FILE_SIZE:
-            # truncate(2) says EFBIG here; the command's own check says EINVAL.
-            raise FileTooLarge(f"size {size} is past the largest file ({C.MAX_FILE_SIZE})")
-        return await self._propose(
-            C.SetAttr, client_id, seq, volume, ino, mode, uid, gid, size, atime_ns, mtime_ns
-        )
-
-    @rpc_method
-    async def mknod(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        mode: int,
-        rdev: int = 0,
-        uid: int = 0,
-        gid: int = 0,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(
-            C.Mknod, client_id, seq, volume, parent, name, mode, rdev, uid, gid
-        )
-
-    @rpc_method
-    async def mkdir(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        mode: int,
-        uid: int = 0,
-        gid: int = 0,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(C.Mkdir, client_id, seq, volume, parent, name, mode, uid, gid)
-
-    @rpc_method
-    async def symlink(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        target: bytes,
-        uid: int = 0,
-        gid: int = 0,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(
-            C.Symlink, client_id, seq, volume, parent, name, target, uid, gid
-        )
-
-    @rpc_method
-    async def link(
-        self,
-        volume: str,
-        ino: int,
-        new_parent: int,
-        new_name: bytes,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(C.Link, client_id, seq, volume, ino, new_parent, new_name)
-
-    @rpc_method
-    async def unlink(
-        self, volume: str, parent: int, name: bytes, client_id: str = "", seq: int = 0
-    ) -> None:
-        await self._propose_drop(
-            C.Unlink, client_id, seq, volume, parent, name, volume, parent, name
-        )
-
-    @rpc_method
-    async def rmdir(
-        self, volume: str, parent: int, name: bytes, client_id: str = "", seq: int = 0
-    ) -> None:
-        await self._propose(C.Rmdir, client_id, seq, volume, parent, name)
-
-    @rpc_method
-    async def rename(
-        self,
-        volume: str,
-        parent: int,
-        name: bytes,
-        new_parent: int,
-        new_name: bytes,
-        flags: int = 0,
-        new_volume: str | None = None,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> None:
-        if flags & C.RENAME_EXCHANGE:  # drops nothing
-            await self._propose(
-                C.Rename, client_id, seq, volume, parent, name, new_parent, new_name, flags,
-                new_volume,
-            )  # fmt: skip
-            return
-        await self._propose_drop(
-            C.Rename, client_id, seq, volume, new_parent, new_name,
-            volume, parent, name, new_parent, new_name, flags, new_volume,
-        )  # fmt: skip
-
-    @rpc_method
-    async def setxattr(
-        self,
-        volume: str,
-        ino: int,
-        name: bytes,
-        value: bytes,
-        flags: int = 0,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> None:
-        await self._propose(C.SetXattr, client_id, seq, volume, ino, name, value, flags)
-
-    @rpc_method
-    async def removexattr(
-        self, volume: str, ino: int, name: bytes, client_id: str = "", seq: int = 0
-    ) -> None:
-        await self._propose(C.RemoveXattr, client_id, seq, volume, ino, name)
-
-    @rpc_method
-    async def open(
-        self, volume: str, ino: int, session: str, client_id: str = "", seq: int = 0
-    ) -> dict:
-        """Count an open of a regular file: leader soft state, no log entry
-        (see :class:`OpenTable`). Idempotent per session and inode."""
-        del client_id, seq  # not a log entry: a retry simply counts again
-        state = await self._leader_read()
-        state.check_open(volume, ino, session)
-        self._touch_session(session)
-        self.opens.open(volume, session, ino, time.time_ns())
-        while (volume, ino) in self._freeing:  # stamped "not open" before we counted
-            await self._freed.wait()
-        try:
-            return state.check_open(volume, ino, session)
-        except CacheFSError:
-            self.opens.release(volume, session, ino)  # the unlink came first
-            raise
-
-    @rpc_method
-    async def release(
-        self, volume: str, ino: int, session: str, client_id: str = "", seq: int = 0
-    ) -> None:
-        """Uncount an open (soft state); the last release of an orphan purges it."""
-        del client_id, seq
-        state = await self._leader_read()
-        self._touch_session(session)
-        if self.opens.release(volume, session, ino):
-            vol = state.volumes.get(volume)
-            if vol is not None and ino in vol.orphans:
-                self._wake.set()
-
-    async def _leader_read(self) -> MetaState:
-        """A read on the leader, with the open table of the current term."""
-        state = await self._read()
-        self._check_leadership()
-        if not self._was_leader:
-            node = self._raft()
-            raise NotLeader("not the leader", leader=node.leader_addr)
-        return state
-
-    @rpc_method
-    async def set_quota(
-        self,
-        volume: str,
-        ino: int,
-        max_bytes: int | None = None,
-        max_inodes: int | None = None,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(C.SetQuota, client_id, seq, volume, ino, max_bytes, max_inodes)
-
-    # -- data -------------------------------------------------------------------------
-
-    @rpc_method
-    async def alloc_slices(self, count: int = 1, client_id: str = "", seq: int = 0) -> int:
-        return await self._propose(C.AllocSlices, client_id, seq, count)
-
-    @rpc_method
-    async def write_slice(
-        self,
-        volume: str,
-        ino: int,
-        chunk: int,
-        slice_id: int,
-        pos: int,
-        length: int,
-        offset: int,
-        mtime_ns: int,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(
-            C.WriteSlice,
-            client_id,
-            seq,
-            volume,
-            ino,
-            chunk,
-            slice_id,
-            pos,
-            length,
-            offset,
-            mtime_ns,
-        )
-
-    @rpc_method
-    async def compact_chunk(
-        self,
-        volume: str,
-        ino: int,
-        chunk: int,
-        expect: list,
-        slice_id: int,
-        length: int,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> dict:
-        return await self._propose(
-            C.CompactChunk, client_id, seq, volume, ino, chunk, expect, slice_id, length
-        )
-
-    @rpc_method
-    async def purge_trash(
-        self, volume: str, slice_ids: list, client_id: str = "", seq: int = 0
-    ) -> int:
-        return await self._propose(C.PurgeTrash, client_id, seq, volume, slice_ids)
-
-    # -- cluster map --------------------------------------------------------------------
-
-    @rpc_method
-    async def cluster_map(self) -> dict:
-        state = await self._read()
-        self._check_leadership()
-        return state.cluster.to_dict()
-
-    @rpc_method
-    async def register_node(
-        self,
-        kind: str,
-        id: str,
-        addr: str,
-        zone: str,
-        capacity: int,
-        client_id: str = "",
-        seq: int = 0,
-    ) -> int:
-        epoch = await self._propose(C.RegisterNode, client_id, seq, kind, id, addr, zone, capacity)
-        self.state.cluster.heartbeat(kind, id, self._used(kind, id), time.monotonic())
-        return epoch
-
-    def _used(self, kind: str, node_id: str) -> int:
-        nodes = (
-            self.state.cluster.datanodes if kind == "datanode" else self.state.cluster.cachenodes
-        )
-        node = nodes.get(node_id)
-        return node.used if node else 0
-
-    @rpc_method
-    async def remove_node(self, kind: str, id: str, client_id: str = "", seq: int = 0) -> int:
-        return await self._propose(C.RemoveNode, client_id, seq, kind, id)
-
-    @rpc_method
-    async def node_heartbeat(self, kind: str, id: str, used: int = 0) -> None:
-        """Soft state: no log entry; only the leader keeps it."""
-        state = await self._read()
-        self._check_leadership()
-        state.cluster.heartbeat(kind, id, used, time.monotonic())

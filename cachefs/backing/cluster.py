@@ -5,9 +5,9 @@ placement groups, as a frozen snapshot of the metanodes' cluster map
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -15,6 +15,10 @@ from cachefs.backing.placement import pg_of, place_pgs
 from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import CacheFSError, InvalidArgument, NotFound, Unavailable
 from cachefs.ids import BlockKey
+from cachefs.queries import ClusterMap
+
+if TYPE_CHECKING:
+    from cachefs.metanode.client import MetaClient
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +112,15 @@ class ClusterView:
 
 
 class MetaClusterView:
-    """A :class:`ClusterView` kept fresh from the metanodes.
+    """A :class:`ClusterView` kept fresh from the metanodes (``meta``: a
+    ``MetaClient``)."""
 
-    ``fetch`` is any coroutine function returning the ``cluster_map()`` dict,
-    normally ``MetaClient.cluster_map``.
-    """
-
-    def __init__(self, fetch: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
-        self._fetch = fetch
+    def __init__(self, meta: MetaClient) -> None:
+        self._meta = meta
         self.current = ClusterView([], [])
 
     async def refresh(self) -> ClusterView:
-        self.current = ClusterView.from_map(await self._fetch())
+        self.current = ClusterView.from_map(await self._meta.query(ClusterMap()))
         return self.current
 
     async def run(self, interval: float = 5.0) -> None:

@@ -40,6 +40,8 @@ from typing import Any
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import HOLE, Slice
@@ -98,7 +100,7 @@ class GarbageCollector:
         self._limit = trio.Semaphore(parallel)
 
     async def _block_size(self, volume: str) -> int:
-        cmap = await self.meta.cluster_map()
+        cmap = await self.meta.query(Q.ClusterMap())
         try:
             return int(cmap["volumes"][volume]["block_size"])
         except KeyError:
@@ -119,22 +121,22 @@ class GarbageCollector:
         block_size = await self._block_size(volume)
         before = time.time_ns() - int(self.grace * 1e9) if before_ns is None else before_ns
         while True:
-            rows = await self.meta.list_trash(volume, limit=TRASH_PAGE, before_ns=before)
+            rows = await self.meta.query(Q.ListTrash(volume, TRASH_PAGE, before))
             if not rows:
                 break
             ids = []
             for slice_id, size, _deleted_ns in rows:
-                keys = slice_block_keys(int(slice_id), int(size), block_size)
+                keys = slice_block_keys(slice_id, size, block_size)
                 try:
                     await run_all(functools.partial(self._delete, volume, k, report) for k in keys)
                 except CacheFSError as exc:
                     report.errors.append(f"slice {slice_id}: {exc}")
                     continue  # stays in the trash for the next run
-                ids.append(int(slice_id))
-                report.bytes_freed += int(size)
+                ids.append(slice_id)
+                report.bytes_freed += size
             if not ids:
                 break
-            report.slices_purged += await self.meta.purge_trash(volume, ids)
+            report.slices_purged += await self.meta.mutate(C.PurgeTrash(volume, tuple(ids)))
             if len(rows) < TRASH_PAGE:
                 break
         log.info("gc of %s: %d slices, %d blocks, %d bytes freed", volume, report.slices_purged,
@@ -152,22 +154,22 @@ class GarbageCollector:
             ino = dirs.pop()
             cookie = 0
             while True:
-                rows = await self.meta.readdir(volume, ino, cookie, 1000)
+                rows = await self.meta.query(Q.ReadDir(volume, ino, cookie, 1000))
                 for _name, attr, next_cookie in rows:
                     cookie = next_cookie
-                    mode = int(attr["mode"])
-                    if mode & 0o170000 == 0o040000:
-                        dirs.append(int(attr["ino"]))
-                    elif mode & 0o170000 == 0o100000:
+                    if attr.is_dir:
+                        dirs.append(attr.ino)
+                    elif attr.is_reg:
                         report.files += 1
-                        for chunk in range(math.ceil(int(attr["size"]) / CHUNK_SIZE)):
-                            for row in await self.meta.read_chunk(volume, int(attr["ino"]), chunk):
-                                referenced |= record_block_keys(Slice.from_wire(row), block_size)
+                        for chunk in range(math.ceil(attr.size / CHUNK_SIZE)):
+                            read = Q.ReadChunk(volume, attr.ino, chunk)
+                            for piece in await self.meta.query(read):
+                                referenced |= record_block_keys(piece, block_size)
                 if len(rows) < 1000:
                     break
         trashed: set[int] = set()
-        for slice_id, _size, _ns in await self.meta.list_trash(volume, limit=100_000):
-            trashed.add(int(slice_id))
+        for entry in await self.meta.query(Q.ListTrash(volume, 100_000)):
+            trashed.add(entry.slice_id)
         stored: set[BlockKey] = set()
         for addr in datanode_addrs:
             try:

@@ -18,6 +18,7 @@ from cachefs.backing.gc import DEFAULT_GRACE, CheckReport, GarbageCollector, GcR
 from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
+from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 
 
@@ -25,10 +26,10 @@ async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: byt
                  check: bool, tls: ssl.SSLContext | None = None) -> list[GcReport | CheckReport]:  # fmt: skip
     async with RpcPool(secret=secret, tls=tls) as pool:
         meta = MetaClient(pool, meta_addrs)
-        view = MetaClusterView(meta.cluster_map)
+        view = MetaClusterView(meta)
         await view.refresh()
         gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
-        cmap = await meta.cluster_map()
+        cmap = await meta.query(ClusterMap())
         names = list(volumes) or sorted(cmap["volumes"])
         if check:
             addrs = [n["addr"] for n in cmap["datanodes"] if n.get("state", "up") == "up"]

@@ -51,7 +51,7 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
             view: Any = ClusterView.from_map(cluster_map)
         else:
             assert meta
-            view = MetaClusterView(MetaClient(pool, meta, deadline=30.0).cluster_map)
+            view = MetaClusterView(MetaClient(pool, meta, deadline=30.0))
             await view.refresh()
         client = BackingClient(pool, view)
         repairer = Repairer(client, rate=rate, scrub_rate=scrub_rate,

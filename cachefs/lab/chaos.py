@@ -49,9 +49,11 @@ from typing import Any
 
 import trio
 
+from cachefs.commands import Mkdir
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns
 from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 from cachefs.testing.powercut import PowerCutDisk
 
@@ -486,7 +488,8 @@ class Chaos:
         async with RpcPool(secret=self.lab.secret) as pool:
             meta = self.lab.meta_client(pool, deadline=4.0)
             try:
-                await meta.mkdir("lab", 1, b"no-quorum-" + os.urandom(4).hex().encode(), 0o755, 0, 0)
+                name = b"no-quorum-" + os.urandom(4).hex().encode()
+                await meta.mutate(Mkdir("lab", 1, name, 0o755))
             except CacheFSError:
                 return True
             return False
@@ -650,7 +653,7 @@ class Chaos:
                                 pool.forget(node.addr)
                                 await trio.sleep(0.2)
                     while True:
-                        cmap = await meta.cluster_map()
+                        cmap = await meta.query(ClusterMap())
                         if all(n["state"] == "up" for n in cmap["datanodes"]):
                             return
                         await trio.sleep(0.2)

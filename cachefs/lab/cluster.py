@@ -35,6 +35,8 @@ from typing import Any
 
 import trio
 
+from cachefs import queries as Q
+from cachefs.commands import CreateVolume
 from cachefs.config import load_tls
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns
@@ -297,7 +299,7 @@ class Lab:
                 while True:
                     self._check_alive()
                     try:
-                        cmap = await meta.cluster_map()
+                        cmap = await meta.query(Q.ClusterMap())
                     except CacheFSError:
                         continue  # no leader yet
                     up_d = sum(1 for n in cmap["datanodes"] if n["state"] == "up")
@@ -309,8 +311,7 @@ class Lab:
                 if VOLUME not in cmap["volumes"]:
                     # An open volume (no mount token): every lab client, test and
                     # benchmark mounts it with the cluster secret alone.
-                    await meta.create_volume(VOLUME, self.config.policy, self.config.compression,
-                                             4 << 20, 64)
+                    await meta.mutate(CreateVolume(VOLUME, self.config.policy, self.config.compression))
 
     def _check_alive(self) -> None:
         dead = [n.name for n in self.nodes if n.pid and not _alive(n.pid)]
@@ -410,7 +411,7 @@ class Lab:
                                      **({"link": self._link_state(node.name)} if self.config.netns else {})})
             meta = self.meta_client(pool, deadline=3.0)
             try:
-                await meta.cluster_map()
+                await meta.query(Q.ClusterMap())
                 out["leader"] = meta.leader
             except CacheFSError:
                 pass

@@ -225,11 +225,12 @@ class CacheFSFileSystem(AbstractFileSystem):
         """The cluster's volumes (what ``ls("")`` lists): asked of the metanodes
         on a short-lived connection, since no volume session is needed."""
         from cachefs.metanode.client import MetaClient
+        from cachefs.queries import ListVolumes
         from cachefs.rpc import RpcPool
 
         async def ask() -> dict[str, Any]:
             async with RpcPool(secret=self._secret, tls=self._tls) as pool:
-                return await MetaClient(pool, self.meta, deadline=10.0).list_volumes()
+                return await MetaClient(pool, self.meta, deadline=10.0).query(ListVolumes())
 
         try:
             return sorted(trio.run(ask))

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import MetaClusterView
 from cachefs.backing.gc import GarbageCollector
@@ -62,9 +64,9 @@ async def _setup(cluster: MetaCluster) -> None:
     async with RpcPool(secret=None) as pool:
         await cluster.wait_leader(pool)
         mc = MetaClient(pool, cluster.addrs)
-        await mc.create_volume(VOL, "replica:1", "none", BLOCK, 8)
+        await mc.mutate(C.CreateVolume(VOL, "replica:1", "none", BLOCK, 8))
         with trio.fail_after(20):
-            while not (await mc.cluster_map())["pgs"].get(VOL):
+            while not (await mc.query(Q.ClusterMap()))["pgs"].get(VOL):
                 await trio.sleep(0.1)
 
 
@@ -80,15 +82,15 @@ async def _referenced(addrs: list[str], names: list[bytes]) -> set[int]:
         mc = MetaClient(pool, addrs)
         out: set[int] = set()
         for name in names:
-            ino = (await mc.lookup(VOL, 1, name))["ino"]
-            out |= {row[0] for row in await mc.read_chunk(VOL, ino, 0)}
+            ino = (await mc.query(Q.Lookup(VOL, 1, name))).ino
+            out |= {s.id for s in await mc.query(Q.ReadChunk(VOL, ino, 0))}
         return out
 
 
 async def _check(addrs: list[str], dn_addr: str) -> tuple[list[str], list[str]]:
     async with RpcPool(secret=None) as pool:
         mc = MetaClient(pool, addrs)
-        view = MetaClusterView(mc.cluster_map)
+        view = MetaClusterView(mc)
         await view.refresh()
         report = await GarbageCollector(mc, BackingClient(pool, view)).check(VOL, [dn_addr])
         return report.missing, report.unreferenced

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import MetaClusterView
 from cachefs.ids import BlockKey
@@ -37,15 +39,15 @@ async def test_registration_heartbeats_and_cluster_map(tmp_path: Path) -> None:
             await meta.wait_leader(pool)
             nodes.start()
             mc = MetaClient(pool, meta.addrs)
-            await mc.create_volume("data", "ec:4+2", pg_count=16)
+            await mc.mutate(C.CreateVolume("data", "ec:4+2", pg_count=16))
 
             async def placed() -> bool:
-                cmap = await mc.cluster_map()
+                cmap = await mc.query(Q.ClusterMap())
                 up = [d for d in cmap["datanodes"] if d["state"] == "up"]
                 return len(up) == 6 and len(cmap["pgs"].get("data", [])) == 16
 
             await _wait(placed)
-            view = MetaClusterView(mc.cluster_map)  # not fetched yet: the client refreshes it
+            view = MetaClusterView(mc)  # not fetched yet: the client refreshes it
             client = BackingClient(pool, view, zone="a")
             blocks = {BlockKey(77, i): os.urandom(200_000 + i) for i in range(6)}
             for key, data in blocks.items():
@@ -55,16 +57,16 @@ async def test_registration_heartbeats_and_cluster_map(tmp_path: Path) -> None:
                 assert await client.get_block("data", key) == data
 
             async def usage_reported() -> bool:
-                cmap = await mc.cluster_map()
+                cmap = await mc.query(Q.ClusterMap())
                 return all(d["used"] > 0 for d in cmap["datanodes"])
 
             await _wait(usage_reported)
 
             # An operator removes a datanode that is still alive: it registers again.
-            await mc.remove_node("datanode", "dn5")
+            await mc.mutate(C.RemoveNode("datanode", "dn5"))
 
             async def back() -> bool:
-                cmap = await mc.cluster_map()
+                cmap = await mc.query(Q.ClusterMap())
                 return any(d["id"] == "dn5" and d["state"] == "up" for d in cmap["datanodes"])
 
             await _wait(back)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import ClusterView
 from cachefs.ids import BlockKey
@@ -85,16 +87,16 @@ async def _write_file(
     mc: MetaClient, backing: BackingClient, parent: int, name: str, data: bytes
 ) -> list[BlockKey]:
     """What the client does on close(): blocks to backing storage, then the slice."""
-    attr = await mc.mknod(VOLUME, parent, name.encode(), stat.S_IFREG | 0o644)
+    attr = await mc.mutate(C.Mknod(VOLUME, parent, name.encode(), stat.S_IFREG | 0o644))
     if not data:
         return []
-    slice_id = await mc.alloc_slices(1)
+    slice_id = await mc.mutate(C.AllocSlices(1))
     keys = []
     for i, start in enumerate(range(0, len(data), BS)):
         key = BlockKey(slice_id, i)
         await backing.put_block(VOLUME, key, data[start : start + BS])
         keys.append(key)
-    await mc.write_slice(VOLUME, attr["ino"], 0, slice_id, 0, len(data), 0, time.time_ns())
+    await mc.mutate(C.WriteSlice(VOLUME, attr.ino, 0, slice_id, 0, len(data), 0, time.time_ns()))
     return keys
 
 
@@ -146,15 +148,15 @@ async def test_registration_warmup_and_hits(tmp_path: Path) -> None:
             mc = MetaClient(pool, meta.addrs)
 
             async def datanodes_up():  # type: ignore[no-untyped-def]
-                return len((await mc.cluster_map())["datanodes"]) == 3
+                return len((await mc.query(Q.ClusterMap()))["datanodes"]) == 3
 
             await _until("datanodes to register", datanodes_up)
-            await mc.create_volume(VOLUME, "ec:2+1", block_size=BS, pg_count=8)
+            await mc.mutate(C.CreateVolume(VOLUME, "ec:2+1", block_size=BS, pg_count=8))
             for node in caches:
                 node.start()
 
             async def caches_up():  # type: ignore[no-untyped-def]
-                cmap = await mc.cluster_map()
+                cmap = await mc.query(Q.ClusterMap())
                 used = {n["id"]: n for n in cmap["cachenodes"]}
                 return cmap if set(used) == {"cn-a", "cn-b"} else None
 
@@ -165,9 +167,9 @@ async def test_registration_warmup_and_hits(tmp_path: Path) -> None:
             }
             backing = BackingClient(pool, ClusterView.from_map(cmap))
             root = 1
-            data_dir = (await mc.mkdir(VOLUME, root, b"data", stat.S_IFDIR | 0o755))["ino"]
-            sub = (await mc.mkdir(VOLUME, data_dir, b"sub", stat.S_IFDIR | 0o755))["ino"]
-            other = (await mc.mkdir(VOLUME, root, b"other", stat.S_IFDIR | 0o755))["ino"]
+            data_dir = (await mc.mutate(C.Mkdir(VOLUME, root, b"data", stat.S_IFDIR | 0o755))).ino
+            sub = (await mc.mutate(C.Mkdir(VOLUME, data_dir, b"sub", stat.S_IFDIR | 0o755))).ino
+            other = (await mc.mutate(C.Mkdir(VOLUME, root, b"other", stat.S_IFDIR | 0o755))).ino
             contents: dict[BlockKey, bytes] = {}
             for parent, name, size in [
                 (data_dir, "a", 3 * BS + 123),
@@ -217,7 +219,7 @@ async def test_registration_warmup_and_hits(tmp_path: Path) -> None:
             assert reply.result["hit"] is False  # not under /data: read through on demand
 
             async def usage_reported():  # type: ignore[no-untyped-def]
-                nodes = (await mc.cluster_map())["cachenodes"]
+                nodes = (await mc.query(Q.ClusterMap()))["cachenodes"]
                 return all(n["used"] > 0 for n in nodes)
 
             await _until("cache usage in heartbeats", usage_reported)

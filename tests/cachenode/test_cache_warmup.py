@@ -13,6 +13,7 @@ from cachefs.cachenode.service import CacheService
 from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.cachenode.warmup import WarmFile, file_blocks, warm_files
 from cachefs.ids import BlockKey
+from cachefs.layout import Slice
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcServer
 
@@ -57,19 +58,21 @@ def _layouts(draw: st.DrawFn) -> tuple[int, dict[int, list[list[int]]], int]:
 @given(_layouts())
 def test_file_blocks_matches_byte_model(layout) -> None:
     size, chunks, bs = layout
-    assert file_blocks(size, chunks, bs, chunk_size=CS) == _model(size, chunks, bs)
+    slices = {c: [Slice(*row) for row in rows] for c, rows in chunks.items()}
+    assert file_blocks(size, slices, bs, chunk_size=CS) == _model(size, chunks, bs)
 
 
 def test_file_blocks_examples() -> None:
     MiB = 1 << 20
     # one 10 MiB slice: blocks 0, 1 (4 MiB each) and 2 (2 MiB)
-    assert file_blocks(10 * MiB, {0: [[7, 0, 10 * MiB, 0]]}, 4 * MiB) == {
+    assert file_blocks(10 * MiB, {0: [Slice(7, 0, 10 * MiB, 0)]}, 4 * MiB) == {
         BlockKey(7, 0): 4 * MiB,
         BlockKey(7, 1): 4 * MiB,
         BlockKey(7, 2): 2 * MiB,
     }
     # a newer slice hides the middle of the old one; the file is shorter than the slice
-    got = file_blocks(6 * MiB, {0: [[7, 0, 10 * MiB, 0], [8, 1 * MiB, 4 * MiB, 0]]}, 4 * MiB)
+    older, newer = Slice(7, 0, 10 * MiB, 0), Slice(8, 1 * MiB, 4 * MiB, 0)
+    got = file_blocks(6 * MiB, {0: [older, newer]}, 4 * MiB)
     assert got == {BlockKey(7, 0): 1 * MiB, BlockKey(8, 0): 4 * MiB, BlockKey(7, 1): 1 * MiB}
     assert file_blocks(0, {}, 4 * MiB) == {}
 
@@ -81,7 +84,7 @@ async def test_warm_tree_then_reads_are_hits_and_rerun_is_cached(tmp_path: Path)
     for f in range(6):
         size = rng.randrange(1, 5 * bs)
         sid = 1000 + f
-        layout = {0: [[sid, 0, size, 0]]}
+        layout = {0: [Slice(sid, 0, size, 0)]}
         for i in range(-(-size // bs)):
             blocks[BlockKey(sid, i)] = rng.randbytes(min(bs, size - i * bs))
         files.append(WarmFile(f"/data/f{f}", size, file_blocks(size, layout, bs)))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs import queries as Q
 from cachefs.testing.ports import free_port
 
 from .conftest import REPO, ClusterMount, lab_processes, mounted
@@ -172,7 +173,7 @@ def _leader(cluster) -> str:
     async def find() -> str:
         async with RpcPool(secret=cluster.secret) as pool:
             meta = cluster.meta_client(pool, deadline=30.0)
-            await meta.cluster_map()
+            await meta.query(Q.ClusterMap())
             addr = meta.leader
         return next(n.name for n in cluster.of_kind("metanode") if n.addr == addr)
 
@@ -235,7 +236,6 @@ def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster
     from cachefs.backing.client import BackingClient
     from cachefs.backing.cluster import MetaClusterView
     from cachefs.backing.gc import record_block_keys
-    from cachefs.layout import Slice
     from cachefs.rpc import RpcPool
 
     mnt = cluster_mount.path
@@ -257,10 +257,10 @@ def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster
     async def drop_one_block() -> str:
         async with RpcPool(secret=cluster.secret) as pool:
             meta = cluster.meta_client(pool)
-            view = MetaClusterView(meta.cluster_map)
+            view = MetaClusterView(meta)
             await view.refresh()
-            ino = (await meta.lookup("lab", 1, b"keep"))["ino"]
-            rec = Slice.from_wire((await meta.read_chunk("lab", ino, 0))[0])
+            ino = (await meta.query(Q.Lookup("lab", 1, b"keep"))).ino
+            rec = (await meta.query(Q.ReadChunk("lab", ino, 0)))[0]
             key = sorted(record_block_keys(rec, 4 << 20))[0]
             await BackingClient(pool, view).delete_block("lab", key)
             return key.hex()

@@ -17,6 +17,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs import commands as C
 from cachefs.client.inodes import Inode
 from cachefs.client.l1 import L1Cache
 from cachefs.client.reader import Reader
@@ -25,7 +26,6 @@ from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Una
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice
 from cachefs.messages import Attr
-from cachefs.metanode import commands as C
 from cachefs.metanode.namespace import Failure, MetaState
 
 VOL = "vol"
@@ -47,7 +47,7 @@ class InProcess:
         self.do(C.CreateVolume, VOL, "replica:3", "none", block_size, 8)
 
     def do(self, cls: type[C.Command], *args: object) -> object:
-        cmd = cls("test", next(self._seq), 1_000_000, *args)
+        cmd = cls(*args, client_id="test", seq=next(self._seq), now_ns=1_000_000)
         result = self.state.apply(next(self._index), cmd.encode())
         if isinstance(result, Failure):
             raise result.error()
@@ -292,52 +292,64 @@ compact_ops_st = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops=compact_ops_st, seed=st.integers(0, 1000))
 def test_session_io_with_compaction_matches_model(ops, seed) -> None:
-    """The real Session (over the in-process namespace) with compactions in between."""
-    from cachefs.client.compaction import Compactor
+    """The real Session (over an in-process metanode) with compactions in between."""
     from cachefs.client.session import Session
+    from cachefs.queries import ClusterMap
     from cachefs.rpc import RpcPool
     from cachefs.testing.backing import DictBacking
+    from cachefs.testing.metanode import local_metanode
     from cachefs.transport.tcp import TcpTransport
-    from tests.client.localfs import VOLUME, StateMeta
+    from tests.client.localfs import VOLUME
 
     rng = random.Random(seed)
 
     async def main() -> None:
-        meta = StateMeta(BLOCK)
-        info = await meta.mount_volume(VOLUME, "t")
-        async with RpcPool(secret=None) as pool, trio.open_nursery() as n:
+        async with local_metanode() as metanode, RpcPool(secret=None) as pool:
+            await metanode.create_volume(VOLUME, block_size=BLOCK)
+            meta = metanode.client(pool)
+            info = await meta.mount_volume(VOLUME)
             session = Session(
-                meta, VOLUME, info["session"], {"volumes": {VOLUME: {"block_size": BLOCK}}},
+                meta, VOLUME, info.session, await meta.query(ClusterMap()),
                 zone="", transport=TcpTransport(pool), backing=DictBacking(),
             )  # fmt: skip
-            inode = Inode(Attr.from_wire(await meta.mknod(VOLUME, 1, b"f", 0o100644, 0, 0, 0)))
-            reader = Reader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=4 * BLOCK)
-            ra = reader.new_readahead()
-            writer = _writer(session, inode, n)  # type: ignore[arg-type]
-            model = bytearray()
-            for op, a, b in ops:
-                if op == "write":
-                    data = rng.randbytes(b)
-                    await writer.write(a, data)
-                    if len(model) < a + b:
-                        model.extend(bytes(a + b - len(model)))
-                    model[a : a + b] = data
-                elif op == "read":
-                    assert await reader.read(inode, a, b, ra) == bytes(model[a : a + b])
-                elif op == "flush":
-                    await writer.flush()
-                elif op == "compact":
-                    await Compactor(session, reader, nursery=n, threshold=1).compact(inode, 0)
-                else:
-                    await writer.flush()
-                    inode.set_attr(await session.setattr(inode.ino, size=a))
-                    del model[a:]
-                    model.extend(bytes(a - len(model)))
-            await writer.flush()
-            assert await reader.read(inode, 0, len(model) + 10, None) == bytes(model)
-            n.cancel_scope.cancel()
+            async with trio.open_nursery() as n:
+                await _session_ops(session, n, ops, rng)
+            await session.close()
+            metanode.check()
 
     trio.run(main)
+
+
+async def _session_ops(session, n: trio.Nursery, ops, rng: random.Random) -> None:
+    """One example's operations on a new file of ``session``, against a bytearray."""
+    from cachefs.client.compaction import Compactor
+
+    inode = Inode(await session.mknod(1, b"f", 0o100644, 0, 0, 0))
+    reader = Reader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=4 * BLOCK)
+    ra = reader.new_readahead()
+    writer = _writer(session, inode, n)  # type: ignore[arg-type]
+    model = bytearray()
+    for op, a, b in ops:
+        if op == "write":
+            data = rng.randbytes(b)
+            await writer.write(a, data)
+            if len(model) < a + b:
+                model.extend(bytes(a + b - len(model)))
+            model[a : a + b] = data
+        elif op == "read":
+            assert await reader.read(inode, a, b, ra) == bytes(model[a : a + b])
+        elif op == "flush":
+            await writer.flush()
+        elif op == "compact":
+            await Compactor(session, reader, nursery=n, threshold=1).compact(inode, 0)
+        else:
+            await writer.flush()
+            inode.set_attr(await session.setattr(inode.ino, size=a))
+            del model[a:]
+            model.extend(bytes(a - len(model)))
+    await writer.flush()
+    assert await reader.read(inode, 0, len(model) + 10, None) == bytes(model)
+    n.cancel_scope.cancel()
 
 
 async def test_a_block_read_at_random_twice_is_cached_whole(nursery) -> None:

@@ -28,6 +28,7 @@ import trio
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns
 from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
@@ -106,7 +107,7 @@ def wait_all_up(lab: Lab, timeout: float) -> float:
             with trio.fail_after(timeout):
                 while True:
                     try:
-                        cmap = await meta.cluster_map()
+                        cmap = await meta.query(ClusterMap())
                     except CacheFSError:
                         cmap = None
                     if cmap and all(n["state"] == "up" for n in cmap["datanodes"] + cmap["cachenodes"]):

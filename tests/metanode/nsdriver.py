@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from cachefs.metanode import commands as C
+from cachefs import commands as C
+from cachefs.messages import Attr
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import Failure, MetaState
 
@@ -22,7 +23,7 @@ class Driver:
         self.clock = itertools.count(1_000_000_000, 1000)
 
     def do(self, cls: type[C.Command], *args: Any, **kw: Any) -> Any:
-        cmd = cls(self.client, next(self.seq), next(self.clock), *args, **kw)
+        cmd = cls(*args, client_id=self.client, seq=next(self.seq), now_ns=next(self.clock), **kw)
         result = self.state.apply(next(self.index), cmd.encode())
         if isinstance(result, Failure):
             raise result.error()
@@ -33,13 +34,13 @@ class Driver:
         return self
 
     # namespace shorthands on VOL
-    def create(self, parent: int, name: bytes, mode: int = 0o100644) -> dict[str, Any]:
+    def create(self, parent: int, name: bytes, mode: int = 0o100644) -> Attr:
         return self.do(C.Mknod, VOL, parent, name, mode, 0, 0, 0)
 
-    def mkdir(self, parent: int, name: bytes) -> dict[str, Any]:
+    def mkdir(self, parent: int, name: bytes) -> Attr:
         return self.do(C.Mkdir, VOL, parent, name, 0o755, 0, 0)
 
-    def write(self, ino: int, chunk: int, pos: int, length: int) -> dict[str, Any]:
+    def write(self, ino: int, chunk: int, pos: int, length: int) -> Attr:
         first = self.do(C.AllocSlices, 1)
         return self.do(C.WriteSlice, VOL, ino, chunk, first, pos, length, 0, next(self.clock))
 

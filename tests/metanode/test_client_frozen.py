@@ -9,6 +9,8 @@ from pathlib import Path
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
@@ -27,7 +29,7 @@ async def test_one_frozen_metanode_costs_little(tmp_path: Path) -> None:
         async with RpcPool(secret=None) as pool:
             leader = await meta.wait_leader(pool)
             admin = MetaClient(pool, meta.addrs, deadline=20.0)
-            await admin.register_node("datanode", "dn-t", "127.0.0.1:9", "a", 1 << 30)
+            await admin.mutate(C.RegisterNode("datanode", "dn-t", "127.0.0.1:9", "a", 1 << 30))
 
             # A frozen follower listed first: a client that does not know the
             # leader yet still answers well within its 2 s deadline.
@@ -38,8 +40,8 @@ async def test_one_frozen_metanode_costs_little(tmp_path: Path) -> None:
                 for _ in range(3):
                     mc = _heartbeating_client(pool, first)
                     with trio.fail_after(2.5):
-                        await mc.node_heartbeat("datanode", "dn-t", 1)
-                        await mc.node_heartbeat("datanode", "dn-t", 2)
+                        await mc.query(Q.NodeHeartbeat("datanode", "dn-t", 1))
+                        await mc.query(Q.NodeHeartbeat("datanode", "dn-t", 2))
             finally:
                 meta.procs[follower].send_signal(signal.SIGCONT)
 
@@ -47,14 +49,14 @@ async def test_one_frozen_metanode_costs_little(tmp_path: Path) -> None:
             # elect a leader, every heartbeat and call succeeds again.
             first = [meta.addrs[leader]] + [a for i, a in enumerate(meta.addrs) if i != leader]
             mc = _heartbeating_client(pool, first)
-            await mc.node_heartbeat("datanode", "dn-t", 3)  # it knows the leader
+            await mc.query(Q.NodeHeartbeat("datanode", "dn-t", 3))  # it knows the leader
             meta.procs[leader].send_signal(signal.SIGSTOP)
             try:
                 outcomes: list[bool] = []
                 start = trio.current_time()
                 while trio.current_time() - start < 10 and (len(outcomes) < 8 or not all(outcomes[-8:])):
                     try:
-                        await mc.node_heartbeat("datanode", "dn-t", 4)
+                        await mc.query(Q.NodeHeartbeat("datanode", "dn-t", 4))
                         outcomes.append(True)
                     except CacheFSError:
                         outcomes.append(False)
@@ -62,9 +64,9 @@ async def test_one_frozen_metanode_costs_little(tmp_path: Path) -> None:
                 assert outcomes[-8:] == [True] * 8, outcomes
                 assert outcomes.count(False) <= 4, outcomes  # only while the others elect a leader
                 with trio.fail_after(2.5):
-                    cmap = await mc.cluster_map()
+                    cmap = await mc.query(Q.ClusterMap())
                     assert any(d["id"] == "dn-t" for d in cmap["datanodes"])
-                    await mc.register_node("datanode", "dn-u", "127.0.0.1:10", "b", 1 << 30)
+                    await mc.mutate(C.RegisterNode("datanode", "dn-u", "127.0.0.1:10", "b", 1 << 30))
             finally:
                 meta.procs[leader].send_signal(signal.SIGCONT)
     finally:

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError
+from cachefs.layout import Slice
+from cachefs.messages import Attr
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 from cachefs.testing.metacluster import MetaCluster
@@ -31,22 +35,22 @@ def cluster(tmp_path: Path):
 
 async def snapshot_view(mc: MetaClient) -> dict:
     """Everything a client can see: the tree with attributes, slices, statfs."""
-    view: dict = {"statfs": await mc.statfs(VOL), "map": await mc.cluster_map()}
+    view: dict = {"statfs": await mc.query(Q.StatFs(VOL)), "map": await mc.query(Q.ClusterMap())}
     stack = [1]
     while stack:
         ino = stack.pop()
         cookie = 0
         while True:
-            page = await mc.readdir(VOL, ino, cookie, 500)
+            page = await mc.query(Q.ReadDir(VOL, ino, cookie, 500))
             if not page:
                 break
             cookie = page[-1][2]
             for name, attr, _cookie in page:
                 view[(ino, bytes(name))] = attr
-                if attr["mode"] & 0o170000 == 0o040000:
-                    stack.append(attr["ino"])
-                elif attr["size"]:
-                    view[("slices", attr["ino"])] = await mc.read_chunk(VOL, attr["ino"], 0)
+                if attr.mode & 0o170000 == 0o040000:
+                    stack.append(attr.ino)
+                elif attr.size:
+                    view[("slices", attr.ino)] = await mc.query(Q.ReadChunk(VOL, attr.ino, 0))
     return view
 
 
@@ -54,22 +58,22 @@ async def test_kill_leader_during_creates_then_restart_all(cluster: MetaCluster)
     async with RpcPool(secret=None) as pool:
         await cluster.wait_leader(pool)
         admin = MetaClient(pool, cluster.addrs)
-        await admin.create_volume(VOL, "replica:3")
+        await admin.mutate(C.CreateVolume(VOL, "replica:3"))
         acked: dict[bytes, int] = {}
         gaps: list[float] = []
         stop = trio.Event()
 
         async def writer(w: int) -> None:
             mc = MetaClient(pool, cluster.addrs, deadline=20.0)
-            d = (await mc.mkdir(VOL, 1, b"w%d" % w, 0o755))["ino"]
+            d = (await mc.mutate(C.Mkdir(VOL, 1, b"w%d" % w, 0o755))).ino
             last = time.monotonic()
             i = 0
             while not stop.is_set() and i < 5000:
                 name = b"f%05d" % i
-                attr = await mc.mknod(VOL, d, name, 0o100644)
-                sid = await mc.alloc_slices(1)
-                await mc.write_slice(VOL, attr["ino"], 0, sid, 0, 100 + i, 0, time.time_ns())
-                acked[b"w%d/" % w + name] = attr["ino"]
+                attr = await mc.mutate(C.Mknod(VOL, d, name, 0o100644))
+                sid = await mc.mutate(C.AllocSlices(1))
+                await mc.mutate(C.WriteSlice(VOL, attr.ino, 0, sid, 0, 100 + i, 0, time.time_ns()))
+                acked[b"w%d/" % w + name] = attr.ino
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
@@ -91,15 +95,15 @@ async def test_kill_leader_during_creates_then_restart_all(cluster: MetaCluster)
         # nothing acknowledged was lost, nothing was applied twice
         mc = MetaClient(pool, cluster.addrs)
         for w in range(8):
-            d = (await mc.lookup(VOL, 1, b"w%d" % w))["ino"]
-            names = {bytes(e[0]) for e in await mc.readdir(VOL, d, 0, 10_000)}
+            d = (await mc.query(Q.Lookup(VOL, 1, b"w%d" % w))).ino
+            names = {bytes(e[0]) for e in await mc.query(Q.ReadDir(VOL, d, 0, 10_000))}
             mine = {k.split(b"/")[1] for k in acked if k.startswith(b"w%d/" % w)}
             assert names == mine
         for key, ino in list(acked.items())[::50]:
             w, name = key.split(b"/")
-            d = (await mc.lookup(VOL, 1, w))["ino"]
-            attr = await mc.lookup(VOL, d, name)
-            assert attr["ino"] == ino and attr["size"] == 100 + int(name[1:])
+            d = (await mc.query(Q.Lookup(VOL, 1, w))).ino
+            attr = await mc.query(Q.Lookup(VOL, d, name))
+            assert attr.ino == ino and attr.size == 100 + int(name[1:])
 
         # the killed replica comes back and catches up; then a full restart restores all
         cluster.start(leader)
@@ -112,7 +116,7 @@ async def test_kill_leader_during_creates_then_restart_all(cluster: MetaCluster)
         after = await snapshot_view(mc2)
         assert after == before
         with pytest.raises(CacheFSError) as info:
-            await mc2.mknod(VOL, 1, b"w0", 0o100644)
+            await mc2.mutate(C.Mknod(VOL, 1, b"w0", 0o100644))
         assert info.value.errno == errno.EEXIST
 
 
@@ -124,28 +128,22 @@ async def test_followers_redirect_and_retries_are_answered_once(cluster: MetaClu
             while (await cluster.status(pool, follower)) is None:
                 await trio.sleep(0.1)
         with pytest.raises(CacheFSError) as info:
-            await pool.call(cluster.addrs[follower], "getattr", {"volume": VOL, "ino": 1})
+            await pool.call(cluster.addrs[follower], "getattr", {"a": [VOL, 1]})
         assert info.value.code == "ENOTLEADER"
         assert info.value.details["leader"] == cluster.addrs[leader]
         mc = MetaClient(pool, [cluster.addrs[follower]])  # only a follower's address
-        await mc.create_volume(VOL, "ec:4+2", "zstd", 1 << 20, 16)
+        await mc.mutate(C.CreateVolume(VOL, "ec:4+2", "zstd", 1 << 20, 16))
         assert mc.leader == cluster.addrs[leader]
-        args = {
-            "volume": VOL,
-            "parent": 1,
-            "name": b"x",
-            "mode": 0o100644,
-            "client_id": "c",
-            "seq": 42,
-        }
+        # [client_id, seq, volume, parent, name, mode]: the retry of one request
+        args = {"a": ["c", 42, VOL, 1, b"x", 0o100644]}
         first = (await pool.call(cluster.addrs[leader], "mknod", args)).result
         again = (await pool.call(cluster.addrs[leader], "mknod", args)).result
         assert again == first  # a retried create returns the inode, not EEXIST
         with pytest.raises(CacheFSError) as info:
-            await pool.call(cluster.addrs[leader], "mknod", {**args, "name": b"y" * 256})
+            await pool.call(cluster.addrs[leader], "mknod", {"a": ["c", 43, VOL, 1, b"y" * 256, 0o100644]})
         assert info.value.errno == errno.ENAMETOOLONG
         with pytest.raises(CacheFSError) as info:
-            await pool.call(cluster.addrs[leader], "mknod", {**args, "mode": "rw"})
+            await pool.call(cluster.addrs[leader], "mknod", {"a": ["c", 44, VOL, 1, b"z", "rw"]})
         assert info.value.errno == errno.EINVAL
 
 
@@ -158,18 +156,17 @@ async def test_a_paused_leader_never_serves_a_stale_read(cluster: MetaCluster) -
     async with RpcPool(secret=None) as pool:
         old = await cluster.wait_leader(pool)
         mc = MetaClient(pool, cluster.addrs)
-        await mc.create_volume(VOL, "replica:3")
-        ino = (await mc.mknod(VOL, 1, b"x", 0o100644))["ino"]
+        await mc.mutate(C.CreateVolume(VOL, "replica:3"))
+        ino = (await mc.mutate(C.Mknod(VOL, 1, b"x", 0o100644))).ino
         for _ in range(20):  # reads that keep the old leader's lease warm
-            assert (
-                await pool.call(cluster.addrs[old], "getattr", {"volume": VOL, "ino": ino})
-            ).result["size"] == 0
+            reply = await pool.call(cluster.addrs[old], "getattr", {"a": [VOL, ino]})
+            assert Attr.from_wire(reply.result).size == 0
         cluster.procs[old].send_signal(signal.SIGSTOP)
         try:
             others = MetaClient(
                 pool, [a for i, a in enumerate(cluster.addrs) if i != old], deadline=20.0
             )
-            await others.setattr(VOL, ino, size=5)
+            await others.mutate(C.SetAttr(VOL, ino, size=5))
         finally:
             cluster.procs[old].send_signal(signal.SIGCONT)
         answers = []
@@ -177,9 +174,9 @@ async def test_a_paused_leader_never_serves_a_stale_read(cluster: MetaCluster) -
             while True:
                 try:
                     reply = await pool.call(
-                        cluster.addrs[old], "getattr", {"volume": VOL, "ino": ino}, timeout=1.0
+                        cluster.addrs[old], "getattr", {"a": [VOL, ino]}, timeout=1.0
                     )
-                    answers.append(reply.result["size"])
+                    answers.append(Attr.from_wire(reply.result).size)
                 except CacheFSError as exc:
                     answers.append(exc.code)
         assert answers and 0 not in answers, answers
@@ -194,38 +191,38 @@ async def test_unlinked_open_file_survives_a_leader_kill_between_open_and_unlink
     async with RpcPool(secret=None) as pool:
         await cluster.wait_leader(pool)
         admin = MetaClient(pool, cluster.addrs)
-        await admin.create_volume(VOL, "replica:3")
+        await admin.mutate(C.CreateVolume(VOL, "replica:3"))
         holder = MetaClient(pool, cluster.addrs, heartbeat_interval=60.0)
-        session = (await holder.mount_volume(VOL))["session"]
-        f = (await admin.mknod(VOL, 1, b"f", 0o100644))["ino"]
-        g = (await admin.mknod(VOL, 1, b"g", 0o100644))["ino"]
-        sid = await admin.alloc_slices(1)
-        await admin.write_slice(VOL, f, 0, sid, 0, 100, 0, time.time_ns())
-        await holder.open(VOL, f, session)
+        session = (await holder.mount_volume(VOL)).session
+        f = (await admin.mutate(C.Mknod(VOL, 1, b"f", 0o100644))).ino
+        g = (await admin.mutate(C.Mknod(VOL, 1, b"g", 0o100644))).ino
+        sid = await admin.mutate(C.AllocSlices(1))
+        await admin.mutate(C.WriteSlice(VOL, f, 0, sid, 0, 100, 0, time.time_ns()))
+        await holder.query(Q.Open(VOL, f, session))
         cluster.kill(await cluster.wait_leader(pool))
-        await admin.unlink(VOL, 1, b"f")  # on the new leader, which never heard of the open
-        await admin.unlink(VOL, 1, b"g")
+        await admin.mutate(C.Unlink(VOL, 1, b"f"))  # on the new leader, which never heard of the open
+        await admin.mutate(C.Unlink(VOL, 1, b"g"))
         await trio.sleep(1.5)  # housekeeping runs: nothing may be purged yet
-        assert (await admin.getattr(VOL, f))["nlink"] == 0
-        assert await admin.read_chunk(VOL, f, 0) == [[sid, 0, 100, 0]]
-        assert (await admin.getattr(VOL, g))["nlink"] == 0  # kept: the leader cannot know
-        assert await holder.session_heartbeat(session, [f])
+        assert (await admin.query(Q.GetAttr(VOL, f))).nlink == 0
+        assert await admin.query(Q.ReadChunk(VOL, f, 0)) == [Slice(sid, 0, 100, 0)]
+        assert (await admin.query(Q.GetAttr(VOL, g))).nlink == 0  # kept: the leader cannot know
+        assert await holder.query(Q.SessionHeartbeat(session, [f]))
         with trio.fail_after(10):  # g is purged, f stays
             while True:
                 try:
-                    await admin.getattr(VOL, g)
+                    await admin.query(Q.GetAttr(VOL, g))
                 except CacheFSError as exc:
                     assert exc.errno == errno.ENOENT
                     break
                 await trio.sleep(0.05)
-        assert (await admin.getattr(VOL, f))["size"] == 100
-        assert await admin.list_trash(VOL) == []
-        await holder.release(VOL, f, session)
+        assert (await admin.query(Q.GetAttr(VOL, f))).size == 100
+        assert await admin.query(Q.ListTrash(VOL)) == []
+        await holder.query(Q.Release(VOL, f, session))
         with trio.fail_after(10):
-            while not await admin.list_trash(VOL):
+            while not await admin.query(Q.ListTrash(VOL)):
                 await trio.sleep(0.05)
-        assert [r[0] for r in await admin.list_trash(VOL)] == [sid]
+        assert [r[0] for r in await admin.query(Q.ListTrash(VOL))] == [sid]
         with pytest.raises(CacheFSError) as info:
-            await admin.getattr(VOL, f)
+            await admin.query(Q.GetAttr(VOL, f))
         assert info.value.errno == errno.ENOENT
-        await holder.close_session(VOL, session)
+        await holder.close_session(session)

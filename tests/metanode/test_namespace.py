@@ -8,9 +8,10 @@ import stat
 import msgpack
 import pytest
 
+from cachefs import commands as C
 from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE
-from cachefs.metanode import commands as C
+from cachefs.messages import Usage
 from cachefs.metanode.namespace import DEDUP_WINDOW, Failure, MetaState
 
 from .nsdriver import VOL, Driver
@@ -29,16 +30,16 @@ def ns() -> Driver:
 
 def test_create_lookup_getattr(ns: Driver) -> None:
     a = ns.create(1, b"f")
-    assert stat.S_ISREG(a["mode"]) and a["nlink"] == 1 and a["size"] == 0
+    assert stat.S_ISREG(a.mode) and a.nlink == 1 and a.size == 0
     assert ns.state.lookup(VOL, 1, b"f") == a
-    assert ns.state.getattr(VOL, a["ino"]) == a
+    assert ns.state.getattr(VOL, a.ino) == a
     assert errno_of(ns.state.lookup, VOL, 1, b"g") == errno.ENOENT
-    assert errno_of(ns.state.lookup, VOL, a["ino"], b"x") == errno.ENOTDIR
+    assert errno_of(ns.state.lookup, VOL, a.ino, b"x") == errno.ENOTDIR
     assert errno_of(ns.state.getattr, VOL, 999) == errno.ENOENT
     assert errno_of(ns.state.getattr, "nope", 1) == errno.ENOENT
     assert errno_of(ns.create, 1, b"f") == errno.EEXIST
     assert errno_of(ns.create, 999, b"x") == errno.ENOENT
-    assert errno_of(ns.create, a["ino"], b"x") == errno.ENOTDIR
+    assert errno_of(ns.create, a.ino, b"x") == errno.ENOTDIR
     ns.check()
 
 
@@ -49,7 +50,7 @@ def test_names_are_validated_before_the_log(ns: Driver) -> None:
         assert errno_of(ns.create, 1, bad) == errno.EINVAL
     assert errno_of(ns.state.lookup, VOL, 1, b"y" * 256) == errno.ENAMETOOLONG
     with pytest.raises(CacheFSError):
-        C.Mknod("c", 1, 0, VOL, 1, "str-name", 0o644, 0, 0, 0)  # type: ignore[arg-type]
+        C.Mknod(VOL, 1, "str-name", 0o644, 0, 0, 0, client_id="c", seq=1, now_ns=0)  # type: ignore[arg-type]
     ns.check()
 
 
@@ -69,10 +70,10 @@ def test_malformed_log_entries_change_nothing(ns: Driver) -> None:
 
 
 def test_mknod_kinds_and_mode_checks(ns: Driver) -> None:
-    assert stat.S_ISREG(ns.create(1, b"plain", 0o644)["mode"])
+    assert stat.S_ISREG(ns.create(1, b"plain", 0o644).mode)
     dev = ns.do(C.Mknod, VOL, 1, b"dev", stat.S_IFCHR | 0o600, 0x0501, 0, 0)
-    assert stat.S_ISCHR(dev["mode"]) and dev["rdev"] == 0x0501
-    assert stat.S_ISFIFO(ns.create(1, b"fifo", stat.S_IFIFO | 0o644)["mode"])
+    assert stat.S_ISCHR(dev.mode) and dev.rdev == 0x0501
+    assert stat.S_ISFIFO(ns.create(1, b"fifo", stat.S_IFIFO | 0o644).mode)
     assert errno_of(ns.create, 1, b"d", stat.S_IFDIR | 0o755) == errno.EINVAL
     assert errno_of(ns.create, 1, b"l", stat.S_IFLNK | 0o777) == errno.EINVAL
     assert errno_of(ns.create, 1, b"m", 0o1000000 | 0o644) == errno.EINVAL
@@ -82,31 +83,31 @@ def test_mknod_kinds_and_mode_checks(ns: Driver) -> None:
 
 def test_mkdir_rmdir_nlink(ns: Driver) -> None:
     d = ns.mkdir(1, b"d")
-    assert stat.S_ISDIR(d["mode"]) and d["nlink"] == 2
-    assert ns.state.getattr(VOL, 1)["nlink"] == 3
-    ns.mkdir(d["ino"], b"e")
-    assert ns.state.getattr(VOL, d["ino"])["nlink"] == 3
+    assert stat.S_ISDIR(d.mode) and d.nlink == 2
+    assert ns.state.getattr(VOL, 1).nlink == 3
+    ns.mkdir(d.ino, b"e")
+    assert ns.state.getattr(VOL, d.ino).nlink == 3
     assert errno_of(ns.mkdir, 1, b"d") == errno.EEXIST
     assert errno_of(ns.do, C.Rmdir, VOL, 1, b"d") == errno.ENOTEMPTY
     f = ns.create(1, b"f")
     assert errno_of(ns.do, C.Rmdir, VOL, 1, b"f") == errno.ENOTDIR
     assert errno_of(ns.do, C.Unlink, VOL, 1, b"d") == errno.EISDIR
     assert errno_of(ns.do, C.Rmdir, VOL, 1, b"zz") == errno.ENOENT
-    assert errno_of(ns.do, C.Rmdir, VOL, f["ino"], b"zz") == errno.ENOTDIR
-    ns.do(C.Rmdir, VOL, d["ino"], b"e")
+    assert errno_of(ns.do, C.Rmdir, VOL, f.ino, b"zz") == errno.ENOTDIR
+    ns.do(C.Rmdir, VOL, d.ino, b"e")
     ns.do(C.Rmdir, VOL, 1, b"d")
-    assert ns.state.getattr(VOL, 1)["nlink"] == 2
-    assert errno_of(ns.state.getattr, VOL, d["ino"]) == errno.ENOENT
-    assert errno_of(ns.mkdir, d["ino"], b"x") == errno.ENOENT
+    assert ns.state.getattr(VOL, 1).nlink == 2
+    assert errno_of(ns.state.getattr, VOL, d.ino) == errno.ENOENT
+    assert errno_of(ns.mkdir, d.ino, b"x") == errno.ENOENT
     ns.check()
 
 
 def test_symlink_readlink(ns: Driver) -> None:
     s = ns.do(C.Symlink, VOL, 1, b"s", b"../target", 5, 6)
-    assert stat.S_ISLNK(s["mode"]) and s["size"] == 9 and s["uid"] == 5
-    assert ns.state.readlink(VOL, s["ino"]) == b"../target"
+    assert stat.S_ISLNK(s.mode) and s.size == 9 and s.uid == 5
+    assert ns.state.readlink(VOL, s.ino) == b"../target"
     f = ns.create(1, b"f")
-    assert errno_of(ns.state.readlink, VOL, f["ino"]) == errno.EINVAL
+    assert errno_of(ns.state.readlink, VOL, f.ino) == errno.EINVAL
     assert errno_of(ns.do, C.Symlink, VOL, 1, b"t", b"", 0, 0) == errno.ENOENT
     assert errno_of(ns.do, C.Symlink, VOL, 1, b"t", b"x" * 4096, 0, 0) == errno.ENAMETOOLONG
     assert errno_of(ns.do, C.Symlink, VOL, 1, b"s", b"x", 0, 0) == errno.EEXIST
@@ -116,61 +117,61 @@ def test_symlink_readlink(ns: Driver) -> None:
 def test_hard_links(ns: Driver) -> None:
     d = ns.mkdir(1, b"d")
     f = ns.create(1, b"f")
-    ns.write(f["ino"], 0, 0, 100)
-    a = ns.do(C.Link, VOL, f["ino"], d["ino"], b"g")
-    assert a["nlink"] == 2 and a["ino"] == f["ino"]
-    ns.do(C.Link, VOL, f["ino"], d["ino"], b"h")
-    assert ns.state.usage(VOL, d["ino"])["bytes"] == 200  # every link counts in its directory
+    ns.write(f.ino, 0, 0, 100)
+    a = ns.do(C.Link, VOL, f.ino, d.ino, b"g")
+    assert a.nlink == 2 and a.ino == f.ino
+    ns.do(C.Link, VOL, f.ino, d.ino, b"h")
+    assert ns.state.usage(VOL, d.ino).bytes == 200  # every link counts in its directory
     ns.check()
-    assert errno_of(ns.do, C.Link, VOL, d["ino"], 1, b"dl") == errno.EPERM
-    assert errno_of(ns.do, C.Link, VOL, f["ino"], 1, b"f") == errno.EEXIST
+    assert errno_of(ns.do, C.Link, VOL, d.ino, 1, b"dl") == errno.EPERM
+    assert errno_of(ns.do, C.Link, VOL, f.ino, 1, b"f") == errno.EEXIST
     assert errno_of(ns.do, C.Link, VOL, 999, 1, b"q") == errno.ENOENT
-    assert errno_of(ns.do, C.Link, VOL, f["ino"], f["ino"], b"q") == errno.ENOTDIR
+    assert errno_of(ns.do, C.Link, VOL, f.ino, f.ino, b"q") == errno.ENOTDIR
     ns.do(C.Unlink, VOL, 1, b"f")
-    assert ns.state.getattr(VOL, f["ino"])["nlink"] == 2
-    ns.write(f["ino"], 0, 100, 50)
-    assert ns.state.usage(VOL, d["ino"])["bytes"] == 300
-    assert ns.state.usage(VOL, 1)["bytes"] == 300
-    ns.do(C.Unlink, VOL, d["ino"], b"g")
-    ns.do(C.Unlink, VOL, d["ino"], b"h")
-    assert errno_of(ns.state.getattr, VOL, f["ino"]) == errno.ENOENT
+    assert ns.state.getattr(VOL, f.ino).nlink == 2
+    ns.write(f.ino, 0, 100, 50)
+    assert ns.state.usage(VOL, d.ino).bytes == 300
+    assert ns.state.usage(VOL, 1).bytes == 300
+    ns.do(C.Unlink, VOL, d.ino, b"g")
+    ns.do(C.Unlink, VOL, d.ino, b"h")
+    assert errno_of(ns.state.getattr, VOL, f.ino) == errno.ENOENT
     assert {r[0] for r in ns.state.trash(VOL, 100)} == {1, 2}
     ns.check()
 
 
 def test_setattr(ns: Driver) -> None:
     f = ns.create(1, b"f")
-    a = ns.do(C.SetAttr, VOL, f["ino"], mode=0o600, uid=7, gid=8, atime_ns=5, mtime_ns=6)
-    assert stat.S_IMODE(a["mode"]) == 0o600 and stat.S_ISREG(a["mode"])
-    assert (a["uid"], a["gid"], a["atime_ns"], a["mtime_ns"]) == (7, 8, 5, 6)
-    assert a["ctime_ns"] > 6
-    a = ns.do(C.SetAttr, VOL, f["ino"], mode=stat.S_IFREG | 0o4755)
-    assert stat.S_IMODE(a["mode"]) == 0o4755
-    assert errno_of(ns.do, C.SetAttr, VOL, f["ino"], mode=stat.S_IFDIR | 0o755) == errno.EINVAL
+    a = ns.do(C.SetAttr, VOL, f.ino, mode=0o600, uid=7, gid=8, atime_ns=5, mtime_ns=6)
+    assert stat.S_IMODE(a.mode) == 0o600 and stat.S_ISREG(a.mode)
+    assert (a.uid, a.gid, a.atime_ns, a.mtime_ns) == (7, 8, 5, 6)
+    assert a.ctime_ns > 6
+    a = ns.do(C.SetAttr, VOL, f.ino, mode=stat.S_IFREG | 0o4755)
+    assert stat.S_IMODE(a.mode) == 0o4755
+    assert errno_of(ns.do, C.SetAttr, VOL, f.ino, mode=stat.S_IFDIR | 0o755) == errno.EINVAL
     assert errno_of(ns.do, C.SetAttr, VOL, 1, size=0) == errno.EISDIR
     s = ns.do(C.Symlink, VOL, 1, b"s", b"t", 0, 0)
-    assert errno_of(ns.do, C.SetAttr, VOL, s["ino"], size=0) == errno.EINVAL
-    assert errno_of(ns.do, C.SetAttr, VOL, f["ino"], size=-1) == errno.EINVAL
-    assert errno_of(ns.do, C.SetAttr, VOL, f["ino"], uid=1 << 32) == errno.EINVAL
+    assert errno_of(ns.do, C.SetAttr, VOL, s.ino, size=0) == errno.EINVAL
+    assert errno_of(ns.do, C.SetAttr, VOL, f.ino, size=-1) == errno.EINVAL
+    assert errno_of(ns.do, C.SetAttr, VOL, f.ino, uid=1 << 32) == errno.EINVAL
     assert errno_of(ns.do, C.SetAttr, VOL, 999, uid=1) == errno.ENOENT
     ns.check()
 
 
 def test_write_read_truncate_and_trash(ns: Driver) -> None:
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     a = ns.write(f, 0, 0, 1000)
-    assert a["size"] == 1000 and a["version"] == 2
+    assert a.size == 1000 and a.version == 2
     ns.write(f, 0, 500, 1000)
     ns.write(f, 1, 10, 10)
-    assert ns.state.getattr(VOL, f)["size"] == CHUNK_SIZE + 20
-    assert ns.state.read_chunk(VOL, f, 0) == [[1, 0, 1000, 0], [2, 500, 1000, 0]]
+    assert ns.state.getattr(VOL, f).size == CHUNK_SIZE + 20
+    assert ns.state.read_chunk(VOL, f, 0) == [(1, 0, 1000, 0), (2, 500, 1000, 0)]
     ns.write(f, 0, 0, 2000)  # covers both older slices: they go to the trash
-    assert ns.state.read_chunk(VOL, f, 0) == [[4, 0, 2000, 0]]
-    assert [r[:2] for r in ns.state.trash(VOL, 10)] == [[1, 1000], [2, 1000]]
-    v = ns.state.getattr(VOL, f)["version"]
+    assert ns.state.read_chunk(VOL, f, 0) == [(4, 0, 2000, 0)]
+    assert [r[:2] for r in ns.state.trash(VOL, 10)] == [(1, 1000), (2, 1000)]
+    v = ns.state.getattr(VOL, f).version
     a = ns.do(C.SetAttr, VOL, f, size=1500)
-    assert a["size"] == 1500 and a["version"] == v + 1
-    assert ns.state.read_chunk(VOL, f, 0) == [[4, 0, 1500, 0]]
+    assert a.size == 1500 and a.version == v + 1
+    assert ns.state.read_chunk(VOL, f, 0) == [(4, 0, 1500, 0)]
     assert ns.state.read_chunk(VOL, f, 1) == []
     assert [r[0] for r in ns.state.trash(VOL, 10)] == [1, 2, 3]
     ns.do(C.SetAttr, VOL, f, size=3 * CHUNK_SIZE)  # grow: a hole, no slices
@@ -178,7 +179,7 @@ def test_write_read_truncate_and_trash(ns: Driver) -> None:
     ns.check()
     ns.do(C.PurgeTrash, VOL, [1, 3])
     assert [r[0] for r in ns.state.trash(VOL, 10)] == [2]
-    d = ns.mkdir(1, b"d")["ino"]
+    d = ns.mkdir(1, b"d").ino
     assert errno_of(ns.write, d, 0, 0, 1) == errno.EISDIR
     assert errno_of(ns.do, C.WriteSlice, VOL, f, 0, 10_000, 0, 1, 0, 0) == errno.EINVAL
     assert errno_of(ns.do, C.WriteSlice, VOL, f, 0, 4, CHUNK_SIZE - 1, 2, 0, 0) == errno.EINVAL
@@ -188,7 +189,7 @@ def test_write_read_truncate_and_trash(ns: Driver) -> None:
 
 
 def test_many_slices_switch_to_per_chunk_storage(ns: Driver) -> None:
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     for i in range(200):
         ns.write(f, i % 7, i * 100, 50)
     assert isinstance(ns.state.volumes[VOL].inodes[f].data, dict)
@@ -200,22 +201,22 @@ def test_many_slices_switch_to_per_chunk_storage(ns: Driver) -> None:
 
 
 def test_compact_chunk(ns: Driver) -> None:
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     ns.write(f, 0, 0, 10)
     ns.write(f, 0, 5, 10)
     new = ns.do(C.AllocSlices, 1)
     assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [2, 1], new, 15) == errno.EBUSY
     ns.do(C.CompactChunk, VOL, f, 0, [1, 2], new, 15)
-    assert ns.state.read_chunk(VOL, f, 0) == [[new, 0, 15, 0]]
+    assert ns.state.read_chunk(VOL, f, 0) == [(new, 0, 15, 0)]
     assert {r[0] for r in ns.state.trash(VOL, 10)} == {1, 2}
     ns.check()
 
 
 def test_rename_rules(ns: Driver) -> None:
-    a = ns.mkdir(1, b"a")["ino"]
-    b = ns.mkdir(a, b"b")["ino"]
-    f = ns.create(1, b"f")["ino"]
-    g = ns.create(1, b"g")["ino"]
+    a = ns.mkdir(1, b"a").ino
+    b = ns.mkdir(a, b"b").ino
+    f = ns.create(1, b"f").ino
+    g = ns.create(1, b"g").ino
     rn = ns.do
     assert errno_of(rn, C.Rename, VOL, 1, b"a", b, b"x") == errno.EINVAL  # into own subtree
     assert errno_of(rn, C.Rename, VOL, 1, b"a", a, b"x") == errno.EINVAL
@@ -236,28 +237,28 @@ def test_rename_rules(ns: Driver) -> None:
     order = [e[0] for e in ns.state.readdir(VOL, 1, 0, 100)]
     rn(C.Rename, VOL, 1, b"f", 1, b"g")
     assert errno_of(ns.state.getattr, VOL, g) == errno.ENOENT
-    assert ns.state.lookup(VOL, 1, b"g")["ino"] == f
+    assert ns.state.lookup(VOL, 1, b"g").ino == f
     assert [e[0] for e in ns.state.readdir(VOL, 1, 0, 100)] == [n for n in order if n != b"f"]
     # across directories, a directory: nlink of both parents follows
     rn(C.Rename, VOL, a, b"b", 1, b"b2")
-    assert ns.state.getattr(VOL, a)["nlink"] == 2
-    assert ns.state.getattr(VOL, 1)["nlink"] == 5
-    assert ns.state.usage(VOL, a)["inodes"] == 0
+    assert ns.state.getattr(VOL, a).nlink == 2
+    assert ns.state.getattr(VOL, 1).nlink == 5
+    assert ns.state.usage(VOL, a).inodes == 0
     # exchange a file and a directory in different parents
     rn(C.Rename, VOL, 1, b"g", b, b"inner", C.RENAME_EXCHANGE)
-    assert ns.state.lookup(VOL, b, b"inner")["ino"] == f
+    assert ns.state.lookup(VOL, b, b"inner").ino == f
     rn(C.Rename, VOL, 1, b"a", 1, b"b2", C.RENAME_EXCHANGE)
-    assert ns.state.lookup(VOL, 1, b"a")["ino"] == b
+    assert ns.state.lookup(VOL, 1, b"a").ino == b
     ns.check()
     # a hard link renamed onto another link of itself: nothing happens
     ns.do(C.Link, VOL, f, 1, b"f2")
     rn(C.Rename, VOL, 1, b"f2", b, b"inner")
-    assert ns.state.lookup(VOL, 1, b"f2")["ino"] == f
+    assert ns.state.lookup(VOL, 1, b"f2").ino == f
     ns.check()
 
 
 def test_readdir_cookies_are_stable_under_change(ns: Driver) -> None:
-    d = ns.mkdir(1, b"d")["ino"]
+    d = ns.mkdir(1, b"d").ino
     names = [f"n{i:04}".encode() for i in range(300)]
     for name in names:
         ns.create(d, name)
@@ -284,13 +285,13 @@ def test_readdir_cookies_are_stable_under_change(ns: Driver) -> None:
     assert set(stable) <= set(seen)
     assert errno_of(ns.state.readdir, VOL, d, -1, 10) == errno.EINVAL
     assert errno_of(ns.state.readdir, VOL, d, 0, 0) == errno.EINVAL
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     assert errno_of(ns.state.readdir, VOL, f, 0, 10) == errno.ENOTDIR
     ns.check()
 
 
 def test_xattrs(ns: Driver) -> None:
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     ns.do(C.SetXattr, VOL, f, b"user.a", b"1")
     assert ns.state.getxattr(VOL, f, b"user.a") == b"1"
     assert errno_of(ns.do, C.SetXattr, VOL, f, b"user.a", b"2", C.XATTR_CREATE) == errno.EEXIST
@@ -309,10 +310,10 @@ def test_xattrs(ns: Driver) -> None:
 
 
 def test_quotas(ns: Driver) -> None:
-    d = ns.mkdir(1, b"d")["ino"]
-    sub = ns.mkdir(d, b"sub")["ino"]
+    d = ns.mkdir(1, b"d").ino
+    sub = ns.mkdir(d, b"sub").ino
     ns.do(C.SetQuota, VOL, d, 1000, 3)
-    f = ns.create(sub, b"f")["ino"]
+    f = ns.create(sub, b"f").ino
     ns.write(f, 0, 0, 900)
     assert errno_of(ns.write, f, 0, 900, 200) == errno.EDQUOT
     assert errno_of(ns.do, C.SetAttr, VOL, f, size=2000) == errno.EDQUOT
@@ -323,25 +324,25 @@ def test_quotas(ns: Driver) -> None:
     ns.create(1, b"outside")
     assert errno_of(ns.do, C.Rename, VOL, 1, b"outside", sub, b"in") == errno.EDQUOT
     ns.do(C.Rename, VOL, sub, b"f", 1, b"moved_out")  # leaving a quota is always fine
-    assert ns.state.usage(VOL, d) == {"bytes": 0, "inodes": 2, "max_bytes": 1000, "max_inodes": 3}
+    assert ns.state.usage(VOL, d) == Usage(bytes=0, inodes=2, max_bytes=1000, max_inodes=3)
     ns.do(C.Rename, VOL, 1, b"outside", sub, b"in")
     assert errno_of(ns.do, C.SetQuota, VOL, f, 1, 1) == errno.ENOTDIR
     ns.do(C.SetQuota, VOL, d, None, None)
     ns.create(sub, b"h")
-    assert ns.state.usage(VOL, 1)["inodes"] == 6
+    assert ns.state.usage(VOL, 1).inodes == 6
     ns.check()
 
 
 def test_unlink_stamped_keep_leaves_an_orphan_until_purged(ns: Driver) -> None:
-    s1 = ns.do(C.MountVolume, VOL)["session"]
-    f = ns.create(1, b"f")["ino"]
+    s1 = ns.do(C.MountVolume, VOL).session
+    f = ns.create(1, b"f").ino
     ns.write(f, 0, 0, 10)
     ns.do(C.Unlink, VOL, 1, b"f", f, True)  # the leader stamped: f is open
     a = ns.state.getattr(VOL, f)
-    assert a["nlink"] == 0 and a["size"] == 10
+    assert a.nlink == 0 and a.size == 10
     assert ns.state.volumes[VOL].orphans == {f}
-    assert ns.state.read_chunk(VOL, f, 0) == [[1, 0, 10, 0]]
-    assert ns.state.check_open(VOL, f, s1)["nlink"] == 0  # a new session may re-open it
+    assert ns.state.read_chunk(VOL, f, 0) == [(1, 0, 10, 0)]
+    assert ns.state.check_open(VOL, f, s1).nlink == 0  # a new session may re-open it
     assert errno_of(ns.do, C.Link, VOL, f, 1, b"back") == errno.ENOENT
     ns.check()
     assert ns.state.trash(VOL, 10) == []
@@ -357,17 +358,17 @@ def test_unlink_stamped_keep_leaves_an_orphan_until_purged(ns: Driver) -> None:
 def test_stamps_decide_alike_everywhere(ns: Driver) -> None:
     """Not kept: freed at once. Kept, or a different inode dropped than the
     stamp expected: an orphan. Rename over a target follows the same stamp."""
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     ns.do(C.Unlink, VOL, 1, b"f", f, False)
     assert errno_of(ns.state.getattr, VOL, f) == errno.ENOENT
-    g = ns.create(1, b"g")["ino"]
+    g = ns.create(1, b"g").ino
     ns.do(C.Unlink, VOL, 1, b"g", g + 1000, False)  # predicted another inode: keep
     assert ns.state.volumes[VOL].orphans == {g}
-    h = ns.create(1, b"h")["ino"]
-    k = ns.create(1, b"k")["ino"]
+    h = ns.create(1, b"h").ino
+    k = ns.create(1, b"k").ino
     ns.do(C.Rename, VOL, 1, b"k", 1, b"h", 0, None, h, True)
     assert ns.state.volumes[VOL].orphans == {g, h}
-    assert ns.state.lookup(VOL, 1, b"h")["ino"] == k
+    assert ns.state.lookup(VOL, 1, b"h").ino == k
     ns.check()
     assert ns.state.predict_drop(VOL, 1, b"h") == k
     assert ns.state.predict_drop(VOL, 1, b"nope") == 0
@@ -377,7 +378,7 @@ def test_stamps_decide_alike_everywhere(ns: Driver) -> None:
     assert copy.volumes[VOL].orphans == {g, h}
     # a log entry written before the stamp fields existed still decodes
     old = msgpack.packb([C.Unlink.TAG, ["t", 0, 1, VOL, 1, b"h"]], use_bin_type=True)
-    assert C.decode(old) == C.Unlink("t", 0, 1, VOL, 1, b"h", 0, False)
+    assert C.decode(old) == C.Unlink(VOL, 1, b"h", 0, False, client_id="t", seq=0, now_ns=1)
 
 
 def test_volumes_and_cluster_map() -> None:
@@ -408,7 +409,7 @@ def test_volumes_and_cluster_map() -> None:
     assert errno_of(ns.do, C.SetVolumeCompression, "zz", "none") == errno.ENOENT
     assert errno_of(ns.do, C.SetVolumeCompression, "a", "lz4") == errno.EINVAL
     st = ns.state.statfs("a")
-    assert st["blocks"] * st["bsize"] == 5 << 30 and st["namemax"] == 255
+    assert st.blocks * st.bsize == 5 << 30 and st.namemax == 255
     ns.state.cluster.heartbeat("datanode", "dn1", 123, now=10.0)
     ns.state.cluster.refresh_liveness(now=100.0, timeout=30.0)
     states = {n["id"]: n["state"] for n in ns.state.cluster.to_dict()["datanodes"]}
@@ -419,43 +420,43 @@ def test_volumes_and_cluster_map() -> None:
 def test_enospc_when_the_datanodes_are_full() -> None:
     ns = Driver().volume()
     ns.do(C.RegisterNode, "datanode", "dn0", "127.0.0.1:7000", "z", 1000)
-    f = ns.create(1, b"f")["ino"]
+    f = ns.create(1, b"f").ino
     ns.write(f, 0, 0, 1000)
     assert errno_of(ns.write, f, 0, 1000, 1) == errno.ENOSPC
     ns.check()
 
 
 def test_dedup_returns_the_first_answer_and_survives_snapshots(ns: Driver) -> None:
-    cmd = C.Mknod("client-a", 7, 1, VOL, 1, b"f", 0o644, 0, 0, 0).encode()
+    cmd = C.Mknod(VOL, 1, b"f", 0o644, 0, 0, 0, client_id="client-a", seq=7, now_ns=1).encode()
     first = ns.state.apply(100, cmd)
     assert ns.state.apply(101, cmd) == first  # applied once
     again = MetaState()
     again.restore(ns.state.snapshot())
-    assert again.apply(102, cmd) == first
-    failing = C.Mknod("client-a", 8, 1, VOL, 1, b"f", 0o644, 0, 0, 0).encode()
+    assert again.apply(102, cmd) == list(first)  # restored answers are their wire form
+    failing = C.Mknod(VOL, 1, b"f", 0o644, 0, 0, 0, client_id="client-a", seq=8, now_ns=1).encode()
     err = again.apply(103, failing)
     assert isinstance(err, Failure) and err.code == "EEXIST"
-    again.apply(104, C.Unlink("client-a", 9, 1, VOL, 1, b"f").encode())
+    again.apply(104, C.Unlink(VOL, 1, b"f", client_id="client-a", seq=9, now_ns=1).encode())
     assert again.apply(105, failing) == err  # the first answer, though it would succeed now
     for seq in range(10, 10 + DEDUP_WINDOW + 5):
-        again.apply(200 + seq, C.AllocSlices("client-a", seq, 1, 1).encode())
-    too_old = again.apply(9999, C.Mknod("client-a", 9, 1, VOL, 1, b"g", 0o644, 0, 0, 0).encode())
+        again.apply(200 + seq, C.AllocSlices(1, client_id="client-a", seq=seq, now_ns=1).encode())
+    too_old = again.apply(9999, C.Mknod(VOL, 1, b"g", 0o644, 0, 0, 0, client_id="client-a", seq=9, now_ns=1).encode())
     assert isinstance(too_old, Failure) and too_old.code == "EINVAL"
     with pytest.raises(CacheFSError):
         again.lookup(VOL, 1, b"g")
 
 
 def test_snapshot_round_trip_is_exact(ns: Driver) -> None:
-    s = ns.do(C.MountVolume, VOL)["session"]
-    d = ns.mkdir(1, b"d")["ino"]
-    f = ns.create(d, b"f")["ino"]
+    s = ns.do(C.MountVolume, VOL).session
+    d = ns.mkdir(1, b"d").ino
+    f = ns.create(d, b"f").ino
     for i in range(100):
         ns.write(f, i % 3, i, 10)
     ns.do(C.Link, VOL, f, 1, b"f-link")
     ns.do(C.Symlink, VOL, d, b"s", b"f", 0, 0)
     ns.do(C.SetXattr, VOL, f, b"user.k", b"v")
     ns.do(C.SetQuota, VOL, d, 1 << 40, 1000)
-    g = ns.create(1, b"g")["ino"]
+    g = ns.create(1, b"g").ino
     ns.write(g, 0, 0, 5)
     assert s
     ns.do(C.Unlink, VOL, 1, b"g", g, True)
@@ -472,18 +473,18 @@ def test_snapshot_round_trip_is_exact(ns: Driver) -> None:
     assert copy.read_chunk(VOL, f, 1) == ns.state.read_chunk(VOL, f, 1)
     Driver(copy).check()
     # both continue identically
-    cmd = C.Mknod("x", 1, 5, VOL, d, b"new", 0o644, 0, 0, 0).encode()
+    cmd = C.Mknod(VOL, d, b"new", 0o644, 0, 0, 0, client_id="x", seq=1, now_ns=5).encode()
     assert copy.apply(5000, cmd) == ns.state.apply(5000, cmd)
     assert copy.snapshot() == ns.state.snapshot()
 
 
 def test_silent_clients_are_forgotten_deterministically(ns: Driver) -> None:
     minute = 60 * 10**9
-    old = C.Mknod("gone", 1, 1 * minute, VOL, 1, b"a", 0o644, 0, 0, 0).encode()
+    old = C.Mknod(VOL, 1, b"a", 0o644, 0, 0, 0, client_id="gone", seq=1, now_ns=1 * minute).encode()
     first = ns.state.apply(10, old)
-    ns.state.apply(11, C.Mknod("busy", 1, 5 * minute, VOL, 1, b"b", 0o644, 0, 0, 0).encode())
+    ns.state.apply(11, C.Mknod(VOL, 1, b"b", 0o644, 0, 0, 0, client_id="busy", seq=1, now_ns=5 * minute).encode())
     assert ns.state.apply(12, old) == first  # still remembered after 4 minutes
-    ns.state.apply(13, C.Mknod("busy", 2, 12 * minute, VOL, 1, b"c", 0o644, 0, 0, 0).encode())
+    ns.state.apply(13, C.Mknod(VOL, 1, b"c", 0o644, 0, 0, 0, client_id="busy", seq=2, now_ns=12 * minute).encode())
     assert "gone" not in ns.state.dedup and "busy" in ns.state.dedup
     copy = MetaState()
     copy.restore(ns.state.snapshot())
@@ -493,11 +494,11 @@ def test_silent_clients_are_forgotten_deterministically(ns: Driver) -> None:
 
 def test_remaining_error_cases(ns: Driver) -> None:
     st = ns.state
-    f = ns.create(1, b"f")["ino"]
-    d = ns.mkdir(1, b"d")["ino"]
-    s = ns.do(C.Symlink, VOL, 1, b"s", b"f", 0, 0)["ino"]
-    fifo = ns.create(1, b"p", stat.S_IFIFO | 0o644)["ino"]
-    session = ns.do(C.MountVolume, VOL)["session"]
+    f = ns.create(1, b"f").ino
+    d = ns.mkdir(1, b"d").ino
+    s = ns.do(C.Symlink, VOL, 1, b"s", b"f", 0, 0).ino
+    fifo = ns.create(1, b"p", stat.S_IFIFO | 0o644).ino
+    session = ns.do(C.MountVolume, VOL).session
     assert errno_of(st.statfs, "nope") == errno.ENOENT
     assert errno_of(st.listxattr, VOL, 999) == errno.ENOENT
     assert errno_of(st.getxattr, VOL, 999, b"user.a") == errno.ENOENT

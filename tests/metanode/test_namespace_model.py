@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from cachefs import commands as C
 from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE
-from cachefs.metanode import commands as C
 from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.opentable import OpenTable
 
@@ -172,7 +172,7 @@ class NamespaceMachine(RuleBasedStateMachine):
         super().__init__()
         self.ns = Driver().volume()
         self.model = Model()
-        self.session = self.ns.do(C.MountVolume, VOL)["session"]
+        self.session = self.ns.do(C.MountVolume, VOL).session
         self.table = OpenTable()  # what the leader does around the state machine
         self.table.known.add(self.session)
 
@@ -305,11 +305,11 @@ class NamespaceMachine(RuleBasedStateMachine):
         for ino, kind in self.model.kind.items():
             attr = state.getattr(VOL, ino)
             if kind == "d":
-                listing = {e[0]: e[1]["ino"] for e in state.readdir(VOL, ino, 0, 1000)}
+                listing = {e[0]: e[1].ino for e in state.readdir(VOL, ino, 0, 1000)}
                 assert listing == self.model.entries[ino]
             else:
-                assert attr["size"] == self.model.size[ino]
-                assert attr["nlink"] == self.model.nlink[ino]
+                assert attr.size == self.model.size[ino]
+                assert attr.nlink == self.model.nlink[ino]
         self.ns.check()
 
 

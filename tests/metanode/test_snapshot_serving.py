@@ -19,7 +19,8 @@ from pathlib import Path
 
 import trio
 
-from cachefs.metanode import commands as C
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.raft.core import RaftConfig
@@ -52,11 +53,11 @@ class GatedState(MetaState):
 def preload(state: MetaState, n: int) -> None:
     """The same tree on every replica, as if an earlier log had built it."""
     now = 1_700_000_000 * 10**9
-    state.apply(0, C.CreateVolume("", 0, now, VOL, "replica:3", "none", 4 << 20, 64, ""))
+    state.apply(0, C.CreateVolume(VOL, "replica:3", "none", 4 << 20, 64, now_ns=now))
     for d in range(n // 1000):
-        dino = state.apply(0, C.Mkdir("", 0, now, VOL, 1, b"d%03d" % d, 0o755, 0, 0))["ino"]
+        dino = state.apply(0, C.Mkdir(VOL, 1, b"d%03d" % d, 0o755, 0, 0, now_ns=now)).ino
         for k in range(1000):
-            state.apply(0, C.Mknod("", 0, now, VOL, dino, b"f%04d" % k, 0o100644, 0, 0, 0))
+            state.apply(0, C.Mknod(VOL, dino, b"f%04d" % k, 0o100644, 0, 0, 0, now_ns=now))
 
 
 @dataclass
@@ -130,14 +131,14 @@ async def _scenario(tmp_path: Path, gate: Path) -> None:
         term = leader.node.term
         addr = cluster.peers[leader.node.id]
         mc = MetaClient(pool, [addr], deadline=20.0)
-        top = (await mc.mkdir(VOL, 1, b"new", 0o755))["ino"]
-        d0 = (await mc.lookup(VOL, 1, b"d000"))["ino"]
+        top = (await mc.mutate(C.Mkdir(VOL, 1, b"new", 0o755))).ino
+        d0 = (await mc.query(Q.Lookup(VOL, 1, b"d000"))).ino
 
         # Enough entries to start a snapshot; its child then waits on the gate.
         n = 0
         with trio.fail_after(30):
             while not leader.node.snapshotting:
-                await mc.mknod(VOL, top, b"a%05d" % n, 0o100644)
+                await mc.mutate(C.Mknod(VOL, top, b"a%05d" % n, 0o100644))
                 n += 1
         assert leader.node.is_leader and not await trio.Path(gate).exists()
 
@@ -147,10 +148,10 @@ async def _scenario(tmp_path: Path, gate: Path) -> None:
         async def client(c: int) -> None:
             cl = MetaClient(pool, [addr], deadline=20.0)
             for k in range(25):
-                ino = (await cl.mknod(VOL, top, b"c%d-%d" % (c, k), 0o100644))["ino"]
+                ino = (await cl.mutate(C.Mknod(VOL, top, b"c%d-%d" % (c, k), 0o100644))).ino
                 made.append(ino)
-                assert (await cl.getattr(VOL, ino))["ino"] == ino
-                assert (await cl.lookup(VOL, 2, b"f0999"))["ino"] > d0
+                assert (await cl.query(Q.GetAttr(VOL, ino))).ino == ino
+                assert (await cl.query(Q.Lookup(VOL, 2, b"f0999"))).ino > d0
 
         with trio.fail_after(30):
             async with trio.open_nursery() as clients:
@@ -167,7 +168,7 @@ async def _scenario(tmp_path: Path, gate: Path) -> None:
                 await trio.sleep(0.02)
 
         for k in range(20):  # fewer than SNAPSHOT_EVERY: these stay in the log
-            await mc.mknod(VOL, top, b"z%d" % k, 0o100644)
+            await mc.mutate(C.Mknod(VOL, top, b"z%d" % k, 0o100644))
 
         # The snapshot on disk is exactly the state at its index: restored,
         # with the log after it replayed, it equals the live state.
@@ -177,7 +178,7 @@ async def _scenario(tmp_path: Path, gate: Path) -> None:
         restored = MetaState()
         restored.restore(snap.data)
         assert restored.applied_index == snap.meta.index
-        assert restored.lookup(VOL, d0, b"f0999")["ino"] > d0  # the preloaded tree
+        assert restored.lookup(VOL, d0, b"f0999").ino > d0  # the preloaded tree
         replay = [e for e in leader.node.core.log.entries if e.index > snap.meta.index]
         assert replay
         for e in replay:

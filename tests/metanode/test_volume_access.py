@@ -9,8 +9,9 @@ import msgpack
 import pytest
 import zstandard
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError, InvalidArgument
-from cachefs.metanode import commands as C
 from cachefs.metanode.namespace import MetaState, hash_token
 from tests.metanode.test_service import Single, meta  # noqa: F401  (the fixture)
 
@@ -19,8 +20,8 @@ TOKEN = "s3cret-token-of-tenant-a"
 
 def _state_with(token_hash: str) -> MetaState:
     s = MetaState()
-    s.apply(1, C.CreateVolume("c", 1, 1, "t", "replica:1", "none", 1 << 20, 4, token_hash))
-    s.apply(2, C.CreateVolume("c", 2, 1, "o", "replica:1", "none", 1 << 20, 4))
+    s.apply(1, C.CreateVolume("t", "replica:1", "none", 1 << 20, 4, token_hash, client_id="c", seq=1, now_ns=1))
+    s.apply(2, C.CreateVolume("o", "replica:1", "none", 1 << 20, 4, client_id="c", seq=2, now_ns=1))
     return s
 
 
@@ -33,10 +34,10 @@ def test_state_keeps_a_hash_and_checks_it() -> None:
             s.check_volume_token("t", bad)
         assert info.value.errno == errno.EACCES and "'t'" in str(info.value)
     s.check_volume_token("o", None)  # created without a token: open
-    s.apply(3, C.SetVolumeAccess("c", 3, 1, "o", hash_token("x")))
+    s.apply(3, C.SetVolumeAccess("o", hash_token("x"), client_id="c", seq=3, now_ns=1))
     with pytest.raises(CacheFSError):
         s.check_volume_token("o", None)
-    s.apply(4, C.SetVolumeAccess("c", 4, 1, "t", ""))
+    s.apply(4, C.SetVolumeAccess("t", "", client_id="c", seq=4, now_ns=1))
     s.check_volume_token("t", None)
 
 
@@ -59,35 +60,36 @@ def test_snapshot_carries_the_hash_and_old_snapshots_restore() -> None:
 
 def test_commands_validate_and_old_entries_decode() -> None:
     with pytest.raises(InvalidArgument):
-        C.SetVolumeAccess("c", 1, 1, "t", "not-a-hash")
+        C.SetVolumeAccess("t", "not-a-hash", client_id="c", seq=1, now_ns=1)
     old = msgpack.packb([C.CreateVolume.TAG, ["c", 1, 1, "v", "replica:1", "none", 1 << 20, 4]])
     assert C.decode(old).token_hash == ""
-    cmd = C.CreateVolume("c", 1, 1, "v", "replica:1", "none", 1 << 20, 4, hash_token(TOKEN))
+    cmd = C.CreateVolume("v", "replica:1", "none", 1 << 20, 4, hash_token(TOKEN), client_id="c", seq=1, now_ns=1)
     assert C.decode(cmd.encode()) == cmd
 
 
 async def test_mount_volume_needs_the_token(meta: Single) -> None:  # noqa: F811
     mc = meta.mc
-    await mc.call(
-        "create_volume", {"name": "sec", "policy": "replica:1", "token": TOKEN}, mutation=True
-    )
-    for args in ({}, {"token": "wrong"}):
+    await mc.mutate(C.CreateVolume("sec", "replica:1"), token=TOKEN)
+    for token in (None, "wrong"):
         with pytest.raises(CacheFSError) as info:
-            await mc.call(
-                "mount_volume", {"volume": "sec", "client_id": "c1", **args}, mutation=True
-            )
+            await mc.mutate(C.MountVolume("sec"), token=token)
         assert info.value.errno == errno.EACCES and "sec" in str(info.value)
-    ok = await mc.call(
-        "mount_volume", {"volume": "sec", "client_id": "c1", "token": TOKEN}, mutation=True
-    )
-    assert ok["session"]
-    assert (await mc.list_volumes())["sec"]["open"] is False
+    assert (await mc.mutate(C.MountVolume("sec"), token=TOKEN)).session
+    assert (await mc.query(Q.ListVolumes()))["sec"]["open"] is False
     # The fixture's volume was created without a token: open, no token needed.
-    assert (await mc.mount_volume("v"))["session"]
-    await mc.call("set_volume_access", {"name": "sec"}, mutation=True)
-    assert (await mc.call("mount_volume", {"volume": "sec", "client_id": "c2"}, mutation=True))[
-        "session"
-    ]
+    assert (await mc.mount_volume("v")).session
+    await mc.mutate(C.SetVolumeAccess("sec"))
+    assert (await mc.mutate(C.MountVolume("sec"))).session
+
+
+async def test_the_leader_stamps_the_token_hash(meta: Single) -> None:  # noqa: F811
+    """A client cannot plant a hash of its choosing: the leader hashes the
+    request's token (none: an open volume) over whatever the command held."""
+    mc = meta.mc
+    await mc.mutate(C.CreateVolume("planted", "replica:1", token_hash=hash_token("mine")))
+    assert meta.state.volumes["planted"].token_hash == ""
+    await mc.mutate(C.SetVolumeAccess("planted", hash_token("mine")), token=TOKEN)
+    assert meta.state.volumes["planted"].token_hash == hash_token(TOKEN)
 
 
 def test_cli_access_options_are_checked_before_connecting(tmp_path) -> None:
@@ -111,15 +113,19 @@ def test_cli_access_options_are_checked_before_connecting(tmp_path) -> None:
 async def test_token_arguments_are_typed(meta: Single) -> None:  # noqa: F811
     mc = meta.mc
     calls = [
-        ("mount_volume", {"volume": "v", "client_id": "c", "token": 5}),
-        ("create_volume", {"name": "w", "policy": "replica:1", "token": ["x"]}),
-        ("set_volume_access", {"name": "v", "token": 3.5}),
+        ("mount_volume", ["c", 1, "v"], 5),
+        ("create_volume", ["c", 2, "w", "replica:1"], ["x"]),
+        ("set_volume_access", ["c", 3, "v"], 3.5),
     ]
-    for method, args in calls:
+    for method, a, token in calls:
         with pytest.raises(CacheFSError) as info:
-            await mc.call(method, args, mutation=True)
+            await mc.call(method, {"a": a, "token": token})
         assert info.value.errno == errno.EINVAL and "token" in str(info.value)
     with pytest.raises(CacheFSError) as info:
-        await mc.call("set_volume_access", {"name": "nope", "token": "t"}, mutation=True)
+        await mc.mutate(C.Mkdir("v", 1, b"d", 0o755), token="t")
+    assert info.value.errno == errno.EINVAL and "token" in str(info.value)
+    with pytest.raises(CacheFSError) as info:
+        await mc.mutate(C.SetVolumeAccess("nope"), token="t")
     assert info.value.errno == errno.ENOENT
     assert "w" not in meta.state.volumes and meta.state.volumes["v"].token_hash == ""
+    assert meta.state.volumes["v"].inodes.keys() == {1}

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from cachefs.errors import AuthFailed, CacheFSError
+from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 
 USER_A, USER_B = 4242, 4343
@@ -51,7 +52,7 @@ def test_a_daemon_with_the_wrong_secret_cannot_join(small_lab, tmp_path: Path) -
             async with RpcPool(secret=small_lab.secret) as pool:
                 meta = small_lab.meta_client(pool, deadline=10)
                 await trio.sleep(3)
-                cmap = await meta.cluster_map()
+                cmap = await meta.query(ClusterMap())
                 return [n["id"] for n in cmap["datanodes"]]
 
         assert "intruder" not in trio.run(check)

@@ -1,33 +1,56 @@
-"""Typed commands of the metanode log.
+"""Typed commands: the metanodes' log entries, and the requests that make them.
+
+They sit in the shared core beside the queries (:mod:`cachefs.queries`) and
+the replies (:mod:`cachefs.messages`) because every part that changes
+metadata builds them: the FUSE client, the garbage collector, node
+registration, the admin CLI; the metanodes decode and apply them
+(:mod:`cachefs.metanode.service`, :mod:`cachefs.metanode.namespace`).
 
 Every change to the metadata is one of these frozen classes, encoded with
-msgpack as ``[tag, [field, ...]]`` and replicated through Raft. A command is
-validated when it is constructed, both by the service (so a bad request is
-refused before it reaches the log) and again when the state machine decodes
-it (so a malformed log entry becomes an error result, never corrupt state).
+msgpack as ``[tag, [client_id, seq, now_ns, field, ...]]`` (the fields in the
+order the class declares them) and replicated through Raft. A command is
+validated when it is constructed: by the client that builds it, by the
+leader that decodes the request (so a bad request is refused before it
+reaches the log), and again when the state machine decodes the log entry (so
+a malformed entry becomes an error result, never corrupt state).
 
-Commands that come from clients carry ``client_id`` and ``seq``: the state
-machine answers a repeated ``(client_id, seq)`` with the first answer instead
-of applying it again. Commands proposed by the metanodes themselves (session
-expiry, for example) carry an empty ``client_id`` and are not deduplicated.
+A command with a ``NAME`` is a client request: the metanode serves it as the
+RPC method of that name, whose one argument ``a`` is
+``[client_id, seq, field, ...]`` (:meth:`Command.to_request`), and the reply
+is decoded by the class's ``REPLY``. Commands without one (``PurgeOrphans``)
+are proposed by the leader alone.
 
-Time enters only as ``now_ns`` stamped by the proposing leader, so applying
-the same log on every replica gives the same state.
+Clients' commands carry ``client_id`` and ``seq`` (``MetaClient`` fills them
+in): the state machine answers a repeated ``(client_id, seq)`` with the first
+answer instead of applying it again. Commands proposed by the metanodes
+themselves (session expiry, for example) carry an empty ``client_id`` and are
+not deduplicated.
+
+Time enters only as ``now_ns`` stamped by the leader that proposes the
+command, so applying the same log on every replica gives the same state.
+Fields documented as *leader-stamped* (``expect``/``keep`` of Unlink and
+Rename, ``token_hash``) are likewise overwritten by the leader, whatever the
+client sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import stat
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgpack
 
+from cachefs import messages as M
 from cachefs.backing.policy import VolumePolicy
-from cachefs.errors import InvalidArgument, NameTooLong
+from cachefs.errors import FileTooLarge, InvalidArgument, NameTooLong
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE
 from cachefs.layout import MAX_FILE_SIZE
+
+R = TypeVar("R")
 
 NAME_MAX = 255
 PATH_MAX = 4096
@@ -66,7 +89,7 @@ def check_policy(
     return str(VolumePolicy.parse(policy, compression, block_size))
 
 
-def _check_int(value: Any, what: str, lo: int = 0, hi: int = U64) -> None:
+def check_int(value: Any, what: str, lo: int = 0, hi: int = U64) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
@@ -80,14 +103,17 @@ _SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,),
 }
 
-_REGISTRY: dict[int, type[Command]] = {}
+_REGISTRY: dict[int, type[Command[Any]]] = {}
+REQUESTS: dict[str, type[Command[Any]]] = {}  # RPC method name -> client command
 _INT = (int,)
-_SPECS: dict[type, list[tuple[str, str, tuple[type, ...] | None, bool]]] = {}
+_HEADER = ("client_id", "seq", "now_ns")
+Spec = tuple[str, str, tuple[type, ...] | None, bool]
+_SPECS: dict[type, list[Spec]] = {}
 
 
-def _specs(cls: type) -> list[tuple[str, str, tuple[type, ...] | None, bool]]:
+def _specs(cls: type) -> list[Spec]:
     """(name, annotation, accepted types or None for int tuples, optional) per field,
-    computed once per class: validation runs twice per mutation, so it must be cheap."""
+    computed once per class: validation runs on every request, so it must be cheap."""
     specs = _SPECS.get(cls)
     if specs is None:
         specs = []
@@ -105,16 +131,68 @@ def _specs(cls: type) -> list[tuple[str, str, tuple[type, ...] | None, bool]]:
     return specs
 
 
+def check_fields(message: Any) -> None:
+    """Check every field of a frozen message against its annotation (``int``,
+    ``str``, ``bytes``, ``bool``, ``tuple[int, ...]``, optionally ``| None``);
+    a list given for an int tuple becomes a tuple. Shared with the queries."""
+    for name, spec, kinds, optional in _specs(type(message)):
+        value = getattr(message, name)
+        if kinds is not None and type(value) is kinds[0]:
+            continue  # the common case, first (this runs for every request)
+        if value is None and optional:
+            continue
+        if kinds is None:  # tuple[int, ...]
+            ok = isinstance(value, list | tuple) and all(
+                type(v) is int or (isinstance(v, int) and not isinstance(v, bool)) for v in value
+            )
+            if ok and isinstance(value, list):
+                object.__setattr__(message, name, tuple(value))
+        else:
+            ok = isinstance(value, kinds) and not (kinds is _INT and isinstance(value, bool))
+        if not ok:
+            raise InvalidArgument(
+                f"{type(message).__name__}.{name} must be {spec}, got {type(value).__name__}"
+            )
+
+
+_BODIES: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def body_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
+    """Reads a message's own fields (not the command header), in declaration
+    order; built once per class."""
+    getter = _BODIES.get(cls)
+    if getter is None:
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in _HEADER]
+        if len(names) > 1:
+            getter = operator.attrgetter(*names)
+        elif names:
+            one = operator.attrgetter(names[0])
+            getter = lambda message: (one(message),)  # noqa: E731
+        else:
+            getter = lambda _message: ()  # noqa: E731
+        _BODIES[cls] = getter
+    return getter
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class Command:
-    """Base of every log command; subclasses set ``TAG`` and add fields."""
+class Command(Generic[R]):
+    """Base of every log command; subclasses set ``TAG`` and add fields.
+
+    ``NAME``: the RPC method a client sends it as ("" = the leader's own);
+    ``REPLY``: decodes the apply result the client receives (see
+    :mod:`cachefs.messages`).
+    """
 
     TAG: ClassVar[int] = 0
+    NAME: ClassVar[str] = ""
+    REPLY: ClassVar[Callable[[Any], Any]] = M.nothing
     MUTATES_VOLUME: ClassVar[bool] = True
 
-    client_id: str
-    seq: int
-    now_ns: int
+    # the header: filled in by MetaClient (client_id, seq) and the leader (now_ns)
+    client_id: str = dataclasses.field(default="", kw_only=True)
+    seq: int = dataclasses.field(default=0, kw_only=True)
+    now_ns: int = dataclasses.field(default=0, kw_only=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         del kwargs  # Command has no base class options; zero-arg super() breaks under slots
@@ -124,38 +202,39 @@ class Command:
             if old is not None and old.__qualname__ != cls.__qualname__:
                 raise RuntimeError(f"duplicate command tag {cls.TAG}")
             _REGISTRY[cls.TAG] = cls
+            if cls.NAME:
+                REQUESTS[cls.NAME] = cls
 
     def __post_init__(self) -> None:
-        for name, spec, kinds, optional in _specs(type(self)):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if kinds is None:  # tuple[int, ...]
-                ok = isinstance(value, list | tuple) and all(
-                    type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
-                    for v in value
-                )
-                if ok and isinstance(value, list):
-                    object.__setattr__(self, name, tuple(value))
-            else:
-                ok = isinstance(value, kinds) and not (kinds is _INT and isinstance(value, bool))
-            if not ok:
-                raise InvalidArgument(
-                    f"{type(self).__name__}.{name} must be {spec}, got {type(value).__name__}"
-                )
+        check_fields(self)
         if len(self.client_id) > 128:
             raise InvalidArgument("client_id is longer than 128 characters")
-        _check_int(self.seq, "seq")
-        _check_int(self.now_ns, "now_ns", 0, I64)
+        check_int(self.seq, "seq")
+        check_int(self.now_ns, "now_ns", 0, I64)
         self.validate()
 
     def validate(self) -> None:
         """Range checks specific to the command; raise a CacheFSError."""
 
     def encode(self) -> bytes:
+        """The log entry."""
         values = [getattr(self, spec[0]) for spec in _specs(type(self))]
         values = [list(v) if isinstance(v, tuple) else v for v in values]
         return msgpack.packb([self.TAG, values], use_bin_type=True)
+
+    def to_request(self, client_id: str, seq: int) -> list[Any]:
+        """The RPC argument ``a``: ``[client_id, seq, field, ...]``."""
+        return [client_id, seq, *body_getter(type(self))(self)]
+
+    @classmethod
+    def from_request(cls, a: list[Any], now_ns: int) -> Command[R]:
+        """Decode and validate a client's request, stamped with the leader's clock."""
+        if len(a) < 2:
+            raise InvalidArgument(f"{cls.NAME or cls.__name__} needs [client_id, seq, field...]")
+        try:
+            return cls(*a[2:], client_id=a[0], seq=a[1], now_ns=now_ns)
+        except TypeError as exc:
+            raise InvalidArgument(f"bad {cls.NAME or cls.__name__}: {exc}") from None
 
 
 _REQUIRED: dict[type, int] = {}
@@ -175,7 +254,7 @@ def _required(cls: type) -> int:
     return n
 
 
-def decode(raw: bytes) -> Command:
+def decode(raw: bytes) -> Command[Any]:
     """Decode and validate one log entry; raises InvalidArgument if malformed."""
     try:
         tag, values = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
@@ -191,10 +270,10 @@ def decode(raw: bytes) -> Command:
     if cls is None or not isinstance(values, list):
         raise InvalidArgument(f"unknown command tag {tag!r}")
     specs = _specs(cls)
-    if not _required(cls) <= len(values) <= len(specs):
+    if not len(_HEADER) + _required(cls) <= len(values) <= len(specs):
         raise InvalidArgument(f"{cls.__name__} takes {len(specs)} fields")
     try:
-        return cls(*values)
+        return cls(*values[3:], client_id=values[0], seq=values[1], now_ns=values[2])
     except TypeError as exc:
         raise InvalidArgument(f"bad {cls.__name__}: {exc}") from None
 
@@ -203,38 +282,45 @@ def decode(raw: bytes) -> Command:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CreateVolume(Command):
+class CreateVolume(Command[dict[str, Any]]):
+    """Reply: the volume's spec (as in the cluster map)."""
+
     TAG: ClassVar[int] = 1
+    NAME: ClassVar[str] = "create_volume"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
     policy: str
-    compression: str
-    block_size: int
-    pg_count: int
-    # sha256 hex of the volume's mount token; "" = open (any client with the
-    # cluster secret mounts it). The default keeps older log entries open.
+    compression: str = "none"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    pg_count: int = 64
+    # Leader-stamped: sha256 hex of the request's mount token; "" = open (any
+    # client with the cluster secret mounts it). The default keeps older log
+    # entries open.
     token_hash: str = ""
 
     def validate(self) -> None:
         _check_token_hash(self.token_hash)
         if not _VOLUME_NAME.match(self.name):
             raise InvalidArgument(f"volume name {self.name!r}: use 1-64 of [A-Za-z0-9_.-]")
-        _check_int(self.block_size, "block_size", 4096, CHUNK_SIZE)
+        check_int(self.block_size, "block_size", 4096, CHUNK_SIZE)
         if check_policy(self.policy, self.compression, self.block_size) != self.policy:
             raise InvalidArgument(f"write the policy as {check_policy(self.policy)!r}")
         if CHUNK_SIZE % self.block_size:
             raise InvalidArgument(f"block_size {self.block_size} must divide the 64 MiB chunk")
-        _check_int(self.pg_count, "pg_count", 1, 65536)
+        check_int(self.pg_count, "pg_count", 1, 65536)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SetVolumeCompression(Command):
+class SetVolumeCompression(Command[dict[str, Any]]):
     """Change a volume's compression for blocks written from now on; blocks
     describe their own encoding in their header, so old ones stay readable.
     (Redundancy and block size are fixed at creation: placement and the
-    block keys of existing data depend on them.)"""
+    block keys of existing data depend on them.) Reply: the volume's spec."""
 
     TAG: ClassVar[int] = 4
+    NAME: ClassVar[str] = "set_volume"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
     compression: str
@@ -250,32 +336,39 @@ def _check_token_hash(value: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SetVolumeAccess(Command):
-    """Set who may mount a volume: a token's sha256 hex, or "" for open."""
+class SetVolumeAccess(Command[dict[str, Any]]):
+    """Set who may mount a volume: the request's token (leader-stamped as its
+    sha256 hex), or none for open. Reply: ``{name, open}``."""
 
     TAG: ClassVar[int] = 42
+    NAME: ClassVar[str] = "set_volume_access"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
-    token_hash: str
+    token_hash: str = ""
 
     def validate(self) -> None:
         _check_token_hash(self.token_hash)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MountVolume(Command):
-    """Open a client session on a volume (its open files live in the session)."""
+class MountVolume(Command[M.MountInfo]):
+    """Open a client session on a volume (its open files live in the session);
+    the leader first checks the request's token against the volume's."""
 
     TAG: ClassVar[int] = 2
+    NAME: ClassVar[str] = "mount_volume"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.MountInfo.from_wire
     MUTATES_VOLUME: ClassVar[bool] = False
     volume: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CloseSession(Command):
+class CloseSession(Command[None]):
     """End a session: on unmount, or proposed by the leader when it expires."""
 
     TAG: ClassVar[int] = 3
+    NAME: ClassVar[str] = "close_session"
     MUTATES_VOLUME: ClassVar[bool] = False
     session: str
 
@@ -284,8 +377,10 @@ class CloseSession(Command):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SetAttr(Command):
+class SetAttr(Command[M.Attr]):
     TAG: ClassVar[int] = 10
+    NAME: ClassVar[str] = "setattr"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
     mode: int | None = None
@@ -296,85 +391,95 @@ class SetAttr(Command):
     mtime_ns: int | None = None
 
     def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
+        check_int(self.ino, "ino", 1)
         if self.mode is not None:
-            _check_int(self.mode, "mode", 0, U32)
+            check_int(self.mode, "mode", 0, U32)
             # a chmod may carry the file type bits; nothing else
             if self.mode & ~(0o7777 | stat.S_IFMT(self.mode)):
                 raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
         for what in ("uid", "gid"):
             value = getattr(self, what)
             if value is not None:
-                _check_int(value, what, 0, U32)
+                check_int(value, what, 0, U32)
         if self.size is not None:
-            _check_int(self.size, "size", 0, MAX_FILE_SIZE)
+            check_int(self.size, "size")
+            if self.size > MAX_FILE_SIZE:  # truncate(2) says EFBIG
+                raise FileTooLarge(f"size {self.size} is past the largest file ({MAX_FILE_SIZE})")
         for what in ("atime_ns", "mtime_ns"):
             value = getattr(self, what)
             if value is not None:
-                _check_int(value, what, 0, I64)
+                check_int(value, what, 0, I64)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Mknod(Command):
+class Mknod(Command[M.Attr]):
+    """Make a regular file (no type bits, or S_IFREG), device, fifo or socket."""
+
     TAG: ClassVar[int] = 11
+    NAME: ClassVar[str] = "mknod"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
     name: bytes
     mode: int
-    rdev: int
-    uid: int
-    gid: int
+    rdev: int = 0
+    uid: int = 0
+    gid: int = 0
 
     def validate(self) -> None:
-        _check_int(self.parent, "parent", 1)
+        check_int(self.parent, "parent", 1)
         check_name(self.name)
-        _check_int(self.mode, "mode", 0, U32)
+        check_int(self.mode, "mode", 0, U32)
         kind = stat.S_IFMT(self.mode)
         if kind and kind not in _FILE_TYPES:
             raise InvalidArgument(f"mknod cannot make file type {kind:o} (use mkdir/symlink)")
         if self.mode & ~(0o7777 | stat.S_IFMT(self.mode)):
             raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
-        _check_int(self.rdev, "rdev", 0, U64)
-        _check_int(self.uid, "uid", 0, U32)
-        _check_int(self.gid, "gid", 0, U32)
+        check_int(self.rdev, "rdev", 0, U64)
+        check_int(self.uid, "uid", 0, U32)
+        check_int(self.gid, "gid", 0, U32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Mkdir(Command):
+class Mkdir(Command[M.Attr]):
     TAG: ClassVar[int] = 12
+    NAME: ClassVar[str] = "mkdir"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
     name: bytes
     mode: int
-    uid: int
-    gid: int
+    uid: int = 0
+    gid: int = 0
 
     def validate(self) -> None:
-        _check_int(self.parent, "parent", 1)
+        check_int(self.parent, "parent", 1)
         check_name(self.name)
-        _check_int(self.mode, "mode", 0, U32)
+        check_int(self.mode, "mode", 0, U32)
         if stat.S_IFMT(self.mode) not in (0, stat.S_IFDIR):
             raise InvalidArgument(f"mkdir mode {self.mode:o} names another file type")
         if self.mode & ~(0o7777 | stat.S_IFDIR):
             raise InvalidArgument(f"mode {self.mode:o} has unknown bits")
-        _check_int(self.uid, "uid", 0, U32)
-        _check_int(self.gid, "gid", 0, U32)
+        check_int(self.uid, "uid", 0, U32)
+        check_int(self.gid, "gid", 0, U32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Symlink(Command):
+class Symlink(Command[M.Attr]):
     TAG: ClassVar[int] = 13
+    NAME: ClassVar[str] = "symlink"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
     name: bytes
     target: bytes
-    uid: int
-    gid: int
+    uid: int = 0
+    gid: int = 0
 
     def validate(self) -> None:
         from cachefs.errors import NotFound
 
-        _check_int(self.parent, "parent", 1)
+        check_int(self.parent, "parent", 1)
         check_name(self.name)
         if not self.target:
             raise NotFound("empty symlink target")
@@ -382,30 +487,34 @@ class Symlink(Command):
             raise NameTooLong(f"symlink target is {len(self.target)} bytes (max {PATH_MAX - 1})")
         if b"\0" in self.target:
             raise InvalidArgument("symlink target contains NUL")
-        _check_int(self.uid, "uid", 0, U32)
-        _check_int(self.gid, "gid", 0, U32)
+        check_int(self.uid, "uid", 0, U32)
+        check_int(self.gid, "gid", 0, U32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Link(Command):
+class Link(Command[M.Attr]):
     TAG: ClassVar[int] = 14
+    NAME: ClassVar[str] = "link"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
     new_parent: int
     new_name: bytes
 
     def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
-        _check_int(self.new_parent, "new_parent", 1)
+        check_int(self.ino, "ino", 1)
+        check_int(self.new_parent, "new_parent", 1)
         check_name(self.new_name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unlink(Command):
-    """``expect``/``keep``: the leader's stamp of whether the inode this drops
-    is still open somewhere (see ``namespace.MetaState.keeps`` and ``opentable.OpenTable``)."""
+class Unlink(Command[None]):
+    """``expect``/``keep`` (leader-stamped): whether the inode this drops is
+    still open somewhere (see ``metanode.namespace.MetaState.keeps`` and
+    ``metanode.opentable.OpenTable``)."""
 
     TAG: ClassVar[int] = 15
+    NAME: ClassVar[str] = "unlink"
     volume: str
     parent: int
     name: bytes
@@ -413,26 +522,28 @@ class Unlink(Command):
     keep: bool = False
 
     def validate(self) -> None:
-        _check_int(self.parent, "parent", 1)
+        check_int(self.parent, "parent", 1)
         check_name(self.name)
-        _check_int(self.expect, "expect")
+        check_int(self.expect, "expect")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Rmdir(Command):
+class Rmdir(Command[None]):
     TAG: ClassVar[int] = 16
+    NAME: ClassVar[str] = "rmdir"
     volume: str
     parent: int
     name: bytes
 
     def validate(self) -> None:
-        _check_int(self.parent, "parent", 1)
+        check_int(self.parent, "parent", 1)
         check_name(self.name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Rename(Command):
+class Rename(Command[None]):
     TAG: ClassVar[int] = 17
+    NAME: ClassVar[str] = "rename"
     volume: str
     parent: int
     name: bytes
@@ -440,16 +551,16 @@ class Rename(Command):
     new_name: bytes
     flags: int = 0
     new_volume: str | None = None
-    expect: int = 0  # the leader's stamp for the replaced target, as in Unlink
+    expect: int = 0  # leader-stamped for the replaced target, as in Unlink
     keep: bool = False
 
     def validate(self) -> None:
-        _check_int(self.parent, "parent", 1)
-        _check_int(self.new_parent, "new_parent", 1)
-        _check_int(self.expect, "expect")
+        check_int(self.parent, "parent", 1)
+        check_int(self.new_parent, "new_parent", 1)
+        check_int(self.expect, "expect")
         check_name(self.name)
         check_name(self.new_name)
-        _check_int(self.flags, "flags", 0, U32)
+        check_int(self.flags, "flags", 0, U32)
         if self.flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise InvalidArgument(f"unsupported rename flags {self.flags:#x}")
         if self.flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
@@ -457,8 +568,9 @@ class Rename(Command):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SetXattr(Command):
+class SetXattr(Command[None]):
     TAG: ClassVar[int] = 18
+    NAME: ClassVar[str] = "setxattr"
     volume: str
     ino: int
     name: bytes
@@ -468,21 +580,22 @@ class SetXattr(Command):
     def validate(self) -> None:
         from cachefs.errors import Range
 
-        _check_int(self.ino, "ino", 1)
+        check_int(self.ino, "ino", 1)
         if not self.name or len(self.name) > XATTR_NAME_MAX:
             raise Range(f"xattr name must be 1..{XATTR_NAME_MAX} bytes")
         if b"\0" in self.name:
             raise InvalidArgument("xattr name contains NUL")
         if len(self.value) > XATTR_VALUE_MAX:
             raise Range(f"xattr value is {len(self.value)} bytes (max {XATTR_VALUE_MAX})")
-        _check_int(self.flags, "flags", 0, XATTR_CREATE | XATTR_REPLACE)
+        check_int(self.flags, "flags", 0, XATTR_CREATE | XATTR_REPLACE)
         if self.flags == XATTR_CREATE | XATTR_REPLACE:
             raise InvalidArgument("XATTR_CREATE and XATTR_REPLACE together")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RemoveXattr(Command):
+class RemoveXattr(Command[None]):
     TAG: ClassVar[int] = 19
+    NAME: ClassVar[str] = "removexattr"
     volume: str
     ino: int
     name: bytes
@@ -490,45 +603,56 @@ class RemoveXattr(Command):
     def validate(self) -> None:
         from cachefs.errors import Range
 
-        _check_int(self.ino, "ino", 1)
+        check_int(self.ino, "ino", 1)
         if not self.name or len(self.name) > XATTR_NAME_MAX:
             raise Range(f"xattr name must be 1..{XATTR_NAME_MAX} bytes")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SetQuota(Command):
+class SetQuota(Command[M.Usage]):
     """Limit a directory subtree; ``None`` clears a limit, 0 forbids growth."""
 
     TAG: ClassVar[int] = 22
+    NAME: ClassVar[str] = "set_quota"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Usage.from_wire
     volume: str
     ino: int
-    max_bytes: int | None
-    max_inodes: int | None
+    max_bytes: int | None = None
+    max_inodes: int | None = None
 
     def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
+        check_int(self.ino, "ino", 1)
         if self.max_bytes is not None:
-            _check_int(self.max_bytes, "max_bytes", 0, I64)
+            check_int(self.max_bytes, "max_bytes", 0, I64)
         if self.max_inodes is not None:
-            _check_int(self.max_inodes, "max_inodes", 0, I64)
+            check_int(self.max_inodes, "max_inodes", 0, I64)
 
 
 # -- data -------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AllocSlices(Command):
+class AllocSlices(Command[int]):
+    """Reply: the first of ``count`` new slice ids."""
+
     TAG: ClassVar[int] = 30
+    NAME: ClassVar[str] = "alloc_slices"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     MUTATES_VOLUME: ClassVar[bool] = False
-    count: int
+    count: int = 1
 
     def validate(self) -> None:
-        _check_int(self.count, "count", 1, MAX_SLICE_ALLOC)
+        check_int(self.count, "count", 1, MAX_SLICE_ALLOC)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class WriteSlice(Command):
+class WriteSlice(Command[M.Attr]):
+    """Slice bytes ``[offset, offset+length)`` land at chunk position ``pos``;
+    the size grows to cover them."""
+
     TAG: ClassVar[int] = 31
+    NAME: ClassVar[str] = "write_slice"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
     chunk: int
@@ -539,21 +663,21 @@ class WriteSlice(Command):
     mtime_ns: int
 
     def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
-        _check_int(self.chunk, "chunk", 0, U32 - 1)
-        _check_int(self.slice_id, "slice_id", 1)
-        _check_int(self.pos, "pos", 0, CHUNK_SIZE - 1)
-        _check_int(self.length, "length", 1, CHUNK_SIZE)
-        _check_int(self.offset, "offset", 0, CHUNK_SIZE - 1)
+        check_int(self.ino, "ino", 1)
+        check_int(self.chunk, "chunk", 0, U32 - 1)
+        check_int(self.slice_id, "slice_id", 1)
+        check_int(self.pos, "pos", 0, CHUNK_SIZE - 1)
+        check_int(self.length, "length", 1, CHUNK_SIZE)
+        check_int(self.offset, "offset", 0, CHUNK_SIZE - 1)
         if self.pos + self.length > CHUNK_SIZE:
             raise InvalidArgument("slice runs past the end of its chunk")
         if self.offset + self.length > CHUNK_SIZE:
             raise InvalidArgument("slice offset + length is larger than a chunk")
-        _check_int(self.mtime_ns, "mtime_ns", 0, I64)
+        check_int(self.mtime_ns, "mtime_ns", 0, I64)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CompactChunk(Command):
+class CompactChunk(Command[M.Attr]):
     """Swap a chunk's slices for one new slice, if they are still exactly ``expect``.
 
     The compactor read ``expect`` (the chunk's slice ids in commit order),
@@ -563,6 +687,8 @@ class CompactChunk(Command):
     """
 
     TAG: ClassVar[int] = 32
+    NAME: ClassVar[str] = "compact_chunk"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
     chunk: int
@@ -571,19 +697,22 @@ class CompactChunk(Command):
     length: int
 
     def validate(self) -> None:
-        _check_int(self.ino, "ino", 1)
-        _check_int(self.chunk, "chunk", 0, U32 - 1)
-        _check_int(self.slice_id, "slice_id", 1)
-        _check_int(self.length, "length", 1, CHUNK_SIZE)
+        check_int(self.ino, "ino", 1)
+        check_int(self.chunk, "chunk", 0, U32 - 1)
+        check_int(self.slice_id, "slice_id", 1)
+        check_int(self.length, "length", 1, CHUNK_SIZE)
         if not self.expect or len(self.expect) > 100_000:
             raise InvalidArgument("expect must list the chunk's slice ids")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PurgeTrash(Command):
-    """Forget trashed slices whose blocks the garbage collector has deleted."""
+class PurgeTrash(Command[int]):
+    """Forget trashed slices whose blocks the garbage collector has deleted;
+    reply: how many were in the trash."""
 
     TAG: ClassVar[int] = 33
+    NAME: ClassVar[str] = "purge_trash"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     volume: str
     slice_ids: tuple[int, ...]
 
@@ -593,11 +722,13 @@ class PurgeTrash(Command):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PurgeOrphans(Command):
+class PurgeOrphans(Command[int]):
     """Free unlinked inodes that were kept because they might be open; the
-    leader proposes it once no session has them open (``opentable.OpenTable``)."""
+    leader proposes it once no session has them open (``metanode.opentable``).
+    No ``NAME``: a client cannot send it."""
 
     TAG: ClassVar[int] = 34
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     volume: str
     inos: tuple[int, ...]
 
@@ -610,8 +741,12 @@ class PurgeOrphans(Command):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RegisterNode(Command):
+class RegisterNode(Command[int]):
+    """Add or update a datanode or cache node; reply: the cluster map's epoch."""
+
     TAG: ClassVar[int] = 40
+    NAME: ClassVar[str] = "register_node"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     MUTATES_VOLUME: ClassVar[bool] = False
     kind: str
     node_id: str
@@ -627,12 +762,14 @@ class RegisterNode(Command):
         check_addr(self.addr)
         if not 1 <= len(self.zone) <= 64:
             raise InvalidArgument("zone must be 1..64 characters")
-        _check_int(self.capacity, "capacity", 0, I64)
+        check_int(self.capacity, "capacity", 0, I64)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RemoveNode(Command):
+class RemoveNode(Command[int]):
     TAG: ClassVar[int] = 41
+    NAME: ClassVar[str] = "remove_node"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     MUTATES_VOLUME: ClassVar[bool] = False
     kind: str
     node_id: str

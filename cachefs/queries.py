@@ -1,0 +1,295 @@
+"""Typed queries: everything a client asks the metanodes that is not a log entry.
+
+A query is a frozen class validated on construction, like a command
+(:mod:`cachefs.commands`, in the shared core for the same reason), by the
+client that builds it and by the leader that decodes it. The metanode serves each as the RPC method ``NAME``, whose one
+argument ``a`` is the list of the query's fields in the order the class
+declares them (:meth:`Query.to_wire`); ``REPLY`` decodes the answer at the
+client (see :mod:`cachefs.messages`).
+
+Two kinds:
+
+- Reads of the replicated state: their ``run`` is the state-machine read
+  the leader answers with, under its lease inline in the RPC reader (the
+  hot path: ``getattr`` and ``lookup``), else after confirming leadership.
+- The leader's soft state (``open``/``release``, heartbeats) and the cluster
+  map, which the service answers through its hook table
+  (``metanode.service.MetaService._QUERY_HOOKS``; a query with neither is
+  refused when the service class is built).
+
+Adding one: a class here with ``NAME``, ``REPLY``, its fields and ``run``;
+MetaService registers it and ``MetaClient.query`` sends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic
+
+from cachefs import messages as M
+from cachefs.errors import InvalidArgument
+from cachefs.layout import Slice
+
+from .commands import U32, R, body_getter, check_fields, check_int, check_name
+
+if TYPE_CHECKING:  # the reads name the state machine's methods; no import at run time
+    from cachefs.metanode.namespace import MetaState
+
+MAX_READDIR = 10_000
+MAX_TRASH_PAGE = 100_000
+
+QUERIES: dict[str, type[Query[Any]]] = {}  # RPC method name -> query
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Query(Generic[R]):
+    """Base of every query; subclasses set ``NAME`` and ``REPLY`` and add fields."""
+
+    NAME: ClassVar[str] = ""
+    REPLY: ClassVar[Callable[[Any], Any]] = M.nothing
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        del kwargs  # zero-arg super() breaks under slots, as in Command
+        if "NAME" in cls.__dict__:
+            QUERIES[cls.NAME] = cls  # the slots rebuild of the class replaces the first
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks specific to the query; raise a CacheFSError."""
+
+    # A read also defines ``run(self, state: MetaState)``: the state-machine read
+    # that answers it. The others have a hook in the service instead.
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """The RPC argument ``a``: the fields in declaration order."""
+        return body_getter(type(self))(self)
+
+    @classmethod
+    def from_wire(cls, a: list[Any]) -> Query[R]:
+        try:
+            return cls(*a)
+        except TypeError as exc:
+            raise InvalidArgument(f"bad {cls.NAME}: {exc}") from None
+
+
+# -- namespace reads -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup(Query[M.Attr]):
+    NAME: ClassVar[str] = "lookup"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
+    volume: str
+    parent: int
+    name: bytes
+
+    def validate(self) -> None:
+        check_name(self.name)
+
+    def run(self, state: MetaState) -> M.Attr:
+        return state.lookup(self.volume, self.parent, self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GetAttr(Query[M.Attr]):
+    NAME: ClassVar[str] = "getattr"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
+    volume: str
+    ino: int
+
+    def run(self, state: MetaState) -> M.Attr:
+        return state.getattr(self.volume, self.ino)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadLink(Query[bytes]):
+    NAME: ClassVar[str] = "readlink"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.blob
+    volume: str
+    ino: int
+
+    def run(self, state: MetaState) -> bytes:
+        return state.readlink(self.volume, self.ino)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadDir(Query[list[M.DirEntry]]):
+    """Entries after ``cookie`` (0: from the start), at most ``limit`` (and
+    at most ``MAX_READDIR``) of them; stable while entries come and go."""
+
+    NAME: ClassVar[str] = "readdir"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.dir_entries
+    volume: str
+    ino: int
+    cookie: int = 0
+    limit: int = 1000
+
+    def validate(self) -> None:
+        check_int(self.cookie, "cookie")
+        check_int(self.limit, "limit", 1)
+
+    def run(self, state: MetaState) -> list[M.DirEntry]:
+        return state.readdir(self.volume, self.ino, self.cookie, min(self.limit, MAX_READDIR))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatFs(Query[M.FsStats]):
+    NAME: ClassVar[str] = "statfs"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.FsStats.from_wire
+    volume: str
+
+    def run(self, state: MetaState) -> M.FsStats:
+        return state.statfs(self.volume)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GetXattr(Query[bytes]):
+    NAME: ClassVar[str] = "getxattr"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.blob
+    volume: str
+    ino: int
+    name: bytes
+
+    def run(self, state: MetaState) -> bytes:
+        return state.getxattr(self.volume, self.ino, self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListXattr(Query[list[bytes]]):
+    NAME: ClassVar[str] = "listxattr"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.blobs
+    volume: str
+    ino: int
+
+    def run(self, state: MetaState) -> list[bytes]:
+        return state.listxattr(self.volume, self.ino)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadChunk(Query[list[Slice]]):
+    """A chunk's slices in commit order, newest last."""
+
+    NAME: ClassVar[str] = "read_chunk"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.slices
+    volume: str
+    ino: int
+    chunk: int
+
+    def validate(self) -> None:
+        check_int(self.chunk, "chunk", 0, U32 - 1)
+
+    def run(self, state: MetaState) -> list[tuple[int, int, int, int]]:
+        return state.read_chunk(self.volume, self.ino, self.chunk)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GetUsage(Query[M.Usage]):
+    """A directory's subtree usage and quota."""
+
+    NAME: ClassVar[str] = "get_usage"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Usage.from_wire
+    volume: str
+    ino: int
+
+    def run(self, state: MetaState) -> M.Usage:
+        return state.usage(self.volume, self.ino)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListTrash(Query[list[M.TrashEntry]]):
+    """Unreferenced slices for the garbage collector, oldest first."""
+
+    NAME: ClassVar[str] = "list_trash"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.trash_entries
+    volume: str
+    limit: int = 1000
+    before_ns: int | None = None
+
+    def run(self, state: MetaState) -> list[M.TrashEntry]:
+        return state.trash(self.volume, max(1, min(self.limit, MAX_TRASH_PAGE)), self.before_ns)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListVolumes(Query[dict[str, Any]]):
+    """``{name: {policy, compression, block_size, pg_count, used_bytes,
+    used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""
+
+    NAME: ClassVar[str] = "list_volumes"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+
+    def run(self, state: MetaState) -> dict[str, Any]:
+        out = {}
+        for name, spec in state.cluster.volumes.items():
+            stats = state.statfs(name)
+            out[name] = {
+                **spec.to_dict(),
+                "used_bytes": stats.used_bytes,
+                "used_inodes": stats.used_inodes,
+                "open": not state.volumes[name].token_hash,
+            }
+        return out
+
+
+# -- answered by the service: the cluster map and the leader's soft state ------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterMap(Query[dict[str, Any]]):
+    """The cluster map (docs/contracts.md), node liveness as this leader sees it."""
+
+    NAME: ClassVar[str] = "cluster_map"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+
+    def run(self, state: MetaState) -> dict[str, Any]:
+        return state.cluster.to_dict()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Open(Query[M.Attr]):
+    """Count an open of a regular file by ``session``: leader soft state, no
+    log entry (see ``metanode.opentable``); idempotent per session and inode.
+    Reply: the inode's attributes as of then (a linearizable read)."""
+
+    NAME: ClassVar[str] = "open"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
+    volume: str
+    ino: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Release(Query[None]):
+    """Uncount an open (soft state); the last release of an orphan purges it."""
+
+    NAME: ClassVar[str] = "release"
+    volume: str
+    ino: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionHeartbeat(Query[bool]):
+    """Keep a session alive; False: it is gone (remount). ``opens``: the
+    inodes the session holds open, which a new leader learns this way."""
+
+    NAME: ClassVar[str] = "session_heartbeat"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.boolean
+    session: str
+    opens: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeHeartbeat(Query[None]):
+    """A datanode or cache node is alive and holds ``used`` bytes (soft state)."""
+
+    NAME: ClassVar[str] = "node_heartbeat"
+    kind: str
+    node_id: str
+    used: int = 0
+
+    def validate(self) -> None:
+        check_int(self.used, "used")
