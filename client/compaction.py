@@ -11,7 +11,7 @@ reading the whole chunk), reads the chunk's slice list and, past
    them, range fetches otherwise);
 2. stores them as the blocks of one new slice;
 3. asks the metanodes to swap the new slice in only if the chunk is still
-   exactly the list it read (``compact_chunk``). If it changed, the answer is
+   exactly the list it read (``CompactChunk``). If it changed, the answer is
    EBUSY, the new slice goes to the trash and nothing is lost; the compactor
    tries again on the new list, a few times, since a writer still committing
    would otherwise leave the chunk uncompacted once it stops.
@@ -27,6 +27,7 @@ import logging
 
 import trio
 
+from cachefs import commands as C
 from cachefs.errors import Busy, CacheFSError
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import slice_blocks
@@ -99,7 +100,9 @@ class Compactor:
             for index, start, end in slice_blocks(length, session.block_size)
         )
         try:
-            await session.compact_chunk(inode.ino, chunk, [s.id for s in slices], slice_id, length)
+            expect = tuple(s.id for s in slices)
+            swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length)
+            await session.meta.mutate(swap)
         except Busy:
             log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
             return False

@@ -1,7 +1,9 @@
-"""The pyfuse3 operations: translate kernel requests into engine and session calls.
+"""The pyfuse3 operations: translate kernel requests into engine calls and metadata requests.
 
 Only handlers live here; the engine of the volume (inodes, L1, reader,
-writers, compaction) is :mod:`.volume`, the metadata calls :mod:`.session`.
+writers, compaction) is :mod:`.volume`; a namespace operation is one command
+(:mod:`cachefs.commands`) or query (:mod:`cachefs.queries`) sent through the
+session's ``MetaClient``.
 
 Rules every handler keeps:
 
@@ -45,6 +47,8 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError, FileTooLarge, NoData, NotFound
 from cachefs.layout import MAX_FILE_SIZE
 from cachefs.messages import Attr
@@ -128,6 +132,8 @@ class CacheFS(pyfuse3.Operations):
         super().__init__()
         self.engine = engine
         self.session = engine.session
+        self.meta = engine.session.meta
+        self.vol = engine.session.volume  # the volume's name, in every request
         self.options = engine.options
         self.inodes = engine.inodes
         self.reader = engine.reader
@@ -182,7 +188,7 @@ class CacheFS(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self._learn(await self.session.lookup(parent_inode, name))
+        return self._learn(await self.meta.query(Q.Lookup(self.vol, parent_inode, name)))
 
     @_fuse
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -197,7 +203,7 @@ class CacheFS(pyfuse3.Operations):
             if left > 0:
                 return self._entry(known, left)
         try:
-            attr = await self.session.getattr(inode)
+            attr = await self.meta.query(Q.GetAttr(self.vol, inode))
         except NotFound:
             # Unlinked while open here: keep answering from what we know.
             if known is not None and known.opens > 0:
@@ -246,7 +252,7 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.session.readlink(inode)
+        return await self.meta.query(Q.ReadLink(self.vol, inode))
 
     # ------------------------------------------------------------------ namespace
 
@@ -257,7 +263,9 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
         self._namespace_changed()
-        return self._learn(await self.session.mknod(parent_inode, name, mode, rdev, uid, gid))
+        return self._learn(
+            await self.meta.mutate(C.Mknod(self.vol, parent_inode, name, mode, rdev, uid, gid))
+        )
 
     @_fuse
     async def mkdir(
@@ -266,7 +274,9 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
         self._namespace_changed()
-        return self._learn(await self.session.mkdir(parent_inode, name, mode, uid, gid))
+        return self._learn(
+            await self.meta.mutate(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
+        )
 
     @_fuse
     async def symlink(
@@ -275,7 +285,9 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, _ = self._owner(parent_inode, ctx, stat.S_IFLNK)
         self._namespace_changed()
-        return self._learn(await self.session.symlink(parent_inode, name, target, uid, gid))
+        return self._learn(
+            await self.meta.mutate(C.Symlink(self.vol, parent_inode, name, target, uid, gid))
+        )
 
     @_fuse
     async def link(
@@ -283,19 +295,21 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         self._namespace_changed()
-        return self._learn(await self.session.link(inode, new_parent_inode, new_name))
+        return self._learn(
+            await self.meta.mutate(C.Link(self.vol, inode, new_parent_inode, new_name))
+        )
 
     @_fuse
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
         self._namespace_changed()
-        await self.session.unlink(parent_inode, name)
+        await self.meta.mutate(C.Unlink(self.vol, parent_inode, name))
 
     @_fuse
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
         self._namespace_changed()
-        await self.session.rmdir(parent_inode, name)
+        await self.meta.mutate(C.Rmdir(self.vol, parent_inode, name))
 
     @_fuse
     async def rename(
@@ -309,7 +323,9 @@ class CacheFS(pyfuse3.Operations):
     ) -> None:
         self._writable()
         self._namespace_changed()
-        await self.session.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.meta.mutate(
+            C.Rename(self.vol, parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        )
 
     # ------------------------------------------------------------------ files
 
@@ -365,7 +381,9 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
         self._namespace_changed()
-        attr = await self.session.mknod(parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
+        attr = await self.meta.mutate(
+            C.Mknod(self.vol, parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
+        )
         self.inodes.learn(attr)
         try:
             node = await self.engine.open(attr.ino, attr)
@@ -440,7 +458,7 @@ class CacheFS(pyfuse3.Operations):
         ino = self._dirs[fh]
         cookie = start_id
         while True:
-            entries = await self.session.readdir(ino, cookie, READDIR_BATCH)
+            entries = await self.meta.query(Q.ReadDir(self.vol, ino, cookie, READDIR_BATCH))
             for name, attr, next_cookie in entries:
                 # readdirplus: an accepted entry is a lookup the kernel will forget.
                 if not pyfuse3.readdir_reply(
@@ -472,17 +490,17 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        raw = await self.session.statfs()
+        fs = await self.meta.query(Q.StatFs(self.vol))
         st = pyfuse3.StatvfsData()
-        st.f_bsize = int(raw.get("bsize", 4096))
-        st.f_frsize = int(raw.get("frsize", st.f_bsize))
-        st.f_blocks = int(raw.get("blocks", 0))
-        st.f_bfree = int(raw.get("bfree", 0))
-        st.f_bavail = int(raw.get("bavail", 0))
-        st.f_files = int(raw.get("files", 0))
-        st.f_ffree = int(raw.get("ffree", 0))
-        st.f_favail = int(raw.get("favail", 0))
-        st.f_namemax = int(raw.get("namemax", 255))
+        st.f_bsize = fs.bsize
+        st.f_frsize = fs.frsize
+        st.f_blocks = fs.blocks
+        st.f_bfree = fs.bfree
+        st.f_bavail = fs.bavail
+        st.f_files = fs.files
+        st.f_ffree = fs.ffree
+        st.f_favail = fs.favail
+        st.f_namemax = fs.namemax
         return st
 
     @_fuse
@@ -492,7 +510,7 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         self._xattr_changed(inode)
         try:
-            await self.session.setxattr(inode, name, value)
+            await self.meta.mutate(C.SetXattr(self.vol, inode, name, value))
         finally:
             self._xattr_changed(inode)
 
@@ -515,7 +533,7 @@ class CacheFS(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.ENODATA)
                 return hit[1]
         try:
-            value: bytes | None = await self.session.getxattr(inode, name)
+            value: bytes | None = await self.meta.query(Q.GetXattr(self.vol, inode, name))
         except NoData:
             value = None
         # Cache only if nothing voided this inode's xattrs while we waited.
@@ -529,13 +547,13 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return await self.session.listxattr(inode)
+        return await self.meta.query(Q.ListXattr(self.vol, inode))
 
     @_fuse
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
         self._xattr_changed(inode)
         try:
-            await self.session.removexattr(inode, name)
+            await self.meta.mutate(C.RemoveXattr(self.vol, inode, name))
         finally:
             self._xattr_changed(inode)

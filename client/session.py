@@ -1,13 +1,13 @@
-"""One mounted volume's connection to the cluster: metadata calls and the block chain.
+"""One mounted volume's connection to the cluster: its metanode session and the block chain.
 
-The :class:`Session` is what :mod:`.fs`, :mod:`.reader` and :mod:`.writer`
-talk to. It owns:
+The :class:`Session` is what the engine (:mod:`.volume`, :mod:`.reader`,
+:mod:`.writer`) talks to. It owns:
 
-- the metanode client (leader following, retries and dedup live there) and the
-  volume session from ``mount_volume`` (the metanodes keep unlinked files we
-  hold open until we release them or the session ends); each metadata call
-  below is one command or query of this volume (:mod:`cachefs.commands`,
-  :mod:`cachefs.queries`);
+- the metanode client ``meta`` (leader following, retries and dedup live
+  there), which the front ends send their commands and queries to
+  (:mod:`cachefs.commands`, :mod:`cachefs.queries`), and the volume session
+  from ``mount_volume`` (the metanodes keep unlinked files we hold open until
+  we release them or the session ends);
 - the session's open files: an inode's first open is announced to the leader
   (``Open``) and its last close too (``Release``), one at a time per inode so
   they reach it in order; both are soft state there, not log entries. Every
@@ -46,7 +46,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import Attr, DirEntry
+from cachefs.messages import Attr
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
@@ -198,63 +198,7 @@ class Session:
             log.warning("could not close session %s: %s", self.session_id, exc)
         await self.transport.aclose()
 
-    # ------------------------------------------------------------------ metadata
-    # The calls fs.py and api.py make, each one command or query on this volume.
-
-    async def lookup(self, parent: int, name: bytes) -> Attr:
-        return await self.meta.query(Q.Lookup(self.volume, parent, name))
-
-    async def getattr(self, ino: int) -> Attr:
-        return await self.meta.query(Q.GetAttr(self.volume, ino))
-
-    async def setattr(self, ino: int, **changes: int) -> Attr:
-        return await self.meta.mutate(C.SetAttr(self.volume, ino, **changes))
-
-    async def mknod(
-        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
-    ) -> Attr:
-        return await self.meta.mutate(C.Mknod(self.volume, parent, name, mode, rdev, uid, gid))
-
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        return await self.meta.mutate(C.Mkdir(self.volume, parent, name, mode, uid, gid))
-
-    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
-        return await self.meta.mutate(C.Symlink(self.volume, parent, name, target, uid, gid))
-
-    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
-        return await self.meta.mutate(C.Link(self.volume, ino, new_parent, new_name))
-
-    async def unlink(self, parent: int, name: bytes) -> None:
-        await self.meta.mutate(C.Unlink(self.volume, parent, name))
-
-    async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.meta.mutate(C.Rmdir(self.volume, parent, name))
-
-    async def rename(
-        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int
-    ) -> None:
-        await self.meta.mutate(C.Rename(self.volume, parent, name, new_parent, new_name, flags))
-
-    async def readlink(self, ino: int) -> bytes:
-        return await self.meta.query(Q.ReadLink(self.volume, ino))
-
-    async def readdir(self, ino: int, cookie: int, limit: int) -> list[DirEntry]:
-        return await self.meta.query(Q.ReadDir(self.volume, ino, cookie, limit))
-
-    async def statfs(self) -> dict[str, Any]:
-        return (await self.meta.query(Q.StatFs(self.volume)))._asdict()
-
-    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        await self.meta.mutate(C.SetXattr(self.volume, ino, name, value))
-
-    async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self.meta.query(Q.GetXattr(self.volume, ino, name))
-
-    async def listxattr(self, ino: int) -> list[bytes]:
-        return await self.meta.query(Q.ListXattr(self.volume, ino))
-
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        await self.meta.mutate(C.RemoveXattr(self.volume, ino, name))
+    # ------------------------------------------------------------------ open files
 
     def _lock(self, ino: int) -> trio.Lock:
         lock = self._open_locks.get(ino)
@@ -300,6 +244,7 @@ class Session:
                 self._unlock_idle(ino, lock)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
+        """A chunk's slice list (the reader's ``BlockSource`` call)."""
         return await self.meta.query(Q.ReadChunk(self.volume, ino, chunk))
 
     # ------------------------------------------------------------------ writes
@@ -333,20 +278,9 @@ class Session:
     async def write_slice(
         self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
     ) -> Attr:
+        """Commit a slice (the writer's ``BlockSink`` call)."""
         return await self.meta.mutate(
             C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns)
-        )
-
-    async def compact_chunk(
-        self, ino: int, chunk: int, expect: list[int], slice_id: int, length: int
-    ) -> None:
-        """Swap ``slice_id`` in for the slices ``expect`` (see :mod:`.compaction`).
-
-        Raises:
-            Busy: the chunk's slices are no longer ``expect``.
-        """
-        await self.meta.mutate(
-            C.CompactChunk(self.volume, ino, chunk, tuple(expect), slice_id, length)
         )
 
     # ------------------------------------------------------------------ reads

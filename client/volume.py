@@ -30,6 +30,8 @@ from typing import Any
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
 from cachefs.messages import Attr
@@ -110,7 +112,7 @@ class Volume:
         attr = await self.session.open(ino)
         try:
             if attr is None:  # already open here: the leader was not asked
-                attr = fresh if fresh is not None else await self.session.getattr(ino)
+                attr = fresh or await self.session.meta.query(Q.GetAttr(self.session.volume, ino))
         except BaseException:
             await self.session.release(ino)
             raise
@@ -136,7 +138,8 @@ class Volume:
         inode = self.inodes.get(ino)
         if "size" in changes and inode is not None:
             await self.flush(inode)
-        inode = self.inodes.update(await self.session.setattr(ino, **changes))
+        change = C.SetAttr(self.session.volume, ino, **changes)
+        inode = self.inodes.update(await self.session.meta.mutate(change))
         if "size" in changes:
             inode.chunks.clear()
             inode.layout += 1

@@ -2,8 +2,8 @@
 
 :class:`AsyncFileSystem` resolves paths from the root (with a name cache for
 directories, as the kernel's dentry cache does under a mount) and turns each
-call into metadata calls of the session and data calls of the
-:class:`~cachefs.client.volume.Volume`; :class:`AsyncFile` is one open file
+call into metadata requests (:mod:`cachefs.commands`, :mod:`cachefs.queries`)
+and data calls of the :class:`~cachefs.client.volume.Volume`; :class:`AsyncFile` is one open file
 (its position and readahead state). Errors leave as ``OSError`` (:func:`_edge`).
 """
 
@@ -22,6 +22,8 @@ from typing import Any
 
 import trio
 
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.errors import (
     CacheFSError,
     Exists,
@@ -134,6 +136,7 @@ class AsyncFileSystem:
     def __init__(self, engine: Volume) -> None:
         self.engine = engine
         self.session = engine.session
+        self.meta = engine.session.meta
         self.options = engine.options
         self.volume = engine.session.volume
         self._dentries: dict[tuple[int, str], tuple[int, float]] = {}
@@ -187,7 +190,7 @@ class AsyncFileSystem:
                     stack.append(hit[0])
                     continue
             try:
-                attr = await self.session.lookup(here, os.fsencode(name))
+                attr = await self.meta.query(Q.Lookup(self.volume, here, os.fsencode(name)))
             except NotFound:
                 self._forget_name(here, name)
                 raise
@@ -195,7 +198,7 @@ class AsyncFileSystem:
                 hops += 1
                 if hops > MAX_LINKS:
                     raise TooManyLinks(f"too many levels of symbolic links in {os.fspath(path)}")
-                target = os.fsdecode(await self.session.readlink(attr.ino))
+                target = os.fsdecode(await self.meta.query(Q.ReadLink(self.volume, attr.ino)))
                 if target.startswith("/"):
                     stack = [ROOT_INO]
                 pending = [p for p in target.split("/") if p not in ("", ".")] + pending
@@ -216,7 +219,7 @@ class AsyncFileSystem:
         parent = stack[-2] if len(stack) > 1 else ROOT_INO
         if dir_only:
             return parent, stack[-1], None
-        return parent, stack[-1], await self.session.getattr(stack[-1])
+        return parent, stack[-1], await self.meta.query(Q.GetAttr(self.volume, stack[-1]))
 
     async def _parent(self, path: str | os.PathLike[str]) -> tuple[int, str]:
         """The directory that holds (or will hold) ``path``'s last name, and that name."""
@@ -253,9 +256,8 @@ class AsyncFileSystem:
         with _edge(os.fspath(path)):
             self._writable()
             parent, name = await self._parent(path)
-            await self.session.symlink(
-                parent, os.fsencode(name), os.fsencode(target), self._uid, self._gid
-            )
+            link = os.fsencode(name), os.fsencode(target)
+            await self.meta.mutate(C.Symlink(self.volume, parent, *link, self._uid, self._gid))
 
     async def utime(
         self,
@@ -286,7 +288,7 @@ class AsyncFileSystem:
             attr = await self._attr(path, follow=False)
             if not stat_mod.S_ISLNK(attr.mode):
                 raise InvalidArgument(f"{_norm(path)} is not a symbolic link")
-            return os.fsdecode(await self.session.readlink(attr.ino))
+            return os.fsdecode(await self.meta.query(Q.ReadLink(self.volume, attr.ino)))
 
     async def exists(self, path: str | os.PathLike[str]) -> bool:
         try:
@@ -322,7 +324,7 @@ class AsyncFileSystem:
             out: list[DirEntry] = []
             cookie = 0
             while True:
-                rows = await self.session.readdir(ino, cookie, READDIR_BATCH)
+                rows = await self.meta.query(Q.ReadDir(self.volume, ino, cookie, READDIR_BATCH))
                 for raw, attr, next_cookie in rows:
                     cookie = next_cookie
                     name = os.fsdecode(raw)
@@ -358,9 +360,7 @@ class AsyncFileSystem:
         with _edge(os.fspath(path)):
             self._writable()
             parent, name = await self._parent(path)
-            await self.session.mkdir(
-                parent, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
-            )
+            await self.meta.mutate(self._mkdir(parent, name, mode))
 
     async def makedirs(
         self, path: str | os.PathLike[str], mode: int = 0o755, exist_ok: bool = False
@@ -371,9 +371,7 @@ class AsyncFileSystem:
             ino = ROOT_INO
             for i, name in enumerate(names):
                 try:
-                    attr = await self.session.mkdir(
-                        ino, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
-                    )
+                    attr = await self.meta.mutate(self._mkdir(ino, name, mode))
                 except Exists:
                     attr = await self._attr("/".join(names[: i + 1]))  # a link to a dir will do
                     if not attr.is_dir:
@@ -384,11 +382,16 @@ class AsyncFileSystem:
                         raise
                 ino = attr.ino
 
+    def _mkdir(self, parent: int, name: str, mode: int) -> C.Mkdir:
+        return C.Mkdir(
+            self.volume, parent, os.fsencode(name), mode | stat_mod.S_IFDIR, self._uid, self._gid
+        )
+
     async def remove(self, path: str | os.PathLike[str]) -> None:
         with _edge(os.fspath(path)):
             self._writable()
             parent, name = await self._parent(path)
-            await self.session.unlink(parent, os.fsencode(name))
+            await self.meta.mutate(C.Unlink(self.volume, parent, os.fsencode(name)))
 
     unlink = remove
 
@@ -397,7 +400,7 @@ class AsyncFileSystem:
             self._writable()
             parent, name = await self._parent(path)
             self._forget_name(parent, name)
-            await self.session.rmdir(parent, os.fsencode(name))
+            await self.meta.mutate(C.Rmdir(self.volume, parent, os.fsencode(name)))
 
     async def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         """Atomic rename; an existing ``dst`` file (or empty directory) is replaced."""
@@ -407,13 +410,13 @@ class AsyncFileSystem:
             new_parent, new_name = await self._parent(dst)
             self._forget_name(parent, name)
             self._forget_name(new_parent, new_name)
-            await self.session.rename(
-                parent, os.fsencode(name), new_parent, os.fsencode(new_name), 0
+            await self.meta.mutate(
+                C.Rename(self.volume, parent, os.fsencode(name), new_parent, os.fsencode(new_name))
             )
 
     async def statfs(self) -> dict[str, Any]:
         with _edge():
-            return await self.session.statfs()
+            return (await self.meta.query(Q.StatFs(self.volume)))._asdict()
 
     # ------------------------------------------------------------------ data
 
@@ -471,13 +474,13 @@ class AsyncFileSystem:
                 parent, name = await self._parent(path)
                 raw = os.fsencode(name)
                 try:
-                    attr = await self.session.mknod(
-                        parent, raw, 0o644 | stat_mod.S_IFREG, 0, self._uid, self._gid
+                    attr = await self.meta.mutate(
+                        C.Mknod(self.volume, parent, raw, 0o644 | stat_mod.S_IFREG, 0, self._uid, self._gid)
                     )
                 except Exists:
                     if m == "xb":
                         raise
-                    attr = await self.session.lookup(parent, raw)
+                    attr = await self.meta.query(Q.Lookup(self.volume, parent, raw))
             if attr.is_dir:
                 raise IsADirectory(f"{_norm(path)} is a directory")
             inode = await self.engine.open(attr.ino, attr)

@@ -324,7 +324,7 @@ async def _session_ops(session, n: trio.Nursery, ops, rng: random.Random) -> Non
     """One example's operations on a new file of ``session``, against a bytearray."""
     from cachefs.client.compaction import Compactor
 
-    inode = Inode(await session.mknod(1, b"f", 0o100644, 0, 0, 0))
+    inode = Inode(await session.meta.mutate(C.Mknod(session.volume, 1, b"f", 0o100644)))
     reader = Reader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=4 * BLOCK)
     ra = reader.new_readahead()
     writer = _writer(session, inode, n)  # type: ignore[arg-type]
@@ -344,7 +344,8 @@ async def _session_ops(session, n: trio.Nursery, ops, rng: random.Random) -> Non
             await Compactor(session, reader, nursery=n, threshold=1).compact(inode, 0)
         else:
             await writer.flush()
-            inode.set_attr(await session.setattr(inode.ino, size=a))
+            resized = await session.meta.mutate(C.SetAttr(session.volume, inode.ino, size=a))
+            inode.set_attr(resized)
             del model[a:]
             model.extend(bytes(a - len(model)))
     await writer.flush()
