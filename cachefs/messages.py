@@ -21,14 +21,12 @@ from typing import Any, NamedTuple
 from cachefs.errors import IOFailure
 from cachefs.layout import Slice
 
+_INT = frozenset({int})
+
 
 def _ints(raw: Any, n: int, what: str) -> None:
     """``raw`` is a list (or tuple) of ``n`` integers, else IOFailure."""
-    if (
-        not isinstance(raw, list | tuple)
-        or len(raw) != n
-        or not all(type(v) is int for v in raw)
-    ):
+    if not isinstance(raw, list | tuple) or len(raw) != n or not _INT.issuperset(map(type, raw)):
         raise IOFailure(f"malformed {what} from metanode: {raw!r:.200}")
 
 
