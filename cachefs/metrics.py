@@ -21,6 +21,9 @@ RPC_LATENCY = Histogram(
 )
 RPC_BYTES_IN = Counter("cachefs_rpc_payload_bytes_in_total", "Bulk payload bytes received", ["service", "method"])
 
+RPC_REFUSED = Counter("cachefs_rpc_refused_connections_total",
+                      "Connections dropped before or at authentication, by reason", ["service", "reason"])
+
 # labels() takes a lock and builds a key; the hot path caches the children.
 _children: dict[tuple[str, str, str], tuple[Counter, Histogram, Counter]] = {}
 
@@ -36,6 +39,10 @@ def observe_call(service: str, method: str, code: str, seconds: float, payload_i
     child[1].observe(seconds)
     if payload_in:
         child[2].inc(payload_in)
+
+
+def refused_connection(service: str, reason: str) -> None:
+    RPC_REFUSED.labels(service, reason).inc()
 
 
 def start_metrics(port: int | None, host: str | None = None) -> None:

@@ -73,18 +73,38 @@ IOV_BATCH = 32
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Per-connection limits; the same object configures both ends."""
+    """Per-connection and per-server limits; the same object configures both ends.
+
+    What a peer can make a server hold: before it authenticates, one frame
+    of at most :data:`cachefs.wire.HANDSHAKE_MAX_FRAME` bytes for at most
+    ``handshake_timeout`` seconds, in at most ``max_pending`` such
+    connections (``max_pending_per_peer`` from one address; a new one evicts
+    that peer's, or else the server's, oldest). After it authenticated: the
+    request payloads of its calls in flight, at most ``max_inflight_bytes``
+    per connection and ``max_total_inflight_bytes`` per server (the reader
+    waits for room before it allocates the next payload), one header of at
+    most ``max_header``, and replies up to ``max_outbox_bytes`` queued.
+    """
 
     max_payload: int = wire.DEFAULT_MAX_PAYLOAD
     max_header: int = wire.DEFAULT_MAX_HEADER
     max_inflight: int = 1024
     idle_timeout: float = 300.0
-    handshake_timeout: float = 5.0
+    handshake_timeout: float = 3.0
     connect_timeout: float = 5.0
     max_outbox_bytes: int = 32 << 20
     # Abort a connection whose sent data stays unacknowledged this long (a
     # cut link or a frozen peer), instead of the kernel's ~15 minutes.
     tcp_user_timeout: float = 10.0
+    max_pending: int = 256
+    max_pending_per_peer: int = 32
+    max_connections: int = 1024
+    max_inflight_bytes: int = 256 << 20
+    max_total_inflight_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not self.max_payload <= self.max_inflight_bytes <= self.max_total_inflight_bytes:
+            raise ValueError("Limits: need max_payload <= max_inflight_bytes <= max_total_inflight_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +122,27 @@ class CallContext:
     peer: str
     conn_id: int
     deadline: float
+
+
+class _RateLimitedLog:
+    """At most one warning per message format per ``interval`` seconds (a
+    flood of hostile connections must not flood the log), with a count of
+    the ones left out."""
+
+    def __init__(self, logger: logging.Logger, interval: float) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, skipped = self._last.get(fmt, (-math.inf, 0))
+        if now - last < self.interval:
+            self._last[fmt] = (last, skipped + 1)
+            return
+        self._last[fmt] = (now, 0)
+        suffix = f" ({skipped} more like it not logged)" if skipped else ""
+        self.logger.warning(fmt + suffix, *args)
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -220,6 +261,36 @@ def collect_methods(*services: Any) -> dict[str, Method]:
 # ---------------------------------------------------------------- connection
 
 _conn_ids = itertools.count(1)
+RECV_BUFFER = 256 * 1024
+
+
+class _Budget:
+    """Request payload bytes in flight on one server, and per connection.
+
+    A connection's reader reserves a payload before the decoder allocates it
+    and waits while either limit would be passed; the call releases it when
+    its handler is done. So an authenticated peer cannot make the server
+    hold more than the limits by sending payloads faster than they are served.
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.per_connection = limits.max_inflight_bytes
+        self.total = limits.max_total_inflight_bytes
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def acquire(self, conn: Connection, n: int) -> None:
+        while self.used + n > self.total or conn.inflight_bytes + n > self.per_connection:
+            await self._freed.wait()
+        self.used += n
+        conn.inflight_bytes += n
+
+    def release(self, conn: Connection, n: int) -> None:
+        if n:
+            self.used -= n
+            conn.inflight_bytes -= n
+            self._freed.set()
+            self._freed = trio.Event()
 
 
 class Connection:
@@ -230,7 +301,8 @@ class Connection:
     through the stream's own calls, since the bytes must be decrypted anyway.
     """
 
-    def __init__(self, stream: trio.SocketStream | trio.SSLStream, peer: str, limits: Limits) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream, peer: str, limits: Limits,
+                 *, budget: _Budget | None = None) -> None:
         self.stream = stream
         self.sock = stream.socket if isinstance(stream, trio.SocketStream) else None
         raw = stream if isinstance(stream, trio.SocketStream) else stream.transport_stream
@@ -241,9 +313,16 @@ class Connection:
             except OSError:
                 pass  # not TCP (a test's socketpair)
         self.peer = peer
+        self.peer_host = peer.rpartition(":")[0]
         self.limits = limits
         self.conn_id = next(_conn_ids)
-        self.decoder = wire.FrameDecoder(max_header=limits.max_header, max_payload=limits.max_payload)
+        # Handshake-sized frames until authenticated(); with a budget (server
+        # side) every payload is reserved from it before it is allocated.
+        self.decoder = wire.FrameDecoder(max_header=wire.HANDSHAKE_MAX_FRAME, max_payload=0,
+                                         buffer_size=wire.HANDSHAKE_MAX_FRAME, defer_payload=budget is not None)
+        self._recv_size = wire.HANDSHAKE_MAX_FRAME
+        self.budget = budget
+        self.inflight_bytes = 0  # payload bytes reserved from the budget, not yet released
         self._outbox: list[wire.Payload] = []
         self._outbox_bytes = 0
         self._wakeup = trio.Event()
@@ -251,6 +330,12 @@ class Connection:
         self._sending = False
         self.closed = False
         self.last_activity = time.monotonic()
+
+    def authenticated(self) -> None:
+        """The handshake is done: frames up to the full limits from now on."""
+        self.decoder.set_limits(max_header=self.limits.max_header, max_payload=self.limits.max_payload,
+                                buffer_size=RECV_BUFFER)
+        self._recv_size = RECV_BUFFER
 
     # -- sending
 
@@ -342,9 +427,14 @@ class Connection:
             if event is not None:
                 self.last_activity = time.monotonic()
                 return event
+            if decoder.wanted:
+                assert self.budget is not None  # only a budgeted decoder defers
+                await self.budget.acquire(self, decoder.wanted)
+                decoder.accept_payload()
+                continue
             if self.sock is None:
                 try:
-                    data = await self.stream.receive_some(256 * 1024)
+                    data = await self.stream.receive_some(self._recv_size)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     reason = exc.__cause__ or exc  # the SSL error (a refused certificate) behind it
                     raise ConnectionLost(f"{self.peer}: TLS stream failed: {reason}") from None
@@ -415,11 +505,17 @@ class RpcServer:
         self._idle = trio.Event()
         self._idle.set()
         self.connections: set[Connection] = set()
+        # Connections still in the handshake, oldest first, with the scope
+        # that ends the handshake (eviction cancels it).
+        self._pending: dict[Connection, trio.CancelScope] = {}
+        self._budget = _Budget(limits)
+        self._refusals = _RateLimitedLog(log, 10.0)
 
     def _health(self) -> dict[str, Any]:
         """Built into every server: what `cachefs health` and healthchecks ask."""
         return {"service": self.name, "uptime_s": round(time.monotonic() - self.started, 3),
                 "connections": len(self.connections), "inflight": self._inflight,
+                "pending": len(self._pending), "inflight_bytes": self._budget.used,
                 "draining": self._draining}
 
     def add_service(self, service: Any) -> None:
@@ -466,15 +562,14 @@ class RpcServer:
             host, port = raw.socket.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
-            await stream.aclose()
+            raw.socket.close()
             return
-        conn = Connection(stream, peer, self.limits)
+        conn = Connection(stream, peer, self.limits, budget=self._budget)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.writer)
                 try:
                     if await self._handshake(conn):
-                        self.connections.add(conn)
                         await self._read_requests(conn, nursery)
                 except (FrameTooLarge, ProtocolError) as exc:
                     log.warning("%s: closing connection from %s: %s", self.name, peer, exc.message)
@@ -484,27 +579,68 @@ class RpcServer:
                 nursery.cancel_scope.cancel()
         finally:
             self.connections.discard(conn)
+            self._budget.release(conn, conn.inflight_bytes)  # a payload cut off mid-frame
             await conn.close()
 
+    def _admit(self, conn: Connection) -> trio.CancelScope:
+        """Register a connection that starts its handshake, evicting the
+        oldest one of the same peer, or else of the server, over the limits."""
+        same_peer = [c for c in self._pending if c.peer_host == conn.peer_host]
+        if len(same_peer) >= self.limits.max_pending_per_peer:
+            self._evict(same_peer[0], "pending_per_peer")
+        elif len(self._pending) >= self.limits.max_pending:
+            self._evict(next(iter(self._pending)), "pending")
+        scope = trio.CancelScope(deadline=trio.current_time() + self.limits.handshake_timeout)
+        self._pending[conn] = scope
+        return scope
+
+    def _evict(self, conn: Connection, reason: str) -> None:
+        self._pending.pop(conn).cancel()
+        metrics.refused_connection(self.name, reason)
+        self._refusals.warning("%s: too many connections still in the handshake (%s); dropped the oldest, "
+                               "from %s", self.name, reason, conn.peer)
+
     async def _handshake(self, conn: Connection) -> bool:
+        """Authenticate the peer (within the handshake deadline, TLS included)."""
+        scope = self._admit(conn)
+        try:
+            with scope:
+                if await self._authenticate(conn):
+                    if len(self.connections) >= self.limits.max_connections:
+                        metrics.refused_connection(self.name, "connections")
+                        self._refusals.warning("%s: refusing %s: %d connections open", self.name,
+                                               conn.peer, len(self.connections))
+                        await _flush_and_close(conn, wire.ErrorReply(
+                            0, Busy.code, f"{self.name} has {len(self.connections)} connections open"))
+                        return False
+                    conn.authenticated()
+                    self.connections.add(conn)
+                    return True
+                return False
+        finally:
+            self._pending.pop(conn, None)
+        if scope.cancelled_caught and trio.current_time() >= scope.deadline:
+            metrics.refused_connection(self.name, "handshake_timeout")
+            self._refusals.warning("%s: %s sent no handshake within %.1fs", self.name, conn.peer,
+                                   self.limits.handshake_timeout)
+        return False
+
+    async def _authenticate(self, conn: Connection) -> bool:
         nonce = os.urandom(wire.NONCE_SIZE)
         conn.send(wire.Hello(wire.PROTOCOL_VERSION, nonce, self.secret is not None))
-        with trio.move_on_after(self.limits.handshake_timeout):
-            event = await conn.receive_event()
-            if not isinstance(event, wire.Auth):
-                raise ProtocolError(f"expected the handshake, got {type(event).__name__}")
-            if self.secret is None:
-                conn.send(wire.Welcome(b""))
-                return True
-            expected = wire.client_proof(self.secret, nonce, event.nonce)
-            if not wire.proofs_match(expected, event.proof):
-                log.warning("%s: authentication failed from %s (wrong cluster secret?)", self.name, conn.peer)
-                await _flush_and_close(conn, wire.ErrorReply(0, AuthFailed.code, "authentication failed"))
-                return False
-            conn.send(wire.Welcome(wire.server_proof(self.secret, nonce, event.nonce)))
+        event = await conn.receive_event()
+        if not isinstance(event, wire.Auth):
+            raise ProtocolError(f"expected the handshake, got {type(event).__name__}")
+        if self.secret is None:
+            conn.send(wire.Welcome(b""))
             return True
-        log.warning("%s: %s sent no handshake within %.1fs", self.name, conn.peer, self.limits.handshake_timeout)
-        return False
+        expected = wire.client_proof(self.secret, nonce, event.nonce)
+        if not wire.proofs_match(expected, event.proof):
+            self._refusals.warning("%s: authentication failed from %s (wrong cluster secret?)", self.name, conn.peer)
+            await _flush_and_close(conn, wire.ErrorReply(0, AuthFailed.code, "authentication failed"))
+            return False
+        conn.send(wire.Welcome(wire.server_proof(self.secret, nonce, event.nonce)))
+        return True
 
     async def _read_requests(self, conn: Connection, nursery: trio.Nursery) -> None:
         inflight = 0
@@ -512,8 +648,11 @@ class RpcServer:
         # The idle clock runs only while nothing is in flight on this connection.
         idle_scope = trio.CancelScope(deadline=trio.current_time() + idle)
 
-        def done() -> None:
+        budget = self._budget
+
+        def done(payload_bytes: int) -> None:
             nonlocal inflight
+            budget.release(conn, payload_bytes)
             inflight -= 1
             self._inflight -= 1
             if self._inflight == 0:
@@ -526,10 +665,13 @@ class RpcServer:
                 event = await conn.receive_event()
                 if not isinstance(event, wire.Request):
                     raise ProtocolError(f"expected a request, got {type(event).__name__}")
+                payload_bytes = len(event.payload) if event.payload is not None else 0
                 if self._draining:
+                    budget.release(conn, payload_bytes)
                     conn.send(wire.ErrorReply(event.call_id, Unavailable.code, f"{self.name} is shutting down"))
                     continue
                 if inflight >= self.limits.max_inflight:
+                    budget.release(conn, payload_bytes)
                     conn.send(wire.ErrorReply(event.call_id, Busy.code,
                                               f"more than {self.limits.max_inflight} calls in flight on one connection"))
                     continue
@@ -538,6 +680,7 @@ class RpcServer:
                 if method is not None and method.inline:
                     pending = self._call_inline(conn, event, method)
                     if pending is None:
+                        budget.release(conn, payload_bytes)
                         if inflight == 0:
                             idle_scope.deadline = trio.current_time() + idle
                         if conn.backlogged():  # replies pile up: stop reading for a while
@@ -548,6 +691,8 @@ class RpcServer:
                 idle_scope.deadline = math.inf
                 self._idle = trio.Event() if self._idle.is_set() else self._idle
                 nursery.start_soon(self._run_call, conn, event, done, pending)
+                if conn.backlogged():
+                    await conn.drained()
         log.info("%s: closing idle connection from %s", self.name, conn.peer)
 
     def _call_inline(self, conn: Connection, req: wire.Request, method: Method) -> Awaitable[Any] | None:
@@ -573,7 +718,7 @@ class RpcServer:
                              len(req.payload or b""))
         return None
 
-    async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[], None],
+    async def _run_call(self, conn: Connection, req: wire.Request, done: Callable[[int], None],
                         pending: Awaitable[Any] | None = None) -> None:
         started = time.perf_counter()
         code = "OK"
@@ -593,7 +738,7 @@ class RpcServer:
         finally:
             if inspect.iscoroutine(pending) and inspect.getcoroutinestate(pending) == inspect.CORO_CREATED:
                 pending.close()  # cancelled before it could start: never awaited
-            done()
+            done(len(req.payload) if req.payload is not None else 0)
             metrics.observe_call(self.name, req.method if req.method in self.methods else "<unknown>",
                                  code, time.perf_counter() - started,
                                  len(req.payload or b""))
@@ -728,6 +873,7 @@ class ClientConnection:
             raise ProtocolError(f"{conn.peer} answered the handshake with {type(answer).__name__}")
         if secret is not None and not wire.proofs_match(wire.server_proof(secret, hello.nonce, nonce), answer.proof):
             raise AuthFailed(f"{conn.peer} could not prove knowledge of the cluster secret")
+        conn.authenticated()
 
     async def _run(self) -> None:
         conn = self.conn

@@ -20,7 +20,12 @@ The decoder follows asyncio's BufferedProtocol shape: the driver asks
 :meth:`FrameDecoder.get_buffer` where the next bytes should land, receives
 into it, reports the count with :meth:`FrameDecoder.buffer_updated`, then
 drains :meth:`FrameDecoder.next_event`. Limits are checked on the length
-prefix, before anything is allocated.
+prefix, before anything is allocated: until the handshake is done a server
+reads with :data:`HANDSHAKE_MAX_FRAME` (and no payload), so a peer that has
+not authenticated cannot make it allocate more than that. A server may also
+take each payload's allocation into its own hands (``defer_payload``): the
+decoder then stops at :attr:`FrameDecoder.wanted` until the driver has
+reserved the bytes and calls :meth:`FrameDecoder.accept_payload`.
 
 Handshake (mutual HMAC challenge-response, before any other frame)::
 
@@ -49,6 +54,9 @@ NONCE_SIZE = 32
 PREFIX = struct.Struct(">II")
 DEFAULT_MAX_HEADER = 1 << 20
 DEFAULT_MAX_PAYLOAD = 64 << 20
+# Every frame before authentication (Hello, Auth, Welcome, an error) is far
+# smaller than this; nothing larger is read from a peer not yet known.
+HANDSHAKE_MAX_FRAME = 4096
 MAX_METHOD_LEN = 64
 MAX_CALL_ID = (1 << 63) - 1
 
@@ -200,13 +208,17 @@ class FrameDecoder:
 
     Invariant: bytes ``_buf[_start:_end]`` are received but not yet parsed;
     when ``_payload`` is set, a header has been parsed and its payload is
-    being filled up to ``_filled``.
+    being filled up to ``_filled``; when ``wanted`` is non-zero, a header has
+    been parsed and its payload of that size waits for :meth:`accept_payload`.
     """
 
     def __init__(self, *, max_header: int = DEFAULT_MAX_HEADER,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, buffer_size: int = 256 * 1024) -> None:
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, buffer_size: int = 256 * 1024,
+                 defer_payload: bool = False) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
+        self.defer_payload = defer_payload
+        self.wanted = 0
         self._buf = bytearray(buffer_size)
         self._start = 0
         self._end = 0
@@ -214,8 +226,30 @@ class FrameDecoder:
         self._payload: bytearray | None = None
         self._filled = 0
 
+    def set_limits(self, *, max_header: int, max_payload: int, buffer_size: int = 0) -> None:
+        """New limits for the frames still to come (after the handshake);
+        ``buffer_size`` grows the receive buffer to at least that."""
+        self.max_header = max_header
+        self.max_payload = max_payload
+        if buffer_size > len(self._buf):
+            self._make_room(buffer_size - (self._end - self._start))
+
+    def accept_payload(self) -> None:
+        """Allocate the payload :attr:`wanted` names (the driver reserved it)."""
+        if not self.wanted:
+            raise RuntimeError("no payload is waiting to be accepted")
+        size, self.wanted = self.wanted, 0
+        payload = bytearray(size)
+        take = min(size, self._end - self._start)
+        payload[:take] = memoryview(self._buf)[self._start:self._start + take]
+        self._start += take
+        self._compact_if_empty()
+        self._payload, self._filled = payload, take
+
     def get_buffer(self) -> memoryview:
         """Where the next received bytes should be written (never empty)."""
+        if self.wanted:
+            raise RuntimeError("a payload waits for accept_payload()")
         if self._payload is not None:
             return memoryview(self._payload)[self._filled:]
         if self._end == len(self._buf):
@@ -232,6 +266,9 @@ class FrameDecoder:
         """Copying entry point, for tests and callers without recv_into."""
         view = memoryview(data)
         while view:
+            if self.wanted:  # kept in the byte buffer until the payload is accepted
+                self._stash_rest(view)
+                return
             target = self.get_buffer()
             n = min(len(target), len(view))
             target[:n] = view[:n]
@@ -268,6 +305,8 @@ class FrameDecoder:
             FrameTooLarge: a length prefix is over a limit (close the stream).
             ProtocolError: the header is not a valid message (close the stream).
         """
+        if self.wanted:
+            return None
         if self._payload is not None:
             if self._filled < len(self._payload):
                 return None
@@ -295,6 +334,9 @@ class FrameDecoder:
         if payload_len == 0:
             self._compact_if_empty()
             return _event_of(header, None)
+        if self.defer_payload:
+            self._header, self.wanted = header, payload_len
+            return None
         payload = bytearray(payload_len)
         take = min(payload_len, self._end - self._start)
         payload[:take] = memoryview(self._buf)[self._start:self._start + take]
