@@ -47,6 +47,17 @@ from typing import Any
 import trio
 
 from cachefs import metrics, wire
+from cachefs.credentials import (
+    ANYONE,
+    INSECURE,
+    SERVERS,
+    Credential,
+    Identity,
+    Secret,
+    as_credential,
+    derive_key,
+    parse_key_id,
+)
 from cachefs.errors import (
     AuthFailed,
     Busy,
@@ -55,6 +66,7 @@ from cachefs.errors import (
     FrameTooLarge,
     InvalidArgument,
     NoSuchMethod,
+    PermissionDenied,
     ProtocolError,
     TimedOut,
     Unavailable,
@@ -122,6 +134,7 @@ class CallContext:
     peer: str
     conn_id: int
     deadline: float
+    identity: Identity = INSECURE
 
 
 class _RateLimitedLog:
@@ -154,12 +167,20 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------- methods
 
-def rpc_method(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+def rpc_method(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+               roles: frozenset[str] = SERVERS) -> Any:
     """Mark a method of a service object as callable over RPC: an async
-    method, or a plain one that answers inline or returns an awaitable."""
+    method, or a plain one that answers inline or returns an awaitable.
+
+    ``roles`` are the credential roles that may call it (see
+    :mod:`cachefs.credentials`); by default servers only. The RPC layer
+    refuses anyone else with EACCES before the handler runs, and a client
+    calling a method with a ``volume`` argument must hold that volume.
+    """
 
     def mark(f: Callable[..., Any]) -> Callable[..., Any]:
         f.__rpc_name__ = name or f.__name__  # type: ignore[attr-defined]
+        f.__rpc_roles__ = frozenset(roles)  # type: ignore[attr-defined]
         return f
 
     return mark(fn) if fn is not None else mark
@@ -209,9 +230,10 @@ class _Param:
 class Method:
     """A handler with its argument checker, built once at registration."""
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], roles: frozenset[str] | None = None) -> None:
         self.name = name
         self.fn = fn
+        self.roles = roles if roles is not None else getattr(fn, "__rpc_roles__", SERVERS)
         self.inline = not inspect.iscoroutinefunction(fn)
         hints = _type_hints(fn)
         sig = inspect.signature(fn)
@@ -224,6 +246,17 @@ class Method:
             self.params[p.name] = _Param(p.name, _accepted_types(hints.get(p.name, Any)),
                                          p.default is inspect.Parameter.empty)
         self.required = [p.name for p in self.params.values() if p.required]
+        self.names_volume = "volume" in self.params
+
+    def admit(self, identity: Identity, args: dict[str, Any]) -> None:
+        """Raises PermissionDenied unless ``identity`` may make this call."""
+        if not identity.may(self.roles):
+            raise PermissionDenied(f"{self.name} is not allowed for {identity} "
+                                   f"(needs {' or '.join(sorted(self.roles))})")
+        if identity.volumes is not None and self.names_volume:
+            volume = args.get("volume")
+            if isinstance(volume, str):
+                identity.check_volume(volume)
 
     def check(self, args: dict[str, Any]) -> None:
         for key, value in args.items():
@@ -323,6 +356,8 @@ class Connection:
         self._recv_size = wire.HANDSHAKE_MAX_FRAME
         self.budget = budget
         self.inflight_bytes = 0  # payload bytes reserved from the budget, not yet released
+        self.identity: Identity = INSECURE  # the peer's, once authenticated (server side)
+        self.send_mac: wire.FrameMac | None = None
         self._outbox: list[wire.Payload] = []
         self._outbox_bytes = 0
         self._wakeup = trio.Event()
@@ -331,8 +366,12 @@ class Connection:
         self.closed = False
         self.last_activity = time.monotonic()
 
-    def authenticated(self) -> None:
-        """The handshake is done: frames up to the full limits from now on."""
+    def authenticated(self, macs: tuple[bytes, bytes] | None = None) -> None:
+        """The handshake is done: frames up to the full limits from now on,
+        sealed and opened with ``macs`` (send key, receive key) over plain TCP."""
+        if macs is not None and self.sock is not None:
+            self.send_mac = wire.FrameMac(macs[0])
+            self.decoder.mac = wire.FrameMac(macs[1])
         self.decoder.set_limits(max_header=self.limits.max_header, max_payload=self.limits.max_payload,
                                 buffer_size=RECV_BUFFER)
         self._recv_size = RECV_BUFFER
@@ -343,7 +382,7 @@ class Connection:
         """Queue a frame; the writer task sends it. Never blocks."""
         if self.closed:
             raise ConnectionLost(f"connection to {self.peer} is closed")
-        bufs = wire.encode(event)
+        bufs = wire.encode(event, self.send_mac)
         self._outbox.extend(bufs)
         for b in bufs:
             self._outbox_bytes += len(b)
@@ -469,13 +508,15 @@ class Connection:
 
 
 async def _flush_and_close(conn: Connection, event: wire.Event | None = None) -> None:
-    """Best effort: send a last frame (an error), then close."""
+    """Best effort: send a last frame (an error) through the outbox, behind
+    what is queued (its MAC counts on that order), then close. The
+    connection's writer task must be running."""
     with trio.move_on_after(1):
         if event is not None:
             try:
-                for buf in wire.encode(event):
-                    await conn.stream.send_all(buf)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                conn.send(event)
+                await conn.flush()
+            except ConnectionLost:
                 pass
     await conn.close()
 
@@ -495,7 +536,7 @@ class RpcServer:
         self.methods = methods if methods is not None else collect_methods(*services)
         self.started = time.monotonic()
         if "health" not in self.methods:
-            self.methods["health"] = Method("health", self._health)
+            self.methods["health"] = Method("health", self._health, roles=ANYONE)
         self.port: int | None = None
         self._listen_scope: trio.CancelScope | None = None
         self._conn_scope: trio.CancelScope | None = None
@@ -605,7 +646,9 @@ class RpcServer:
         scope = self._admit(conn)
         try:
             with scope:
-                if await self._authenticate(conn):
+                admitted, macs = await self._authenticate(conn)
+                if admitted:
+                    conn.authenticated(macs)  # so a refusal below is sealed like any frame
                     if len(self.connections) >= self.limits.max_connections:
                         metrics.refused_connection(self.name, "connections")
                         self._refusals.warning("%s: refusing %s: %d connections open", self.name,
@@ -613,7 +656,6 @@ class RpcServer:
                         await _flush_and_close(conn, wire.ErrorReply(
                             0, Busy.code, f"{self.name} has {len(self.connections)} connections open"))
                         return False
-                    conn.authenticated()
                     self.connections.add(conn)
                     return True
                 return False
@@ -625,7 +667,9 @@ class RpcServer:
                                    self.limits.handshake_timeout)
         return False
 
-    async def _authenticate(self, conn: Connection) -> bool:
+    async def _authenticate(self, conn: Connection) -> tuple[bool, tuple[bytes, bytes] | None]:
+        """Check the peer's credential and set ``conn.identity``: whether it
+        got in, and the (send, receive) frame MAC keys."""
         nonce = os.urandom(wire.NONCE_SIZE)
         conn.send(wire.Hello(wire.PROTOCOL_VERSION, nonce, self.secret is not None))
         event = await conn.receive_event()
@@ -633,14 +677,23 @@ class RpcServer:
             raise ProtocolError(f"expected the handshake, got {type(event).__name__}")
         if self.secret is None:
             conn.send(wire.Welcome(b""))
-            return True
-        expected = wire.client_proof(self.secret, nonce, event.nonce)
-        if not wire.proofs_match(expected, event.proof):
-            self._refusals.warning("%s: authentication failed from %s (wrong cluster secret?)", self.name, conn.peer)
+            return True, None
+        try:
+            identity = parse_key_id(event.key_id)
+        except AuthFailed as exc:
+            self._refusals.warning("%s: authentication failed from %s: %s", self.name, conn.peer, exc.message)
             await _flush_and_close(conn, wire.ErrorReply(0, AuthFailed.code, "authentication failed"))
-            return False
-        conn.send(wire.Welcome(wire.server_proof(self.secret, nonce, event.nonce)))
-        return True
+            return False, None
+        key = derive_key(self.secret, event.key_id)
+        if not wire.proofs_match(wire.client_proof(key, nonce, event.nonce, event.key_id), event.proof):
+            self._refusals.warning("%s: authentication failed from %s (wrong cluster secret or credential?)",
+                                   self.name, conn.peer)
+            await _flush_and_close(conn, wire.ErrorReply(0, AuthFailed.code, "authentication failed"))
+            return False, None
+        conn.send(wire.Welcome(wire.server_proof(key, nonce, event.nonce)))
+        conn.identity = identity
+        c2s, s2c = wire.frame_keys(key, nonce, event.nonce)
+        return True, (s2c, c2s)
 
     async def _read_requests(self, conn: Connection, nursery: trio.Nursery) -> None:
         inflight = 0
@@ -753,13 +806,15 @@ class RpcServer:
 
     def _kwargs(self, conn: Connection, req: wire.Request, method: Method) -> dict[str, Any]:
         method.check(req.args)
+        method.admit(conn.identity, req.args)
         kwargs = req.args  # decoded for this call alone: no copy needed
         if method.wants_payload:
             kwargs["payload"] = req.payload
         elif req.payload:
             raise InvalidArgument(f"{req.method} takes no payload")
         if method.wants_ctx:
-            kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + self._timeout(req))
+            kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + self._timeout(req),
+                                        conn.identity)
         return kwargs
 
     def _timeout(self, req: wire.Request) -> float:
@@ -812,12 +867,12 @@ class ClientConnection:
         self._limit = trio.Semaphore(conn.limits.max_inflight)
 
     @classmethod
-    async def connect(cls, addr: str, *, secret: bytes | None, limits: Limits,
+    async def connect(cls, addr: str, *, credential: Credential | None, limits: Limits,
                       nursery: trio.Nursery, tls: ssl.SSLContext | None = None) -> ClientConnection:
         """Open and authenticate a connection whose tasks live in ``nursery``.
 
         Raises:
-            Unreachable: nothing listens there. AuthFailed: secret mismatch.
+            Unreachable: nothing listens there. AuthFailed: credential refused.
             TimedOut: no handshake in time.
         """
         host, port = parse_addr(addr)
@@ -840,7 +895,7 @@ class ClientConnection:
         conn = Connection(stream, addr, limits)
         try:
             with trio.fail_after(limits.handshake_timeout):
-                await cls._handshake(conn, secret)
+                await cls._handshake(conn, credential)
         except trio.TooSlowError:
             await conn.close()
             raise TimedOut(f"{addr} did not finish the handshake in time") from None
@@ -852,28 +907,38 @@ class ClientConnection:
         return client
 
     @staticmethod
-    async def _handshake(conn: Connection, secret: bytes | None) -> None:
+    async def _handshake(conn: Connection, credential: Credential | None) -> None:
         hello = await conn.receive_event()
         if isinstance(hello, wire.ErrorReply):
             raise error_from_wire(hello.code, hello.message, hello.details)
         if not isinstance(hello, wire.Hello):
             raise ProtocolError(f"{conn.peer} did not start with a handshake")
-        if hello.auth_required and secret is None:
-            raise AuthFailed(f"{conn.peer} requires the cluster secret and none is configured")
-        if not hello.auth_required and secret is not None:
+        if hello.version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"{conn.peer} speaks protocol version {hello.version}, "
+                                f"this side {wire.PROTOCOL_VERSION}")
+        if hello.auth_required and credential is None:
+            raise AuthFailed(f"{conn.peer} requires the cluster secret or a credential, and none is configured")
+        if not hello.auth_required and credential is not None:
             raise AuthFailed(f"{conn.peer} runs without authentication but this side has a secret")
         nonce = os.urandom(wire.NONCE_SIZE)
-        proof = wire.client_proof(secret, hello.nonce, nonce) if secret is not None else b""
-        for buf in wire.encode(wire.Auth(nonce, proof)):
+        if credential is None:
+            auth = wire.Auth(nonce, "", b"")
+        else:
+            auth = wire.Auth(nonce, credential.key_id,
+                             wire.client_proof(credential.key, hello.nonce, nonce, credential.key_id))
+        for buf in wire.encode(auth):
             await conn.stream.send_all(buf)
         answer = await conn.receive_event()
         if isinstance(answer, wire.ErrorReply):
             raise error_from_wire(answer.code, answer.message, answer.details)
         if not isinstance(answer, wire.Welcome):
             raise ProtocolError(f"{conn.peer} answered the handshake with {type(answer).__name__}")
-        if secret is not None and not wire.proofs_match(wire.server_proof(secret, hello.nonce, nonce), answer.proof):
+        if credential is None:
+            conn.authenticated()
+            return
+        if not wire.proofs_match(wire.server_proof(credential.key, hello.nonce, nonce), answer.proof):
             raise AuthFailed(f"{conn.peer} could not prove knowledge of the cluster secret")
-        conn.authenticated()
+        conn.authenticated(wire.frame_keys(credential.key, hello.nonce, nonce))
 
     async def _run(self) -> None:
         conn = self.conn
@@ -967,10 +1032,10 @@ class RpcPool:
     retried here, since only the caller knows what is idempotent.
     """
 
-    def __init__(self, *, secret: bytes | None, limits: Limits = Limits(),
+    def __init__(self, *, secret: Secret | None, limits: Limits = Limits(),
                  backoff_initial: float = 0.05, backoff_max: float = 2.0,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.secret = secret
+        self.credential = as_credential(secret)
         self.tls = tls
         self.limits = limits
         self.backoff_initial = backoff_initial
@@ -1014,7 +1079,7 @@ class RpcPool:
             if self._nursery is None:
                 raise RuntimeError("RpcPool used outside 'async with'")
             try:
-                conn = await ClientConnection.connect(addr, secret=self.secret, limits=self.limits,
+                conn = await ClientConnection.connect(addr, credential=self.credential, limits=self.limits,
                                                       nursery=self._nursery, tls=self.tls)
             except (Unreachable, TimedOut):
                 delay = min(self.backoff_max, max(self.backoff_initial, delay * 2))

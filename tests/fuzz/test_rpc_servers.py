@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from cachefs import wire
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
+from tests.rpc.rawpeer import RawPeer
 
 # Methods an authenticated caller may legitimately use to destroy things
 # (remove a node, purge the trash): fuzzing them with valid values would be a
@@ -61,7 +62,7 @@ def attacks(kind: str):
         st.tuples(st.just("raw"), st.binary(min_size=1, max_size=200)),
         st.tuples(st.just("prefix"), st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
                   .map(lambda t: wire.PREFIX.pack(*t))),
-        st.tuples(st.just("header"), junk.map(_frame)),
+        st.tuples(st.just("header"), junk.map(lambda h: msgpack.packb(h, use_bin_type=True))),
         st.tuples(st.just("call"), st.tuples(
             st.sampled_from([*METHODS[kind], "health", "nope", "_private", "x" * 300]),
             st.dictionaries(st.sampled_from(ARG_NAMES), junk, max_size=4),
@@ -70,40 +71,27 @@ def attacks(kind: str):
 
 
 async def _attack(addr: str, secret: bytes, kind: str, data, authed: bool, outcomes: list[str]) -> None:
-    host, port = addr.rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    decoder = wire.FrameDecoder()
-
-    async def next_event():
-        while (event := decoder.next_event()) is None:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                return None
-            decoder.receive_data(chunk)
-        return event
-
+    peer = await RawPeer.connect(addr)
     try:
         with trio.move_on_after(1.0):
-            hello = await next_event()
-            if authed and hello is not None:
-                nonce = os.urandom(32)
-                for buf in wire.encode(wire.Auth(nonce, wire.client_proof(secret, hello.nonce, nonce))):
-                    await stream.send_all(buf)
-                await next_event()
+            if authed:
+                await peer.login(secret)
+            else:
+                await peer.read()
             if kind == "call":
                 method, args, payload = data
-                for buf in wire.encode(wire.Request(1, method, args, 500, payload=payload or None)):
-                    await stream.send_all(buf)
-                reply = await next_event()
+                await peer.send(wire.Request(1, method, args, 500, payload=payload or None))
+                reply = await peer.read()
                 outcomes.append("ok" if isinstance(reply, wire.Response) else "error")
+            elif kind == "header":
+                await peer.send_frame(data)  # sealed once logged in: junk reaches the parser
             else:
-                await stream.send_all(data)
-            while await stream.receive_some(65536):
-                pass
+                await peer.send_raw(data)
+            await peer.drain()
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, CacheFSError):
         pass
     finally:
-        await stream.aclose()
+        await peer.aclose()
 
 
 async def _fingerprint(pool: RpcPool, kind: str, addr: str):

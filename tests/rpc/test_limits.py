@@ -108,7 +108,7 @@ async def test_the_handshake_deadline_covers_a_peer_that_trickles(nursery):
     stream = await _raw_connect(addr)
     decoder = wire.FrameDecoder()
     await _read_event(stream, decoder)
-    frame = b"".join(bytes(b) for b in wire.encode(wire.Auth(os.urandom(32), os.urandom(32))))
+    frame = b"".join(bytes(b) for b in wire.encode(wire.Auth(os.urandom(32), "server:x", os.urandom(32))))
     started = trio.current_time()
     with trio.fail_after(5):
         try:

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from cachefs import wire
+from cachefs.credentials import Credential
 from cachefs.errors import (
     AuthFailed,
     Busy,
@@ -230,7 +231,8 @@ async def test_replayed_handshake_is_refused(nursery):
     stream = await _raw_connect(addr)
     hello = await _read_event(stream)
     nonce = os.urandom(32)
-    recorded = wire.Auth(nonce, wire.client_proof(SECRET, hello.nonce, nonce))
+    cred = Credential.server(SECRET)
+    recorded = wire.Auth(nonce, cred.key_id, wire.client_proof(cred.key, hello.nonce, nonce, cred.key_id))
     await _send(stream, recorded)
     assert isinstance(await _read_event(stream), wire.Welcome)
     await stream.aclose()

@@ -24,7 +24,7 @@ events = st.one_of(
     st.builds(wire.ErrorReply, call_ids, st.text(max_size=12), st.text(max_size=40),
               st.dictionaries(st.text(max_size=8), scalars, max_size=3)),
     st.builds(wire.Hello, st.integers(0, 100), st.binary(min_size=32, max_size=32), st.booleans()),
-    st.builds(wire.Auth, st.binary(min_size=32, max_size=32), st.binary(max_size=40)),
+    st.builds(wire.Auth, st.binary(min_size=32, max_size=32), st.text(max_size=40), st.binary(max_size=40)),
     st.builds(wire.Welcome, st.binary(max_size=40)),
 )
 
@@ -113,10 +113,11 @@ def test_malformed_headers_raise_protocol_error(header):
         decoder.next_event()
 
 
-def test_proofs_depend_on_both_nonces_and_the_secret():
+def test_proofs_depend_on_both_nonces_the_key_and_the_key_id():
     a, b = b"a" * 32, b"b" * 32
-    p = wire.client_proof(b"s", a, b)
-    assert wire.proofs_match(p, wire.client_proof(b"s", a, b))
-    assert not wire.proofs_match(p, wire.client_proof(b"t", a, b))
-    assert not wire.proofs_match(p, wire.client_proof(b"s", b, a))
+    p = wire.client_proof(b"s", a, b, "client:x:v")
+    assert wire.proofs_match(p, wire.client_proof(b"s", a, b, "client:x:v"))
+    assert not wire.proofs_match(p, wire.client_proof(b"t", a, b, "client:x:v"))
+    assert not wire.proofs_match(p, wire.client_proof(b"s", b, a, "client:x:v"))
+    assert not wire.proofs_match(p, wire.client_proof(b"s", a, b, "client:x:w"))
     assert not wire.proofs_match(p, wire.server_proof(b"s", a, b))

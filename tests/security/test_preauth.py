@@ -44,7 +44,7 @@ async def hostile(addr: str, kind: int, opened: list[int]) -> None:
             if kind == 0:  # the probe: a frame prefix claiming 64 MiB
                 await stream.send_all(wire.PREFIX.pack(2, 64 << 20) + b"\x91\x04")
             elif kind == 1:  # half of an Auth frame, then nothing
-                frame = b"".join(bytes(b) for b in wire.encode(wire.Auth(os.urandom(32), os.urandom(32))))
+                frame = b"".join(bytes(b) for b in wire.encode(wire.Auth(os.urandom(32), "server:x", os.urandom(32))))
                 await stream.send_all(frame[: len(frame) // 2])
             while await stream.receive_some(65536):  # kind 2: silent; all: wait to be dropped
                 pass
