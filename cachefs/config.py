@@ -17,11 +17,11 @@ import re
 import sys
 import time
 import tomllib
-from pathlib import Path
 from typing import Any
 
 import click
 
+from cachefs.credentials import Credential, Secret, read_secret
 from cachefs.errors import InvalidArgument
 
 # ---------------------------------------------------------------- types
@@ -91,21 +91,27 @@ ADDRS = AddrListType()
 
 # ---------------------------------------------------------------- secrets
 
-def load_secret(secret_file: str | None, insecure: bool) -> bytes | None:
-    """The cluster secret, or None when running insecure on purpose.
+def load_secret(secret_file: str | None, insecure: bool, *, cluster: bool = False) -> Secret | None:
+    """The cluster secret or a credential (``cachefs credential issue``), or
+    None when running insecure on purpose; daemons (``cluster``) need the
+    cluster secret itself, since they verify everyone else's credentials.
 
     ``CACHEFS_SECRET`` (the secret itself) is read when no file is given.
 
     Raises:
-        click.UsageError: no secret and no --insecure, or an unreadable file.
+        click.UsageError: no secret and no --insecure, an unreadable file or
+            a broken credential, or a credential where the cluster secret is needed.
     """
     if secret_file:
         try:
-            secret = Path(secret_file).read_bytes().strip()
+            secret = read_secret(secret_file)
         except OSError as exc:
             raise click.UsageError(f"--secret-file {secret_file}: {exc.strerror}") from None
-        if not secret:
-            raise click.UsageError(f"--secret-file {secret_file} is empty")
+        except InvalidArgument as exc:
+            raise click.UsageError(f"--secret-file {exc.message}") from None
+        if cluster and isinstance(secret, Credential):
+            raise click.UsageError(f"--secret-file {secret_file} holds a credential ({secret.key_id}); "
+                                   "this command needs the cluster secret")
         return secret
     env = os.environ.get("CACHEFS_SECRET", "").strip()
     if env:

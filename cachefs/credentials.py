@@ -207,7 +207,7 @@ def as_credential(secret: Secret | None, name: str = "cluster") -> Credential | 
     the cluster secret as the server credential ``server:<name>``."""
     if secret is None or isinstance(secret, Credential):
         return secret
-    return Credential.server(secret, name)
+    return Credential.server(secret, re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64] or "cluster")
 
 
 def check_role_for(identity: Identity, method: str, roles: frozenset[str]) -> None:

@@ -529,6 +529,8 @@ class RpcServer:
     def __init__(self, *services: Any, name: str, secret: bytes | None,
                  limits: Limits = Limits(), methods: dict[str, Method] | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
+        if isinstance(secret, Credential):
+            raise TypeError("a server verifies credentials: it needs the cluster secret, not a credential")
         self.name = name
         self.secret = secret
         self.tls = tls

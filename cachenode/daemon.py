@@ -38,6 +38,7 @@ from cachefs.config import (
     setup_logging,
     tls_options,
 )
+from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
@@ -106,7 +107,8 @@ async def serve(
     """
     host, port = parse_addr(listen)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery, RpcPool(secret=secret, tls=tls[1]) as pool:
+        own = as_credential(secret, f"cachenode-{node_id}")
+        async with trio.open_nursery() as nursery, RpcPool(secret=own, tls=tls[1]) as pool:
             backing: Any = NoBacking()
             meta_client = None
             if meta:
@@ -300,7 +302,7 @@ def command(
     # A read lease broken in the instant between F_SETLEASE and F_SETOWN 0
     # (cachenode/store.py) would raise SIGIO at us, and its default is to die.
     signal.signal(signal.SIGIO, signal.SIG_IGN)
-    secret = load_secret(secret_file, insecure)
+    secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     if capacity <= 0:
         raise click.BadParameter("must be more than 0 bytes", param_hint="--capacity")

@@ -62,6 +62,7 @@ from typing import Any, Protocol
 import trio
 from prometheus_client import Counter, Histogram
 
+from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -460,8 +461,11 @@ class CacheService:
             await trio.to_thread.run_sync(self.store.expire, limiter=self._io_threads)
 
     # -- RPC methods -----------------------------------------------------------------
+    # Clients get, put and prefetch the blocks of their own volumes (the RPC
+    # layer checks the volume argument against the credential); the node's
+    # stats are for servers and admins.
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def get(
         self,
         volume: str,
@@ -483,7 +487,7 @@ class CacheService:
             data, size, hit = await self.read(volume, block_key, offset, length, policy)
         return Reply({"size": size, "hit": hit}, payload=data)
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def put(
         self, volume: str, key: bytes, *, payload: Any = None, ctx: CallContext | None = None
     ) -> dict[str, Any]:
@@ -499,12 +503,12 @@ class CacheService:
             stored = await self._store(volume, block_key, payload)
         return {"stored": stored}
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def prefetch(self, volume: str, keys: list, wait: bool = False) -> dict[str, int]:
         """Queue blocks for read-through (warm-up); ``wait`` answers when they are done."""
         return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait)
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def prefetch_status(self) -> dict[str, int]:
         c = self.counters
         return {
@@ -514,7 +518,7 @@ class CacheService:
             "cached": c.prefetch_cached,
         }
 
-    @rpc_method
+    @rpc_method(roles=ADMINS)
     async def stats(self) -> dict[str, Any]:
         c = self.counters
         total = c.hits + c.misses

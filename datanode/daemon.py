@@ -27,6 +27,7 @@ from cachefs.config import (
     setup_logging,
     tls_options,
 )
+from cachefs.credentials import as_credential
 from cachefs.errors import InvalidArgument
 from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import start_metrics
@@ -58,7 +59,7 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
             if meta:
                 from cachefs.metanode.client import MetaClient
 
-                pool = RpcPool(secret=secret, tls=tls[1])
+                pool = RpcPool(secret=as_credential(secret, f"datanode-{node_id}"), tls=tls[1])
                 await pool.__aenter__()
                 client = MetaClient(pool, meta, client_id=f"datanode-{node_id}-{uuid.uuid4().hex[:8]}",
                                     deadline=max(2.0, heartbeat), attempt_timeout=2.0)
@@ -100,7 +101,7 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
     setup_logging("datanode", log_level)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
-    secret = load_secret(secret_file, insecure)
+    secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
         check_volume(zone)  # same character rules as volume names: safe in paths and logs

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 from prometheus_client import Gauge
 
+from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.datanode.shardstore import ShardStore
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
@@ -59,7 +60,10 @@ class DatanodeService:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._io)
 
-    @rpc_method
+    # Who may call what: clients read and write the shards of their own
+    # volumes (the backing client runs in the mount); removing, listing and
+    # scrubbing shards is for servers (GC on the leader) and admins (repair).
+    @rpc_method(roles=CLIENTS)
     async def put(self, volume: str, key: bytes, index: int, meta: bytes = b"",
                   payload: Any = None) -> dict:
         """Store shard ``index`` of ``key`` durably (replacing any older copy)."""
@@ -67,7 +71,7 @@ class DatanodeService:
         await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
         return {"size": len(data)}
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def get(self, volume: str, key: bytes, index: int, offset: int = 0,
                   length: int = -1) -> Reply:
         """Bytes of one shard (checksums verified); ``meta`` and total size ride along."""
@@ -75,17 +79,17 @@ class DatanodeService:
                                             offset, length)
         return Reply({"meta": meta, "size": total}, payload=data)
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def stat(self, volume: str, key: bytes, index: int) -> dict:
         meta, size = await self._run(self.store.stat, volume, _key_hex(key), index)
         return {"meta": meta, "size": size}
 
-    @rpc_method
+    @rpc_method(roles=ADMINS)
     async def delete(self, volume: str, key: bytes, index: int = -1) -> dict:
         """Delete one shard, or every shard of the key held here (index -1)."""
         return {"removed": await self._run(self.store.delete, volume, _key_hex(key), index)}
 
-    @rpc_method(name="list")
+    @rpc_method(name="list", roles=ADMINS)
     async def list_shards(self, volume: str, cursor: str = "", limit: int = 1000) -> dict:
         """A page of ``[key, index, bytes]``; page on with the returned cursor until it is ""."""
         limit = min(max(1, limit), 10_000)
@@ -93,7 +97,7 @@ class DatanodeService:
         return {"shards": [[BlockKey.from_hex(s.key).to_bytes(), s.index, s.size] for s in page],
                 "cursor": cursor}
 
-    @rpc_method
+    @rpc_method(roles=ADMINS)
     async def scrub(self, volume: str, cursor: str = "", limit: int = SCRUB_PAGE,
                     max_bytes: int = 0) -> dict:
         """Verify a page of shards end to end; corrupt ones are removed and named.
@@ -117,11 +121,11 @@ class DatanodeService:
                 break
         return {"checked": checked, "corrupt": corrupt, "cursor": cursor, "bytes": read}
 
-    @rpc_method
+    @rpc_method(roles=ADMINS)
     async def volumes(self) -> list:
         return await self._run(self.store.volumes)
 
-    @rpc_method
+    @rpc_method(roles=ADMINS)
     async def stats(self) -> dict:
         return {"id": self.node_id, "zone": self.zone, **self.store.usage(),
                 "corrupt_found": self.store.corrupt_found}

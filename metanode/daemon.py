@@ -27,6 +27,7 @@ import trio
 
 from cachefs.commands import check_addr
 from cachefs.config import ADDR, daemon_options, load_secret, load_tls, setup_logging, tls_options
+from cachefs.credentials import as_credential, metanode_name
 from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
@@ -112,7 +113,9 @@ async def serve(
     )
     server = RpcServer(service, name="metanode", secret=secret, limits=Limits(), tls=tls[0])
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with RpcPool(secret=secret, tls=tls[1]) as pool, trio.open_nursery() as nursery:
+        # Its own server credential names it, so peers can check Raft's src.
+        own = as_credential(secret, metanode_name(node_id))
+        async with RpcPool(secret=own, tls=tls[1]) as pool, trio.open_nursery() as nursery:
             node = await RaftNode.create(
                 node_id,
                 peers,
@@ -238,7 +241,7 @@ def command(
 ) -> None:
     """Run a metanode: one replica of the namespace and cluster map."""
     setup_logging("metanode", log_level)
-    secret = load_secret(secret_file, insecure)
+    secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
         peer_map = parse_peers(peers)

@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "health": "cachefs.status:health",
     "lab": "cachefs.lab.cli:lab",
     "bench": "cachefs.benchcmd:bench",
+    "credential": "cachefs.credcmd:credential",
 }
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import trio
 import trio.lowlevel
 
+from cachefs.credentials import CLIENTS
 from cachefs.errors import InvalidArgument, NoSuchMethod, Range
 from cachefs.ids import BlockKey
 from cachefs.rpc import CallContext, RpcPool, rpc_method
@@ -380,7 +381,7 @@ class RdmaResponder:
         self._qps: dict[int, Any] = {}  # by RPC connection id
         self._wr_ids = iter(range(1, 1 << 62))
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)  # like the cache node's get: the volume is checked on rdma_get
     async def rdma_connect(self, ctx: CallContext, qpn: int, psn: int, lid: int, gid: str) -> dict:
         ep = self.endpoint
         qp = ep.new_qp()
@@ -397,7 +398,7 @@ class RdmaResponder:
         self._qps[ctx.conn_id] = qp
         return ep.local_info(qp, my_psn).to_wire()
 
-    @rpc_method
+    @rpc_method(roles=CLIENTS)
     async def rdma_get(
         self,
         ctx: CallContext,

@@ -1,0 +1,112 @@
+"""Least privilege on real daemons: what a client and an admin credential may
+do on metanodes, datanodes and cache nodes, refused before any handler runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from cachefs.credentials import Credential
+from cachefs.errors import CacheFSError, PermissionDenied
+from cachefs.ids import BlockKey
+from cachefs.rpc import RpcPool
+
+KEY = BlockKey(987654321, 0).to_bytes()
+
+
+async def _code(pool: RpcPool, addr: str, method: str, args: dict, payload: bytes | None = None) -> str:
+    try:
+        await pool.call(addr, method, args, payload=payload, timeout=10)
+    except CacheFSError as exc:
+        return exc.code
+    return "OK"
+
+
+async def _usage(pool: RpcPool, lab) -> list:
+    out = []
+    for node in lab.of_kind("datanode") + lab.of_kind("cachenode"):
+        stats = (await pool.call(node.addr, "stats", timeout=10)).result
+        out.append((stats.get("used"), stats.get("shards"), stats.get("blocks")))
+    return out
+
+
+def test_a_client_credential_reaches_only_client_operations_on_its_volumes(lab) -> None:
+    client = Credential.issue(lab.secret, "client", "job", ["lab"])
+    data, cache, meta = (lab.of_kind(k)[0].addr for k in ("datanode", "cachenode", "metanode"))
+
+    async def scenario():
+        async with RpcPool(secret=lab.secret) as root, RpcPool(secret=client) as pool:
+            before = await _usage(root, lab)
+            expect = {
+                # its own volume: the call reaches the handler (nothing is there)
+                (data, "get", "lab"): "ENOENT", (data, "stat", "lab"): "ENOENT",
+                (cache, "prefetch_status", None): "OK", (meta, "health", None): "OK",
+                # another volume: refused, even for the operations it may do
+                (data, "get", "other"): "EACCES", (data, "put", "other"): "EACCES",
+                (cache, "get", "other"): "EACCES", (cache, "put", "other"): "EACCES",
+                (cache, "prefetch", "other"): "EACCES",
+                # operations that are not a client's, on any volume
+                (data, "delete", "lab"): "EACCES", (data, "list", "lab"): "EACCES",
+                (data, "scrub", "lab"): "EACCES", (data, "volumes", None): "EACCES",
+                (data, "stats", None): "EACCES", (cache, "stats", None): "EACCES",
+                (meta, "raft_step", None): "EACCES", (meta, "raft_snapshot", None): "EACCES",
+            }
+            got = {}
+            for (addr, method, volume), _ in expect.items():
+                args: dict = {} if volume is None else {"volume": volume, "key": KEY}
+                payload = None
+                if method in ("get", "stat", "delete") and addr == data:
+                    args["index"] = 0
+                if method == "put":
+                    payload = b"x" * 100
+                    if addr == data:
+                        args |= {"index": 0, "meta": b""}
+                if method == "prefetch":
+                    args = {"volume": volume, "keys": [KEY]}
+                if method in ("list", "scrub"):
+                    args = {"volume": volume}
+                if method == "raft_snapshot":
+                    args = {"src": 1, "xfer": 1, "chunk": 0, "chunks": 1}
+                got[(addr, method, volume)] = await _code(pool, addr, method, args, payload)
+            assert got == expect
+            assert await _usage(root, lab) == before  # nothing was stored or removed
+
+    trio.run(scenario)
+
+
+def test_an_admin_credential_administers_but_is_no_server(lab) -> None:
+    admin = Credential.issue(lab.secret, "admin", "ops")
+    data, meta = lab.of_kind("datanode")[0].addr, lab.of_kind("metanode")[0].addr
+
+    async def scenario():
+        async with RpcPool(secret=admin) as pool:
+            assert "shards" in (await pool.call(data, "list", {"volume": "lab", "limit": 1}, timeout=10)).result
+            assert (await pool.call(data, "stats", timeout=10)).result["id"]
+            with pytest.raises(PermissionDenied, match="raft_step is not allowed for admin 'ops'"):
+                await pool.call(meta, "raft_step", payload=b"\x90", timeout=10)
+
+    trio.run(scenario)
+
+
+def test_credential_issue_writes_a_private_file_the_commands_accept(lab, tmp_path) -> None:
+    out = tmp_path / "job.cred"
+    run = subprocess.run([sys.executable, "-m", "cachefs.cli", "credential", "issue", "--role", "client",
+                          "--name", "job", "--volume", "lab", "-o", str(out), "--secret-file",
+                          str(lab.secret_file)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    show = subprocess.run([sys.executable, "-m", "cachefs.cli", "credential", "show", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert json.loads(show.stdout) == {"key_id": "client:job:lab", "role": "client", "name": "job",
+                                       "volumes": ["lab"]}
+    assert Credential.from_json(out.read_text()) == Credential.issue(lab.secret, "client", "job", ["lab"])
+    # A daemon refuses to start on a credential: it needs the cluster secret.
+    daemon = subprocess.run([sys.executable, "-m", "cachefs.cli", "datanode", "--zone", "z1", "--data-dir",
+                             str(tmp_path / "d"), "--capacity", "1G", "--listen", "127.0.0.1:1",
+                             "--secret-file", str(out)], capture_output=True, text=True, timeout=60)
+    assert daemon.returncode != 0 and "needs the cluster secret" in daemon.stderr
