@@ -249,10 +249,17 @@ class Method:
         self.names_volume = "volume" in self.params
 
     def admit(self, identity: Identity, args: dict[str, Any]) -> None:
-        """Raises PermissionDenied unless ``identity`` may make this call."""
+        """Check the caller's role, then the arguments, then (for a client)
+        the volume they name; the role first, so a caller without it learns
+        nothing of the method's signature.
+
+        Raises:
+            PermissionDenied: not this caller's method or volume. InvalidArgument: bad arguments.
+        """
         if not identity.may(self.roles):
             raise PermissionDenied(f"{self.name} is not allowed for {identity} "
                                    f"(needs {' or '.join(sorted(self.roles))})")
+        self.check(args)
         if identity.volumes is not None and self.names_volume:
             volume = args.get("volume")
             if isinstance(volume, str):
@@ -504,7 +511,12 @@ class Connection:
         self._drained.set()
         with trio.move_on_after(1) as scope:
             scope.shield = True
-            await self.stream.aclose()
+            try:
+                await self.stream.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # TLS sends close_notify, on a socket sock_close() may have closed.
+                raw = self.stream.transport_stream if isinstance(self.stream, trio.SSLStream) else self.stream
+                raw.socket.close()
 
 
 async def _flush_and_close(conn: Connection, event: wire.Event | None = None) -> None:
@@ -807,7 +819,6 @@ class RpcServer:
         return "EIO", wire.ErrorReply(req.call_id, "EIO", f"internal error in {req.method}")
 
     def _kwargs(self, conn: Connection, req: wire.Request, method: Method) -> dict[str, Any]:
-        method.check(req.args)
         method.admit(conn.identity, req.args)
         kwargs = req.args  # decoded for this call alone: no copy needed
         if method.wants_payload:

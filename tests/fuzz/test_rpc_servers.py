@@ -23,23 +23,16 @@ from hypothesis import strategies as st
 from cachefs import wire
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
+from tests.fuzz.test_rpc_methods import served_methods
 from tests.rpc.rawpeer import RawPeer
 
-# Methods an authenticated caller may legitimately use to destroy things
-# (remove a node, purge the trash): fuzzing them with valid values would be a
-# legitimate change, not a bug. Everything else is fair game.
-DESTRUCTIVE = {"remove_node", "purge_trash"}
+# Methods a server credential may legitimately use to destroy things (remove
+# a node, purge the trash, reopen a volume): fuzzing them with valid values
+# would be a legitimate change, not a bug. Everything else is fair game
+# (test_rpc_methods.py fuzzes these too, with a client credential).
+DESTRUCTIVE = {"remove_node", "purge_trash", "set_volume_access"}
 
-METHODS = {
-    "metanode": ["alloc_slices", "close_session", "cluster_map", "compact_chunk", "create_volume", "get_usage",
-                 "getattr", "getxattr", "link", "list_trash", "list_volumes", "listxattr", "lookup", "meta_status",
-                 "mkdir", "mknod", "mount_volume", "node_heartbeat", "open", "read_chunk", "readdir", "readlink",
-                 "register_node", "release", "removexattr", "rename", "rmdir", "session_heartbeat", "set_quota",
-                 "set_volume", "setattr", "setxattr", "statfs", "symlink", "unlink", "write_slice",
-                 "raft_step", "raft_snapshot"],
-    "datanode": ["delete", "get", "list", "put", "scrub", "stat", "stats", "volumes"],
-    "cachenode": ["get", "prefetch", "prefetch_status", "put", "stats"],
-}
+METHODS = {kind: sorted(served_methods(kind)) for kind in ("metanode", "datanode", "cachenode")}
 ARG_NAMES = ["volume", "ino", "parent", "name", "new_parent", "new_name", "mode", "uid", "gid", "size", "key",
              "index", "offset", "length", "count", "chunk", "slice_id", "pos", "session", "client_id", "seq",
              "kind", "id", "addr", "zone", "capacity", "policy", "keys", "wait", "flags", "value", "target",

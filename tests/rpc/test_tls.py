@@ -78,3 +78,20 @@ async def test_mutual_tls_requires_a_client_certificate(nursery, pki):
             await pool.call(addr, "echo", timeout=3)
     async with RpcPool(secret=SECRET, tls=client_tls(pki["ca"], pki["cert"], pki["key"])) as pool:
         assert (await pool.call(addr, "echo", {"value": 3})).result["value"] == 3
+
+
+async def test_a_silent_tls_peer_is_dropped_without_hurting_the_pool(pki):
+    """A call that times out with no byte back closes the socket at once;
+    closing the TLS stream afterwards (close_notify on a closed socket) must
+    not escape into the pool's nursery: it once killed a datanode at start-up."""
+    from cachefs.errors import TimedOut
+
+    async with trio.open_nursery() as n:
+        _, addr = await _tls_server(n, pki)
+        async with RpcPool(secret=SECRET, tls=client_tls(pki["ca"])) as pool:
+            first = await pool.connection(addr)
+            with pytest.raises(TimedOut):
+                await pool.call(addr, "sleep", {"seconds": 10}, timeout=0.5)
+            assert first.closed
+            assert (await pool.call(addr, "echo", {"value": 2})).result["value"] == 2
+        n.cancel_scope.cancel()
