@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cachefs.errors import FrameTooLarge, ProtocolError
@@ -258,17 +259,18 @@ class FrameMac:
             ProtocolError: the tag does not match.
         """
         counter = self.counter
-        self._check(self._gcm.encrypt(_NONCE.pack(counter, 0), b"", head), tag)
+        self._open(_NONCE.pack(counter, 0), bytes(tag), head)
         self.counter += 1
         return counter
 
     def open_payload(self, counter: int, payload: bytearray, tag: bytes) -> None:
-        self._check(self._gcm.encrypt(_NONCE.pack(counter, 1), b"", payload), tag)
+        self._open(_NONCE.pack(counter, 1), tag, payload)
 
-    @staticmethod
-    def _check(expected: bytes, tag: memoryview | bytes) -> None:
-        if not hmac.compare_digest(expected, bytes(tag)):
-            raise ProtocolError("frame authentication failed (changed, replayed or out of order)")
+    def _open(self, nonce: bytes, tag: bytes, data: Payload) -> None:
+        try:
+            self._gcm.decrypt(nonce, tag, data)  # an empty plaintext: this only checks the tag
+        except InvalidTag:
+            raise ProtocolError("frame authentication failed (changed, replayed or out of order)") from None
 
 
 class FrameDecoder:

@@ -38,6 +38,7 @@ import trio
 from cachefs import queries as Q
 from cachefs.commands import CreateVolume
 from cachefs.config import load_tls
+from cachefs.credentials import Credential
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns
 from cachefs.lab.pki import make_pki
@@ -156,6 +157,20 @@ class Lab:
     def secret(self) -> bytes:
         return self.secret_file.read_bytes().strip()
 
+    def credential_file(self, role: str) -> Path:
+        """``ROOT/admin.cred`` or ``ROOT/client.cred`` (a client of the lab's
+        volume): the least credentials of the lab's admin commands and clients."""
+        return self.root / f"{role}.cred"
+
+    def _issue_credentials(self) -> None:
+        for role, volumes in (("admin", ()), ("client", (VOLUME,))):
+            path = self.credential_file(role)
+            if not path.exists():
+                cred = Credential.issue(self.secret, role, f"lab-{role}", volumes)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(cred.to_json())
+
     # ------------------------------------------------------------ TLS
 
     @property
@@ -261,6 +276,7 @@ class Lab:
         if not self.secret_file.exists():
             self.secret_file.write_text(secrets.token_hex(32) + "\n")
             self.secret_file.chmod(0o600)
+        self._issue_credentials()
         if self.config.tls:
             self._make_certificates()
         self.save()

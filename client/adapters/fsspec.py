@@ -62,7 +62,8 @@ from cachefs.client.api import (
     client_tls,
     connect,
 )
-from cachefs.errors import CacheFSError
+from cachefs.credentials import Credential, read_secret
+from cachefs.errors import CacheFSError, InvalidArgument
 
 PARALLEL_RANGES = 16
 COPY_CHUNK = 8 << 20
@@ -132,13 +133,17 @@ class CacheFSFileSystem(AbstractFileSystem):
 
     @staticmethod
     def _load_secret(
-        secret: bytes | str | None, secret_file: str | None, insecure: bool | None
-    ) -> bytes | None:
+        secret: bytes | str | Credential | None, secret_file: str | None, insecure: bool | None
+    ) -> bytes | Credential | None:
         if secret:
             return secret.encode() if isinstance(secret, str) else secret
         secret_file = secret_file or os.environ.get("CACHEFS_SECRET_FILE")
         if secret_file:
-            return _read_option_file("secret_file", secret_file)
+            _read_option_file("secret_file", secret_file)  # the errors name the option
+            try:
+                return read_secret(secret_file)  # the cluster secret or a credential
+            except InvalidArgument as exc:
+                raise ValueError(f"cachefs: secret_file {exc.message}") from None
         env = os.environ.get("CACHEFS_SECRET", "").strip()
         if env:
             return env.encode()

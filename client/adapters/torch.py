@@ -48,6 +48,7 @@ import trio
 from torch.utils.data import Sampler
 
 from cachefs.client.api import AsyncFileSystem, ClientOptions, FileSystem, client_tls, connect
+from cachefs.credentials import Credential
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ class CacheFSDataset(torch.utils.data.Dataset[Any]):
         volume: str,
         source: str | Sequence[str],
         *,
-        secret: bytes | str | None = None,
+        secret: bytes | str | Credential | None = None,
         zone: str = "",
         transform: Callable[[bytes], Any] | None = None,
         prefetch_depth: int = 64,

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import trio
 
+from cachefs.credentials import Credential
 from cachefs.errors import AuthFailed, CacheFSError, ConnectionLost
 from cachefs.rpc import RpcPool
 
@@ -57,7 +58,7 @@ async def open_volume(
     meta_addrs: Sequence[str] | str,
     volume: str,
     *,
-    secret: bytes | str | None = None,
+    secret: bytes | str | Credential | None = None,
     zone: str = "",
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
@@ -161,7 +162,7 @@ def _addrs(meta_addrs: Sequence[str] | str) -> list[str]:
     return addrs
 
 
-def _secret(secret: bytes | str | None) -> bytes | None:
+def _secret(secret: bytes | str | Credential | None) -> bytes | Credential | None:
     if isinstance(secret, str):
         return secret.encode()
     return secret

@@ -23,6 +23,8 @@ from typing import Any, TypeVar, cast
 
 import trio
 
+from cachefs.credentials import Credential
+
 from ..volume import ClientOptions
 from .asyncfs import AsyncFile, AsyncFileSystem, DirEntry, _norm, _parse_mode
 from .startup import CONNECT_TIMEOUT, client_tls, open_volume
@@ -63,7 +65,7 @@ class FileSystem:
         meta_addrs: Sequence[str] | str,
         volume: str,
         *,
-        secret: bytes | str | None = None,
+        secret: bytes | str | Credential | None = None,
         zone: str = "",
         options: ClientOptions | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
@@ -395,7 +397,7 @@ def connect(
     meta_addrs: Sequence[str] | str,
     volume: str,
     *,
-    secret: bytes | str | None = None,
+    secret: bytes | str | Credential | None = None,
     zone: str = "",
     options: ClientOptions | None = None,
     connect_timeout: float = CONNECT_TIMEOUT,
