@@ -31,7 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "health": "cachefs.status:health",
     "lab": "cachefs.lab.cli:lab",
     "bench": "cachefs.benchcmd:bench",
-    "credential": "cachefs.credcmd:credential",
+    "credential": "cachefs.cli.credential:credential",
 }
 
 

@@ -127,19 +127,19 @@ async def _fingerprint(pool: RpcPool, kind: str, addr: str):
 
 
 @pytest.mark.parametrize("kind", ["metanode", "datanode", "cachenode"])
-def test_every_method_with_typed_edge_arguments_and_a_client_credential_or_none(lab, kind: str) -> None:
-    node = lab.of_kind(kind)[0]
+def test_every_method_with_typed_edge_arguments_and_a_client_credential_or_none(small_lab, kind: str) -> None:
+    node = small_lab.of_kind(kind)[0]
     methods = served_methods(kind)
     assert {"set_volume_access", "remove_node", "purge_trash"} <= set(methods) or kind != "metanode"
     assert {"rdma_connect", "rdma_get"} <= set(methods) or kind != "cachenode"
-    client = Credential.issue(lab.secret, "client", "fuzz", [VOLUME])
+    client = Credential.issue(small_lab.secret, "client", "fuzz", [VOLUME])
     optional = {name for name in methods if name.startswith("rdma_")}
 
     @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.lists(st.tuples(calls(methods), st.booleans()), min_size=1, max_size=8))
     def run(batch):
         async def scenario():
-            async with RpcPool(secret=lab.secret) as root, RpcPool(secret=client) as pool:
+            async with RpcPool(secret=small_lab.secret) as root, RpcPool(secret=client) as pool:
                 before = await _fingerprint(root, kind, node.addr)
                 codes = []
                 for (name, args, payload), authenticated in batch:

@@ -81,6 +81,7 @@ async def test_a_client_reaches_only_its_own_volumes(nursery):
     assert service.ran == ["read"]
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"authentication failed")
 async def test_a_credential_cannot_be_widened_or_forged(nursery):
     """The key id is the MAC's input: the same key with more volumes, another
     role, or a key made up does not get in."""
@@ -170,6 +171,7 @@ async def _through_proxy(nursery, rewrite, value):
             return exc, service
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"frame authentication failed")
 async def test_a_changed_frame_is_refused_before_its_handler_runs(nursery):
     # 1111 and 2222 are both uint16 in msgpack: the change keeps the frame well formed.
     result, service = await _through_proxy(
@@ -178,6 +180,7 @@ async def test_a_changed_frame_is_refused_before_its_handler_runs(nursery):
     assert service.calls == 0
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"frame authentication failed")
 async def test_a_replayed_frame_is_refused(nursery):
     result, service = await _through_proxy(nursery, lambda b: b + b, 1111)
     assert service.calls <= 1  # the copy never reaches the handler

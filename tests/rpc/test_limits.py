@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import trio
 
 from cachefs import wire
@@ -37,6 +38,7 @@ async def _closed_by_server(stream: trio.SocketStream) -> bool:
     return True
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"closing connection from .*\(limit 0\)")
 async def test_a_big_frame_before_the_handshake_is_refused_at_its_prefix(nursery):
     """The issue's probe: a 2-byte header claiming a 64 MiB payload, before
     authenticating, is refused at once (nothing of that size is allocated)."""
@@ -53,6 +55,7 @@ async def test_a_big_frame_before_the_handshake_is_refused_at_its_prefix(nursery
     await stream.aclose()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"closing connection from .*\(limit 4096\)")
 async def test_a_big_header_before_the_handshake_is_refused(nursery):
     _, addr = await start_server(nursery)
     stream = await _raw_connect(addr)
@@ -65,6 +68,7 @@ async def test_a_big_header_before_the_handshake_is_refused(nursery):
     await stream.aclose()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"still in the handshake \(pending_per_peer\)")
 async def test_pending_connections_per_peer_are_capped_oldest_first(nursery):
     server, addr = await start_server(nursery, limits=Limits(max_pending_per_peer=4, handshake_timeout=30))
     silent = []
@@ -84,6 +88,7 @@ async def test_pending_connections_per_peer_are_capped_oldest_first(nursery):
         await stream.aclose()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"still in the handshake \(pending\)")
 async def test_pending_connections_in_total_are_capped_and_spare_other_peers(nursery):
     limits = Limits(max_pending=6, max_pending_per_peer=6, handshake_timeout=30)
     server, addr = await start_server(nursery, limits=limits)
@@ -101,6 +106,7 @@ async def test_pending_connections_in_total_are_capped_and_spare_other_peers(nur
         await stream.aclose()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"sent no handshake")
 async def test_the_handshake_deadline_covers_a_peer_that_trickles(nursery):
     """A peer that sends its Auth one byte at a time is cut at the deadline,
     not at the next idle read."""
@@ -122,6 +128,7 @@ async def test_the_handshake_deadline_covers_a_peer_that_trickles(nursery):
     await stream.aclose()
 
 
+@pytest.mark.allow_log("cachefs.rpc", match=r"connections open")
 async def test_authenticated_connections_are_capped(nursery):
     _, addr = await start_server(nursery, limits=Limits(max_connections=2))
     async with RpcPool(secret=SECRET) as a, RpcPool(secret=SECRET) as b, RpcPool(secret=SECRET) as c:

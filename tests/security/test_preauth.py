@@ -55,12 +55,12 @@ async def hostile(addr: str, kind: int, opened: list[int]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["metanode", "datanode", "cachenode"])
-def test_500_hostile_sockets_leave_memory_bounded_and_clients_served(lab, kind: str) -> None:
-    node = lab.of_kind(kind)[0]
+def test_500_hostile_sockets_leave_memory_bounded_and_clients_served(small_lab, kind: str) -> None:
+    node = small_lab.of_kind(kind)[0]
     addr = node.addr
 
     async def scenario():
-        async with RpcPool(secret=lab.secret) as pool:
+        async with RpcPool(secret=small_lab.secret) as pool:
             await pool.call(addr, "health", timeout=10)  # an established client
             before = rss(node.pid)
             peak = before
@@ -79,7 +79,7 @@ def test_500_hostile_sockets_leave_memory_bounded_and_clients_served(lab, kind: 
                 # New connections while the hostile ones sit there.
                 for _ in range(5):
                     await trio.sleep(0.3)
-                    async with RpcPool(secret=lab.secret) as other:
+                    async with RpcPool(secret=small_lab.secret) as other:
                         fresh.append((await other.call(addr, "health", timeout=10)).result["service"])
 
             async def watch():

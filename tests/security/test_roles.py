@@ -27,21 +27,21 @@ async def _code(pool: RpcPool, addr: str, method: str, args: dict, payload: byte
     return "OK"
 
 
-async def _usage(pool: RpcPool, lab) -> list:
+async def _usage(pool: RpcPool, small_lab) -> list:
     out = []
-    for node in lab.of_kind("datanode") + lab.of_kind("cachenode"):
+    for node in small_lab.of_kind("datanode") + small_lab.of_kind("cachenode"):
         stats = (await pool.call(node.addr, "stats", timeout=10)).result
         out.append((stats.get("used"), stats.get("shards"), stats.get("blocks")))
     return out
 
 
-def test_a_client_credential_reaches_only_client_operations_on_its_volumes(lab) -> None:
-    client = Credential.issue(lab.secret, "client", "job", ["lab"])
-    data, cache, meta = (lab.of_kind(k)[0].addr for k in ("datanode", "cachenode", "metanode"))
+def test_a_client_credential_reaches_only_client_operations_on_its_volumes(small_lab) -> None:
+    client = Credential.issue(small_lab.secret, "client", "job", ["lab"])
+    data, cache, meta = (small_lab.of_kind(k)[0].addr for k in ("datanode", "cachenode", "metanode"))
 
     async def scenario():
-        async with RpcPool(secret=lab.secret) as root, RpcPool(secret=client) as pool:
-            before = await _usage(root, lab)
+        async with RpcPool(secret=small_lab.secret) as root, RpcPool(secret=client) as pool:
+            before = await _usage(root, small_lab)
             expect = {
                 # its own volume: the call reaches the handler (nothing is there)
                 (data, "get", "lab"): "ENOENT", (data, "stat", "lab"): "ENOENT",
@@ -74,14 +74,14 @@ def test_a_client_credential_reaches_only_client_operations_on_its_volumes(lab) 
                     args = {"src": 1, "xfer": 1, "chunk": 0, "chunks": 1}
                 got[(addr, method, volume)] = await _code(pool, addr, method, args, payload)
             assert got == expect
-            assert await _usage(root, lab) == before  # nothing was stored or removed
+            assert await _usage(root, small_lab) == before  # nothing was stored or removed
 
     trio.run(scenario)
 
 
-def test_an_admin_credential_administers_but_is_no_server(lab) -> None:
-    admin = Credential.issue(lab.secret, "admin", "ops")
-    data, meta = lab.of_kind("datanode")[0].addr, lab.of_kind("metanode")[0].addr
+def test_an_admin_credential_administers_but_is_no_server(small_lab) -> None:
+    admin = Credential.issue(small_lab.secret, "admin", "ops")
+    data, meta = small_lab.of_kind("datanode")[0].addr, small_lab.of_kind("metanode")[0].addr
 
     async def scenario():
         async with RpcPool(secret=admin) as pool:
@@ -93,18 +93,18 @@ def test_an_admin_credential_administers_but_is_no_server(lab) -> None:
     trio.run(scenario)
 
 
-def test_credential_issue_writes_a_private_file_the_commands_accept(lab, tmp_path) -> None:
+def test_credential_issue_writes_a_private_file_the_commands_accept(small_lab, tmp_path) -> None:
     out = tmp_path / "job.cred"
     run = subprocess.run([sys.executable, "-m", "cachefs.cli", "credential", "issue", "--role", "client",
                           "--name", "job", "--volume", "lab", "-o", str(out), "--secret-file",
-                          str(lab.secret_file)], capture_output=True, text=True, timeout=60)
+                          str(small_lab.secret_file)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert os.stat(out).st_mode & 0o777 == 0o600
     show = subprocess.run([sys.executable, "-m", "cachefs.cli", "credential", "show", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert json.loads(show.stdout) == {"key_id": "client:job:lab", "role": "client", "name": "job",
                                        "volumes": ["lab"]}
-    assert Credential.from_json(out.read_text()) == Credential.issue(lab.secret, "client", "job", ["lab"])
+    assert Credential.from_json(out.read_text()) == Credential.issue(small_lab.secret, "client", "job", ["lab"])
     # A daemon refuses to start on a credential: it needs the cluster secret.
     daemon = subprocess.run([sys.executable, "-m", "cachefs.cli", "datanode", "--zone", "z1", "--data-dir",
                              str(tmp_path / "d"), "--capacity", "1G", "--listen", "127.0.0.1:1",
