@@ -311,7 +311,8 @@ class RaftNode:
             if isinstance(m, InstallSnapshot):
                 self._refuse("InstallSnapshot", "a snapshot must come by raft_snapshot")
             elif not self._may_speak_for(ctx, m.src) or m.dst != self.id:
-                self._refuse(type(m).__name__, f"from {m.src} to {m.dst}: not a peer's message "
+                who = f" (sent by {ctx.identity})" if ctx is not None else ""
+                self._refuse(type(m).__name__, f"from {m.src} to {m.dst}{who}: not a peer's message "
                              f"to node {self.id}")
             else:
                 inbox.append(m)
@@ -351,15 +352,16 @@ class RaftNode:
         self._wake.set()
 
     def _may_speak_for(self, ctx: CallContext | None, src: int) -> bool:
-        """Whether a message that says it is from ``src`` is taken at all.
-
-        This is where a message's ``src`` is to be checked against the
-        authenticated identity of the connection it came on (``ctx``) once
-        the RPC layer binds connections to identities: then a client, or
-        any non-member, cannot speak for a member. Until then only messages
-        from non-members (and from ourselves) are refused here.
+        """Whether a message that says it is from ``src`` is taken at all:
+        ``src`` must be another member, and the connection it came on must
+        be authenticated as that member (``server:metanode-<src>``, see
+        cachefs.credentials), so no client, other server or member can
+        speak for a member. Without a ``ctx`` (a direct call) or on an
+        insecure cluster there is no identity to check.
         """
-        return src in self.peers and src != self.id
+        if src not in self.peers or src == self.id:
+            return False
+        return ctx is None or ctx.identity.insecure or ctx.identity.metanode_id == src
 
     def _refuse(self, what: str, reason: str) -> None:
         """Count a refused peer message, and log it (at most once a second:

@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import trio
 
+from cachefs.credentials import Credential, metanode_name
 from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
@@ -25,6 +26,12 @@ from cachefs.testing.ports import free_ports
 from .sim import KV
 
 SECRET = b"raft-test-secret"
+
+
+def member(i: int) -> Credential:
+    """The credential metanode ``i`` authenticates with (Raft checks a message's src against it)."""
+    return Credential.server(SECRET, metanode_name(i))
+
 CONFIG = RaftConfig(election_tick=10, heartbeat_tick=1)
 
 
@@ -65,7 +72,7 @@ class Cluster:
     async def _run(self, i: int, *, task_status: trio.TaskStatus[Replica]) -> None:
         port = int(self.peers[i].rsplit(":", 1)[1])
         with trio.CancelScope() as scope:
-            async with RpcPool(secret=SECRET) as pool, trio.open_nursery() as n:
+            async with RpcPool(secret=member(i)) as pool, trio.open_nursery() as n:
                 server = RpcServer(name=f"meta{i}", secret=SECRET)
                 await n.start(server.serve, "127.0.0.1", port)
                 sm = Machine()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 import msgpack
@@ -39,7 +39,7 @@ from cachefs.rpc import RpcPool
 
 from . import hostile
 from .sim import KV
-from .test_raft_driver import SECRET, Cluster, propose_all, put
+from .test_raft_driver import SECRET, Cluster, member, propose_all, put
 from .test_raft_hostile import check_core
 
 MEMBERS = (1, 2, 3)
@@ -76,20 +76,33 @@ def snapshot_calls(members: tuple[int, ...]) -> st.SearchStrategy[list[tuple[dic
 async def hostile_storm(cluster: Cluster, batches: list[list[Message]],
                         snaps: list[list[tuple[dict, bytes]]]) -> int:
     """Send everything to random nodes while honest proposals go on; the
-    number of calls the nodes answered with an error."""
+    number of calls the nodes answered with an error. Each message goes
+    over a connection authenticated as the member it claims to be from (a
+    member gone rogue: the worst a peer can be); an outsider's over the
+    cluster secret's identity, which is no member."""
     rng = random.Random(7)
     errors = 0
-    async with RpcPool(secret=SECRET) as pool:
+    async with AsyncExitStack() as stack:
+        pools = {src: await stack.enter_async_context(RpcPool(secret=member(src) if src else SECRET))
+                 for src in (*MEMBERS, None)}
+
+        def pool_of(src: int) -> RpcPool:
+            return pools.get(src, pools[None])
+
         for k, batch in enumerate(batches):
             addr = cluster.peers[rng.choice(MEMBERS)]
-            try:
-                await pool.call(addr, "raft_step", payload=wire.encode_batch(batch), timeout=5)
-            except CacheFSError:
-                errors += 1
+            by_src: dict[int, list[Message]] = {}
+            for m in batch:
+                by_src.setdefault(m.src, []).append(m)
+            for src, msgs in by_src.items():
+                try:
+                    await pool_of(src).call(addr, "raft_step", payload=wire.encode_batch(msgs), timeout=5)
+                except CacheFSError:
+                    errors += 1
             if k < len(snaps):
                 for args, payload in snaps[k]:
                     try:
-                        await pool.call(addr, "raft_snapshot", args, payload=payload, timeout=5)
+                        await pool_of(args["src"]).call(addr, "raft_snapshot", args, payload=payload, timeout=5)
                     except CacheFSError:
                         errors += 1
             if k % 10 == 0:
@@ -215,7 +228,7 @@ async def test_a_big_transfer_is_spooled_to_disk_not_memory(tmp_path: Path) -> N
     chunk = os.urandom(4 * MiB)
     async with trio.open_nursery() as nursery:
         cluster = await _lone_follower(nursery, tmp_path, max_snapshot=256 * MiB)
-        async with RpcPool(secret=SECRET) as pool:
+        async with RpcPool(secret=member(2)) as pool:
             await pool.call(cluster.peers[1], "raft_step", payload=wire.encode_batch([]))
             with peak_rss_growth() as growth, pytest.raises(ProtocolError, match="undecodable"):
                 await _send(pool, cluster.peers[1], [chunk] * 32)
@@ -241,7 +254,7 @@ async def test_a_decompression_bomb_is_refused_within_the_limit(tmp_path: Path) 
     assert len(bomb) < MiB
     async with trio.open_nursery() as nursery:
         cluster = await _lone_follower(nursery, tmp_path, max_snapshot=limit)
-        async with RpcPool(secret=SECRET) as pool:
+        async with RpcPool(secret=member(2)) as pool:
             await pool.call(cluster.peers[1], "raft_step", payload=wire.encode_batch([]))
             with peak_rss_growth() as growth, pytest.raises(ProtocolError, match="more"):
                 await _send(pool, cluster.peers[1], [bomb])
@@ -272,7 +285,7 @@ async def test_an_honest_snapshot_still_installs(tmp_path: Path) -> None:
         transfer.decode(tmp_path / "big", 2 * MiB)
     async with trio.open_nursery() as nursery:
         cluster = await _lone_follower(nursery, tmp_path, max_snapshot=4 * MiB)
-        async with RpcPool(secret=SECRET) as pool:
+        async with RpcPool(secret=member(2)) as pool:
             blob = transfer.encode(m)
             await _send(pool, cluster.peers[1], [blob[:10], blob[10:]])
         node = cluster.replicas[1].node
@@ -280,4 +293,36 @@ async def test_an_honest_snapshot_still_installs(tmp_path: Path) -> None:
             while node.applied != 40:
                 await trio.sleep(0.01)
         assert cluster.replicas[1].sm.data == {"x": 1} and node.term == 3
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a \w+: from 3 to 1 \(sent by ")
+async def test_a_message_is_taken_only_from_the_member_it_names(tmp_path: Path) -> None:
+    """A message says it is from 3: only a connection authenticated as
+    metanode 3 gets it in; member 2, the cluster secret's own identity and a
+    client cannot speak for 3 (the client not even call raft_step)."""
+    from cachefs.credentials import Credential
+    from cachefs.errors import PermissionDenied
+    from cachefs.metanode.raft.messages import Heartbeat
+
+    batch = wire.encode_batch([Heartbeat(1, 3, 1, 0, 0)])
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path)
+        await cluster.start(1)
+        node, addr = cluster.replicas[1].node, cluster.peers[1]
+        for secret in (member(2), SECRET):
+            async with RpcPool(secret=secret) as pool:
+                refused = node.stats["refused"]
+                await pool.call(addr, "raft_step", payload=batch, timeout=5)
+                assert node.stats["refused"] == refused + 1
+        async with RpcPool(secret=Credential.issue(SECRET, "client", "job", ["v"])) as pool:
+            with pytest.raises(PermissionDenied, match="raft_step is not allowed for client"):
+                await pool.call(addr, "raft_step", payload=batch, timeout=5)
+        async with RpcPool(secret=member(3)) as pool:
+            refused = node.stats["refused"]
+            await pool.call(addr, "raft_step", payload=batch, timeout=5)
+            with trio.fail_after(5):
+                while node.term < 1:  # the heartbeat of term 1 was stepped
+                    await trio.sleep(0.01)
+            assert node.stats["refused"] == refused
         nursery.cancel_scope.cancel()
