@@ -128,8 +128,8 @@ def serve_cache(
     threads: int,
 ) -> None:
     from cachefs.backing.codec import keep_large_buffers
+    from cachefs.blockstore import BlockStore
     from cachefs.cachenode.service import CacheLimits, CacheService
-    from cachefs.cachenode.store import BlockStore
     from cachefs.ids import BlockKey
     from cachefs.rpc import RpcPool, RpcServer
 

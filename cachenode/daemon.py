@@ -28,6 +28,7 @@ import click
 import trio
 
 from cachefs.backing.codec import keep_large_buffers
+from cachefs.blockstore import BlockStore
 from cachefs.config import (
     ADDR,
     ADDRS,
@@ -45,8 +46,8 @@ from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
+from .admission import SecondMissAdmission
 from .service import CacheLimits, CacheService
-from .store import BlockStore, SecondMissAdmission
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +301,7 @@ def command(
     setup_logging("cachenode", log_level)
     keep_large_buffers()  # block-sized read and fill buffers: reuse heap memory, no fresh mmaps
     # A read lease broken in the instant between F_SETLEASE and F_SETOWN 0
-    # (cachenode/store.py) would raise SIGIO at us, and its default is to die.
+    # (cachefs/blockstore.py) would raise SIGIO at us, and its default is to die.
     signal.signal(signal.SIGIO, signal.SIG_IGN)
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 
-A ``get`` first looks in the :class:`~cachefs.cachenode.store.BlockStore`
+A ``get`` first looks in the :class:`~cachefs.blockstore.BlockStore`
 (memory tier, then flash). On a miss it joins the *fill* of that block: one
 background task per missing key (a :mod:`~cachefs.singleflight`), so a hundred
 readers of one cold block cost one backing fetch. Fills run in the service's own nursery, not
@@ -62,6 +62,7 @@ from typing import Any, Protocol
 import trio
 from prometheus_client import Counter, Histogram
 
+from cachefs.blockstore import BlockStore
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.errors import (
     Busy,
@@ -77,7 +78,7 @@ from cachefs.ids import BlockKey
 from cachefs.rpc import CallContext, Reply, rpc_method
 from cachefs.singleflight import Flight, SingleFlight
 
-from .store import BlockStore, SecondMissAdmission
+from .admission import SecondMissAdmission
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import trio
 
+from cachefs.blockstore import BlockStore
+from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.cachenode.service import CacheLimits, CacheService
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import Reply, RpcPool, RpcServer, rpc_method

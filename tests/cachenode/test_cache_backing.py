@@ -11,8 +11,8 @@ import trio
 
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
+from cachefs.blockstore import BlockStore
 from cachefs.cachenode.service import CacheService
-from cachefs.cachenode.store import BlockStore
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool, RpcServer

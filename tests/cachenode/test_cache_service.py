@@ -9,8 +9,9 @@ import pytest
 import trio
 from prometheus_client import REGISTRY
 
+from cachefs.blockstore import BlockStore
+from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.cachenode.service import CacheLimits
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.errors import Busy, CacheMiss, InvalidArgument, NotFound
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission, encode_header, segment_sums
+from cachefs.blockstore import BlockStore, encode_header, segment_sums
+from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
 
@@ -291,3 +292,27 @@ def test_admission_window(tmp_path: Path) -> None:
     assert not adm.admit(k1)
     assert len(adm._first_miss) <= 2  # bounded: k2's miss was pushed out
     assert not adm.admit(k2)
+
+
+def test_free_space_floor_evicts_and_then_refuses(tmp_path: Path) -> None:
+    """On a disk shared with others the store keeps a share of it free: it
+    evicts more than its capacity asks, and with nothing left to evict (the
+    others filled the disk) it refuses the fill instead of filling the disk."""
+    from tests.smallfs import small_fs
+
+    size = 1 << 20
+    with small_fs(tmp_path / "disk", 16 << 20) as disk:
+        store = BlockStore.open(disk / "cache", 1 << 30, segment_size=SEG, free_space_ratio=0.5)
+        keys = [BlockKey(70, i) for i in range(12)]
+        for key in keys:
+            assert store.put("v", key, _data(key, size))
+        st = os.statvfs(disk)
+        assert st.f_bavail >= 0.5 * st.f_blocks - (size + 4096) // st.f_frsize
+        assert 4 <= len(store) <= 8  # about half the 16 MiB disk: the oldest went first
+        assert store.read(keys[0]) is None and bytes(store.read(keys[-1])) == _data(keys[-1], size)
+        # Someone else takes the rest of the floor: the store gives up all it has, then refuses.
+        (disk / "other").write_bytes(bytes(7 << 20))
+        with pytest.raises(NoSpace, match="below the floor"):
+            store.put("v", BlockKey(71, 0), _data(BlockKey(71, 0), size))
+        assert len(store) == 0 and store.used == 0 and store.reserved == 0
+        assert _disk_bytes(disk / "cache") == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachefs.cachenode.store import BlockStore
+from cachefs.blockstore import BlockStore
 from cachefs.errors import Corrupt
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool

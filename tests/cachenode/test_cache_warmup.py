@@ -9,8 +9,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.blockstore import BlockStore
+from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.cachenode.service import CacheService
-from cachefs.cachenode.store import BlockStore, SecondMissAdmission
 from cachefs.cachenode.warmup import WarmFile, file_blocks, warm_files
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice

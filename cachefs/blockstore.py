@@ -1,4 +1,7 @@
-"""The flash block store of a cache node: blocks as files under a byte capacity.
+"""A flash block store: blocks as files under a byte capacity.
+
+Two users: a cache node's flash tier (:mod:`cachefs.cachenode.service`) and
+a client's local flash cache, L2 (:mod:`cachefs.client.l2`).
 
 Theory of operation
 -------------------
@@ -40,8 +43,13 @@ Memory tier. Optionally the hottest blocks (read at least ``promote_after``
 times) are also kept whole in memory, LRU by bytes; it is a subset of the
 flash tier and costs no disk reads.
 
-Admission (scan resistance) lives in :class:`SecondMissAdmission`; the
-service asks it before caching a read-through miss (CubeFS's miss counter).
+Free-space floor. With ``free_space_ratio`` set, a fill also keeps that
+share of the whole filesystem free (JuiceFS's ``--free-space-ratio``): the
+store shares its disk with others (a client's L2 sits on a training node's
+local disk), so the capacity alone is not enough. A fill that would leave
+less evicts more, least recently used first; with nothing left to evict it
+raises ``NoSpace``. A write that fails anyway (``ENOSPC``: the disk filled
+up faster than we looked) is an ``IOFailure`` and leaves nothing behind.
 
 Reads and other writers. Small reads are one ``pread`` into a buffer of
 this process. Reads of ``mmap_min`` bytes or more are served from a mapping
@@ -185,38 +193,6 @@ class RebuildReport:
     evicted: int
 
 
-class SecondMissAdmission:
-    """Admit a block on its second miss within ``window`` seconds.
-
-    One pass over a dataset larger than the cache misses each block once, so
-    it admits nothing and the hot set survives (CubeFS's miss counter,
-    TinyLFU's doorkeeper). The table of first misses is bounded.
-    """
-
-    def __init__(
-        self,
-        window: float = 300.0,
-        max_tracked: int = 1 << 16,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.window = window
-        self.max_tracked = max_tracked
-        self._clock = clock
-        self._first_miss: OrderedDict[BlockKey, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def admit(self, key: BlockKey) -> bool:
-        now = self._clock()
-        with self._lock:
-            seen = self._first_miss.pop(key, None)
-            if seen is not None and now - seen <= self.window:
-                return True
-            self._first_miss[key] = now
-            while len(self._first_miss) > self.max_tracked:
-                self._first_miss.popitem(last=False)
-            return False
-
-
 @dataclass(slots=True)
 class _Memory:
     capacity: int
@@ -251,6 +227,7 @@ class BlockStore:
         segment_size: int = SEGMENT_SIZE,
         promote_after: int = 2,
         mmap_min: int = MMAP_MIN,
+        free_space_ratio: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if capacity <= 0:
@@ -259,12 +236,15 @@ class BlockStore:
             raise InvalidArgument(f"memory capacity must not be negative, got {memory_capacity}")
         if segment_size <= 0:
             raise InvalidArgument(f"segment size must be positive, got {segment_size}")
+        if not 0.0 <= free_space_ratio < 1.0:
+            raise InvalidArgument(f"free space ratio must be in [0, 1), got {free_space_ratio}")
         self.root = Path(root)
         self.capacity = capacity
         self.ttl = dict(ttl or {})
         self.segment_size = segment_size
         self.promote_after = promote_after
         self.mmap_min = mmap_min
+        self.free_space_ratio = free_space_ratio
         self._clock = clock
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockKey, Entry] = OrderedDict()  # LRU first
@@ -385,6 +365,28 @@ class BlockStore:
             victims.append(entry)
         self.counters.evictions += len(victims)
         return victims
+
+    def _evict_bytes_locked(self, nbytes: int) -> list[Entry]:
+        """Evict least recently used blocks until ``nbytes`` are freed (or none are left)."""
+        victims = []
+        while self._index and nbytes > 0:
+            _, entry = self._index.popitem(last=False)
+            self.used -= entry.file_size
+            self._memory.drop(entry.key)
+            victims.append(entry)
+            nbytes -= entry.file_size
+        self.counters.evictions += len(victims)
+        return victims
+
+    def _disk_room(self) -> int | None:
+        """Bytes that may still be written under the free-space floor (None: no floor)."""
+        if not self.free_space_ratio:
+            return None
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return int(st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize)
 
     def _unlink(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -555,6 +557,7 @@ class BlockStore:
         sums = segment_sums(data, self.segment_size)
         header = encode_header(volume, len(data), self.segment_size, sums)
         file_size = len(header) + len(data)
+        room = self._disk_room()  # statvfs outside the lock: it is a syscall
         with self._lock:
             if key in self._writing:
                 return False
@@ -566,10 +569,23 @@ class BlockStore:
             if self.reserved + file_size > self.capacity:
                 raise NoSpace("cache space is reserved by fills in progress")
             victims = self._evict_until_locked(file_size)
-            # No IO between the check above and these lines: the reservation is atomic.
-            self.reserved += file_size
-            self._writing.add(key)
+            if room is not None:  # the free-space floor: evict what the disk lacks too
+                short = file_size + self.reserved - room - sum(v.file_size for v in victims)
+                more = self._evict_bytes_locked(short)
+                victims += more
+                below_floor = short > sum(v.file_size for v in more)
+            else:
+                below_floor = False
+            if not below_floor:
+                # No IO between the checks above and these lines: the reservation is atomic.
+                self.reserved += file_size
+                self._writing.add(key)
         self._unlink(victims)  # before writing, so disk usage never exceeds the capacity
+        if below_floor:
+            raise NoSpace(
+                f"free space on {self.root} is below the floor of "
+                f"{self.free_space_ratio:.0%} of its filesystem"
+            )
         tmp = self._tmp_dir / f"{key.hex()}.{uuid.uuid4().hex[:8]}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
