@@ -225,6 +225,15 @@ class MountCollector:
         for name, value in engine.reader.stats.items():
             reads.add_metric([name], value)
         yield reads
+        if engine.l2 is not None:
+            l2 = GaugeMetricFamily("cachefs_mount_l2_bytes", "Bytes in the L2 flash cache", labels=["kind"])
+            l2.add_metric(["used"], engine.l2.store.used)
+            l2.add_metric(["capacity"], engine.l2.store.capacity)
+            yield l2
+            l2c = CounterMetricFamily("cachefs_mount_l2_events", "L2 cache events", labels=["event"])
+            for name, value in engine.l2.stats.items():
+                l2c.add_metric([name.removeprefix("l2_")], value)
+            yield l2c
         chain = CounterMetricFamily("cachefs_mount_blocks", "Block fetches by source", labels=["what"])
         for name, value in engine.session.stats.items():
             chain.add_metric([name], value)
@@ -277,7 +286,13 @@ async def run_fs(
 ) -> int:
     """Mount ``session``'s volume at ``mountpoint`` and serve until unmounted."""
     async with trio.open_nursery() as nursery:
-        engine = Volume(session, options, nursery=nursery)
+        try:
+            engine = Volume(session, options, nursery=nursery)
+        except CacheFSError as exc:
+            ready(f"--cache-dir: {exc.message}")
+            nursery.cancel_scope.cancel()
+            await session.close()
+            return 1
         try:
             pyfuse3.init(CacheFS(engine), mountpoint, fuse_options(session.volume, options.read_only))
         except RuntimeError as exc:
@@ -398,6 +413,22 @@ def _remove_pid(mountpoint: str) -> None:
     show_default=True,
     help="FUSE requests in flight in the background (async/direct I/O); 0: the kernel's 12.",
 )
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Directory on local flash for the L2 block cache (default: no L2).",
+)
+@click.option(
+    "--cache-size", type=SIZE, default="10G", show_default=True, help="L2 capacity in bytes."
+)
+@click.option(
+    "--free-space-ratio",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.1,
+    show_default=True,
+    help="Share of the L2 directory's filesystem that L2 keeps free.",
+)
 @click.option("--zone", default="", help="Zone of this node (its cache ring is tried first).")
 @click.option("--read-only", is_flag=True, help="Mount read-only.")
 @click.option(
@@ -436,6 +467,9 @@ def mount_command(
     write_through: bool,
     transport: str,
     max_background: int,
+    cache_dir: str | None,
+    cache_size: int,
+    free_space_ratio: float,
     zone: str,
     read_only: bool,
     secret_file: str | None,
@@ -464,6 +498,9 @@ def mount_command(
         transport=transport,
         read_only=read_only,
         max_background=max_background,
+        cache_dir=os.path.abspath(cache_dir) if cache_dir else "",
+        cache_size=cache_size,
+        free_space_ratio=free_space_ratio,
     )
 
     def run(ready: Callable[[str | None], None]) -> int:

@@ -39,6 +39,7 @@ from cachefs.messages import Attr
 from .compaction import Compactor
 from .inodes import GHOSTS, Inode, InodeTable
 from .l1 import L1Cache
+from .l2 import CachedBlocks, L2Cache
 from .reader import Reader
 from .session import Session
 from .writer import FileWriter
@@ -70,6 +71,9 @@ class ClientOptions:
     entry_timeout: float = 1.0  # how long a resolved name is trusted
     attr_timeout: float = 1.0  # mount only: the kernel's attribute cache
     max_background: int = MAX_BACKGROUND  # mount only: FUSE background requests
+    cache_dir: str = ""  # L2 on local flash ("": none)
+    cache_size: int = 10 << 30  # L2 capacity in bytes
+    free_space_ratio: float = 0.1  # L2 keeps this share of its filesystem free
 
 
 class Volume:
@@ -84,13 +88,29 @@ class Volume:
         ghosts: int = GHOSTS,
     ) -> None:
         """Start the session's upkeep and the idle sealing in ``nursery``;
-        ``ghosts``: how many inodes that left the table keep their slice lists."""
+        ``ghosts``: how many inodes that left the table keep their slice lists.
+
+        Raises:
+            InvalidArgument, IOFailure: the L2 directory cannot be used (see
+                :meth:`.L2Cache.open`).
+        """
         self.session = session
         self.options = options
         self.nursery = nursery
         self.inodes = InodeTable(ghosts)
         self.l1 = L1Cache(options.l1_bytes)
-        self.reader = Reader(session, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self.l2: L2Cache | None = None
+        source: Any = session
+        if options.cache_dir:
+            self.l2 = L2Cache.open(
+                options.cache_dir,
+                options.cache_size,
+                session.volume,
+                free_space_ratio=options.free_space_ratio,
+                nursery=nursery,
+            )
+            source = CachedBlocks(session, self.l2)
+        self.reader = Reader(source, self.l1, nursery=nursery, readahead_max=options.readahead_max)
         self.compactor = Compactor(
             session, self.reader, nursery=nursery, threshold=options.compact_after
         )
@@ -202,12 +222,17 @@ class Volume:
                     inode.writer.seal_idle(FLUSH_IDLE)
 
     def _keep_written(self, key: BlockKey, data: bytes | memoryview) -> None:
-        """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``):
-        O_DIRECT readers bypass the page cache, and what a job just wrote is
-        what it reads next (JuiceFS keeps written blocks in its cache too)."""
-        if len(data) <= self.l1.capacity:  # else L1 would drop it: spare the copy
-            # A copy: ``data`` is a view of the writer's whole run.
-            self.l1.put(key, bytes(data), cold=True)
+        """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``)
+        and L2: O_DIRECT readers bypass the page cache, and what a job just
+        wrote is what it reads next (JuiceFS keeps written blocks in its cache too)."""
+        to_l1 = len(data) <= self.l1.capacity  # else L1 would drop it: spare the copy
+        if to_l1 or self.l2 is not None:
+            # One copy for both: ``data`` is a view of the writer's whole run.
+            block = bytes(data)
+            if to_l1:
+                self.l1.put(key, block, cold=True)
+            if self.l2 is not None:
+                self.l2.keep(key, block)
 
     # ------------------------------------------------------------------ counters
 
@@ -220,4 +245,5 @@ class Volume:
             "l1_hits": s.hits,
             "l1_misses": s.misses,
             "l1_used": self.l1.used,
+            **(self.l2.stats if self.l2 is not None else {}),
         }

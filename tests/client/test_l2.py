@@ -1,0 +1,227 @@
+"""L2, the mount's local flash cache: eviction, restart, damaged files, a
+full disk, two mounts with their own L2s, and one L2 per mount."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+
+from cachefs.client.l2 import CachedBlocks, L2Cache
+from cachefs.errors import InvalidArgument
+from cachefs.ids import BlockKey
+from tests.smallfs import small_fs
+
+from .conftest import ClusterMount
+
+MiB = 1 << 20
+BLOCK = 4 * MiB  # the lab volume's block size
+
+
+def _block_files(cache_dir: Path) -> list[Path]:
+    return [p for p in (cache_dir / "blocks").glob("*/*") if p.is_file()]
+
+
+def _wait_files(cache_dir: Path, count: int, timeout: float = 30.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while len(files := _block_files(cache_dir)) < count:
+        assert time.monotonic() < deadline, f"L2 holds {len(files)} blocks, expected {count}"
+        time.sleep(0.05)
+    return files
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for name, label, value in re.findall(r'^(cachefs_mount_\w+)\{\w+="(\w+)"\} (\S+)$', text, re.M):
+        out[f"{name}:{label}"] = float(value)
+    return out
+
+
+def _drop_caches() -> None:
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+# ---------------------------------------------------------------- the cache itself
+
+
+class Source:
+    """The chain below L2: blocks from memory, counting what it is asked."""
+
+    block_size = BLOCK
+
+    def __init__(self, blocks: dict[BlockKey, bytes]) -> None:
+        self.blocks = blocks
+        self.asked: list[tuple[BlockKey, int, int]] = []
+
+    async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes:
+        self.asked.append((key, offset, length))
+        data = self.blocks[key]
+        return data[offset:] if length == -1 else data[offset : offset + length]
+
+
+async def _settle(l2: L2Cache) -> None:
+    while l2._queued:  # the fill worker is writing
+        await trio.sleep(0.01)
+
+
+async def test_lru_eviction_past_capacity_and_index_after_restart(tmp_path: Path) -> None:
+    blocks = {BlockKey(500, i): os.urandom(BLOCK) for i in range(5)}
+    keys = list(blocks)
+    source = Source(blocks)
+    async with trio.open_nursery() as nursery:
+        l2 = L2Cache.open(tmp_path, 3 * BLOCK + 3 * 8192, "v", free_space_ratio=0.0, nursery=nursery)
+        chain = CachedBlocks(source, l2)
+        for key in keys:  # whole blocks: each is kept
+            assert bytes(await chain.fetch(key)) == blocks[key]
+            await _settle(l2)
+        assert l2.store.used <= l2.store.capacity and len(l2.store) == 3
+        assert len(_block_files(tmp_path)) == 3
+        source.asked.clear()
+        assert bytes(await chain.fetch(keys[4], 100, 4096)) == blocks[keys[4]][100:4196]
+        assert bytes(await chain.fetch(keys[2])) == blocks[keys[2]]  # the LRU's hot end now
+        assert source.asked == []  # both from L2
+        assert bytes(await chain.fetch(keys[0], 8, 16)) == blocks[keys[0]][8:24]
+        assert source.asked == [(keys[0], 8, 16)]  # evicted; a range is not kept
+        await _settle(l2)
+        assert keys[0] not in l2.store
+        with pytest.raises(InvalidArgument, match="in use by another mount"):
+            L2Cache.open(tmp_path, BLOCK, "v", free_space_ratio=0.0, nursery=nursery)
+        nursery.cancel_scope.cancel()  # the mount ends: the lock goes
+    async with trio.open_nursery() as nursery:
+        again = L2Cache.open(tmp_path, 3 * BLOCK + 3 * 8192, "v", free_space_ratio=0.0, nursery=nursery)
+        assert sorted(again.store.cached_keys()) == sorted(keys[2:])
+        source.asked.clear()
+        chain = CachedBlocks(source, again)
+        for key in keys[2:]:
+            assert bytes(await chain.fetch(key)) == blocks[key]
+        assert source.asked == []
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- under a real mount
+
+
+def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -> None:
+    """Written blocks go to L2; after a remount the index is rebuilt and a
+    cold read (page cache dropped, L1 off) is served from it with no fetch
+    from the cache tier or backing storage."""
+    cache_dir = tmp_path / "l2"
+    data = os.urandom(4 * BLOCK)
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0")
+    try:
+        (m.path / "f").write_bytes(data)
+        _wait_files(cache_dir, 4)
+    finally:
+        m.stop()
+    m.check_log()
+    port = _free_port()
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
+                     "--metrics-port", str(port))  # fmt: skip
+    try:
+        assert "L2 " in m.log() and ": 4 blocks" in m.log()
+        _drop_caches()
+        assert (m.path / "f").read_bytes() == data
+        stats = _metrics(port)
+        assert stats["cachefs_mount_l2_events_total:hits"] >= 4
+        assert stats["cachefs_mount_blocks_total:cache_reads"] == 0
+        assert stats["cachefs_mount_blocks_total:backing_reads"] == 0
+        # One L2 per mount: a second mount of the same directory is refused, clearly.
+        with pytest.raises(RuntimeError, match="in use by another mount"):
+            ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir))
+    finally:
+        m.stop()
+    m.check_log()
+
+
+def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "l2"
+    data = os.urandom(4 * BLOCK)
+    port = _free_port()
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
+                     "--metrics-port", str(port))  # fmt: skip
+    try:
+        (m.path / "f").write_bytes(data)
+        files = sorted(_wait_files(cache_dir, 4))
+        with open(files[0], "r+b") as f:  # bytes flipped in the data, past the header
+            f.seek(os.path.getsize(files[0]) - 1000)
+            f.write(b"\xff" * 10)
+        os.truncate(files[1], os.path.getsize(files[1]) // 2)
+        files[2].unlink()
+        _drop_caches()
+        assert (m.path / "f").read_bytes() == data
+        stats = _metrics(port)
+        assert stats["cachefs_mount_l2_events_total:corrupt"] >= 2
+        fetched = stats["cachefs_mount_blocks_total:cache_reads"] + stats["cachefs_mount_blocks_total:backing_reads"]
+        assert fetched >= 3
+        _wait_files(cache_dir, 4)  # the blocks fetched again are kept again
+        _drop_caches()
+        assert (m.path / "f").read_bytes() == data
+        assert _metrics(port)["cachefs_mount_l2_events_total:hits"] >= stats["cachefs_mount_l2_events_total:hits"] + 4
+    finally:
+        m.stop()
+    m.check_log()
+
+
+def test_full_local_disk_reads_and_writes_go_on(cluster, tmp_path: Path) -> None:
+    with small_fs(tmp_path / "disk", 24 * MiB) as disk:
+        cache_dir = disk / "l2"
+        m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
+                         "--free-space-ratio", "0.2")  # fmt: skip
+        try:
+            first = os.urandom(8 * BLOCK)
+            (m.path / "a").write_bytes(first)
+            time.sleep(1)
+            used = sum(p.stat().st_size for p in _block_files(cache_dir))
+            st = os.statvfs(disk)
+            assert used > 0 and st.f_bavail * st.f_frsize >= 0.2 * st.f_blocks * st.f_frsize - BLOCK
+            # Someone else fills the disk to the last byte.
+            subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=1M"],
+                           capture_output=True, check=False)  # fmt: skip
+            assert os.statvfs(disk).f_bavail < 64
+            second = os.urandom(3 * BLOCK)
+            (m.path / "b").write_bytes(second)
+            _drop_caches()
+            assert (m.path / "a").read_bytes() == first
+            assert (m.path / "b").read_bytes() == second
+        finally:
+            m.stop()
+        m.check_log()
+
+
+def test_two_mounts_with_their_own_l2_keep_close_to_open(cluster, tmp_path: Path) -> None:
+    """Blocks are immutable, so neither L2 can serve stale bytes; the slice
+    lists still come fresh from the metanodes at every open."""
+    a = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2a"), "--l1-size", "0")
+    b = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2b"), "--l1-size", "0")
+    try:
+        first = os.urandom(2 * BLOCK)
+        (a.path / "shared").write_bytes(first)
+        assert (b.path / "shared").read_bytes() == first
+        _wait_files(tmp_path / "l2b", 2)  # b keeps what it fetched
+        second = os.urandom(BLOCK + 5)
+        with open(a.path / "shared", "r+b") as f:
+            f.write(second)
+        _drop_caches()
+        assert (b.path / "shared").read_bytes() == second + first[len(second) :]
+        with open(b.path / "shared", "ab") as f:
+            f.write(b"tail")
+        assert (a.path / "shared").read_bytes() == second + first[len(second) :] + b"tail"
+    finally:
+        a.stop()
+        b.stop()
+    a.check_log()
+    b.check_log()
