@@ -327,7 +327,8 @@ class Chaos:
         self.work.prepare()
 
     def mount(self) -> None:
-        self.lab.mount(str(self.mnt), "--l1-size", "0", "--attr-timeout", "0.2", "--entry-timeout", "0.2")
+        self.lab.mount(str(self.mnt), "--l1-size", "0", "--attr-timeout", "0.2", "--entry-timeout", "0.2",
+                       l2=False)  # reads must reach the cache tier and backing storage
 
     def down(self) -> None:
         with _quiet_popen():

@@ -85,6 +85,7 @@ class LabConfig:
     data_capacity: str = "20G"
     cache_capacity: str = "2G"
     cache_memory: str = "64M"
+    mount_cache: str = "4G"  # the mount's L2 (client-local flash cache)
     metrics: bool = True
     nodes: list[Node] = field(default_factory=list)
     mountpoint: str | None = None
@@ -339,8 +340,13 @@ class Lab:
 
     # ------------------------------------------------------------ mount
 
-    def mount(self, mountpoint: str, *extra: str) -> None:
+    def mount(self, mountpoint: str, *extra: str, l2: bool = True) -> None:
+        """Mount the lab volume (zone z1) with an L2 of ``mount_cache`` bytes
+        under the lab's root, unless ``l2`` is false (tests of the cache
+        tier itself, whose reads must reach it) or ``extra`` names one."""
         Path(mountpoint).mkdir(parents=True, exist_ok=True)
+        if l2 and "--cache-dir" not in extra:
+            extra = ("--cache-dir", str(self.root / "mount-l2"), "--cache-size", self.config.mount_cache, *extra)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--secret-file", str(self.secret_file),
                 "--log-file", str(self.root / "logs" / "mount.log"), *self.tls_args(), *extra]

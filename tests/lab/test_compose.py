@@ -265,6 +265,7 @@ def test_topology_matches_the_lab(services, monkeypatch, tmp_path):
     [mount] = [p for p in parsed["client"] if p.path == ["mount"]]
     assert mount.params["volume"] == VOLUME and sorted(mount.params["meta_addrs"]) == meta_addrs
     assert mount.params["zone"] == labels["client"]["cachefs.zone"] == "z1"  # Lab.mount's zone
+    assert mount.params["cache_dir"] and mount.params["cache_size"] > 0  # an L2, as Lab.mount gives
 
 
 def test_healthchecks_ask_the_daemon_itself(services, monkeypatch):

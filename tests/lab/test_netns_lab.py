@@ -187,8 +187,8 @@ def test_zone_cut_under_reads_and_writes(tmp_path):
         t0 = time.monotonic()
         lab.up(timeout=90)
         prefix = lab.network.prefix
-        # A small L1 and readahead, so re-reads go to the cache tier and backing storage.
-        lab.mount(str(mnt), "--l1-size", "4M", "--readahead", "4M")
+        # A small L1 and readahead and no L2, so re-reads go to the cache tier and backing storage.
+        lab.mount(str(mnt), "--l1-size", "4M", "--readahead", "4M", l2=False)
         timings["up+mount"] = time.monotonic() - t0
         addrs = {n.addr.rsplit(":", 1)[0] for n in lab.nodes}
         assert len(addrs) == len(lab.nodes) and all(a.startswith("10.254.0.") for a in addrs)
