@@ -121,7 +121,7 @@ async def test_fast_fail_answers_miss_and_fills_in_background(tmp_path: Path) ->
         assert c.backing.fetches[key] == 1
 
 
-@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
 async def test_corrupt_cached_block_is_refetched(tmp_path: Path) -> None:
     blocks = _blocks(1)
     key, data = next(iter(blocks.items()))

@@ -177,7 +177,7 @@ def test_hot_set_survives_a_scan_with_admission(tmp_path_factory, scan: int, see
     assert store.used <= store.capacity
 
 
-@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
 @MAPPED
 def test_corrupt_block_is_dropped_never_served(tmp_path: Path, mmap_min: int) -> None:
     store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=mmap_min)
@@ -196,7 +196,7 @@ def test_corrupt_block_is_dropped_never_served(tmp_path: Path, mmap_min: int) ->
     assert store.stats()["corrupt"] == 1 and store.used == 0
 
 
-@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
 @MAPPED
 def test_truncated_file_is_corrupt(tmp_path: Path, mmap_min: int) -> None:
     store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=mmap_min)

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 SIZE = 2 << 20  # over the store's mmap_min: whole-block hits are mapped
 
 
-@pytest.mark.allow_log("cachefs.cachenode.store", match=r"failed its checksum, dropped")
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
 def test_truncating_process_waits_for_a_served_mapping(tmp_path: Path) -> None:
     store = BlockStore.open(tmp_path, 64 << 20, mmap_min=1)
     key = BlockKey(3, 1)
