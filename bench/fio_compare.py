@@ -43,7 +43,11 @@ from bench.common import REPO, emit, median, print_table, ratio
 
 FIO_DIR = Path(__file__).resolve().parent / "fio"
 MiB = 1 << 20
-CASES = ("seq", "rand", "tutorial")  # --only: groups of cases (with their references)
+# --only: groups of cases (with their references). seq, rand and tutorial use
+# --size (default 512M: fits in the mount's L1); big (one file) and big4 (4
+# jobs, a file each) use --big-size (default 1G: larger than L1).
+CASES = ("seq", "rand", "tutorial", "big", "big4")
+BIG_JOBS = 4
 
 
 def parse_size(text: str) -> int:
@@ -54,9 +58,11 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def fio(job: str, directory: Path, size: int, runtime: int = 10) -> dict[str, float]:
-    """Run one job file; returns read/write MiB/s summed over its jobs."""
-    env = {**os.environ, "DIR": str(directory), "SIZE": str(size), "RUNTIME": str(runtime)}
+def fio(job: str, directory: Path, size: int, runtime: int = 10, jobs: int = 1,
+        **env_extra: str) -> dict[str, float]:  # fmt: skip
+    """Run one job file; returns read/write MiB/s and IOPS summed over its jobs."""
+    env = {**os.environ, "DIR": str(directory), "SIZE": str(size), "RUNTIME": str(runtime),
+           "JOBS": str(jobs), **env_extra}  # fmt: skip
     proc = subprocess.run(
         ["fio", "--output-format=json", str(FIO_DIR / job)],
         capture_output=True,
@@ -71,7 +77,8 @@ def fio(job: str, directory: Path, size: int, runtime: int = 10) -> dict[str, fl
     out = json.loads(proc.stdout[proc.stdout.index("{") :])
     read = sum(j["read"]["bw_bytes"] for j in out["jobs"]) / MiB
     write = sum(j["write"]["bw_bytes"] for j in out["jobs"]) / MiB
-    return {"read": read, "write": write, "total": read + write}
+    iops = sum(j["read"]["iops"] for j in out["jobs"])
+    return {"read": read, "write": write, "total": read + write, "read_iops": iops}
 
 
 def drop_caches() -> None:
@@ -114,16 +121,60 @@ def passthrough(source: Path, mountpoint: Path, keep_cache: bool) -> Iterator[Pa
 
 
 class Remount:
-    """Unmount and mount again (an empty L1), where this run made the mount."""
+    """Unmount and mount again (an empty L1), where this run made the mount;
+    ``l2=False``: mount without the L2, so that reads reach the cache tier."""
 
     def __init__(self) -> None:
-        self.fn: Callable[[], None] | None = None
+        self.fn: Callable[..., None] | None = None
 
-    def __call__(self) -> bool:
+    def __call__(self, l2: bool = True) -> bool:
         if self.fn is None:
             return False
-        self.fn()
+        self.fn(l2=l2)
         return True
+
+
+def big_cases(
+    d: Path,
+    size: int,
+    runtime: int,
+    record: Callable[[str, float], None],
+    prefix: str,
+    *,
+    files: bool,
+    after_write: Callable[[], None] | None = None,
+) -> None:
+    """The working sets larger than L1 on one target, page cache dropped
+    before every read job (psync): one file of ``size`` (``files`` false:
+    ``PREFIX_big_*``) or ``BIG_JOBS`` files of ``size`` (``PREFIX_big4_*``):
+    the first read after the write, the second read, then random 4 KiB
+    (IOPS) and 128 KiB (MiB/s) reads with ``BIG_JOBS`` jobs. ``after_write``
+    runs between the write and the first read (cachefs: a remount, so that
+    L1 holds nothing and the blocks come from L2, as JuiceFS's from its disk
+    cache)."""
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"{prefix}_big4" if files else f"{prefix}_big"
+    if files:
+        record(f"{name}_seq_write", fio("files-write-1m.fio", d, size, jobs=BIG_JOBS)["write"])
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            (d / "seqfile").unlink()
+        record(f"{name}_seq_write", fio("seq-write-1m.fio", d, size)["write"])
+    if after_write is not None:
+        after_write()
+
+    def read(rw: str, bs: str, jobs: int, cap: int) -> dict[str, float]:
+        drop_caches()
+        if files:
+            return fio("files-read.fio", d, size, cap, jobs=jobs, RW=rw, BS=bs)
+        job = {"read": "seq-read-1m.fio", "4k": "rand-read-4k.fio", "128k": "rand-read-128k.fio"}
+        return fio(job[rw if rw == "read" else bs], d, size, cap, jobs=jobs)
+
+    seq_jobs = BIG_JOBS if files else 1
+    record(f"{name}_seq_first", read("read", "1M", seq_jobs, 3600)["read"])
+    record(f"{name}_seq_second", read("read", "1M", seq_jobs, 3600)["read"])
+    record(f"{name}_rand4k_iops", read("randread", "4k", BIG_JOBS, runtime)["read_iops"])
+    record(f"{name}_rand128k", read("randread", "128k", BIG_JOBS, runtime)["read"])
 
 
 @contextlib.contextmanager
@@ -157,7 +208,8 @@ def cachefs_mount(
         "--log-file",
         str(mountpoint.parent / "mount.log"),
     ]
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=120)
+    l2_opts = ["--cache-dir", str(mountpoint.parent / "l2"), "--cache-size", args.l2_size]
+    subprocess.run(cmd + l2_opts, check=True, cwd=REPO, timeout=120)
 
     def umount() -> None:
         subprocess.run(
@@ -167,9 +219,9 @@ def cachefs_mount(
             timeout=180,
         )
 
-    def again() -> None:
+    def again(l2: bool = True) -> None:
         umount()
-        subprocess.run(cmd, check=True, cwd=REPO, timeout=120)
+        subprocess.run(cmd + (l2_opts if l2 else []), check=True, cwd=REPO, timeout=120)
 
     if remount is not None:
         remount.fn = again
@@ -187,7 +239,8 @@ def _lab_mount(
 
     from cachefs.lab.cluster import Lab, LabConfig
 
-    lab = Lab(LabConfig(root=str(mountpoint.parent / "lab"), base_port=args.lab_port, metrics=False))
+    lab = Lab(LabConfig(root=str(mountpoint.parent / "lab"), base_port=args.lab_port, metrics=False,
+                        mount_cache=args.l2_size))  # fmt: skip
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
@@ -195,9 +248,9 @@ def _lab_mount(
         opts = ("--l1-size", args.l1_size, "--no-write-through")
         lab.mount(str(mountpoint), *opts)
 
-        def again() -> None:
+        def again(l2: bool = True) -> None:
             lab.umount()
-            lab.mount(str(mountpoint), *opts)
+            lab.mount(str(mountpoint), *opts, l2=l2)
 
         if remount is not None:
             remount.fn = again
@@ -209,6 +262,7 @@ def _lab_mount(
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     size, repeat = parse_size(args.size), args.repeat
     tut_size = parse_size(args.tutorial_size)
+    big = parse_size(args.big_size)
     only = set(getattr(args, "only", None) or CASES)
     cold_remounted = False  # the cold case had an empty L1 (see the module docstring)
     runs: dict[str, list[float]] = {}
@@ -235,6 +289,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "passthrough_tutorial",
                     fio("tutorial-randrw.fio", pt, tut_size, args.runtime)["total"],
                 )
+            for group in ("big", "big4"):
+                for _ in range(repeat if group in only else 0):
+                    big_cases(pt / group, big, args.runtime, record, "passthrough",
+                              files=group == "big4")  # fmt: skip
+                shutil.rmtree(local / group, ignore_errors=True)
+        for _ in range(repeat if "big4" in only else 0):
+            big_cases(local / "big4", big, args.runtime, record, "local", files=True)
         if "seq" in only:
             with passthrough(local, work / "ptk", keep_cache=True) as ptk:
                 for _ in range(repeat):
@@ -277,6 +338,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "cachefs_tutorial",
                         fio("tutorial-randrw.fio", bench_dir, tut_size, args.runtime)["total"],
                     )
+                for _ in range(repeat if "big" in only else 0):
+
+                    def cold_tier_then_remount() -> None:
+                        """The cold miss path: a mount without L2 reads what the
+                        other wrote (cache tier misses, backing storage reads)."""
+                        if remount(l2=False):
+                            drop_caches()
+                            cold = fio("seq-read-1m.fio", bench_dir / "big", big)["read"]
+                            record("cachefs_big_seq_cold_tier", cold)
+                            remount()
+
+                    big_cases(bench_dir / "big", big, args.runtime, record, "cachefs",
+                              files=False, after_write=cold_tier_then_remount)  # fmt: skip
+                for _ in range(repeat if "big4" in only else 0):
+                    shutil.rmtree(bench_dir / "big4", ignore_errors=True)  # new files, new blocks
+                    big_cases(bench_dir / "big4", big, args.runtime, record, "cachefs",
+                              files=True, after_write=remount)  # fmt: skip
             finally:
                 shutil.rmtree(bench_dir, ignore_errors=True)
     finally:
@@ -288,8 +366,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  "passthrough_keepcache_reread_seq", "cachefs_tutorial", "passthrough_tutorial",
                  "local_reread_seq"):  # fmt: skip
         med.setdefault(name, nan)  # a case left out with --only
+    def vs(a: str, b: str) -> float:
+        return ratio(med.get(a, nan), med.get(b, nan))
+
+    big_ratios = {
+        "fio_big_seq_first_vs_passthrough": vs("cachefs_big_seq_first", "passthrough_big_seq_first"),
+        "fio_big_seq_second_vs_passthrough": vs("cachefs_big_seq_second", "passthrough_big_seq_second"),
+        "fio_big_rand4k_vs_passthrough": vs("cachefs_big_rand4k_iops", "passthrough_big_rand4k_iops"),
+        "fio_big_rand128k_vs_passthrough": vs("cachefs_big_rand128k", "passthrough_big_rand128k"),
+        "fio_big_seq_cold_tier_vs_passthrough": vs("cachefs_big_seq_cold_tier", "passthrough_big_seq_first"),
+        "fio_big4_seq_second_vs_passthrough": vs("cachefs_big4_seq_second", "passthrough_big4_seq_second"),
+        "fio_big4_rand4k_vs_passthrough": vs("cachefs_big4_rand4k_iops", "passthrough_big4_rand4k_iops"),
+        "fio_big4_rand128k_vs_passthrough": vs("cachefs_big4_rand128k", "passthrough_big4_rand128k"),
+    }
     return {
+        **big_ratios,
         "size_bytes": size,
+        "big_size_bytes": big,
+        "small_case_fits_in_l1": True,
         "repeat": repeat,
         "median_mib_s": med,
         "runs_mib_s": {k: [round(v, 1) for v in vs] for k, vs in runs.items()},
@@ -329,6 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tutorial-size", default="64M", help="size per job of the tutorial job (8 jobs)"
     )
+    parser.add_argument(
+        "--big-size", default="1G", help="file size of the big and big4 cases (larger than L1)"
+    )
+    parser.add_argument("--l2-size", default="8G", help="L2 of the mount made with --meta or --lab")
     parser.add_argument("--runtime", type=int, default=10, help="seconds cap of the random jobs")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
@@ -359,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [
             [k, v]
             for k, v in result.items()
-            if k.endswith(("_passthrough", "_keepcache", "_local"))
+            if k.endswith(("_passthrough", "_keepcache", "_local", "_juicefs"))
         ]
         print_table(
             "cachefs vs references", ["ratio", "value"], ratios, note="shared 2-core machine: noisy"

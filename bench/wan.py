@@ -223,6 +223,7 @@ def wan_lab(root: Path, base_port: int, cachenodes: int = 2) -> Any:
 
 
 RELAY_OFFSET = 500
+JUICEFS_CACHE_MIB = 8192  # JuiceFS's disk cache, and the cachefs mount's L2 where it has one
 
 
 # ---------------------------------------------------------------- JuiceFS behind the link
@@ -263,7 +264,7 @@ class S3Remote:
 class JuiceFS:
     """JuiceFS community edition: SQLite metadata, its local disk cache, S3 via the relay."""
 
-    def __init__(self, workdir: Path, bucket_url: str, cache_size_mib: int = 8192) -> None:
+    def __init__(self, workdir: Path, bucket_url: str, cache_size_mib: int = JUICEFS_CACHE_MIB) -> None:
         self.bin = juicefs_binary() or "juicefs"
         self.workdir = workdir
         self.meta = f"sqlite3://{workdir / 'jfs-meta.db'}"
@@ -365,12 +366,15 @@ class Testbed:
 
     # -- cachefs
 
-    def mount_cachefs(self, mountpoint: Path, l1_size: str = "512M") -> Path:
+    def mount_cachefs(self, mountpoint: Path, l1_size: str = "512M", l2: Path | None = None) -> Path:
+        """Mount the lab volume; with ``l2``, an L2 there as large as JuiceFS's disk cache."""
         mountpoint.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.lab.meta_addrs), "lab",
                 str(mountpoint), "--background", "--zone", "z1", "--secret-file", str(self.lab.secret_file),
                 "--l1-size", l1_size, "--no-write-through",
                 "--log-file", str(self.workdir / f"mount-{mountpoint.name}.log")]
+        if l2 is not None:
+            argv += ["--cache-dir", str(l2), "--cache-size", f"{JUICEFS_CACHE_MIB}M"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError(f"cachefs mount failed: {proc.stderr.strip()[-1500:]}")

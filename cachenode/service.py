@@ -46,7 +46,9 @@ with per-batch counts, which is what ``cachefs warmup`` uses for its progress.
 Where the work runs: lookups and memory-tier hits run inline; flash reads of
 up to ``inline_read_max`` bytes run inline too (a page-cache pread of a
 128 KiB range costs less than a thread hop), larger reads and every write run
-in worker threads so one 4 MiB copy never stalls the other connections.
+in worker threads so one 4 MiB copy never stalls the other connections. A
+``get`` that hits inline is answered by the connection's reader itself
+(``get`` is a plain method): no task, no cancel scope, no request slot.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -467,7 +469,7 @@ class CacheService:
     # stats are for servers and admins.
 
     @rpc_method(roles=CLIENTS)
-    async def get(
+    def get(
         self,
         volume: str,
         key: bytes,
@@ -475,8 +477,13 @@ class CacheService:
         length: int = -1,
         policy: str = "wait",
         ctx: CallContext | None = None,
-    ) -> Reply:
+    ) -> Reply | Awaitable[Reply]:
         """Bytes ``[offset, offset+length)`` of a block, reading through on a miss.
+
+        A plain method: a hit that is served inline (see the module
+        docstring) is answered at once by the connection's reader, with no
+        task and no cancel scope (they cost more than the hit); anything
+        else returns the awaitable that the RPC layer runs under the deadline.
 
         Raises:
             CacheMiss: under ``fast-fail`` when the block is not cached.
@@ -484,8 +491,46 @@ class CacheService:
         """
         _check_volume(volume)
         block_key = _key(key)
+        if offset < 0 or length < -1:
+            raise InvalidArgument(f"bad range: offset={offset} length={length}")
+        if policy not in POLICIES:
+            raise InvalidArgument(f"miss policy must be one of {POLICIES}, got {policy!r}")
+        hit = self._inline_hit(block_key, offset, length)
+        if hit is not None:
+            return hit
+        return self._get(volume, block_key, offset, length, policy, ctx)
+
+    def _inline_hit(self, key: BlockKey, offset: int, length: int) -> Reply | None:
+        entry = self.store.lookup(key)
+        if entry is None:
+            return None
+        span = entry.size - offset if length == -1 else min(length, max(entry.size - offset, 0))
+        if span > self.limits.inline_read_max and not self.store.in_memory(key):
+            return None
+        try:
+            data = self.store.read(key, offset, length)
+        except Corrupt:
+            self.counters.corrupt_refetched += 1
+            return None
+        if data is None:
+            return None
+        self.counters.hits += 1
+        self.counters.bytes_out += len(data)
+        self._m_hits.inc()
+        self._m_out.inc(len(data))
+        return Reply({"size": entry.size, "hit": True}, payload=data)
+
+    async def _get(
+        self,
+        volume: str,
+        key: BlockKey,
+        offset: int,
+        length: int,
+        policy: str,
+        ctx: CallContext | None,
+    ) -> Reply:
         with self._slot(ctx):
-            data, size, hit = await self.read(volume, block_key, offset, length, policy)
+            data, size, hit = await self.read(volume, key, offset, length, policy)
         return Reply({"size": size, "hit": hit}, payload=data)
 
     @rpc_method(roles=CLIENTS)

@@ -23,7 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 DATALOADER_KEYS = ["speedup_warm_vs_direct_w1", "speedup_warm_vs_direct_w16"]
 JUICEFS_DATALOADER_KEYS = ["warm_vs_juicefs_w1", "warm_vs_juicefs_w16"]
-JUICEFS_FIO_KEYS = ["fio_warm_seq_read_vs_juicefs", "fio_randread_128k_warm_vs_juicefs", "fio_tutorial_vs_juicefs"]
+JUICEFS_FIO_KEYS = ["fio_warm_seq_read_vs_juicefs", "fio_randread_128k_warm_vs_juicefs", "fio_tutorial_vs_juicefs",
+                    "fio_big_seq_first_vs_juicefs", "fio_big_seq_second_vs_juicefs", "fio_big_rand4k_vs_juicefs",
+                    "fio_big_rand128k_vs_juicefs"]
+FIO_KEYS = ["fio_big_rand4k_vs_passthrough"]
 JUICEFS_META_KEYS = ["meta_create_vs_juicefs", "meta_stat_vs_juicefs", "meta_read_cold_vs_juicefs"]
 META_KEYS = ["meta_create_vs_passthrough", "meta_stat_vs_passthrough", "meta_read_cold_vs_passthrough"]
 
