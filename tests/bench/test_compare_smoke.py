@@ -26,7 +26,7 @@ JUICEFS_DATALOADER_KEYS = ["warm_vs_juicefs_w1", "warm_vs_juicefs_w16"]
 JUICEFS_FIO_KEYS = ["fio_warm_seq_read_vs_juicefs", "fio_randread_128k_warm_vs_juicefs", "fio_tutorial_vs_juicefs",
                     "fio_big_seq_first_vs_juicefs", "fio_big_seq_second_vs_juicefs", "fio_big_rand4k_vs_juicefs",
                     "fio_big_rand128k_vs_juicefs"]
-FIO_KEYS = ["fio_big_rand4k_vs_passthrough"]
+FIO_KEYS = ["fio_big_rand4k_vs_passthrough", "cache_hit_4k_vs_rpc_latency", "tier_hit_rate_two_zone_working_set"]
 JUICEFS_META_KEYS = ["meta_create_vs_juicefs", "meta_stat_vs_juicefs", "meta_read_cold_vs_juicefs"]
 META_KEYS = ["meta_create_vs_passthrough", "meta_stat_vs_passthrough", "meta_read_cold_vs_passthrough"]
 
@@ -67,7 +67,7 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
-    _finite(result, DATALOADER_KEYS + META_KEYS)
+    _finite(result, DATALOADER_KEYS + META_KEYS + FIO_KEYS)
     assert result["fio"]["median_mib_s"]["cachefs_warm_seq"] > 0
     assert result["fio"]["cold_after_remount"] is True  # the cold read did not come from L1
     assert result["dataloader"]["samples_per_s"]["rtt2ms"]["w1"]["warm"]["median"] > 0

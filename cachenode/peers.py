@@ -1,0 +1,147 @@
+"""The other zones' cache nodes, as one cache tier with this one.
+
+Every zone has its own ring (:mod:`cachefs.ring`), and a client asks the
+owner on its own zone's ring first. Left at that, the tier's capacity is one
+zone's: with every client in one zone, the other zones' nodes hold nothing,
+and a working set larger than one zone thrashes while they stand empty. So
+the zones cooperate, in two places (issue 20, "the whole group's capacity";
+CubeFS serves from any member of a flash group):
+
+- a miss asks the key's owner in the *next* zone (the first other zone in
+  name order with a live owner) with the ``peek`` policy (answer from the
+  cache or ``CacheMiss``, never fill) before it goes to backing storage; a
+  block found there is served and not stored here (admission knows that
+  another zone holds it: one copy in the tier, not two);
+- a fill that would evict here while that owner has room (per the cluster
+  map's ``used``, plus what this node sent it since) is put there instead.
+
+So one zone's nodes fill first, the next zone's take the overflow, and the
+second pass over a working set between one zone's capacity and the tier's
+finds every block in the tier. A peer that does not answer within
+``PEEK_TIMEOUT`` is marked down in the router (with back-off) and skipped: a
+cut zone costs one timeout, then reads go to backing storage as before.
+
+The cluster map is refreshed every ``MAP_REFRESH`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import trio
+
+from cachefs.errors import CacheFSError, CacheMiss, ConnectionLost, TimedOut, Unreachable
+from cachefs.ids import BlockKey
+from cachefs.ring import CacheRouter
+from cachefs.rpc import RpcPool
+
+log = logging.getLogger(__name__)
+
+PEEK_TIMEOUT = 1.0
+PUT_TIMEOUT = 10.0
+MAP_REFRESH = 5.0
+_DOWN = (Unreachable, ConnectionLost, TimedOut)
+
+
+class PeerZones:
+    """Looks up and places blocks on the next zone's owners (see module docstring)."""
+
+    def __init__(
+        self,
+        pool: RpcPool,
+        zone: str,
+        node_id: str,
+        cluster_map: Callable[[], Awaitable[Mapping[str, Any]]],
+    ) -> None:
+        self.pool = pool
+        self.zone = zone
+        self.node_id = node_id
+        self._cluster_map = cluster_map
+        self.router = CacheRouter({}, zone)
+        self._room: dict[str, int] = {}  # addr -> free bytes, as the map said less what we sent
+        self._refreshed_at = -math.inf
+        self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0}
+
+    def update(self, cmap: Mapping[str, Any]) -> None:
+        self.router.update(cmap)
+        self.stats["peer_zones"] = len(set(self.router.rings) - {self.zone})
+        self._room = {
+            str(n["addr"]): int(n.get("capacity", 0)) - int(n.get("used", 0))
+            for n in cmap.get("cachenodes", [])
+            if n.get("state", "up") == "up"
+        }
+
+    async def run(self) -> None:
+        """Keep the rings fresh (start in the service's nursery)."""
+        while True:
+            await self._refresh()
+            await trio.sleep(MAP_REFRESH)
+
+    async def _refresh(self) -> None:
+        self._refreshed_at = trio.current_time()
+        try:
+            self.update(await self._cluster_map())
+        except CacheFSError as exc:
+            log.info("cache node %s: cluster map refresh failed: %s", self.node_id, exc)
+
+    async def _peer_known(self) -> None:
+        """A map without another zone yet (nodes still registering at start-up)
+        is asked again, at most once a second, instead of after MAP_REFRESH."""
+        if len(self.router.rings) < 2 and trio.current_time() - self._refreshed_at > 1.0:
+            await self._refresh()
+
+    def _next_owner(self, key: BlockKey) -> str | None:
+        """The owner of ``key`` in the first other zone that has a live one."""
+        for node in self.router.owners(key):
+            if node.zone != self.zone and node.id != self.node_id and not self.router.is_down(node.addr):
+                return node.addr
+        return None
+
+    async def get(self, volume: str, key: BlockKey) -> Any:
+        """The block from the next zone's owner if it holds it, else None."""
+        await self._peer_known()
+        addr = self._next_owner(key)
+        if addr is None:
+            return None
+        args = {"volume": volume, "key": key.to_bytes(), "policy": "peek"}
+        try:
+            reply = await self.pool.call(addr, "get", args, timeout=PEEK_TIMEOUT)
+        except CacheMiss:
+            self.stats["peer_misses"] += 1
+            return None
+        except _DOWN as exc:
+            self.stats["peer_errors"] += 1
+            log.info("peer cache node %s is not answering (%s); reading around it", addr, exc)
+            self.router.mark_down(addr)
+            return None
+        except CacheFSError as exc:
+            self.stats["peer_errors"] += 1
+            log.info("peer cache node %s failed %s: %s", addr, key.hex(), exc)
+            return None
+        self.stats["peer_hits"] += 1
+        return reply.payload
+
+    async def place(self, volume: str, key: BlockKey, data: Any) -> bool:
+        """Put a block this node has no room for on the next zone's owner, if
+        that one has room; False: keep it here after all."""
+        await self._peer_known()
+        addr = self._next_owner(key)
+        if addr is None or self._room.get(addr, 0) < len(data):
+            return False
+        self._room[addr] -= len(data)
+        try:
+            await self.pool.call(
+                addr, "put", {"volume": volume, "key": key.to_bytes()}, payload=data,
+                timeout=PUT_TIMEOUT,
+            )  # fmt: skip
+        except _DOWN:
+            self.router.mark_down(addr)
+            return False
+        except CacheFSError as exc:
+            log.info("placing %s on peer cache node %s failed: %s", key.hex(), addr, exc)
+            return False
+        self.stats["peer_puts"] += 1
+        return True
