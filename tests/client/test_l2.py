@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -49,6 +50,13 @@ def _metrics(port: int) -> dict[str, float]:
     for name, label, value in re.findall(r'^(cachefs_mount_\w+)\{\w+="(\w+)"\} (\S+)$', text, re.M):
         out[f"{name}:{label}"] = float(value)
     return out
+
+
+def _own_dir(mount: ClusterMount, tmp_path: Path) -> Path:
+    """A directory of this test's own in the shared cluster volume (others list its root)."""
+    d = mount.path / f"l2-{tmp_path.name}"
+    d.mkdir(exist_ok=True)
+    return d
 
 
 def _drop_caches() -> None:
@@ -123,7 +131,7 @@ def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -
     data = os.urandom(4 * BLOCK)
     m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0")
     try:
-        (m.path / "f").write_bytes(data)
+        (_own_dir(m, tmp_path) / "f").write_bytes(data)
         _wait_files(cache_dir, 4)
     finally:
         m.stop()
@@ -134,7 +142,7 @@ def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -
     try:
         assert "L2 " in m.log() and ": 4 blocks" in m.log()
         _drop_caches()
-        assert (m.path / "f").read_bytes() == data
+        assert (_own_dir(m, tmp_path) / "f").read_bytes() == data
         stats = _metrics(port)
         assert stats["cachefs_mount_l2_events_total:hits"] >= 4
         assert stats["cachefs_mount_blocks_total:cache_reads"] == 0
@@ -143,6 +151,7 @@ def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -
         with pytest.raises(RuntimeError, match="in use by another mount"):
             ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir))
     finally:
+        shutil.rmtree(_own_dir(m, tmp_path), ignore_errors=True)
         m.stop()
     m.check_log()
 
@@ -154,7 +163,8 @@ def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: P
     m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
                      "--metrics-port", str(port))  # fmt: skip
     try:
-        (m.path / "f").write_bytes(data)
+        d = _own_dir(m, tmp_path)
+        (d / "f").write_bytes(data)
         files = sorted(_wait_files(cache_dir, 4))
         with open(files[0], "r+b") as f:  # bytes flipped in the data, past the header
             f.seek(os.path.getsize(files[0]) - 1000)
@@ -162,16 +172,17 @@ def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: P
         os.truncate(files[1], os.path.getsize(files[1]) // 2)
         files[2].unlink()
         _drop_caches()
-        assert (m.path / "f").read_bytes() == data
+        assert (d / "f").read_bytes() == data
         stats = _metrics(port)
         assert stats["cachefs_mount_l2_events_total:corrupt"] >= 2
         fetched = stats["cachefs_mount_blocks_total:cache_reads"] + stats["cachefs_mount_blocks_total:backing_reads"]
         assert fetched >= 3
         _wait_files(cache_dir, 4)  # the blocks fetched again are kept again
         _drop_caches()
-        assert (m.path / "f").read_bytes() == data
+        assert (d / "f").read_bytes() == data
         assert _metrics(port)["cachefs_mount_l2_events_total:hits"] >= stats["cachefs_mount_l2_events_total:hits"] + 4
     finally:
+        shutil.rmtree(_own_dir(m, tmp_path), ignore_errors=True)
         m.stop()
     m.check_log()
 
@@ -182,8 +193,9 @@ def test_full_local_disk_reads_and_writes_go_on(cluster, tmp_path: Path) -> None
         m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
                          "--free-space-ratio", "0.2")  # fmt: skip
         try:
+            d = _own_dir(m, tmp_path)
             first = os.urandom(8 * BLOCK)
-            (m.path / "a").write_bytes(first)
+            (d / "a").write_bytes(first)
             time.sleep(1)
             used = sum(p.stat().st_size for p in _block_files(cache_dir))
             st = os.statvfs(disk)
@@ -193,11 +205,12 @@ def test_full_local_disk_reads_and_writes_go_on(cluster, tmp_path: Path) -> None
                            capture_output=True, check=False)  # fmt: skip
             assert os.statvfs(disk).f_bavail < 64
             second = os.urandom(3 * BLOCK)
-            (m.path / "b").write_bytes(second)
+            (d / "b").write_bytes(second)
             _drop_caches()
-            assert (m.path / "a").read_bytes() == first
-            assert (m.path / "b").read_bytes() == second
+            assert (d / "a").read_bytes() == first
+            assert (d / "b").read_bytes() == second
         finally:
+            shutil.rmtree(_own_dir(m, tmp_path), ignore_errors=True)
             m.stop()
         m.check_log()
 
@@ -208,19 +221,22 @@ def test_two_mounts_with_their_own_l2_keep_close_to_open(cluster, tmp_path: Path
     a = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2a"), "--l1-size", "0")
     b = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2b"), "--l1-size", "0")
     try:
+        da = _own_dir(a, tmp_path)
+        db = b.path / da.name
         first = os.urandom(2 * BLOCK)
-        (a.path / "shared").write_bytes(first)
-        assert (b.path / "shared").read_bytes() == first
+        (da / "shared").write_bytes(first)
+        assert (db / "shared").read_bytes() == first
         _wait_files(tmp_path / "l2b", 2)  # b keeps what it fetched
         second = os.urandom(BLOCK + 5)
-        with open(a.path / "shared", "r+b") as f:
+        with open(da / "shared", "r+b") as f:
             f.write(second)
         _drop_caches()
-        assert (b.path / "shared").read_bytes() == second + first[len(second) :]
-        with open(b.path / "shared", "ab") as f:
+        assert (db / "shared").read_bytes() == second + first[len(second) :]
+        with open(db / "shared", "ab") as f:
             f.write(b"tail")
-        assert (a.path / "shared").read_bytes() == second + first[len(second) :] + b"tail"
+        assert (da / "shared").read_bytes() == second + first[len(second) :] + b"tail"
     finally:
+        shutil.rmtree(_own_dir(a, tmp_path), ignore_errors=True)
         a.stop()
         b.stop()
     a.check_log()
