@@ -16,6 +16,7 @@ The cache directory is locked (``flock``) so two nodes can never share one.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import start_metrics
+from cachefs.queries import ClusterMap
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .admission import SecondMissAdmission
@@ -126,7 +128,7 @@ async def serve(
                 backing = BackingClient(pool, view, zone=zone)
             peers = None
             if meta_client is not None:
-                peers = PeerZones(pool, zone, node_id, meta_client.cluster_map)
+                peers = PeerZones(pool, zone, node_id, functools.partial(meta_client.query, ClusterMap()))
                 nursery.start_soon(peers.run)
             service = CacheService(
                 store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id,
