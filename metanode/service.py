@@ -13,9 +13,9 @@ The few commands that need the leader's own work around the proposal (a
 stamp from its soft state, a token to hash or check, soft state to update
 after) name it in ``_COMMAND_HOOKS``, one table next to the handler.
 
-Reads: the handler decodes the query, and :meth:`MetaService.query` runs its
-state-machine read (its ``run``); the leader's soft state and the cluster
-map are answered by ``_QUERY_HOOKS`` instead. Reads are linearizable: they
+Reads: the handler decodes the query and answers with its state-machine read
+(its ``run``); the leader's soft state and the cluster map are answered by
+``_QUERY_HOOKS`` instead. Reads are linearizable: they
 wait for ``read_index`` and then read the local state. With ``read_lease`` on (the default), a leader that had its
 leadership confirmed by a quorum at most half an election timeout ago serves
 reads without another round (the issue's "leader lease bounded by the
@@ -78,10 +78,18 @@ def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
         return handle
 
     def query(query: type[Q.Query[Any]]) -> Callable[..., Any]:
-        def handle(self: MetaService, a: list) -> Any:
-            return self.query(query.from_wire(a))
+        hook = cls._QUERY_HOOKS.get(query)
+        if hook is not None:
 
-        return handle
+            def answer(self: MetaService, a: list) -> Any:
+                return hook(self, query.from_wire(a))
+
+            return answer
+
+        def read(self: MetaService, a: list) -> Any:  # the hot path: no lookups on the way
+            return self._answer(query.from_wire(a).run)  # type: ignore[attr-defined]
+
+        return read
 
     for name, command in C.REQUESTS.items():
         setattr(cls, f"_rpc_{name}", rpc_method(mutation(command), name=name))
@@ -295,13 +303,6 @@ class MetaService:
         if hook is None:
             return await self._propose(cmd)
         return await hook(self, cmd, token)
-
-    def query(self, q: Q.Query[Any]) -> Any:
-        """Answer a query: its state read (inline under the lease), or its hook."""
-        hook = self._QUERY_HOOKS.get(type(q))
-        if hook is None:
-            return self._answer(q.run)  # type: ignore[attr-defined]  # checked at class build
-        return hook(self, q)
 
     # -- leader hooks of commands ------------------------------------------------------
 
