@@ -8,9 +8,12 @@ answers a ``stat`` (like ``juicefs mount -d``), or exits non-zero with the
 child's error.
 
 The mount options start from ``pyfuse3.default_options`` (which has
-``default_permissions``: the kernel checks modes with the real uid/gid), add
-``fsname=``/``subtype=`` and ``allow_other`` (safe only together with
-``default_permissions``). After mounting, the mount's backing-device
+``default_permissions``: the kernel checks modes with the real uid/gid) and
+add ``fsname=``/``subtype=``. ``--allow-other`` lets users other than the one
+who mounted in (safe only together with ``default_permissions``, which stays
+on); without it the kernel refuses everyone else, root included.
+``--mount-flags`` passes the kernel mount flags libfuse accepts (noexec,
+noatime, ...; nosuid and nodev are FUSE's default). After mounting, the mount's backing-device
 read-ahead (``read_ahead_kb``) is raised to 1 MiB: the kernel's 128 KiB
 default costs about 1.7x on large sequential reads. The connection's
 ``max_background`` (and ``congestion_threshold``, three quarters of it) is
@@ -175,13 +178,39 @@ def raise_max_background(mountpoint: str, limit: int = MAX_BACKGROUND) -> None:
     log.debug("max_background of %s raised to %d", mountpoint, limit)
 
 
-def fuse_options(volume: str, read_only: bool) -> set[str]:
-    opts = set(pyfuse3.default_options)
-    opts |= {f"fsname=cachefs:{volume}", "subtype=cachefs", "allow_other"}
+# The kernel mount flags libfuse's mount accepts (3.14; it refuses relatime,
+# nodiratime, strictatime, lazytime, ...). FUSE mounts are nosuid, nodev and
+# relatime unless told otherwise.
+KERNEL_FLAGS = ("atime", "noatime", "suid", "nosuid", "dev", "nodev", "exec", "noexec",
+                "sync", "async", "dirsync")
+
+
+def fuse_options(volume: str, read_only: bool, allow_other: bool = False,
+                 flags: tuple[str, ...] = ()) -> set[str]:
+    opts = set(pyfuse3.default_options) | set(flags)
+    opts |= {f"fsname=cachefs:{volume}", "subtype=cachefs"}
     assert "default_permissions" in opts  # allow_other is only safe with it
+    if allow_other:
+        opts.add("allow_other")
     if read_only:
         opts.add("ro")
     return opts
+
+
+class MountFlags(click.ParamType):
+    """``noexec,noatime``: a comma-separated list of :data:`KERNEL_FLAGS`."""
+
+    name = "flag,..."
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        if isinstance(value, tuple | list):
+            value = ",".join(value)
+        flags = tuple(f.strip() for f in str(value).split(",") if f.strip())
+        for flag in flags:
+            if flag not in KERNEL_FLAGS:
+                self.fail(f"{flag!r} is not a kernel mount flag FUSE accepts "
+                          f"(one of {', '.join(KERNEL_FLAGS)})", param, ctx)
+        return flags
 
 
 def describe(exc: CacheFSError, meta_addrs: list[str], volume: str) -> str:
@@ -258,6 +287,8 @@ async def serve(
     metrics_port: int = 0,
     tls: ssl.SSLContext | None = None,
     token: str | None = None,
+    allow_other: bool = False,
+    mount_flags: tuple[str, ...] = (),
 ) -> int:
     """Run one mount until it is unmounted or signalled; returns an exit status."""
     async with RpcPool(secret=secret, tls=tls) as pool:
@@ -274,7 +305,8 @@ async def serve(
         except CacheFSError as exc:
             ready(describe(exc, meta_addrs, volume))
             return 1
-        return await run_fs(session, mountpoint, options, ready, metrics_port)
+        return await run_fs(session, mountpoint, options, ready, metrics_port,
+                            allow_other=allow_other, mount_flags=mount_flags)
 
 
 async def run_fs(
@@ -283,6 +315,9 @@ async def run_fs(
     options: ClientOptions,
     ready: Callable[[str | None], None],
     metrics_port: int = 0,
+    *,
+    allow_other: bool = False,
+    mount_flags: tuple[str, ...] = (),
 ) -> int:
     """Mount ``session``'s volume at ``mountpoint`` and serve until unmounted."""
     async with trio.open_nursery() as nursery:
@@ -293,8 +328,9 @@ async def run_fs(
             nursery.cancel_scope.cancel()
             await session.close()
             return 1
+        fuse_opts = fuse_options(session.volume, options.read_only, allow_other, mount_flags)
         try:
-            pyfuse3.init(CacheFS(engine), mountpoint, fuse_options(session.volume, options.read_only))
+            pyfuse3.init(CacheFS(engine), mountpoint, fuse_opts)
         except RuntimeError as exc:
             ready(f"could not mount at {mountpoint}: {exc}")
             nursery.cancel_scope.cancel()
@@ -432,6 +468,19 @@ def _remove_pid(mountpoint: str) -> None:
 @click.option("--zone", default="", help="Zone of this node (its cache ring is tried first).")
 @click.option("--read-only", is_flag=True, help="Mount read-only.")
 @click.option(
+    "--allow-other",
+    is_flag=True,
+    help="Let users other than the one mounting use the mount (the kernel still checks "
+    "modes: default_permissions). Needs root or user_allow_other in /etc/fuse.conf.",
+)
+@click.option(
+    "--mount-flags",
+    type=MountFlags(),
+    default="",
+    help="Kernel mount flags, comma separated: noexec, noatime, sync, dirsync, suid, dev, ... "
+    "(FUSE's default: nosuid,nodev).",
+)
+@click.option(
     "--secret-file",
     envvar="CACHEFS_SECRET_FILE",
     type=click.Path(dir_okay=False),
@@ -472,6 +521,8 @@ def mount_command(
     free_space_ratio: float,
     zone: str,
     read_only: bool,
+    allow_other: bool,
+    mount_flags: tuple[str, ...],
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -507,7 +558,8 @@ def mount_command(
         try:
             main = functools.partial(
                 serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, ready=ready,
-                metrics_port=metrics_port, tls=tls, token=token
+                metrics_port=metrics_port, tls=tls, token=token, allow_other=allow_other,
+                mount_flags=mount_flags,
             )
             return trio.run(main)
         finally:

@@ -348,7 +348,7 @@ class Lab:
         if l2 and "--cache-dir" not in extra:
             extra = ("--cache-dir", str(self.root / "mount-l2"), "--cache-size", self.config.mount_cache, *extra)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
-                "--background", "--zone", "z1", "--secret-file", str(self.secret_file),
+                "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.secret_file),
                 "--log-file", str(self.root / "logs" / "mount.log"), *self.tls_args(), *extra]
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)

@@ -58,13 +58,10 @@ def test_bad_options(tmp_path: Path) -> None:
 
 def test_mount_options_start_from_pyfuse3_defaults() -> None:
     opts = fuse_options("data", read_only=True)
-    assert {
-        "default_permissions",
-        "allow_other",
-        "fsname=cachefs:data",
-        "subtype=cachefs",
-        "ro",
-    } <= opts
+    assert {"default_permissions", "fsname=cachefs:data", "subtype=cachefs", "ro"} <= opts
+    assert "allow_other" not in opts  # only when asked for, and then with default_permissions
+    opts = fuse_options("data", read_only=False, allow_other=True, flags=("noexec",))
+    assert {"allow_other", "default_permissions", "noexec"} <= opts and "ro" not in opts
 
 
 @pytest.mark.needs_fuse
