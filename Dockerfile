@@ -17,7 +17,7 @@ COPY metanode metanode
 COPY datanode datanode
 COPY cachenode cachenode
 COPY client client
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[mount]'
 
 FROM python:3.11-slim-bookworm
 RUN apt-get update \

@@ -6,6 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs
 PYTEST_ARGS ?=
+# The CPU build of torch that lies on this machine's disk: installed before the
+# project, it satisfies the torch extra's range, so pip downloads no other build.
+TORCH  ?= torch==2.13.0
 
 .PHONY: setup deps venv rdma test lint lab lab-down bench clean
 
@@ -23,6 +26,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip uninstall -q -y cachefs 2>/dev/null || true  # the distribution's name before cachefs-ai
+	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[dev,torch,bench]'
 	touch $@
 

@@ -4,7 +4,12 @@ Subcommands live next to the code they run and are imported only when used,
 so ``cachefs mount`` does not pay for importing the metanode. The table below
 is the one place that says which module provides which subcommand. A command
 whose wiring would make a shared-core module import a component (repair and
-gc build a metanode client) lives in this package instead.
+gc build a metanode client; mount.cachefs drives the mount) lives in this
+package instead.
+
+A subcommand whose module needs an optional dependency that is not installed
+(pyfuse3, for the mount) still shows in ``--help`` and, when run, says which
+extra to install instead of failing with a traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import click
 
-from cachefs import __version__
+from cachefs import DISTRIBUTION, __version__
 from cachefs.config import load_toml, validate_section
 
 SUBCOMMANDS: dict[str, str] = {
@@ -34,6 +39,11 @@ SUBCOMMANDS: dict[str, str] = {
     "credential": "cachefs.cli.credential:credential",
 }
 
+# Optional dependencies: the module a failed import names -> (the extra that installs it, a note).
+EXTRAS: dict[str, tuple[str, str]] = {
+    "pyfuse3": ("mount", "pyfuse3 compiles against libfuse3: apt install gcc pkg-config libfuse3-dev fuse3"),
+}
+
 
 def _load(name: str) -> click.Command | None:
     module_name, _, attr = SUBCOMMANDS[name].partition(":")
@@ -42,8 +52,26 @@ def _load(name: str) -> click.Command | None:
     except ModuleNotFoundError as exc:
         if exc.name == module_name:
             return None  # not part of this build
+        if exc.name in EXTRAS:
+            return NeedsExtra(name, exc.name, *EXTRAS[exc.name])
         raise
     return getattr(module, attr)
+
+
+class NeedsExtra(click.Command):
+    """The stand-in for a subcommand whose optional dependency is not installed."""
+
+    def __init__(self, name: str, module: str, extra: str, note: str) -> None:
+        install = f"pip install '{DISTRIBUTION}[{extra}]'"
+        self.reason = f"cachefs {name} needs {module}, which is not installed: {install} ({note})"
+        super().__init__(
+            name, callback=self.refuse, params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+            context_settings={"ignore_unknown_options": True},
+            help=f"Not installed here: needs the [{extra}] extra ({install}).",
+        )  # fmt: skip
+
+    def refuse(self, args: tuple[str, ...]) -> None:
+        raise click.ClickException(self.reason)
 
 
 class LazyGroup(click.Group):

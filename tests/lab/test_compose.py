@@ -381,7 +381,7 @@ def test_the_image_build_step_makes_a_complete_wheel(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                              "-w", str(tmp_path / "out"), str(src)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    [wheel] = (tmp_path / "out").glob("cachefs-*.whl")
+    [wheel] = (tmp_path / "out").glob("cachefs_ai-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
