@@ -28,6 +28,7 @@ from typing import Any
 import click
 import trio
 
+from cachefs import sdnotify
 from cachefs.backing.codec import keep_large_buffers
 from cachefs.blockstore import BlockStore
 from cachefs.config import (
@@ -149,6 +150,7 @@ async def serve(
                 store.used,
                 store.capacity,
             )
+            sdnotify.serving(nursery, f"cachenode {node_id} zone {zone} serving on {addr}")
             if meta_client is not None:
                 registrar = Registrar(
                     meta_client,

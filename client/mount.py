@@ -46,6 +46,7 @@ import click
 import pyfuse3
 import trio
 
+from cachefs import sdnotify
 from cachefs.config import (
     ADDRS,
     LOG_LEVELS,
@@ -343,7 +344,7 @@ async def run_fs(
 
             REGISTRY.register(MountCollector(engine))
             start_metrics(metrics_port)
-        nursery.start_soon(_announce, mountpoint, ready, options.max_background)
+        nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)
         nursery.start_soon(_on_signals, engine)
         try:
             await pyfuse3.main()
@@ -359,7 +360,10 @@ async def run_fs(
 
 
 async def _announce(
-    mountpoint: str, ready: Callable[[str | None], None], max_background: int = MAX_BACKGROUND
+    nursery: trio.Nursery,
+    mountpoint: str,
+    ready: Callable[[str | None], None],
+    max_background: int = MAX_BACKGROUND,
 ) -> None:
     """Ready means: the kernel routes a stat of the mount point to us."""
     try:
@@ -375,6 +379,7 @@ async def _announce(
     await trio.to_thread.run_sync(_write_pid, mountpoint)
     log.info("mounted at %s", mountpoint)
     ready(None)
+    sdnotify.serving(nursery, f"mounted at {mountpoint}")
 
 
 async def _on_signals(engine: Volume) -> None:

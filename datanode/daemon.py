@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 import trio
 
+from cachefs import sdnotify
 from cachefs.backing.codec import keep_large_buffers
 from cachefs.config import (
     ADDR,
@@ -55,6 +56,7 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
             addr = advertise or f"{host}:{bound}"
             log.info("datanode %s zone %s serving %s on %s (%d shards, %d of %d bytes used)",
                      node_id, zone, store.root, addr, store.shard_count, store.used, store.capacity)
+            sdnotify.serving(nursery, f"datanode {node_id} zone {zone} serving on {addr}")
             pool: RpcPool | None = None
             if meta:
                 from cachefs.metanode.client import MetaClient

@@ -25,6 +25,7 @@ from pathlib import Path
 import click
 import trio
 
+from cachefs import sdnotify
 from cachefs.commands import check_addr
 from cachefs.config import ADDR, daemon_options, load_secret, load_tls, setup_logging, tls_options
 from cachefs.credentials import as_credential, metanode_name
@@ -142,6 +143,7 @@ async def serve(
                 state.applied_index,
                 len(state.volumes),
             )
+            sdnotify.serving(nursery, f"metanode {node_id} serving on {listen}")
             async for signum in signals:
                 log.info("signal %d: shutting down", signum)
                 break

@@ -224,7 +224,9 @@ def test_mount_t_cachefs_and_fstab_through_mount8(cluster, namespace: Namespace,
     as_other = ("setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "stat", str(mnt))
     namespace.run(*as_other)  # allow_other: another user gets in (and the modes still apply)
     data = os.urandom(3 << 20)
-    (namespace.path(mnt) / "f").write_bytes(data)
+    mine = f"helper-{os.getpid()}"  # the cluster's volume is shared by the other client tests
+    (namespace.path(mnt) / mine).mkdir()
+    (namespace.path(mnt) / mine / "f").write_bytes(data)
     assert mnt.is_dir() and not os.path.ismount(mnt), "the mount leaked out of the namespace"
     namespace.run("umount", str(mnt))  # what systemd does to stop a mount unit
     _wait_gone(pid)
@@ -242,9 +244,9 @@ def test_mount_t_cachefs_and_fstab_through_mount8(cluster, namespace: Namespace,
     assert "allow_other" not in info, "allow_other must be asked for"
     proc = namespace.run(*as_other, check=False)
     assert proc.returncode != 0 and "Permission denied" in proc.stderr, proc.stderr
-    assert (namespace.path(mnt) / "f").read_bytes() == data
+    assert (namespace.path(mnt) / mine / "f").read_bytes() == data
     with pytest.raises(OSError, match="Read-only file system"):
-        (namespace.path(mnt) / "g").write_bytes(b"x")
+        (namespace.path(mnt) / mine / "g").write_bytes(b"x")
     namespace.run("umount", str(mnt))
     _wait_gone(pid)
 
@@ -252,5 +254,10 @@ def test_mount_t_cachefs_and_fstab_through_mount8(cluster, namespace: Namespace,
     proc = namespace.run("mount", "-t", "cachefs", spec, str(mnt), "-o", f"{common},l1-sise=8G", check=False)
     assert proc.returncode != 0 and "unknown mount option 'l1-sise'" in proc.stderr, proc.stderr
     assert namespace.mountinfo(mnt) is None
+
+    pid = namespace.mount("-t", "cachefs", spec, str(mnt), "-o", common)
+    shutil.rmtree(namespace.path(mnt) / mine)
+    namespace.run("umount", str(mnt))
+    _wait_gone(pid)
     bad = [line for line in log.read_text().splitlines() if " ERROR " in line or line.startswith("Traceback")]
     assert not bad, log.read_text()
