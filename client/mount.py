@@ -13,9 +13,9 @@ add ``fsname=``/``subtype=``. ``--allow-other`` lets users other than the one
 who mounted in (safe only together with ``default_permissions``, which stays
 on); without it the kernel refuses everyone else, root included.
 ``--mount-flags`` passes the kernel mount flags libfuse accepts (noexec,
-noatime, ...; nosuid and nodev are FUSE's default). After mounting, the mount's backing-device
-read-ahead (``read_ahead_kb``) is raised to 1 MiB: the kernel's 128 KiB
-default costs about 1.7x on large sequential reads. The connection's
+noatime, ...; nosuid and nodev are FUSE's default). After mounting, the
+mount's backing-device read-ahead (``read_ahead_kb``) is raised to 1 MiB:
+the kernel's 128 KiB default costs about 1.7x on large sequential reads. The connection's
 ``max_background`` (and ``congestion_threshold``, three quarters of it) is
 raised through fusectl from the kernel's 12 (9): asynchronous and direct I/O
 (libaio, O_DIRECT, readahead) are background requests, and 12 in flight

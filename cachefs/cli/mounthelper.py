@@ -44,7 +44,7 @@ import click
 # The subcommand this helper drives, and its options that belong to the helper.
 MOUNT = "mount"
 HELPER_OWNED = {"background"}  # always on: mount(8) waits for the helper to exit
-ALIASES = {"ro": "read-only", "allow_other": "allow-other"}
+ALIASES = {"allow_other": "allow-other"}  # as FUSE spells it
 FOR_MOUNT8 = {"_netdev", "nofail", "user", "users", "nouser", "owner", "group", "auto", "noauto",
               "defaults"}
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -118,10 +118,10 @@ def translate(options: list[str], table: dict[str, Option], kernel_flags: tuple[
         if name in kernel_flags and not has_value:
             flags.append(name)
             continue
-        if (name in FOR_MOUNT8 or name == "relatime") and not has_value:
-            continue
-        if name.startswith("x-") or name == "comment":
-            continue
+        if name in FOR_MOUNT8 or name.startswith("x-") or name == "comment":
+            continue  # user=NAME too: mount(8) adds it for a user mount
+        if name == "relatime" and not has_value:
+            continue  # what FUSE mounts do anyway
         option = table.get(ALIASES.get(name, name))
         if option is None:
             if sloppy:
