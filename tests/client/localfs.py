@@ -49,7 +49,8 @@ async def main_async(mountpoint: str, block_size: int, options: ClientOptions) -
         def ready(error: str | None) -> None:
             print("ready" if error is None else f"error: {error}", flush=True)
 
-        status = await run_fs(session, mountpoint, options, ready)
+        # allow_other: the POSIX tests check permissions as other users through this mount.
+        status = await run_fs(session, mountpoint, options, ready, allow_other=True)
         try:
             metanode.check()  # fsck-style invariants of everything the mount did
         except AssertionError:
