@@ -23,7 +23,6 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cachefs.client.mount import KERNEL_FLAGS, mount_command
 from cachefs.cli.mounthelper import (
     HelperError,
     main,
@@ -32,6 +31,7 @@ from cachefs.cli.mounthelper import (
     split_options,
     translate,
 )
+from cachefs.client.mount import KERNEL_FLAGS, mount_command
 
 HELPER = Path(sys.executable).parent / "mount.cachefs"
 TABLE = option_table(mount_command)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from cachefs.client.mount import mount_entry
-from tests.ops.notify import NotifySocket
+from cachefs.testing.notify import NotifySocket
 
 from .conftest import REPO, mounted
 

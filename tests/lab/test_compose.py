@@ -10,7 +10,6 @@ Dockerfile copies every package directory the distribution needs.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import tomllib
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,9 @@ import click
 import pytest
 import yaml
 
-from cachefs.cli import main
 from cachefs.config import parse_size
 from cachefs.lab.cluster import VOLUME, Lab, LabConfig
+from cachefs.testing.cliparse import Parsed, parse_cachefs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -104,39 +102,6 @@ def command_lines(svc: dict[str, Any], where: str) -> list[list[str]]:
             lines[-1].append(expand(token, env, where))
     assert all(lines), f"{where}: empty command in {argv[2]!r}"
     return lines
-
-
-@dataclass
-class Parsed:
-    path: list[str]  # ["datanode"] or ["volume", "create"]
-    params: dict[str, Any]
-
-
-def parse_cachefs(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Parsed:
-    """Parse ``cachefs ...`` with the real click commands, as the container would.
-
-    Raises click.UsageError (missing or bad options) like the real command.
-    """
-    assert argv[0] == "cachefs", argv
-    for key in [k for k in os.environ if k.startswith("CACHEFS_")]:
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    ctx = click.Context(main, info_name="cachefs", **main.context_settings)
-    command: click.Command = main
-    args, path = argv[1:], []
-    while isinstance(command, click.Group):
-        assert args, f"{' '.join(argv)}: no subcommand"
-        name, args = args[0], args[1:]
-        sub = command.get_command(ctx, name)
-        if sub is None:
-            raise click.UsageError(f"no such command {name!r}")
-        path.append(name)
-        command = sub
-        if isinstance(command, click.Group):
-            ctx = click.Context(command, info_name=name, parent=ctx)
-    sub_ctx = command.make_context(path[-1], list(args), parent=ctx)
-    return Parsed(path, dict(sub_ctx.params))
 
 
 def all_parsed(services, monkeypatch) -> dict[str, list[Parsed]]:

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 import cachefs
-from cachefs.mounthelper import mount_argv
-from tests.lab.test_compose import parse_cachefs
+from cachefs.cli.mounthelper import mount_argv
+from cachefs.testing.cliparse import parse_cachefs
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = Path(cachefs.__file__).parent / "systemd"

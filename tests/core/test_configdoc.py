@@ -7,14 +7,14 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from cachefs.cli import main
-from cachefs.configdoc import render
+from cachefs.cli.configdoc import render
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def test_config_reference_matches_the_cli() -> None:
     assert DOC.read_text() == render(), (
-        "docs/config.md is stale: regenerate it with `python -m cachefs.configdoc > docs/config.md`")
+        "docs/config.md is stale: regenerate it with `python -m cachefs.cli.configdoc > docs/config.md`")
 
 
 def test_every_option_and_its_help_is_in_the_reference() -> None:

@@ -16,8 +16,8 @@ import trio
 
 from cachefs import sdnotify
 from cachefs.rpc import RpcPool
-
-from .notify import NotifySocket
+from cachefs.testing.notify import NotifySocket
+from cachefs.testing.ports import free_port
 
 WATCHDOG_USEC = 400_000  # WatchdogSec=0.4: a ping every 0.2 s
 
@@ -48,6 +48,7 @@ def test_notify_speaks_to_path_and_abstract_sockets(tmp_path: Path, monkeypatch,
         assert sock.recv(100) == b"WATCHDOG=1"
 
 
+@pytest.mark.allow_log("cachefs.sdnotify", "cannot notify systemd")
 def test_a_missing_socket_is_logged_once_and_never_raises(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
     monkeypatch.setattr(sdnotify, "_warned", False)
@@ -72,18 +73,12 @@ def test_watchdog_interval(monkeypatch) -> None:
 # ---------------------------------------------------------------- the daemons
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def daemon_argv(kind: str, root: Path) -> list[str]:
     if kind == "metanode":
-        return ["metanode", "--id", "1", "--peers", f"1=127.0.0.1:{_free_port()}", "--data-dir", str(root)]
+        return ["metanode", "--id", "1", "--peers", f"1=127.0.0.1:{free_port()}", "--data-dir", str(root)]
     if kind == "datanode":
-        return ["datanode", "--zone", "z1", "--data-dir", str(root), "--capacity", "1G", "--listen", f"127.0.0.1:{_free_port()}"]
-    return ["cachenode", "--zone", "z1", "--cache-dir", str(root), "--capacity", "64M", "--listen", f"127.0.0.1:{_free_port()}",
+        return ["datanode", "--zone", "z1", "--data-dir", str(root), "--capacity", "1G", "--listen", f"127.0.0.1:{free_port()}"]
+    return ["cachenode", "--zone", "z1", "--cache-dir", str(root), "--capacity", "64M", "--listen", f"127.0.0.1:{free_port()}",
             "--no-rdma"]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ native API must work there, and the mount must say which extra it needs.
 from __future__ import annotations
 
 import re
-import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from cachefs import DISTRIBUTION, __version__
+from cachefs.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -45,17 +46,16 @@ def test_the_makefile_installs_the_torch_on_disk_first() -> None:
     assert recipe.index("install -q '$(TORCH)'") < recipe.index("install -q -e '.[")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # From a copy: setuptools leaves build/ in the tree it builds, and a stale
+    # build/lib would put modules deleted since into later wheels.
+    src = tmp_path_factory.mktemp("src") / "cachefs"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)  # fmt: skip
+                           "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     [whl] = out.glob("cachefs_ai-*.whl")
     return whl
@@ -68,7 +68,7 @@ def test_the_wheel_holds_the_metadata_units_and_scripts(wheel: Path) -> None:
         entry_points = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "Name: cachefs-ai" in meta and f"Version: {__version__}" in meta
     assert re.search(r"^Requires-Dist: pyfuse3>=3\.3; extra == \"mount\"$", meta, re.M), meta
-    assert "mount.cachefs = cachefs.mounthelper:main" in entry_points
+    assert "mount.cachefs = cachefs.cli.mounthelper:main" in entry_points
     units = {Path(n).name for n in names if n.startswith("cachefs/systemd/")}
     assert units == {p.name for p in (ROOT / "cachefs" / "systemd").glob("*.service")}
 
@@ -96,7 +96,7 @@ def test_the_wheel_works_in_a_fresh_venv_without_the_mount_extra(wheel: Path, tm
     listed = run(str(bin_ / "cachefs"), "--help").stdout
     assert "mount" in listed and "metanode" in listed
     # A daemon from the wheel serves, and the wheel's own client reaches it.
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     daemon = subprocess.Popen([str(bin_ / "cachefs"), "datanode", "--zone", "z1", "--data-dir", str(tmp_path / "d"),
                                "--capacity", "1G", "--listen", addr, "--insecure"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip

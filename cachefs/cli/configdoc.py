@@ -1,6 +1,6 @@
 """docs/config.md, the configuration reference, generated from the click commands.
 
-    python -m cachefs.configdoc > docs/config.md
+    python -m cachefs.cli.configdoc > docs/config.md
 
 Every subcommand (groups recursively) gets its usage line, its help and one
 row per option: the option as ``--help`` shows it, its help with default and
@@ -22,7 +22,7 @@ from cachefs.cli import NeedsExtra, main
 HEADER = """\
 # Configuration reference
 
-Generated from the CLI by `python -m cachefs.configdoc > docs/config.md`; the
+Generated from the CLI by `python -m cachefs.cli.configdoc > docs/config.md`; the
 test suite checks that it matches. Do not edit by hand.
 
 Every option can be given three ways; the first one found wins:
