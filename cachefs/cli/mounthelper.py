@@ -207,3 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     os.environ.setdefault("PATH", DEFAULT_PATH)  # mount(8) gives helpers no environment
     cachefs.main(args, prog_name="cachefs")
+
+
+if __name__ == "__main__":
+    main()
