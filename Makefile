@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs
+# systemd: systemd-analyze and its fstab generator check the unit files (tests/core/test_units.py)
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd
 PYTEST_ARGS ?=
 # The CPU build of torch that lies on this machine's disk: installed before the
 # project, it satisfies the torch extra's range, so pip downloads no other build.
