@@ -234,9 +234,11 @@ async def readers(
     return moved / elapsed, calls / elapsed
 
 
-async def latency(addr: str, keys: list[bytes], calls: int, chain: bool) -> tuple[float, float]:
-    """(median µs, client CPU µs) per 4 KiB read, one at a time: through the
-    client's chain (``CacheRouter`` + ``TcpTransport``) or a bare ``pool.call``."""
+async def latency(
+    addr: str, keys: list[bytes], calls: int, chain: bool, size: int = 4096
+) -> tuple[float, float]:
+    """(median µs, client CPU µs) per read of ``size`` bytes, one at a time: through
+    the client's chain (``CacheRouter`` + ``TcpTransport``) or a bare ``pool.call``."""
     from cachefs.ids import BlockKey
     from cachefs.ring import CacheRouter
     from cachefs.rpc import RpcPool
@@ -253,16 +255,16 @@ async def latency(addr: str, keys: list[bytes], calls: int, chain: bool) -> tupl
         cpu = time.thread_time()
         for _ in range(calls):
             i = rng.randrange(len(keys))
-            offset = rng.randrange(BLOCK // 4096) * 4096
+            offset = rng.randrange(BLOCK // size) * size
             start = time.perf_counter()
             if chain:
                 [where] = router.candidates(block_keys[i])
-                data = await transport.get(where, "bench", block_keys[i], offset, 4096)
+                data = await transport.get(where, "bench", block_keys[i], offset, size)
             else:
-                args = {"volume": "bench", "key": keys[i], "offset": offset, "length": 4096}
+                args = {"volume": "bench", "key": keys[i], "offset": offset, "length": size}
                 data = (await pool.call(addr, "get", args)).payload
             took.append(time.perf_counter() - start)
-            assert len(data) == 4096
+            assert len(data) == size
         cpu = time.thread_time() - cpu
     return median(took) * 1e6, cpu / calls * 1e6
 
