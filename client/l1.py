@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cachefs.ids import BlockKey
 
-Block = bytes | bytearray  # read-only by convention: nobody writes to a cached block
+Block = bytes | bytearray | memoryview  # read-only by convention (an L2 read is a view of its buffer)
 
 
 @dataclass(slots=True)
