@@ -209,7 +209,8 @@ def cachefs_mount(
         str(mountpoint.parent / "mount.log"),
     ]
     l2_opts = ["--cache-dir", str(mountpoint.parent / "l2"), "--cache-size", args.l2_size]
-    subprocess.run(cmd + l2_opts, check=True, cwd=REPO, timeout=120)
+    # stdout: the mount says "cachefs mounted (pid N)", which is not --json
+    subprocess.run(cmd + l2_opts, check=True, cwd=REPO, timeout=120, stdout=subprocess.DEVNULL)
 
     def umount() -> None:
         subprocess.run(
@@ -221,7 +222,13 @@ def cachefs_mount(
 
     def again(l2: bool = True) -> None:
         umount()
-        subprocess.run(cmd + (l2_opts if l2 else []), check=True, cwd=REPO, timeout=120)
+        subprocess.run(
+            cmd + (l2_opts if l2 else []),
+            check=True,
+            cwd=REPO,
+            timeout=120,
+            stdout=subprocess.DEVNULL,
+        )
 
     if remount is not None:
         remount.fn = again
