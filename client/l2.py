@@ -201,6 +201,10 @@ class CachedBlocks:
         self.l2 = l2
         self.block_size: int = source.block_size
 
+    def holds(self, key: BlockKey) -> bool:
+        """Whether L2 has the block (the Reader then reads ranges of it, not all of it)."""
+        return self.l2.store.lookup(key) is not None
+
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         return await self.source.read_chunk(ino, chunk)
 

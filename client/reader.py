@@ -14,7 +14,8 @@ segments make up the range (:mod:`cachefs.layout`), then serves each block piece
 3. for a *random* reader, by fetching exactly the byte range it needs, which
    is not cached (a 4 KiB read costs 4 KiB of transfer, not a block) -- unless
    the block was read at random before (second touch: a hot block), which is
-   then fetched whole into L1.
+   then fetched whole into L1 (unless it is in L2, where its ranges cost
+   a local pread each).
 
 Fetches go to the session's block chain (own zone's cache node, next zone's,
 then backing storage; see :mod:`.session`). Everything runs as trio tasks on
@@ -23,8 +24,9 @@ the FUSE thread: on two cores, worker threads made pyfuse3 slower.
 Bytes written but not yet committed are laid over the result, so a reader
 sees its own writes before they are committed.
 
-A read that one block in L1 serves whole (no pending writes over it) is
-answered with a view of that block: no buffer, no copy until the kernel's.
+A read that one block serves whole (no pending writes over it) is answered
+with a view of that block in L1, or with the buffer its range fetch
+returned: no buffer of ours, no copy until the kernel's.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ class Reader:
         self._lists: SingleFlight[tuple[int, int, tuple[int, int]], list[Slice]] = SingleFlight()
         self._touched: OrderedDict[BlockKey, None] = OrderedDict()
         self._prefetch_limit = trio.Semaphore(max_parallel)
+        # Whether a block is on local flash (L2; see _whole).
+        self._local: Callable[[BlockKey], bool] = getattr(source, "holds", lambda key: False)
         self.stats = {
             "bytes": 0,
             "l1_hit_bytes": 0,
@@ -160,8 +164,9 @@ class Reader:
     async def read_view(
         self, inode: Inode, offset: int, size: int, ra: Readahead | None = None
     ) -> bytes | bytearray | memoryview:
-        """Like :meth:`read`, but may return a view of an L1 block (read-only,
-        valid as long as the caller holds it: blocks are immutable)."""
+        """Like :meth:`read`, but may return a view of an L1 block or of a
+        fetched range (read-only, valid as long as the caller holds it:
+        blocks are immutable)."""
         end = min(offset + size, inode.size)
         if offset >= end:
             return b""
@@ -171,7 +176,10 @@ class Reader:
         # which is harmless), never in neither.
         pending = inode.writer.pending_runs() if inode.writer is not None else []
         if not pending:
-            view = await self._one_block(inode, offset, end)
+            try:
+                view = await self._one_block(inode, offset, end, sequential)
+            except NotFound:  # see below: the path below reads the lists again
+                view = None
             if view is not None:
                 self.stats["bytes"] += len(view)
                 if sequential and ra is not None and ra.window:
@@ -195,8 +203,12 @@ class Reader:
             self._nursery.start_soon(self._readahead, inode, end, ra.window)
         return buf
 
-    async def _one_block(self, inode: Inode, offset: int, end: int) -> memoryview | None:
-        """``[offset, end)`` as a view of one L1 block, if one block holds all of it."""
+    async def _one_block(
+        self, inode: Inode, offset: int, end: int, sequential: bool
+    ) -> bytes | bytearray | memoryview | None:
+        """``[offset, end)`` when one block holds all of it: a view of the block
+        in L1, else what the fetch of that one part returns (no buffer of our
+        own, no copy: a random 4 KiB read is served from the fetch's buffer)."""
         chunk, pos = divmod(offset, CHUNK_SIZE)
         if (end - 1) // CHUNK_SIZE != chunk:
             return None
@@ -204,14 +216,17 @@ class Reader:
         if len(segs) != 1 or segs[0].slice_id == HOLE:
             return None  # (resolve tiles the range exactly, holes included)
         parts = segment_blocks(segs[0], self.source.block_size)
-        if len(parts) != 1 or parts[0].key not in self.l1:
+        if len(parts) != 1:
             return None
         part = parts[0]
+        lo, hi = part.block_off, part.block_off + part.length
         block = self.l1.get(part.key)
-        if block is None or len(block) < part.block_off + part.length:
-            return None
-        self.stats["l1_hit_bytes"] += part.length
-        return memoryview(block)[part.block_off : part.block_off + part.length]
+        if block is not None and len(block) >= hi:
+            self.stats["l1_hit_bytes"] += part.length
+            return memoryview(block)[lo:hi]
+        if self._whole(part.key, sequential):
+            return memoryview(await self.block(part.key))[lo:hi]
+        return await self._fetch_range(part)
 
     async def _fill(
         self, inode: Inode, offset: int, view: memoryview, sequential: bool, pending: list[Run]
@@ -264,8 +279,15 @@ class Reader:
                     continue
                 into = dest[part.pos - pos : part.pos - pos + part.length]
                 if not self._copy_from_l1(part, into):
-                    whole = cache and (sequential or self._seen_before(part.key))
+                    whole = cache and self._whole(part.key, sequential)
                     jobs.append(self._job(part, into, whole=whole))
+
+    def _whole(self, key: BlockKey, sequential: bool) -> bool:
+        """Whether a read of part of ``key`` fetches the whole block into L1:
+        for a sequential reader, or a block read at random before -- unless
+        it is in L2, where a range costs one local pread and the whole block
+        would cost the disk a whole block for each range asked."""
+        return sequential or (not self._local(key) and self._seen_before(key))
 
     def _seen_before(self, key: BlockKey) -> bool:
         """Second-touch admission for random readers: the first random read of
@@ -296,15 +318,18 @@ class Reader:
                 block = await self.block(part.key)
                 dest[:] = memoryview(block)[part.block_off : part.block_off + part.length]
             else:
-                self.stats["range_fetches"] += 1
-                data = await self.source.fetch(part.key, part.block_off, part.length)
-                if len(data) != part.length:
-                    raise CacheFSError(
-                        f"block {part.key.hex()} returned {len(data)} bytes, wanted {part.length}"
-                    )
-                dest[:] = data
+                dest[:] = await self._fetch_range(part)
 
         return run
+
+    async def _fetch_range(self, part: BlockPart) -> bytes | bytearray | memoryview:
+        self.stats["range_fetches"] += 1
+        data = await self.source.fetch(part.key, part.block_off, part.length)
+        if len(data) != part.length:
+            raise CacheFSError(
+                f"block {part.key.hex()} returned {len(data)} bytes, wanted {part.length}"
+            )
+        return data
 
     async def block(self, key: BlockKey) -> Block:
         """A whole block, from L1 or fetched once however many tasks ask."""

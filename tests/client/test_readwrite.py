@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from cachefs import commands as C
 from cachefs.client.inodes import Inode
 from cachefs.client.l1 import L1Cache
+from cachefs.client.l2 import CachedBlocks, L2Cache
 from cachefs.client.reader import Reader
 from cachefs.client.writer import FileWriter
 from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Unavailable
@@ -367,3 +368,28 @@ async def test_a_block_read_at_random_twice_is_cached_whole(nursery) -> None:
         assert await reader.read(inode, off, 4096, ra) == data[off : off + 4096]
     # range, range, then the second touch of block 2 fetches it whole, then L1
     assert [length for _, _, length in src.fetches] == [4096, 4096, -1]
+
+
+async def test_random_reader_of_l2_blocks_reads_ranges_not_whole_blocks(nursery, tmp_path) -> None:
+    """A block in L2 read at random twice stays a range read (one pread of the
+    range each time), not a whole block pulled into L1 on the second touch."""
+    src = InProcess()
+    inode = src.new_file()
+    data = random.randbytes(8 * BLOCK)
+    writer = _writer(src, inode, nursery, limit=16 * BLOCK)
+    await writer.write(0, data)
+    await writer.flush()
+    l2 = L2Cache.open(tmp_path, 8 * BLOCK, VOL, free_space_ratio=0.0, nursery=nursery)
+    reader = Reader(CachedBlocks(src, l2), L1Cache(8 * BLOCK), nursery=nursery, readahead_max=BLOCK)
+    (slice_,) = await src.read_chunk(inode.ino, 0)
+    for index in (1, 6):  # into L2, as a fetch from the tier would put them
+        await reader.source.fetch(BlockKey(slice_.id, index))
+    while l2._queued:
+        await trio.sleep(0.01)
+    reader.l1.clear()
+    src.fetches.clear()
+    ra = reader.new_readahead()
+    for off in (6 * BLOCK + 100, BLOCK + 5000, 6 * BLOCK + 100, BLOCK + 5000):  # not sequential
+        assert await reader.read(inode, off, 4096, ra) == data[off : off + 4096]
+    assert src.fetches == [] and len(reader.l1) == 0
+    assert l2.stats["l2_hit_bytes"] == 4 * 4096  # ranges only, each from L2
