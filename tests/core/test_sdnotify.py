@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,34 @@ def test_watchdog_interval(monkeypatch) -> None:
     assert sdnotify.watchdog_interval() == 15.0
     monkeypatch.setenv("WATCHDOG_PID", str(os.getppid()))  # meant for another process
     assert sdnotify.watchdog_interval() is None
+
+
+def test_pings_come_from_the_loop_so_a_hung_loop_stops_them(monkeypatch, notify_socket) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", notify_socket.name)
+    monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    pings: list[float] = []
+    reader = threading.Thread(target=lambda: pings.extend(notify_socket.pings(3.0)))
+    reader.start()
+    hung: list[float] = []
+
+    async def daemon() -> None:
+        async with trio.open_nursery() as nursery:
+            sdnotify.serving(nursery, "test")
+            await trio.sleep(0.6)
+            hung.append(time.monotonic())
+            time.sleep(1.2)  # a handler that blocks the loop: systemd must see the pings stop
+            hung.append(time.monotonic())
+            await trio.sleep(0.6)
+            nursery.cancel_scope.cancel()
+
+    trio.run(daemon)
+    reader.join()
+    start, end = hung
+    assert notify_socket.received[0][1] == "READY=1\nSTATUS=test"
+    assert sum(t < start for t in pings) >= 2 and sum(t > end for t in pings) >= 2, (hung, pings)
+    during = [t for t in pings if start + 0.1 < t < end]
+    assert not during, f"pinged while the loop was blocked ({start:.2f}..{end:.2f}): {during}"
 
 
 # ---------------------------------------------------------------- the daemons
