@@ -21,9 +21,10 @@ leadership confirmed by a quorum at most half an election timeout ago serves
 reads without another round (the issue's "leader lease bounded by the
 election timeout"): followers that confirmed it ignore votes for an election
 timeout after hearing from it (check-quorum in ``raft/core.py``), so no other
-leader can exist yet. As with etcd's lease reads this trusts clock rates, and
-a follower that crashes and restarts inside the lease forgets it; turn the
-lease off (``--no-read-lease``) to pay one heartbeat round per read instead.
+leader can exist yet (``raft/lease.py``; a follower restarted inside the
+lease keeps that promise too). As with etcd's lease reads this trusts clock
+rates; turn the lease off (``--no-read-lease``) to pay one heartbeat round
+per read instead.
 A follower answers everything with ``NotLeader(leader=addr)``.
 
 Soft state lives here, on the leader only: the last heartbeat of every
@@ -52,6 +53,7 @@ from cachefs.rpc import rpc_method
 
 from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
+from .raft.lease import ReadLease, lease_duration
 
 if TYPE_CHECKING:
     from .raft.driver import RaftNode
@@ -62,7 +64,6 @@ T = TypeVar("T")
 
 SESSION_TIMEOUT = 60.0
 NODE_TIMEOUT = 15.0
-LEASE_FRACTION = 0.5  # of the shortest election timeout
 
 
 def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
@@ -115,8 +116,7 @@ class MetaService:
     ) -> None:
         self.state = state
         self.read_lease = read_lease
-        self._lease_term = -1
-        self._lease_until = 0.0
+        self._lease: ReadLease | None = None  # made once the node (its timing) is known
         self.node = node
         self.session_timeout = session_timeout
         self.node_timeout = node_timeout
@@ -146,10 +146,9 @@ class MetaService:
         """Whether the lease lets us read now, without a round to the followers."""
         node = self._raft()
         return (
-            self.read_lease
+            self._lease is not None
             and node.is_leader
-            and node.term == self._lease_term
-            and time.monotonic() < self._lease_until
+            and self._lease.valid(node.term, time.monotonic())
         )
 
     def _answer(self, read: Callable[[MetaState], T]) -> T | Awaitable[T]:
@@ -170,10 +169,10 @@ class MetaService:
         start = time.monotonic()  # the confirming heartbeats leave after this
         await node.read_index()
         if self.read_lease and node.is_leader:
-            lease = LEASE_FRACTION * node.core.config.election_tick * node.dconfig.tick_interval
-            if node.term != self._lease_term or start + lease > self._lease_until:
-                self._lease_term = node.term
-                self._lease_until = start + lease
+            if self._lease is None:
+                self._lease = ReadLease(lease_duration(node.core.config.election_tick,
+                                                       node.dconfig.tick_interval))
+            self._lease.confirmed(node.term, start)
         return self.state
 
     def _check_leadership(self) -> None:

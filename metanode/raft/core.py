@@ -38,7 +38,10 @@ entry of the current term [5.4.2]; the leader counts its own log only once it
 is on disk (``advance``). Liveness extras: pre-vote and check-quorum, so a
 node cut off from the majority cannot depose a healthy leader when it returns
 (followers in contact with a leader ignore votes for a newer term, the
-"lease"), and a leader that lost the majority steps down.
+"lease", and so does a replica in its first election timeout after a restart,
+since it may have made that promise just before it crashed), and a leader
+that lost the majority steps down. ``lease.py`` builds the leader's read
+lease on that promise.
 """
 
 from __future__ import annotations
@@ -308,6 +311,12 @@ class RaftCore:
         self.heartbeat_elapsed = 0
         self._randomized_timeout = 0
         self._become_follower(self.term, NONE)
+        # A replica restarted with a term on disk may have promised a leader,
+        # just before it crashed, to vote for nobody else for an election
+        # timeout (the leader may be serving reads on that promise): it keeps
+        # the promise for its first election timeout, as if it had just heard
+        # from that leader. ``_reset`` ends it.
+        self._restart_lease = hs.term > 0
 
     # ------------------------------------------------------------------ API
     @property
@@ -388,7 +397,7 @@ class RaftCore:
             if isinstance(m, Vote):
                 in_lease = (
                     self.config.check_quorum
-                    and self.lead != NONE
+                    and (self.lead != NONE or self._restart_lease)
                     and self.election_elapsed < self.config.election_tick
                 )
                 if in_lease:
@@ -525,6 +534,7 @@ class RaftCore:
             self.term = term
             self.vote = NONE
         self.lead = NONE
+        self._restart_lease = False
         self.election_elapsed = 0
         self.heartbeat_elapsed = 0
         et = self.config.election_tick

@@ -27,7 +27,8 @@ import msgpack
 from cachefs.errors import NotLeader
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft import storage
-from cachefs.metanode.raft.core import RaftConfig, RaftCore, Ready, Role
+from cachefs.metanode.raft.core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
+from cachefs.metanode.raft.lease import LEASE_FRACTION, ReadLease
 from cachefs.metanode.raft.messages import EntryKind, Message, Snapshot, SnapshotMeta
 
 TICK = 10  # time units per tick
@@ -125,6 +126,8 @@ class Params:
     clients: int = 3
     max_ops: int = 24
     election_tick: int = 5
+    lease: bool = False  # the leader answers reads under a lease (as MetaService does)
+    lease_fraction: float = LEASE_FRACTION  # of an election timeout (tests make it unsafe)
 
 
 class SafetyViolation(AssertionError):
@@ -192,8 +195,10 @@ class SimNode:
         self.tick_period = TICK
         self.busy: Ready | None = None
         self.pending: dict[int, tuple[int, Op]] = {}  # index -> (term, op)
-        self.reads: dict[int, Op] = {}  # read seq -> get op
-        self.released: list[tuple[int, Op]] = []  # (index, op) waiting for apply
+        # read seq -> (get op, local clock when the read-index round began, term)
+        self.reads: dict[int, tuple[Op, float, int]] = {}
+        self.released: list[tuple[int, Op, float, int]] = []  # waiting for apply
+        self.lease = ReadLease(sim.lease_duration)
         self.applied = 0
         self.core: RaftCore
         self.sm = KV()
@@ -221,6 +226,7 @@ class SimNode:
         self.busy = None
         self.inbox = []
         self.paused_until = 0
+        self.lease = ReadLease(sim.lease_duration)  # a new process remembers no lease
         self.process()
 
     def crash(self) -> None:
@@ -251,12 +257,23 @@ class SimNode:
             self.inbox.append((op, command))
             self.process()
 
+    def local_now(self) -> float:
+        """This node's clock: it runs at TICK per tick_period of real time."""
+        return self.sim.now * TICK / self.tick_period
+
     def _submit(self, op: Op, command: bytes | None) -> None:
         """A client attempt; NotLeader comes back as a hint."""
         client = self.sim.clients[op.client]
+        sim = self.sim
         try:
             if command is None:
-                self.reads[self.core.read_index()] = op
+                core = self.core
+                if sim.params.lease and core.is_leader and self.lease.valid(core.term,
+                                                                            self.local_now()):
+                    sim.lease_reads += 1  # what MetaService does: answer at once
+                    sim.complete(op, self.sm.data.get(op.key))
+                    return
+                self.reads[core.read_index()] = (op, self.local_now(), core.term)
             else:
                 first, term = self.core.propose([command])
                 self.pending[first] = (term, op)
@@ -278,7 +295,11 @@ class SimNode:
                 elif type(m) is tuple:
                     self._submit(*m)
                 else:
-                    self.core.step(m)
+                    try:
+                        self.core.step(m)
+                    except InvalidMessage as exc:
+                        raise SafetyViolation(f"node {self.id} refused an honest message: "
+                                              f"{exc}") from None
             if not self.core.has_ready():
                 return
             rd = self.core.ready()
@@ -328,16 +349,18 @@ class SimNode:
                 waiting[1].index = e.index
                 sim.complete(waiting[1], result)
         for rs in rd.read_states:
-            op = self.reads.pop(rs.seq, None)
-            if op is not None:
-                self.released.append((rs.index, op))
+            read = self.reads.pop(rs.seq, None)
+            if read is not None:
+                self.released.append((rs.index, *read))
         if self.released:
             still = []
-            for index, op in self.released:
+            for index, op, started, term in self.released:
                 if self.applied >= index:
                     sim.complete(op, self.sm.data.get(op.key))
+                    if sim.params.lease and self.core.is_leader and self.core.term == term:
+                        self.lease.confirmed(term, started)
                 else:
-                    still.append((index, op))
+                    still.append((index, op, started, term))
             self.released = still
         self.core.advance(rd)
         every = sim.params.snapshot_every
@@ -378,6 +401,8 @@ class Sim:
         self.loss = params.loss
         self.dup = params.dup
         self.checker = Checker()
+        self.lease_duration = params.lease_fraction * params.election_tick * TICK
+        self.lease_reads = 0
         self.history: list[Op] = []
         self.clients = [Client(c) for c in range(params.clients)]
         self.value = 0

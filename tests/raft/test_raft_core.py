@@ -43,6 +43,9 @@ class Net:
             hs, ents = (logs or {}).get(i, (HardState(), []))
             self.cores[i] = RaftCore(i, self.ids, rng=random.Random(i), config=config,
                                      hard_state=hs, entries=ents)
+            # A scripted log is a history to start from, not a crash inside a
+            # leader's lease: no restart promise to keep (tested on its own).
+            self.cores[i]._restart_lease = False
         self.blocked: set[tuple[int, int]] = set()
         self.sent: list[Message] = []
         self.applied: dict[int, list[Entry]] = {i: [] for i in self.ids}
@@ -306,3 +309,25 @@ def test_codec_fuzz_raises_only_protocol_error(data: bytes) -> None:
         wire.decode_batch(data)
     except ProtocolError:
         pass
+
+
+def test_a_restarted_replica_keeps_its_lease_promise() -> None:
+    """Restarted with a term on disk, a replica ignores votes for a newer
+    term for its first election timeout (it may have promised a leader that
+    serves lease reads), then votes again."""
+    hs, log = HardState(2, 1, 1), [Entry(1, 1), Entry(2, 2)]
+    core = RaftCore(2, [1, 2, 3], rng=random.Random(0), config=CFG, hard_state=hs, entries=log)
+    core.advance(core.ready())
+    core.step(Vote(3, 3, 2, 2, 2))
+    assert core.term == 2 and not core.has_ready()  # ignored: no answer, no term change
+    for _ in range(CFG.election_tick):
+        core.tick()
+        if core.role is not Role.FOLLOWER:
+            break
+    if core.role is Role.FOLLOWER:  # its own timer did not fire first
+        core.step(Vote(3, 3, 2, 2, 2))
+        assert core.term == 3 and core.vote == 3
+    # A fresh replica (term 0) made no promise.
+    fresh = RaftCore(2, [1, 2, 3], rng=random.Random(0), config=CFG)
+    fresh.step(Vote(1, 3, 2, 0, 0))
+    assert fresh.term == 1 and fresh.vote == 3

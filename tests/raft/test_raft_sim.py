@@ -14,11 +14,14 @@ from __future__ import annotations
 import os
 import random
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .sim import Params, Sim, check_linearizable
+from cachefs.metanode.raft.lease import LEASE_FRACTION
+
+from .sim import TICK, Op, Params, Sim, SimNode, check_linearizable
 
 EXAMPLES = int(os.environ.get("CACHEFS_RAFT_EXAMPLES", "1500"))
 
@@ -26,6 +29,7 @@ EXAMPLES = int(os.environ.get("CACHEFS_RAFT_EXAMPLES", "1500"))
 def params_for(seed: int, nodes: int) -> Params:
     """The fault mix of a schedule, drawn from its seed."""
     r = random.Random(seed ^ 0x5EED)
+    lease = r.random() < 0.5
     return Params(
         nodes=nodes,
         loss=r.choice((0.0, 0.05, 0.2)),
@@ -34,8 +38,12 @@ def params_for(seed: int, nodes: int) -> Params:
         crash_weight=r.choice((0, 1, 3)),
         disk_delay=r.choice((2, 8, 20)),
         fault_every=r.choice((20, 60)),
-        drift=r.choice((0, 2, 5)),
+        # Lease reads assume clock rates within a bound (lease.py): at most
+        # 12/8 apart here, under the 1.6 that 5 ticks allow. Without the
+        # lease, clocks may differ threefold.
+        drift=r.choice((0, 2) if lease else (0, 2, 5)),
         max_ops=r.choice((12, 24)),
+        lease=lease,
     )
 
 
@@ -89,3 +97,99 @@ def test_schedules_exercise_the_faults() -> None:
     assert totals["snapshots"] >= 20, totals
     assert totals["syncs"] >= 1000, totals
     assert totals["installs"] >= 10, totals
+
+
+# ------------------------------------------------------------ lease reads
+def _leader(sim: Sim, among: list[int] | None = None) -> SimNode | None:
+    for n in sim.nodes.values():
+        if n.alive and n.core.is_leader and (among is None or n.id in among):
+            return n
+    return None
+
+
+def _do(sim: Sim, node: SimNode, kind: str, key: str, a: int | None = None) -> Op:
+    """One client operation sent to ``node`` (client 0, which runs nothing else)."""
+    client = sim.clients[0]
+    client.seq += 1
+    op = Op(0, kind, key, a, None, inv=sim._stamp())
+    client.op = op
+    sim.history.append(op)
+    node.submit(op, None if kind == "get" else msgpack.packb([
+        "c0", client.seq, kind, key, a, None]))
+    return op
+
+
+def stale_leader_read(lease_fraction: float) -> Sim:
+    """The leader confirms its lease, then is cut off and stalls (a GC pause:
+    no ticks, so check-quorum cannot depose it). The others elect a leader
+    and write; then a read reaches the stalled one first. Only a lease that
+    outlives the followers' promise lets it answer."""
+    sim = Sim(11, Params(nodes=3, lease=True, lease_fraction=lease_fraction, max_ops=0))
+    assert sim.run_until(40 * TICK, stop=lambda: _leader(sim) is not None
+                         and _leader(sim).core.committed > 0)
+    old = _leader(sim)
+    assert old is not None
+    for op in (_do(sim, old, "put", "x", 1), _do(sim, old, "get", "x")):
+        assert sim.run_until(sim.now + 20 * TICK, stop=lambda op=op: op.resp is not None)
+    others = [i for i in sim.ids if i != old.id]
+    sim.blocked = {(a, b) for a in sim.ids for b in sim.ids
+                   if a != b and (a == old.id) != (b == old.id)}
+    old.pause(60 * TICK)
+    assert sim.run_until(sim.now + 40 * TICK, stop=lambda: _leader(sim, others) is not None)
+    new = _leader(sim, others)
+    assert new is not None
+    write = _do(sim, new, "put", "x", 2)
+    assert sim.run_until(sim.now + 20 * TICK, stop=lambda: write.resp is not None)
+    read = _do(sim, old, "get", "x")
+    sim.run_until(old.paused_until + 5 * TICK)
+    assert read.resp is not None or lease_fraction <= LEASE_FRACTION
+    return sim
+
+
+def test_a_lease_that_outlives_the_followers_promise_is_caught() -> None:
+    """The lease model bites: a lease fifty election timeouts long answers a
+    stale read, and the linearizability check says so."""
+    sim = stale_leader_read(50.0)
+    assert sim.lease_reads >= 1
+    with pytest.raises(AssertionError, match="not linearizable"):
+        check_linearizable(sim.history)
+
+
+def test_the_real_lease_does_not_answer_the_stale_read() -> None:
+    sim = stale_leader_read(LEASE_FRACTION)
+    check_linearizable(sim.history)
+
+
+def test_a_restarted_follower_keeps_the_promise_it_made_before_the_crash() -> None:
+    """Node A confirms the leader's lease, then crashes and restarts at once.
+    Had it forgotten its promise (to vote for nobody else for an election
+    timeout), B, cut off from the leader, would win with A's vote and write,
+    and the old leader, now cut off too, would answer a read from its lease
+    with the old value."""
+    sim = Sim(5, Params(nodes=3, lease=True, max_ops=0, max_delay=2, disk_delay=1))
+    assert sim.run_until(40 * TICK, stop=lambda: _leader(sim) is not None
+                         and _leader(sim).core.committed > 0)
+    old = _leader(sim)
+    assert old is not None
+    a, b = (sim.nodes[i] for i in sim.ids if i != old.id)
+    op = _do(sim, old, "put", "x", 1)
+    assert sim.run_until(sim.now + 20 * TICK, stop=lambda: op.resp is not None)
+    sim.blocked = {(old.id, b.id), (b.id, old.id)}
+    sim.run_until(sim.now + 2 * TICK)
+    started = sim.now
+    op = _do(sim, old, "get", "x")  # confirms the lease through A
+    assert sim.run_until(sim.now + TICK, stop=lambda: op.resp is not None)
+    sim.blocked |= {(a.id, old.id), (old.id, a.id)}  # now the old leader is cut off
+    a.crash()
+    a.start()
+    b.core.campaign()  # B's election timer fires now
+    b.process()
+    sim.run_until(sim.now + 8, stop=lambda: b.core.is_leader)
+    if b.core.is_leader:
+        op = _do(sim, b, "put", "x", 2)
+        sim.run_until(sim.now + 8, stop=lambda: op.resp is not None)
+    read = _do(sim, old, "get", "x")
+    assert sim.now - started < sim.lease_duration  # still inside the old leader's lease
+    sim.run_until(sim.now + 2 * TICK)
+    assert sim.lease_reads >= 1 or read.resp is None
+    check_linearizable(sim.history)
