@@ -46,6 +46,7 @@ lease on that promise.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ from .messages import (
     HeartbeatResp,
     InstallSnapshot,
     Message,
+    Probe,
+    ProbeResp,
     Snapshot,
     SnapshotMeta,
     Vote,
@@ -281,6 +284,13 @@ class RaftCore:
         snapshot: Snapshot | None = None,
         entries: list[Entry] | None = None,
     ) -> None:
+        """``hard_state.discovering`` marks a new disk (``storage.NEW_DISK``):
+        then the replica cannot tell a new cluster from a lost disk, and asks
+        its peers first (``_finish_discovery``).
+
+        Raises:
+            InvalidArgument: ``node_id`` is not one of distinct ``voters``.
+        """
         if node_id == NONE or node_id not in voters or len(set(voters)) != len(voters):
             raise InvalidArgument(
                 f"raft: node id {node_id} must be one of distinct voters {voters}"
@@ -298,7 +308,16 @@ class RaftCore:
         self.vote = hs.vote
         self.lead = NONE
         self.role = Role.FOLLOWER
-        self._persisted = HardState(hs.term, hs.vote, self.log.committed)
+        self._persisted = dataclasses.replace(hs, commit=self.log.committed)
+        self.rebuilding = hs.rebuilding
+        # A new disk is a new cluster's, or a replica's whose disk was lost:
+        # ask the peers before anything else (``_finish_discovery``).
+        self.discovering = hs.discovering and len(self.voters) > 1
+        # Answers needed: enough peers to meet every quorum this replica may
+        # have been part of without itself (n - q + 1 of the n - 1 others).
+        self._probe_need = min(len(self.voters) - self.quorum + 1, len(self.voters) - 1)
+        self._probe_terms: dict[int, int] = {}
+        self._probe_nonce = rng.getrandbits(62)
         self._out = _Out()
         self._votes: dict[int, bool] = {}
         self.prs: dict[int, Progress] = {}
@@ -317,6 +336,8 @@ class RaftCore:
         # the promise for its first election timeout, as if it had just heard
         # from that leader. ``_reset`` ends it.
         self._restart_lease = hs.term > 0
+        if self.discovering:
+            self._send_probes()
 
     # ------------------------------------------------------------------ API
     @property
@@ -335,14 +356,18 @@ class RaftCore:
         if self.role is Role.LEADER:
             self._tick_leader()
             return
+        if self.discovering:
+            self._send_probes()  # again: a peer may have been down
+            return
         self.election_elapsed += 1
-        if self.election_elapsed >= self._randomized_timeout:
+        if self.election_elapsed >= self._randomized_timeout and not self.rebuilding:
             self.election_elapsed = 0
             self._campaign(pre=self.config.pre_vote)
 
     def campaign(self) -> None:
-        """Start an election now (tests, or an operator's transfer)."""
-        if self.role is not Role.LEADER:
+        """Start an election now (tests, or an operator's transfer); not
+        while discovering or rebuilding (see ``_finish_discovery``)."""
+        if self.role is not Role.LEADER and not self.discovering and not self.rebuilding:
             self._campaign(pre=self.config.pre_vote)
 
     def propose(self, commands: list[bytes]) -> tuple[int, int]:
@@ -390,6 +415,17 @@ class RaftCore:
         if m.dst != self.id or m.src not in self.voters or m.src == self.id:
             return
         validate(m)
+        if isinstance(m, Probe):
+            self._send(ProbeResp(self.term, self.id, m.src, m.nonce))  # whatever our state
+            return
+        if isinstance(m, ProbeResp):
+            if self.discovering and m.nonce == self._probe_nonce:
+                self._probe_terms[m.src] = m.term
+                if len(self._probe_terms) >= self._probe_need:
+                    self._finish_discovery()
+            return
+        if self.discovering:
+            return  # nothing else until we know whether we forgot something
         if isinstance(m, InstallSnapshot):
             _check(tuple(sorted(m.snapshot.meta.voters)) == self.voters, m,
                    f"snapshot of voters {m.snapshot.meta.voters}, ours are {self.voters}")
@@ -449,7 +485,8 @@ class RaftCore:
             bool(entries)
             or (
                 hard is not None
-                and (hs.term, hs.vote) != (self._persisted.term, self._persisted.vote)
+                and dataclasses.replace(hs, commit=0)
+                != dataclasses.replace(self._persisted, commit=0)
             )
             or self.log.pending_snapshot is not None
         )
@@ -511,7 +548,8 @@ class RaftCore:
 
     # ------------------------------------------------------------ internals
     def _hard_state(self) -> HardState:
-        return HardState(self.term, self.vote, self.log.committed)
+        return HardState(self.term, self.vote, self.log.committed, self.rebuilding,
+                         self.discovering)
 
     def _soft_state(self) -> SoftState:
         return SoftState(self.lead, self.role, self.term)
@@ -587,17 +625,11 @@ class RaftCore:
         self._bcast_append()
 
     def _handle_vote(self, m: Vote) -> None:
-        can_vote = (
+        can_vote = not self.rebuilding and (
             self.vote == m.src
             or (self.vote == NONE and self.lead == NONE)
             or (m.pre and m.term > self.term)
         )
-        if self.log.last_index() == 0 and m.last_index > 0:
-            # An empty log that is not the cluster's bootstrap (the candidate
-            # holds entries): we were rebuilt from a wiped directory and forgot
-            # the entries we helped commit, so our vote could elect a replica
-            # missing them. Vote again once a leader has caught us up.
-            can_vote = False
         if can_vote and self.log.is_up_to_date(m.last_index, m.last_term):
             self._send(VoteResp(m.term, self.id, m.src, True, m.pre))
             if not m.pre:
@@ -605,6 +637,40 @@ class RaftCore:
                 self.vote = m.src
         else:
             self._send(VoteResp(self.term, self.id, m.src, False, m.pre))
+
+    # -- an empty disk
+    def _send_probes(self) -> None:
+        for v in self.voters:
+            if v != self.id and v not in self._probe_terms:
+                self._send(Probe(self.term, self.id, v, self._probe_nonce))
+
+    def _finish_discovery(self) -> None:
+        """Enough peers told us their terms (see ``__init__``).
+
+        All at term 0: the cluster is new and so are we; go ahead. Otherwise
+        our disk was lost (wiped, or moved aside after damage): we may have
+        voted or acknowledged entries in any term up to the highest one
+        heard, since every quorum we were in overlaps the peers that
+        answered. So we take that term, and vote for nobody and stand for
+        nothing (``rebuilding``, kept on disk) until a leader of our term has
+        caught us up: then our log holds everything committed before, and our
+        vote cannot help elect a leader that lacks it.
+        """
+        self.discovering = False
+        top = max(self._probe_terms.values(), default=0)
+        self._probe_terms = {}
+        if top > 0:
+            self.rebuilding = True
+            self._become_follower(top, NONE)
+
+    def _maybe_rebuilt(self, m: Append) -> None:
+        """A rebuilding follower is caught up once it holds, as committed,
+        everything its leader had committed (``m.commit``), including an
+        entry of the leader's term: before that entry, the leader commits
+        nothing, so nothing committed earlier is missing from our log."""
+        log = self.log
+        if log.committed >= m.commit and log.term(log.committed) == self.term:
+            self.rebuilding = False
 
     # -- follower / candidate
     def _step_follower(self, m: Message) -> None:
@@ -653,6 +719,8 @@ class RaftCore:
             return
         last_new = log.maybe_append(m.prev_index, m.prev_term, m.commit, m.entries)
         if last_new is not None:
+            if self.rebuilding:
+                self._maybe_rebuilt(m)
             self._send(AppendResp(self.term, self.id, m.src, last_new))
             return
         hint_index, hint_term = log.find_conflict_by_term(

@@ -76,6 +76,9 @@ RAFT_FSYNC = Histogram("cachefs_raft_wal_sync_seconds", "WAL write + fsync per R
 RAFT_BATCH = Histogram("cachefs_raft_proposals_per_append", "Proposals batched into one append",
                        ["node"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
 RAFT_SNAPSHOTS = Counter("cachefs_raft_snapshots_total", "Snapshots taken or installed", ["node"])
+RAFT_REBUILDING = Gauge("cachefs_raft_rebuilding",
+                        "1 while this replica's disk is new or was lost and it has not caught up "
+                        "(asking its peers' terms, or rebuilding from the leader)", ["node"])
 RAFT_REFUSED = Counter("cachefs_raft_refused_messages_total",
                        "Peer messages dropped as invalid: forged, or from a buggy peer",
                        ["node", "type"])
@@ -177,7 +180,9 @@ class RaftNode:
         self._m_batch = RAFT_BATCH.labels(label)
         self._m_snapshots = RAFT_SNAPSHOTS.labels(label)
         self._m_storage_errors = RAFT_STORAGE_ERRORS.labels(label)
+        self._m_rebuilding = RAFT_REBUILDING.labels(label)
         self._label = label
+        self._disk_state = (False, False)  # (discovering, rebuilding) as last reported
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
                       "send_errors": 0, "storage_errors": 0, "refused": 0,
                       "inbox_dropped": 0}
@@ -393,6 +398,8 @@ class RaftNode:
                     for peer in self._outbox:
                         nursery.start_soon(self._sender, peer)
                     self._wake.set()  # apply what the WAL says is committed
+                    if self.core.discovering or self.core.rebuilding:
+                        self._report_disk_state()
                     task_status.started()
                     await self._loop()
         finally:
@@ -494,6 +501,8 @@ class RaftNode:
                     still.append((index, waiters))
             self._released = still
         self.core.advance(rd)
+        if (self.core.discovering, self.core.rebuilding) != self._disk_state:
+            self._report_disk_state()
         self._m_commit.set(self.core.committed)
         self._m_applied.set(self.applied)
         if (
@@ -563,6 +572,23 @@ class RaftNode:
             for _, w, _ in self._proposed.values():
                 w.fail(err)
             self._proposed.clear()
+
+    def _report_disk_state(self) -> None:
+        core = self.core
+        was_rebuilding = self._disk_state[1]
+        self._disk_state = (core.discovering, core.rebuilding)
+        self._m_rebuilding.set(1 if core.discovering or core.rebuilding else 0)
+        if core.discovering:
+            log.info("raft node %d: a new disk; asking the peers' terms before taking part",
+                     self.id)
+        elif core.rebuilding:
+            log.warning("raft node %d: a new disk in a running cluster (term %d): rebuilding "
+                        "from the leader; it takes no part in elections until caught up",
+                        self.id, core.term)
+        elif was_rebuilding:
+            log.info("raft node %d: rebuilt, caught up with the leader", self.id)
+        else:
+            log.info("raft node %d: every peer is new too: a new cluster", self.id)
 
     def _start_snapshot(self) -> None:
         """Capture the state machine at the applied index and save it in the

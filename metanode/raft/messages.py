@@ -39,11 +39,21 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class HardState:
-    """What must be on disk before a node answers anyone (Raft figure 2)."""
+    """What must be on disk before a node answers anyone (Raft figure 2).
+
+    Two flags for a replica whose disk is new (see ``core.py``):
+    ``discovering``: it has not yet heard enough peers' terms to tell a new
+    cluster from a lost disk, so it does nothing else (set when the storage
+    is created); ``rebuilding``: it was a lost disk, so it may have forgotten
+    votes and entries it promised, and it takes no part in elections until a
+    leader has caught it up. On disk so that a restart does not forget them.
+    """
 
     term: int = 0
     vote: int = NONE
     commit: int = 0
+    rebuilding: bool = False
+    discovering: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +152,30 @@ class InstallSnapshot:
     snapshot: Snapshot
 
 
-Message = Vote | VoteResp | Append | AppendResp | Heartbeat | HeartbeatResp | InstallSnapshot
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """"What is your term?", from a replica with an empty disk (``term`` 0).
+    ``nonce`` is fresh per start-up: an answer to an earlier incarnation's
+    probe, still in flight, must not count."""
+
+    term: int
+    src: int
+    dst: int
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResp:
+    """The answer to a Probe: ``term`` is the sender's current term."""
+
+    term: int
+    src: int
+    dst: int
+    nonce: int
+
+
+Message = (Vote | VoteResp | Append | AppendResp | Heartbeat | HeartbeatResp | InstallSnapshot
+           | Probe | ProbeResp)
 
 # ---------------------------------------------------------------- encoding
 # A message is a msgpack array [tag, term, src, dst, *fields]; entries are
@@ -156,6 +189,8 @@ _TAGS: dict[type, int] = {
     Heartbeat: 5,
     HeartbeatResp: 6,
     InstallSnapshot: 7,
+    Probe: 8,
+    ProbeResp: 9,
 }
 
 
@@ -184,6 +219,8 @@ def _to_list(m: Message) -> list[Any]:
             return [*head, m.ctx, m.reject, m.hint_index]
         case InstallSnapshot():
             return [*head, _snapshot_out(m.snapshot)]
+        case Probe() | ProbeResp():
+            return [*head, m.nonce]
     raise TypeError(f"not a raft message: {m!r}")
 
 
@@ -236,7 +273,7 @@ def snapshot_from_list(raw: Any) -> Snapshot:
     return Snapshot(meta, _bytes(raw[3], "snapshot data"))
 
 
-_ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 7, 7: 5}
+_ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 7, 7: 5, 8: 5, 9: 5}
 
 
 def _from_list(raw: Any) -> Message:
@@ -286,6 +323,10 @@ def _from_list(raw: Any) -> Message:
     if tag == 6:
         return HeartbeatResp(term, src, dst, _uint(raw[4], "ctx"), _bool(raw[5], "reject"),
                              _uint(raw[6], "hint_index"))
+    if tag == 8:
+        return Probe(term, src, dst, _uint(raw[4], "nonce"))
+    if tag == 9:
+        return ProbeResp(term, src, dst, _uint(raw[4], "nonce"))
     return InstallSnapshot(term, src, dst, snapshot_from_list(raw[4]))
 
 

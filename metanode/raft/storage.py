@@ -44,6 +44,7 @@ writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import struct
@@ -65,6 +66,7 @@ BASE, ENTRY, HARD_STATE, READY = 1, 2, 3, 4
 _HEADER = struct.Struct(">IIB")
 MAX_RECORD = 1 << 30
 SNAP_MAGIC = b"CFSNAP1\n"
+NEW_DISK = HardState(discovering=True)  # the hard state a new WAL starts with
 WAL_NAME = "wal.log"
 
 
@@ -83,7 +85,9 @@ def encode_entries(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
 
 
 def encode_hard_state(hs: HardState) -> bytes:
-    return _record(HARD_STATE, msgpack.packb([hs.term, hs.vote, hs.commit]))
+    flags = hs.rebuilding | hs.discovering << 1
+    fields = [hs.term, hs.vote, hs.commit] + ([flags] if flags else [])
+    return _record(HARD_STATE, msgpack.packb(fields))
 
 
 def encode_base(index: int, term: int) -> bytes:
@@ -143,9 +147,9 @@ def replay(records: list[tuple[int, Any]], snapshot: SnapshotMeta) -> Replayed:
         problem = problem or f"WAL base term {base_term} != snapshot term {snapshot.term}"
     last = s + len(entries)
     if hs.commit > last:
-        hs = HardState(hs.term, hs.vote, last)
+        hs = dataclasses.replace(hs, commit=last)
     if hs.commit < s:
-        hs = HardState(hs.term, hs.vote, s)
+        hs = dataclasses.replace(hs, commit=s)
     return Replayed(hs, entries, problem)
 
 
@@ -173,8 +177,11 @@ def _decode_payload(kind: int, payload: bytes) -> Any:
             raise ValueError("bad entry")
         return Entry(int(term), int(index), data, EntryKind(ekind))
     if kind == HARD_STATE:
-        term, vote, commit = obj
-        return HardState(int(term), int(vote), int(commit))
+        term, vote, commit, *more = obj
+        flags = more[0] if more else 0
+        if len(more) > 1 or type(flags) is not int or not 0 <= flags <= 3:
+            raise ValueError("bad hard state")
+        return HardState(int(term), int(vote), int(commit), bool(flags & 1), bool(flags & 2))
     if kind == BASE:
         index, term = obj
         return (int(index), int(term))
@@ -184,13 +191,14 @@ def _decode_payload(kind: int, payload: bytes) -> Any:
 # Resyncing after a bad record looks for the bytes a record header ends with:
 # its type and the head of its payload (BASE: a msgpack array of 2; READY:
 # the header of its first inner record, whose own payload is an array of 4
-# (ENTRY) or 3 (HARD_STATE)). Only these two start a write, so only they
+# (ENTRY) or 3 or 4 (HARD_STATE)). Only these two start a write, so only they
 # prove that something was written after the damage.
 _H = _HEADER.size
 _RESYNC = (
     (bytes((BASE, 0x92)), _H - 1, BASE),
     (bytes((ENTRY, 0x94)), 2 * _H - 1, READY),
     (bytes((HARD_STATE, 0x93)), 2 * _H - 1, READY),
+    (bytes((HARD_STATE, 0x94)), 2 * _H - 1, READY),
 )
 
 
@@ -374,7 +382,11 @@ class RaftStorage:
         meta = snapshot.meta if snapshot else SnapshotMeta()
         wal = d / WAL_NAME
         if not wal.exists():
-            _write_atomic(wal, encode_base(meta.index, meta.term))
+            # No WAL and no snapshot: a new disk, a new cluster's or a lost
+            # one's. The replica must ask its peers first (core.py), and must
+            # remember to until it has, even across a crash.
+            new = b"" if snapshot else encode_ready([], NEW_DISK)
+            _write_atomic(wal, encode_base(meta.index, meta.term) + new)
         raw = wal.read_bytes()
         rep, res = recover(raw, meta, str(wal))
         if res.problem is not None:

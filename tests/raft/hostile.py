@@ -26,6 +26,8 @@ from cachefs.metanode.raft.messages import (
     HeartbeatResp,
     InstallSnapshot,
     Message,
+    Probe,
+    ProbeResp,
     Snapshot,
     SnapshotMeta,
     Vote,
@@ -44,7 +46,8 @@ def _near(lo: int, hi: int) -> st.SearchStrategy[int]:
 
 
 TERMS = _near(0, 12)
-KINDS = ("vote", "vote_resp", "append", "append_resp", "heartbeat", "heartbeat_resp", "snapshot")
+KINDS = ("vote", "vote_resp", "append", "append_resp", "heartbeat", "heartbeat_resp", "snapshot",
+         "probe", "probe_resp")
 INDICES = _near(0, 60)
 
 
@@ -99,8 +102,12 @@ def messages(draw: st.DrawFn, members: tuple[int, ...], dst: int | None = None,
         m = Heartbeat(term, src, to, draw(INDICES), draw(INDICES))
     elif kind == "heartbeat_resp":
         m = HeartbeatResp(term, src, to, draw(INDICES), draw(st.booleans()), draw(INDICES))
-    else:
+    elif kind == "snapshot":
         m = InstallSnapshot(term, src, to, draw(snapshots(members)))
+    elif kind == "probe":
+        m = Probe(term, src, to, draw(INDICES))
+    else:
+        m = ProbeResp(term, src, to, draw(INDICES))
     try:
         decoded = wire.decode(wire.encode(m))
     except (OverflowError, ProtocolError):

@@ -4,10 +4,15 @@ Everything random comes from one ``random.Random(seed)``, so a schedule is
 replayed exactly from its seed. The network loses, duplicates, delays and
 reorders messages and can be partitioned (also one-way); nodes crash and
 restart from their simulated disk, which loses whatever was not synced (and
-may keep a torn prefix of it, run through the real WAL codec). Each node
-handles ``Ready`` the way ``driver.RaftNode`` does: eager messages, write,
-sync (a separate event, so crashes can land in between), messages, apply,
-advance.
+may keep a torn prefix of it, or the last write with zeroed pages in it),
+through the real WAL codec and start-up check (``storage.recover``). Disks
+also rot (a flipped bit in a synced record with records after it: start-up
+must refuse it, and the replica is rebuilt empty, as docs/raft.md says) and
+get lost (the replica restarts empty); one disk at a time, as the procedure
+demands. Leaders may answer reads under their lease (``lease.py``), by their
+own drifting clocks. Each node handles ``Ready`` the way ``driver.RaftNode``
+does: eager messages, write, sync (a separate event, so crashes can land in
+between), messages, apply, advance.
 
 After every event :class:`Checker` verifies election safety, log matching,
 leader completeness and state machine safety incrementally; client operations
@@ -24,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from cachefs.errors import NotLeader
+from cachefs.errors import Corrupt, NotLeader
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
@@ -70,22 +75,67 @@ class KV:
 
 
 class SimDisk:
+    """A replica's disk. ``frames`` are where each write began (a Ready is
+    one write, one WAL record); ``damaged`` marks damage the simulation did
+    on purpose, which start-up must refuse."""
+
     def __init__(self) -> None:
-        self.wal = bytearray(storage.encode_base(0, 0))
+        self.wal = bytearray(storage.encode_base(0, 0) + storage.encode_ready([], storage.NEW_DISK))
+        self.frames = [0]
         self.synced = len(self.wal)
         self.snapshot: bytes | None = None
         self.syncs = 0
+        self.damaged = False
+        self.garbled_tail = False  # the last write is garbage (a crash): not a whole record
+
+    def append(self, data: bytes) -> None:
+        if data:
+            self.frames.append(len(self.wal))
+            self.wal += data
+            self.garbled_tail = False
 
     def crash(self, rng: random.Random) -> None:
-        """Lose unsynced bytes; sometimes keep a torn prefix of them."""
+        """Lose unsynced bytes; sometimes keep a torn prefix of them, or the
+        whole last write with some of its pages never written (zeros)."""
         unsynced = len(self.wal) - self.synced
+        if unsynced and self.frames[-1] >= self.synced and rng.random() < 0.25:
+            start = rng.randrange(self.frames[-1], len(self.wal))
+            end = rng.randint(start + 1, len(self.wal))
+            self.wal[start:end] = bytes(end - start)
+            self.synced = len(self.wal)
+            self.garbled_tail = True
+            return
         keep = self.synced + (rng.randint(0, unsynced) if unsynced and rng.random() < 0.5 else 0)
+        self.garbled_tail = keep not in (*self.frames, len(self.wal))  # a torn last write
         del self.wal[keep:]
+        self.frames = [f for f in self.frames if f < keep] or [0]
         self.synced = len(self.wal)
+
+    def cut(self, length: int) -> None:
+        """What start-up does with a bad last record."""
+        del self.wal[length:]
+        self.frames = [f for f in self.frames if f < length] or [0]
+        self.synced = len(self.wal)
+        self.garbled_tail = False
 
     def replace_wal(self, data: bytes) -> None:  # write tmp + fsync + rename
         self.wal = bytearray(data)
+        self.frames = [0]
         self.synced = len(self.wal)
+        self.garbled_tail = False
+
+    def damage(self, rng: random.Random) -> bool:
+        """Flip a bit in a synced record that has whole records after it
+        (bit rot); False if there is none."""
+        whole = self.frames[:-1] if self.garbled_tail else self.frames
+        inner = whole[1:-1]
+        if not inner:
+            return False
+        frame = rng.choice(inner)
+        end = min(f for f in self.frames if f > frame)
+        self.wal[rng.randrange(frame, end)] ^= 1 << rng.randrange(8)
+        self.damaged = True
+        return True
 
 
 @dataclass
@@ -118,6 +168,7 @@ class Params:
     max_delay: int = 12
     fault_every: int = 60  # mean time units between faults
     crash_weight: int = 2
+    disk_weight: int = 0  # mid-WAL corruption, and wiped disks
     disk_delay: int = 4  # max time units an fsync takes
     drift: int = 0  # each node's tick period is TICK +- drift
     snapshot_every: int = 0  # 0: never
@@ -202,6 +253,7 @@ class SimNode:
         self.applied = 0
         self.core: RaftCore
         self.sm = KV()
+        self.disk_lost = False  # wiped or damaged, and not caught up since
         self.start()
 
     def start(self) -> None:
@@ -209,11 +261,23 @@ class SimNode:
         snap = storage.decode_snapshot(self.disk.snapshot) if self.disk.snapshot else None
         # What RaftStorage.open does: refuse damage before the tail (a crash
         # never makes that), cut a bad last record.
-        rep, res = storage.recover(bytes(self.disk.wal), snap.meta if snap else SnapshotMeta(),
-                                   f"node {self.id}")
+        try:
+            rep, res = storage.recover(bytes(self.disk.wal),
+                                       snap.meta if snap else SnapshotMeta(), f"node {self.id}")
+        except Corrupt as exc:
+            if not self.disk.damaged:
+                raise SafetyViolation(f"node {self.id} refused a WAL only a crash touched: "
+                                      f"{exc}") from None
+            # The documented way back: the operator moves the data aside and
+            # restarts the replica empty; it rebuilds from its peers.
+            sim.rebuilds += 1
+            self.disk = SimDisk()
+            self.start()
+            return
+        if self.disk.damaged:
+            raise SafetyViolation(f"node {self.id} started from a damaged WAL: {res.problem}")
         if res.problem is not None:
-            del self.disk.wal[res.valid_len:]
-            self.disk.synced = len(self.disk.wal)
+            self.disk.cut(res.valid_len)
         self.core = RaftCore(self.id, sim.ids, rng=random.Random(sim.rng.random()),
                              config=sim.config, hard_state=rep.hard_state, snapshot=snap,
                              entries=rep.entries)
@@ -228,6 +292,22 @@ class SimNode:
         self.paused_until = 0
         self.lease = ReadLease(sim.lease_duration)  # a new process remembers no lease
         self.process()
+
+    def rebuilding(self) -> bool:
+        """Its disk was lost, or is new, and it has not caught up since (a
+        replica that never finished its first start may have lost a disk
+        before, for all anyone can tell)."""
+        if not self.alive:  # what it will start from
+            if self.disk.damaged:
+                return True
+            snap = storage.decode_snapshot(self.disk.snapshot) if self.disk.snapshot else None
+            rep, _ = storage.recover(bytes(self.disk.wal), snap.meta if snap else SnapshotMeta(),
+                                     f"node {self.id}")
+            return self.disk_lost or rep.hard_state.rebuilding or rep.hard_state.discovering
+        core = self.core
+        if not (core.discovering or core.rebuilding):
+            self.disk_lost = False
+        return self.disk_lost or core.rebuilding or core.discovering
 
     def crash(self) -> None:
         self.alive = False
@@ -311,7 +391,7 @@ class SimNode:
             if rd.snapshot is not None:
                 self.disk.snapshot = storage.encode_snapshot(rd.snapshot)
                 self.disk.replace_wal(storage.encode_base(rd.snapshot.meta.index, rd.snapshot.meta.term))
-            self.disk.wal += storage.encode_ready(rd.entries, rd.hard_state)
+            self.disk.append(storage.encode_ready(rd.entries, rd.hard_state))
             if rd.must_sync and sim.rng.random() < 0.7:
                 self.busy = rd
                 sim.schedule(sim.rng.randint(1, sim.params.disk_delay), self.synced, rd)
@@ -403,6 +483,8 @@ class Sim:
         self.checker = Checker()
         self.lease_duration = params.lease_fraction * params.election_tick * TICK
         self.lease_reads = 0
+        self.damaged = 0  # WALs damaged before their tail
+        self.rebuilds = 0  # replicas started from an empty disk after a wipe or a refusal
         self.history: list[Op] = []
         self.clients = [Client(c) for c in range(params.clients)]
         self.value = 0
@@ -458,7 +540,9 @@ class Sim:
         if client.op is None:
             if len(self.history) >= self.params.max_ops:
                 return
-            kind = rng.choice(("put", "put", "cas", "get", "get"))
+            # Lease schedules read more: a lease lasts half an election timeout.
+            kind = rng.choice(("put", "cas", "get", "get", "get") if self.params.lease
+                              else ("put", "put", "cas", "get", "get"))
             if len(self.history) + 1 == self.params.max_ops and self.now >= self.params.fault_time:
                 kind = "put"  # the final probe
             key = rng.choice(("x", "y"))
@@ -513,8 +597,9 @@ class Sim:
         p = self.params
         choice = rng.choices(
             ("crash", "crash_leader", "restart", "partition", "isolate_leader", "oneway", "heal",
-             "loss", "pause"),
-            weights=(p.crash_weight, p.crash_weight, 3, 2, 2, 2, 3, 1, 2))[0]
+             "loss", "pause", "corrupt", "wipe"),
+            weights=(p.crash_weight, p.crash_weight, 3, 2, 2, 2, 3, 1, 2, p.disk_weight,
+                     p.disk_weight))[0]
         dead = [n for n in self.nodes.values() if not n.alive]
         alive = [n for n in self.nodes.values() if n.alive]
         leaders = [n for n in alive if n.core.is_leader]
@@ -541,6 +626,19 @@ class Sim:
             node.pause(rng.randint(1, 20) * TICK)
         elif choice == "loss":
             self.loss = rng.choice((0.0, 0.05, 0.3))
+        elif choice in ("corrupt", "wipe") and alive and not any(
+                n.rebuilding() for n in self.nodes.values()):
+            # One replica's disk at a time (docs/raft.md): until a rebuilt
+            # replica has caught up, its disk is as good as lost.
+            node = rng.choice(alive)
+            node.crash()
+            if choice == "wipe":  # a lost disk: the operator restarts it empty
+                node.disk = SimDisk()
+                node.disk_lost = True
+                self.rebuilds += 1
+            elif node.disk.damage(rng):  # bit rot before the WAL's tail
+                node.disk_lost = True
+                self.damaged += 1
         self.schedule(rng.randint(1, 2 * p.fault_every), self._fault, None)
 
     # -- the whole schedule

@@ -25,6 +25,8 @@ from cachefs.metanode.raft.messages import (
     HeartbeatResp,
     InstallSnapshot,
     Message,
+    Probe,
+    ProbeResp,
     Snapshot,
     SnapshotMeta,
     Vote,
@@ -252,6 +254,38 @@ def test_lagging_follower_gets_a_snapshot() -> None:
     assert net.cores[3].snapshot == snap
 
 
+def test_a_new_disk_asks_its_peers_first() -> None:
+    core = RaftCore(1, [1, 2, 3], rng=random.Random(0), config=CFG,
+                    hard_state=HardState(discovering=True))
+    rd = core.ready()
+    assert [type(m) for m in rd.messages] == [Probe, Probe]
+    core.advance(rd)
+    core.campaign()
+    core.step(Vote(1, 2, 1, 0, 0))
+    assert core.term == 0 and not core.has_ready()  # neither runs nor votes yet
+    nonce = rd.messages[0].nonce
+    core.step(ProbeResp(0, 2, 1, nonce + 1))  # an answer to an earlier start-up's probe
+    assert core.discovering
+    core.step(ProbeResp(0, 2, 1, nonce))
+    core.step(ProbeResp(0, 3, 1, nonce))  # every peer new too: a new cluster, go ahead
+    assert not core.discovering and not core.rebuilding
+    core.step(Vote(1, 2, 1, 0, 0))
+    assert core.vote == 2
+    # In a running cluster the same disk is a lost one: rebuild.
+    core = RaftCore(1, [1, 2, 3], rng=random.Random(0), config=CFG,
+                    hard_state=HardState(discovering=True))
+    rd = core.ready()
+    core.advance(rd)
+    core.step(ProbeResp(4, 2, 1, rd.messages[0].nonce))
+    core.step(ProbeResp(0, 3, 1, rd.messages[0].nonce))
+    assert core.rebuilding and core.term == 4
+    rd = core.ready()
+    assert rd.hard_state == HardState(4, 0, 0, rebuilding=True) and rd.must_sync
+    core.advance(rd)
+    core.step(Vote(5, 3, 1, 0, 0))
+    assert core.vote == 0 and not core.is_leader
+
+
 def test_ready_contract() -> None:
     core = RaftCore(1, [1, 2, 3], rng=random.Random(0), config=CFG)
     core.campaign()
@@ -278,6 +312,8 @@ SAMPLES: list[Message] = [
     HeartbeatResp(4, 2, 1, 17),
     HeartbeatResp(4, 3, 1, 17, True, 5),
     InstallSnapshot(4, 1, 2, Snapshot(SnapshotMeta(100, 3, (1, 2, 3)), b"\x00" * 50)),
+    Probe(0, 3, 1, 77),
+    ProbeResp(4, 1, 3, 77),
 ]
 
 
@@ -288,7 +324,7 @@ def test_codec_round_trips_every_message() -> None:
 
 
 @pytest.mark.parametrize("raw", [
-    [9, 1, 1, 1],
+    [99, 1, 1, 1],
     [1, -1, 1, 2, 0, 0, False],
     [1, 1, 1, 2, 0, 0, 1],
     [3, 1, 1, 2, 5, 1, [[1, 7, 0, b""]], 0],  # not contiguous after prev_index
@@ -327,7 +363,7 @@ def test_a_restarted_replica_keeps_its_lease_promise() -> None:
     if core.role is Role.FOLLOWER:  # its own timer did not fire first
         core.step(Vote(3, 3, 2, 2, 2))
         assert core.term == 3 and core.vote == 3
-    # A fresh replica (term 0) made no promise.
+    # A replica that never had a term made no promise.
     fresh = RaftCore(2, [1, 2, 3], rng=random.Random(0), config=CFG)
     fresh.step(Vote(1, 3, 2, 0, 0))
     assert fresh.term == 1 and fresh.vote == 3

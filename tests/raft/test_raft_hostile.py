@@ -10,14 +10,16 @@ driver logs and counts it) and changes nothing.
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachefs.metanode.raft.core import InvalidMessage, RaftCore
-from cachefs.metanode.raft.messages import Snapshot
+from cachefs.metanode.raft.messages import HardState, Snapshot
 
 from . import hostile
-from .test_raft_core import Net
+from .test_raft_core import CFG, Net
 
 MEMBERS = (1, 2, 3)
 
@@ -67,6 +69,7 @@ actions = st.one_of(
     st.tuples(st.just("tick"), st.sampled_from(MEMBERS), st.none()),
     st.tuples(st.just("propose"), st.none(), st.none()),
     st.tuples(st.just("compact"), st.sampled_from(MEMBERS), st.none()),
+    st.tuples(st.just("wipe"), st.sampled_from(MEMBERS), st.none()),
 )
 
 
@@ -88,10 +91,13 @@ def test_hostile_messages_never_crash_a_core(script: list) -> None:
             for c in net.cores.values():
                 if c.is_leader:
                     c.propose([hostile.command(8, len(net.sent))])
-        else:
+        elif action == "compact":
             c = net.cores[target]
             if c.applied > c.log.snap_index:
                 c.compact(Snapshot(c.snapshot_meta(c.applied), b"state"))
+        else:  # a new disk: discovering, then maybe rebuilding
+            net.cores[target] = RaftCore(target, list(MEMBERS), rng=random.Random(target),
+                                         config=CFG, hard_state=HardState(discovering=True))
         net.settle()
         for c in net.cores.values():
             check_core(c)

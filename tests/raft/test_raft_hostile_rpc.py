@@ -34,7 +34,14 @@ from cachefs.errors import CacheFSError, InvalidArgument, ProtocolError
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft import transfer
 from cachefs.metanode.raft.driver import DriverConfig
-from cachefs.metanode.raft.messages import InstallSnapshot, Message, Snapshot, SnapshotMeta
+from cachefs.metanode.raft.messages import (
+    HardState,
+    InstallSnapshot,
+    Message,
+    Snapshot,
+    SnapshotMeta,
+)
+from cachefs.metanode.raft.storage import RaftStorage
 from cachefs.rpc import RpcPool
 
 from . import hostile
@@ -205,8 +212,18 @@ needs_hwm_reset = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W
                                      reason="needs a writable /proc/self/clear_refs")
 
 
+def _used_disk(path: Path, term: int) -> None:
+    """A replica's disk that has taken part in the cluster up to ``term`` (a
+    new disk would only ask its peers' terms before it takes anything)."""
+    store = RaftStorage.open(path)
+    store.save([], HardState(term), sync=True)
+    store.close()
+
+
 async def _lone_follower(nursery: trio.Nursery, tmp_path: Path, max_snapshot: int) -> Cluster:
-    """Node 1 of three, alone: it takes snapshot chunks from 'leader' 2."""
+    """Node 1 of three, alone, on a disk that has taken part already (term
+    2): it takes snapshot chunks from 'leader' 2."""
+    _used_disk(tmp_path / "m1", 2)
     cluster = Cluster(nursery, tmp_path, driver_config=DriverConfig(
         tick_interval=0.02, max_snapshot=max_snapshot, fork_snapshots=False))
     await cluster.start(1)
@@ -307,6 +324,7 @@ async def test_a_message_is_taken_only_from_the_member_it_names(tmp_path: Path) 
 
     batch = wire.encode_batch([Heartbeat(1, 3, 1, 0, 0)])
     async with trio.open_nursery() as nursery:
+        _used_disk(tmp_path / "m1", 0)
         cluster = Cluster(nursery, tmp_path)
         await cluster.start(1)
         node, addr = cluster.replicas[1].node, cluster.peers[1]

@@ -36,6 +36,7 @@ def params_for(seed: int, nodes: int) -> Params:
         dup=r.choice((0.0, 0.05)),
         snapshot_every=r.choice((0, 3, 8)),
         crash_weight=r.choice((0, 1, 3)),
+        disk_weight=r.choice((0, 0, 1, 2)),
         disk_delay=r.choice((2, 8, 20)),
         fault_every=r.choice((20, 60)),
         # Lease reads assume clock rates within a bound (lease.py): at most
@@ -84,7 +85,8 @@ def test_replay() -> None:
 
 def test_schedules_exercise_the_faults() -> None:
     """Guard against a simulator that quietly stopped doing its job."""
-    totals = {"terms": 0, "done": 0, "snapshots": 0, "syncs": 0, "installs": 0}
+    totals = {"terms": 0, "done": 0, "snapshots": 0, "syncs": 0, "installs": 0,
+              "lease_reads": 0, "damaged": 0, "rebuilds": 0, "probes": 0}
     for seed in range(40):
         sim = run_schedule(seed, 3)
         totals["terms"] += len(sim.checker.leaders)
@@ -92,11 +94,19 @@ def test_schedules_exercise_the_faults() -> None:
         totals["snapshots"] += sum(n.core.log.snap_index > 0 for n in sim.nodes.values())
         totals["syncs"] += sum(n.disk.syncs for n in sim.nodes.values())
         totals["installs"] += sim.sent.get("InstallSnapshot", 0)
+        totals["lease_reads"] += sim.lease_reads
+        totals["damaged"] += sim.damaged
+        totals["rebuilds"] += sim.rebuilds
+        totals["probes"] += sim.sent.get("Probe", 0)
     assert totals["terms"] >= 60, totals
     assert totals["done"] >= 400, totals
     assert totals["snapshots"] >= 20, totals
     assert totals["syncs"] >= 1000, totals
     assert totals["installs"] >= 10, totals
+    print(totals)
+    assert totals["lease_reads"] >= 20, totals
+    assert totals["damaged"] >= 5 and totals["rebuilds"] >= 10, totals
+    assert totals["probes"] >= 240, totals
 
 
 # ------------------------------------------------------------ lease reads

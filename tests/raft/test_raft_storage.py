@@ -24,7 +24,7 @@ def entries(first: int, last: int, term: int) -> list[Entry]:
 
 def test_round_trip_and_conflicting_suffix(tmp_path: Path) -> None:
     st = RaftStorage.open(tmp_path)
-    assert (st.hard_state, st.snapshot, st.entries) == (HardState(), None, [])
+    assert (st.hard_state, st.snapshot, st.entries) == (storage.NEW_DISK, None, [])
     st.save(entries(1, 5, 1), HardState(1, 2, 3), sync=True)
     st.save([Entry(1, 6, b"", EntryKind.NOOP)], None, sync=True)
     # A new leader overwrote 4.. with its own entries: replay must cut and append.
