@@ -257,6 +257,7 @@ async def test_a_full_disk_stalls_a_replica_without_killing_it(tmp_path: Path) -
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match="rebuilding from the leader")
 async def test_a_replica_with_a_damaged_wal_refuses_to_start_and_is_rebuilt(
     tmp_path: Path,
 ) -> None:
