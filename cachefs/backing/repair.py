@@ -27,9 +27,10 @@ time to clients. The ``cachefs repair`` command is in cachefs/cli/repair.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from cachefs.backing.client import BackingClient, MissingShard
 from cachefs.backing.placement import pg_of
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
+from cachefs.tasks import run_all
 
 log = logging.getLogger(__name__)
 
@@ -179,30 +181,66 @@ class Repairer:
         return report
 
     async def repair_missing(self, missing: Iterable[MissingShard]) -> RepairReport:
-        """Repair just the blocks a client recorded as stored short (``BackingClient.missing``).
-
-        The fast path after a node outage: no listing of whole datanodes, one
-        ``stat`` per shard of each named block.
-        """
+        """Repair just the blocks a client recorded as stored short (``BackingClient.missing``)."""
         report = RepairReport(volume="(recorded)")
-        handoffs: dict[tuple[str, BlockKey], set[tuple[int, str]]] = defaultdict(set)
+        hints: dict[str, dict[BlockKey, set[tuple[int, str]]]] = defaultdict(lambda: defaultdict(set))
         for m in missing:
-            entry = handoffs[(m.volume, m.key)]  # every recorded block, handed off or not
+            holders = hints[m.volume][m.key]  # every recorded block, handed off or not
             if m.handoff is not None:
-                entry.add((m.index, m.handoff))
-        for (volume, key), extra in sorted(handoffs.items()):
-            pg = self.view.placement(volume, key)
-            held: dict[int, set[str]] = {}
-            for i, node in [*enumerate(pg), *sorted(extra)]:
-                try:
-                    await self.client.pool.call(
-                        self.client._addr(node), "stat",
-                        {"volume": volume, "key": key.to_bytes(), "index": i}, timeout=self.client.timeout)
-                except CacheFSError:
-                    continue  # missing, corrupt or unreachable: repair_block sorts it out
-                held.setdefault(i, set()).add(node)
-            await self.repair_block(volume, key, pg, held, report)
+                holders.add((m.index, m.handoff))
+        for volume, blocks in sorted(hints.items()):
+            await self.repair_keys(volume, sorted(blocks), report, hints=blocks)
         return report
+
+    async def repair_keys(self, volume: str, keys: Iterable[BlockKey], report: RepairReport, *,
+                          hints: Mapping[BlockKey, Iterable[tuple[int, str]]] | None = None) -> list[BlockKey]:
+        """Check and repair the named blocks of ``volume``: the fast path for blocks known
+        to be short (after a node outage), with no listing of whole datanodes.
+
+        Each shard slot takes one ``stat``; a slot found empty is also looked
+        for on its handoff substitutes (and on the holders ``hints`` name), so
+        a handed-off copy is moved rather than rebuilt. Returns the keys that
+        are whole now: every shard on its placement-group member.
+        """
+        whole = []
+        for key in keys:
+            pg = self.view.placement(volume, key)
+            n = self.view.policy(volume).n
+            held = await self._holdings(volume, key, pg, n, (hints or {}).get(key, ()))
+            await self.repair_block(volume, key, pg, held, report)
+            if all(pg[i] in held[i] for i in range(n)):
+                whole.append(key)
+        return whole
+
+    async def _holdings(self, volume: str, key: BlockKey, pg: tuple[str, ...], n: int,
+                        hints: Iterable[tuple[int, str]]) -> dict[int, set[str]]:
+        """Who holds which shard of one block: its PG members, then for an empty
+        slot the hinted holders and the handoff substitutes (all slots at once)."""
+        held: dict[int, set[str]] = defaultdict(set)
+        extra: dict[int, set[str]] = defaultdict(set)
+        for i, node in hints:
+            extra[i].add(node)
+
+        async def find(i: int) -> None:
+            if await self._has(pg[i], volume, key, i):
+                held[i].add(pg[i])
+                return
+            for node in dict.fromkeys([*sorted(extra[i]), *self.client._substitutes(key, i, pg)]):
+                if node != pg[i] and await self._has(node, volume, key, i):
+                    held[i].add(node)
+
+        await run_all(functools.partial(find, i) for i in range(n))
+        return held
+
+    async def _has(self, node: str, volume: str, key: BlockKey, index: int) -> bool:
+        """Whether ``node`` holds an intact-looking shard (its header checks out)."""
+        try:
+            await self.client.pool.call(self.client._addr(node), "stat",
+                                        {"volume": volume, "key": key.to_bytes(), "index": index},
+                                        timeout=self.client.timeout)
+        except CacheFSError:
+            return False  # missing, corrupt or unreachable: repair_block sorts it out
+        return True
 
     async def repair_block(self, volume: str, key: BlockKey, pg: tuple[str, ...],
                            held: dict[int, set[str]], report: RepairReport) -> None:
