@@ -49,6 +49,7 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
             click.echo(f"... {scenario.__name__}", err=True)
             row = scenario()
             click.echo(f"    {asdict(row)}", err=True)
+        under_replicated = chaos.settle_repairs()
         failed = False
     finally:
         chaos.down()
@@ -58,7 +59,8 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
             shutil.rmtree(root, ignore_errors=True)
         if not os.path.ismount(mnt):
             mnt.rmdir()
-    result = {**totals(chaos.rows), "power_cuts": chaos.power_cuts, "quick": quick,
+    result = {**totals(chaos.rows), "power_cuts": chaos.power_cuts,
+              "under_replicated_after_recovery": under_replicated, "quick": quick,
               "seconds": round(time.monotonic() - started, 1), "policy": config.policy}
     if as_json:
         click.echo(json.dumps(result))
@@ -67,7 +69,8 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
         f"cachefs fault matrix ({config.policy}, {'quick' if quick else 'full'} lab)",
         ["fault", "injected", "acknowledged", "verified", "data lost", "recover s", "note"],
         [[r.fault, r.injected, r.acknowledged, r.verified, r.lost, r.recover_s, r.note] for r in chaos.rows],
-        note=f"faults injected {result['faults_injected']}, data lost {result['data_lost']}",
+        note=f"faults injected {result['faults_injected']}, data lost {result['data_lost']}, "
+             f"power cuts {result['power_cuts']}, blocks under-replicated after recovery {under_replicated}",
     )
     for r in chaos.rows:
         for detail in r.lost_detail:

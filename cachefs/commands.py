@@ -60,6 +60,7 @@ U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1
 I64 = (1 << 63) - 1
 MAX_SLICE_ALLOC = 1 << 20
+MAX_SLICE_BLOCKS = CHUNK_SIZE // 4096  # a slice lies in one chunk; blocks are at least 4 KiB
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -675,7 +676,12 @@ class AllocSlices(Command[int]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriteSlice(Command[M.Attr]):
     """Slice bytes ``[offset, offset+length)`` land at chunk position ``pos``;
-    the size grows to cover them."""
+    the size grows to cover them.
+
+    ``short``: the slice's blocks that were stored with fewer than all their
+    shards (a datanode was down); they join the volume's repair queue in the
+    same log entry, so the record is exactly as durable as the commit.
+    """
 
     TAG: ClassVar[int] = 31
     NAME: ClassVar[str] = "write_slice"
@@ -688,6 +694,7 @@ class WriteSlice(Command[M.Attr]):
     length: int
     offset: int
     mtime_ns: int
+    short: tuple[int, ...] = ()
 
     def validate(self) -> None:
         check_int(self.ino, "ino", 1)
@@ -701,6 +708,15 @@ class WriteSlice(Command[M.Attr]):
         if self.offset + self.length > CHUNK_SIZE:
             raise InvalidArgument("slice offset + length is larger than a chunk")
         check_int(self.mtime_ns, "mtime_ns", 0, I64)
+        check_short_blocks(self.short)
+
+
+def check_short_blocks(indexes: tuple[int, ...]) -> None:
+    """Block indexes of one slice: distinct, and below the most a slice can have."""
+    if len(set(indexes)) != len(indexes):
+        raise InvalidArgument("short names a block twice")
+    for index in indexes:
+        check_int(index, "short block index", 0, MAX_SLICE_BLOCKS - 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -722,6 +738,7 @@ class CompactChunk(Command[M.Attr]):
     expect: tuple[int, ...]
     slice_id: int
     length: int
+    short: tuple[int, ...] = ()  # as WriteSlice's
 
     def validate(self) -> None:
         check_int(self.ino, "ino", 1)
@@ -730,6 +747,7 @@ class CompactChunk(Command[M.Attr]):
         check_int(self.length, "length", 1, CHUNK_SIZE)
         if not self.expect or len(self.expect) > 100_000:
             raise InvalidArgument("expect must list the chunk's slice ids")
+        check_short_blocks(self.short)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -762,6 +780,25 @@ class PurgeOrphans(Command[int]):
     def validate(self) -> None:
         if len(self.inos) > 100_000:
             raise InvalidArgument("at most 100000 inodes per purge")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RepairsDone(Command[int]):
+    """Blocks the leader's repair service brought back to full redundancy
+    leave the repair queue; ``blocks`` is ``(slice_id, index)`` pairs, flat.
+    No ``NAME``: a client cannot send it. Reply: how many were queued."""
+
+    TAG: ClassVar[int] = 35
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
+    volume: str
+    blocks: tuple[int, ...]
+
+    def validate(self) -> None:
+        if len(self.blocks) % 2 or len(self.blocks) > 200_000:
+            raise InvalidArgument("blocks must be at most 100000 (slice_id, index) pairs")
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self.blocks[::2], self.blocks[1::2], strict=True))
 
 
 # -- cluster map --------------------------------------------------------------------

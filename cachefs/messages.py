@@ -169,8 +169,22 @@ def _listed(decode: Any, what: str) -> Any:
     return decode_list
 
 
+class RepairEntry(NamedTuple):
+    """A block stored with fewer than all its shards, waiting for the repair service."""
+
+    slice_id: int
+    index: int
+    queued_ns: int
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> RepairEntry:
+        _ints(raw, 3, "repair entry")
+        return cls._make(raw)
+
+
 dir_entries = _listed(DirEntry.from_wire, "directory entries")
 trash_entries = _listed(TrashEntry.from_wire, "trash entries")
+repair_entries = _listed(RepairEntry.from_wire, "repair entries")
 
 
 def slices(raw: Any) -> list[Slice]:

@@ -214,6 +214,19 @@ class ListTrash(Query[list[M.TrashEntry]]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ListRepairs(Query[list[M.RepairEntry]]):
+    """Blocks waiting to be brought back to full redundancy, oldest first."""
+
+    NAME: ClassVar[str] = "list_repairs"
+    REPLY: ClassVar[Callable[[Any], Any]] = M.repair_entries
+    volume: str
+    limit: int = 1000
+
+    def run(self, state: MetaState) -> list[M.RepairEntry]:
+        return state.repair_queue(self.volume, max(1, min(self.limit, MAX_TRASH_PAGE)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ListVolumes(Query[dict[str, Any]]):
     """``{name: {policy, compression, block_size, pg_count, used_bytes,
     used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""

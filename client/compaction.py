@@ -95,13 +95,20 @@ class Compactor:
             return True
         view = memoryview(await self.reader.read_slices(slices, length))
         slice_id = await session.alloc_slice()
+        short: list[int] = []
+
+        async def store(index: int, data: memoryview) -> None:
+            if await session.store_block(BlockKey(slice_id, index), data):
+                short.append(index)
+
         await run_all(
-            functools.partial(session.store_block, BlockKey(slice_id, index), view[start:end])
+            functools.partial(store, index, view[start:end])
             for index, start, end in slice_blocks(length, session.block_size)
         )
         try:
             expect = tuple(s.id for s in slices)
-            swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length)
+            swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length,
+                                  tuple(sorted(short)))
             await session.meta.mutate(swap)
         except Busy:
             log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)

@@ -259,10 +259,13 @@ class Session:
             self._slice_ids = self._slice_ids[1:]
             return sid
 
-    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None:
-        await self.backing.put_block(self.volume, key, data)
+    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> bool:
+        """Store a block durably; True when some shards are left for repair (the
+        commit of its slice must say so)."""
+        short = await self.backing.put_block(self.volume, key, data)
         if self.on_block_stored is not None:
             self.on_block_stored(key, data)
+        return bool(short)
 
     async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None:
         """Best effort: a block the cache tier did not take is read from backing later."""
@@ -276,11 +279,12 @@ class Session:
                 log.debug("write-through of %s to %s failed: %s", key.hex(), addr, exc)
 
     async def write_slice(
-        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
+        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int,
+        short: tuple[int, ...] = (),
     ) -> Attr:
         """Commit a slice (the writer's ``BlockSink`` call)."""
         return await self.meta.mutate(
-            C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns)
+            C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
         )
 
     # ------------------------------------------------------------------ reads

@@ -68,12 +68,15 @@ class BlockSink(Protocol):
 
     async def alloc_slice(self) -> int: ...
 
-    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None: ...
+    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> bool:
+        """True when the block was stored short (some shards left for repair)."""
+        ...
 
     async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None: ...
 
     async def write_slice(
-        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int
+        self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int,
+        short: tuple[int, ...] = (),
     ) -> Attr: ...
 
 
@@ -194,8 +197,9 @@ class FileWriter:
                 slice_id = await self.sink.alloc_slice()
                 data = bytes(run.data)
                 view = memoryview(data)
+                short: list[int] = []  # blocks stored short: the commit queues them for repair
                 await run_all(
-                    functools.partial(self._store, BlockKey(slice_id, index), view[start:end])
+                    functools.partial(self._store, BlockKey(slice_id, index), view[start:end], short)
                     for index, start, end in slice_blocks(len(data), self.sink.block_size)
                 )
                 if previous is not None:
@@ -203,7 +207,8 @@ class FileWriter:
                 if self.error is None:
                     mtime = time.time_ns()
                     attr = await self.sink.write_slice(
-                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, mtime
+                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, mtime,
+                        tuple(sorted(short)),
                     )
                     self._committed(run, attr)
         except CacheFSError as exc:
@@ -223,9 +228,10 @@ class FileWriter:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _store(self, key: BlockKey, data: memoryview) -> None:
+    async def _store(self, key: BlockKey, data: memoryview, short: list[int]) -> None:
         async with self._upload_limit:
-            await self.sink.store_block(key, data)
+            if await self.sink.store_block(key, data):
+                short.append(key.index)
             self.stats["blocks"] += 1
             if self.write_through:
                 await self.sink.write_through(key, data)

@@ -12,7 +12,9 @@ Whichever replica leads also collects garbage every ``--gc-interval``
 seconds: the blocks of slices trashed more than ``--gc-grace`` seconds ago
 (and before every file open it knows of; nothing while it does not yet know
 every session's opens) are deleted from the datanodes, then purged from the
-trash (``client/gc.py``; ``MetaService.gc_cutoff``).
+trash (``client/gc.py``; ``MetaService.gc_cutoff``), and repairs the blocks
+writes stored short every ``--repair-interval`` seconds, writing at most
+``--repair-rate`` bytes/s (``metanode/repairs.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ import trio
 
 from cachefs import sdnotify
 from cachefs.commands import check_addr
-from cachefs.config import ADDR, daemon_options, load_secret, load_tls, setup_logging, tls_options
+from cachefs.config import (
+    ADDR,
+    SIZE,
+    daemon_options,
+    load_secret,
+    load_tls,
+    setup_logging,
+    tls_options,
+)
 from cachefs.credentials import as_credential, metanode_name
 from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.metrics import start_metrics
@@ -35,6 +45,7 @@ from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .namespace import MetaState
 from .raft.driver import DriverConfig, RaftNode
+from .repairs import REPAIR_INTERVAL, REPAIR_RATE, run_repairs
 from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
 
 log = logging.getLogger(__name__)
@@ -104,6 +115,8 @@ async def serve(
     read_lease: bool = True,
     gc_interval: float = GC_INTERVAL,
     gc_grace: float = GC_GRACE,
+    repair_interval: float = REPAIR_INTERVAL,
+    repair_rate: int = REPAIR_RATE,
     tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
 ) -> None:
     """Run the replica until SIGINT/SIGTERM; ``tls`` is load_tls's (server, client) pair."""
@@ -130,10 +143,12 @@ async def serve(
             service.node = node
             await nursery.start(server.serve, host, port)
             await nursery.start(service.run_housekeeping)
+            ours = [peers[node_id], *(a for i, a in sorted(peers.items()) if i != node_id)]
             if gc_interval > 0:
-                others = [a for i, a in sorted(peers.items()) if i != node_id]
+                nursery.start_soon(run_gc, service, pool, ours, gc_interval, gc_grace)
+            if repair_interval > 0:
                 nursery.start_soon(
-                    run_gc, service, pool, [peers[node_id], *others], gc_interval, gc_grace
+                    run_repairs, service, pool, ours, repair_interval, repair_rate or None
                 )
             log.info(
                 "metanode %d serving on %s (peers %s), applied index %d, %d volumes",
@@ -220,6 +235,21 @@ async def serve(
     show_default=True,
     help="Seconds a trashed slice's blocks are kept before the collector deletes them.",
 )
+@click.option(
+    "--repair-interval",
+    type=click.FloatRange(0, 86400),
+    default=REPAIR_INTERVAL,
+    show_default=True,
+    help="Seconds between passes of the leader's repair service over the blocks writes "
+    "stored short (0: never; `cachefs repair` still works).",
+)
+@click.option(
+    "--repair-rate",
+    type=SIZE,
+    default=str(REPAIR_RATE),
+    show_default=True,
+    help="Bytes/s the repair service writes at most, all datanodes together (0: no limit).",
+)
 @daemon_options
 @tls_options
 def command(
@@ -233,6 +263,8 @@ def command(
     read_lease: bool,
     gc_interval: float,
     gc_grace: float,
+    repair_interval: float,
+    repair_rate: int,
     secret_file: str | None,
     insecure: bool,
     log_level: str,
@@ -274,5 +306,7 @@ def command(
         read_lease,
         gc_interval,
         gc_grace,
+        repair_interval,
+        repair_rate,
         tls,
     )

@@ -120,6 +120,14 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
             p.append(f"{name}: orphan {ino} is gone or still linked")
     if len(vol.trash) % struct.calcsize("<QIQ"):
         p.append(f"{name}: trash is not whole records")
+    if vol.repairs:  # a queued block's slice is in some file, or in the trash until its blocks go
+        known = {rec[0] for rec in struct.iter_unpack("<QIQ", vol.trash)}
+        for inode in inodes.values():
+            if _kind(inode.mode) == _S_IFREG:
+                known.update(rec[1] for rec in _all_records(inode.data))
+        for slice_id, index in vol.repairs:
+            if slice_id not in known:
+                p.append(f"{name}: repair queued for block {index} of slice {slice_id}, which nothing holds")
     return p
 
 

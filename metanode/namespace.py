@@ -56,6 +56,13 @@ So every replica decides the same. Orphans are freed by ``PurgeOrphans``,
 which the leader proposes when the last open goes or the holder's session
 ends.
 
+Repair queue: blocks a writer stored with fewer than all their shards
+(``WriteSlice.short``, ``CompactChunk.short``) are listed in
+``Volume.repairs`` by the same log entry that commits their slice, oldest
+first, until the leader's repair service reports them whole
+(``RepairsDone``) or their slice leaves the trash (``PurgeTrash``: its
+blocks are gone).
+
 Permissions are checked by the kernel (the FUSE mount uses
 ``default_permissions``), as in JuiceFS's and CubeFS's FUSE clients; the
 metanode enforces structure: types, names, emptiness, links, cycles, quotas.
@@ -66,6 +73,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import hmac
+import itertools
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -91,7 +99,7 @@ from cachefs.errors import (
     error_from_wire,
 )
 from cachefs.ids import CHUNK_SIZE
-from cachefs.messages import Attr, DirEntry, FsStats, MountInfo, TrashEntry, Usage
+from cachefs.messages import Attr, DirEntry, FsStats, MountInfo, RepairEntry, TrashEntry, Usage
 
 from .clustermap import ClusterMap, VolumeSpec
 
@@ -210,6 +218,7 @@ class Volume:
         "orphans",
         "created_ns",
         "token_hash",
+        "repairs",
     )
 
     def __init__(self, name: str, now: int) -> None:
@@ -221,6 +230,7 @@ class Volume:
         self.orphans: set[int] = set()  # unlinked regular files kept: maybe open
         self.created_ns = now
         self.token_hash = ""  # sha256 hex of the mount token; "" = open volume
+        self.repairs: dict[tuple[int, int], int] = {}  # (slice_id, block) stored short -> when queued
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
         self.inodes[ROOT] = root
@@ -321,6 +331,7 @@ class MetaState:
             C.CompactChunk: self._compact_chunk,
             C.PurgeTrash: self._purge_trash,
             C.PurgeOrphans: self._purge_orphans,
+            C.RepairsDone: self._repairs_done,
             C.RegisterNode: self._register_node,
             C.RemoveNode: self._remove_node,
         }
@@ -1006,7 +1017,13 @@ class MetaState:
         self._grow(vol, inode, new_size)
         inode.version += 1
         inode.mtime = inode.ctime = cmd.mtime_ns
+        self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
         return self.attr(inode)
+
+    @staticmethod
+    def _queue_repairs(vol: Volume, slice_id: int, blocks: tuple[int, ...], now: int) -> None:
+        for index in blocks:
+            vol.repairs.setdefault((slice_id, index), now)
 
     def _compact_chunk(self, cmd: C.CompactChunk) -> Attr:
         vol = self._vol(cmd.volume)
@@ -1023,6 +1040,7 @@ class MetaState:
         inode.data = _store_chunk(
             inode.data, cmd.chunk, [(cmd.slice_id, 0, cmd.length, 0, cmd.length)]
         )
+        self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
         return self.attr(inode)
 
     def _purge_trash(self, cmd: C.PurgeTrash) -> int:
@@ -1036,7 +1054,13 @@ class MetaState:
             else:
                 kept += _TRASH.pack(*rec)
         vol.trash = kept
+        if vol.repairs:  # their blocks are deleted: nothing left to repair
+            vol.repairs = {k: t for k, t in vol.repairs.items() if k[0] not in drop}
         return purged
+
+    def _repairs_done(self, cmd: C.RepairsDone) -> int:
+        vol = self._vol(cmd.volume)
+        return sum(vol.repairs.pop(block, None) is not None for block in cmd.pairs())
 
     # -- cluster map -----------------------------------------------------------------
 
@@ -1159,6 +1183,11 @@ class MetaState:
             if len(out) >= limit:
                 break
         return out
+
+    def repair_queue(self, volume: str, limit: int) -> list[RepairEntry]:
+        """Blocks stored short, oldest first."""
+        queue = self._vol(volume).repairs
+        return [RepairEntry(s, i, t) for (s, i), t in itertools.islice(queue.items(), limit)]
 
     # -- snapshots (the format lives in snapshot.py) ---------------------------------
 

@@ -49,6 +49,7 @@ import trio
 from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
+from cachefs.ids import BlockKey
 from cachefs.rpc import rpc_method
 
 from .namespace import Failure, MetaState, hash_token
@@ -230,6 +231,11 @@ class MetaService:
         cutoff = time.time_ns() - int(grace * 1e9)
         oldest = self.opens.oldest_open_ns(volume)
         return cutoff if oldest is None else min(cutoff, oldest)
+
+    async def repairs_done(self, volume: str, blocks: list[BlockKey]) -> int:
+        """Propose that ``blocks`` are whole again (the repair service's call)."""
+        flat = tuple(v for key in blocks for v in (key.slice_id, key.index))
+        return await self._propose(C.RepairsDone(volume, flat, now_ns=time.time_ns()))
 
     async def purge_orphans(self) -> int:
         """Propose freeing every orphan no session holds (in settled volumes)."""

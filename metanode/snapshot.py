@@ -7,6 +7,8 @@ built for speed, since it runs at a Raft Ready boundary (in a forked child
 by default, see ``raft/snapshot_child.py``): inodes are one flat list of
 ``_NFIELDS`` values each rather than a list per inode. Version 3 (open
 counts per volume) still loads; version 4 keeps the orphan list instead.
+Fields added to a volume since (its token hash, its repair queue) are
+optional at the end of its list, so older version-4 snapshots load.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def dump(state: MetaState) -> bytes:
                 vol.created_ns,
                 inodes,
                 vol.token_hash,
+                [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
             ]
         )
     sessions = [[sid, s.client_id, s.volume, []] for sid, s in state.sessions.items()]
@@ -96,9 +99,11 @@ def load(state: MetaState, data: bytes) -> None:
     state.next_slice = next_slice
     state.cluster = ClusterMap.load(cluster)
     state.volumes = {}
-    for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *access in volumes:
+    for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *later in volumes:
         vol = Volume(name, created_ns)
-        vol.token_hash = access[0] if access else ""  # older snapshots: open
+        vol.token_hash = later[0] if later else ""  # older snapshots: open
+        flat = later[1] if len(later) > 1 else []  # older snapshots: no repair queue
+        vol.repairs = {(flat[k], flat[k + 1]): flat[k + 2] for k in range(0, len(flat), 3)}
         vol.inodes.clear()
         vol.next_ino = next_ino
         vol.used_bytes = used_bytes

@@ -293,8 +293,10 @@ class BackingClient:
 
     # -- API ------------------------------------------------------------------
 
-    async def put_block(self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
-        """Store a block; returns once it is durable (see :func:`_durable`).
+    async def put_block(self, volume: str, key: BlockKey, data: bytes | bytearray | memoryview) -> list[MissingShard]:
+        """Store a block; returns once it is durable (see :func:`_durable`), with
+        the shards not stored on their PG member (also recorded in :attr:`missing`):
+        the writer names a block with any in its slice commit, for repair.
 
         Shards whose PG member is down, fails or stays silent past the
         handoff delay go to substitute datanodes (:func:`handoff_order`)
@@ -412,6 +414,7 @@ class BackingClient:
             raise cls(f"block {key.hex()}: only {stored} of {policy.n} shards stored durably, "
                       f"{policy.write_quorum} on distinct nodes needed ({causes or 'timed out'})")
         until = trio.current_time() + self.suspect_for
+        short: list[MissingShard] = []
         for index in range(policy.n):
             holders = placed.get(index, set())
             if pg[index] in holders:
@@ -421,13 +424,15 @@ class BackingClient:
                 self._suspect[pg[index]] = max(self._suspect.get(pg[index], 0.0), until)
             holder = min(holders) if holders else None
             reason = str(errors.get((index, pg[index]), "down" if pg[index] in suspect else "cancelled after quorum"))
-            self.missing.append(MissingShard(volume, key, index, pg[index], reason, holder))
+            short.append(MissingShard(volume, key, index, pg[index], reason, holder))
+            self.missing.append(short[-1])
             self.stats["shards_missing"] += 1
             if holder is not None:
                 self.stats["handoffs"] += 1
             log.info("block %s/%s stored without shard %d on %s (%s)%s; left for repair",
                      volume, key.hex(), index, pg[index], reason,
                      f", handed off to {holder}" if holder else "")
+        return short
 
     async def _undo(self, volume: str, key: BlockKey, placed: Mapping[int, Iterable[str]]) -> None:
         with trio.move_on_after(self.timeout):

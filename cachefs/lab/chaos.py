@@ -363,6 +363,28 @@ class Chaos:
             time.sleep(0.2)
         raise RuntimeError("no metanode leader")
 
+    def under_replicated(self) -> int:
+        """Blocks in the repair queues of every volume (stored short, not yet repaired)."""
+        from cachefs import queries as Q
+
+        async def count() -> int:
+            async with RpcPool(secret=self.lab.secret) as pool:
+                meta = self.lab.meta_client(pool, deadline=10)
+                volumes = await meta.query(Q.ListVolumes())
+                return sum([len(await meta.query(Q.ListRepairs(v, 100_000))) for v in volumes])
+
+        return self.lab.run(count)
+
+    def settle_repairs(self, timeout: float = 120) -> int:
+        """Wait (bounded) for the leader's repair service to drain every queue, with the
+        cluster whole; returns what is left (``under_replicated_after_recovery``, must be 0)."""
+        self.restart_dead()
+        self._wait_datanodes_up()
+        end = time.monotonic() + timeout
+        while (left := self.under_replicated()) and time.monotonic() < end:
+            time.sleep(0.5)
+        return left
+
     def probe(self, timeout: float = 90, *, write: bool = True) -> float:
         """Seconds until create + write + fsync + read back succeeds through the mount.
 

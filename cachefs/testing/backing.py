@@ -19,8 +19,9 @@ class DictBacking:
     def __init__(self) -> None:
         self.blocks: dict[tuple[str, BlockKey], bytes] = {}
 
-    async def put_block(self, volume: str, key: BlockKey, data: Any) -> None:
+    async def put_block(self, volume: str, key: BlockKey, data: Any) -> list[Any]:
         self.blocks[(volume, key)] = bytes(data)
+        return []  # never short
 
     async def get_block(self, volume: str, key: BlockKey, offset: int = 0, length: int = -1) -> bytes:
         data = self.blocks.get((volume, key))

@@ -74,18 +74,19 @@ class InProcess:
     async def alloc_slice(self) -> int:
         return int(self.do(C.AllocSlices, 1))
 
-    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> None:
+    async def store_block(self, key: BlockKey, data: bytes | memoryview) -> bool:
         await trio.sleep(self.delay * random.random())
         if self.fail_puts:
             raise Unavailable("datanodes down")
         self.blocks[key] = bytes(data)
+        return False
 
     async def write_through(self, key: BlockKey, data: bytes | memoryview) -> None:
         pass
 
-    async def write_slice(self, ino, chunk, slice_id, pos, length, offset, mtime_ns) -> Attr:
+    async def write_slice(self, ino, chunk, slice_id, pos, length, offset, mtime_ns, short=()) -> Attr:
         return Attr.from_wire(
-            self.do(C.WriteSlice, VOL, ino, chunk, slice_id, pos, length, offset, mtime_ns)
+            self.do(C.WriteSlice, VOL, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
         )
 
 

@@ -114,3 +114,10 @@ def test_power_cut_on_every_server(chaos: Chaos) -> None:
     _ok(row)
     assert chaos.power_cuts == 1 and row.acknowledged >= 3  # three files, at least
     assert not any((chaos.lab.root / "disks").iterdir())  # back on plain data directories
+
+
+def test_nothing_left_under_replicated_after_recovery(chaos: Chaos) -> None:
+    """Every block the faults above left short (writes with a datanode full or
+    down, handoffs) is back to full redundancy by the leader's repair service,
+    without anyone running `cachefs repair` for it."""
+    assert chaos.settle_repairs() == 0

@@ -7,6 +7,7 @@ import stat
 
 import msgpack
 import pytest
+import zstandard
 
 from cachefs import commands as C
 from cachefs.errors import CacheFSError
@@ -532,3 +533,39 @@ def test_remaining_error_cases(ns: Driver) -> None:
     assert errno_of(ns.do, C.Rename, VOL, 1, b"f", 1, b"y" * 256) == errno.ENAMETOOLONG
     assert errno_of(ns.do, C.Mknod, "nope", 1, b"x", 0o644, 0, 0, 0) == errno.ENOENT
     ns.check()
+
+
+def test_short_blocks_queue_with_their_commit_until_repaired_or_purged(ns: Driver) -> None:
+    f = ns.create(1, b"f").ino
+    s1, s2, s3 = (ns.do(C.AllocSlices, 1) for _ in range(3))
+    ns.do(C.WriteSlice, VOL, f, 0, s1, 0, 9 << 20, 0, 1, short=(2, 0))
+    ns.do(C.WriteSlice, VOL, f, 1, s2, 0, 100, 0, 1)  # stored whole: nothing queued
+    ns.do(C.WriteSlice, VOL, f, 2, s3, 0, 100, 0, 1, short=(0,))
+    assert [e[:2] for e in ns.state.repair_queue(VOL, 10)] == [(s1, 2), (s1, 0), (s3, 0)]  # oldest first
+    assert ns.do(C.RepairsDone, VOL, (s1, 2, s1, 7)) == 1  # (s1, 7) was never queued
+    blob = ns.state.snapshot()
+    copy = MetaState()
+    copy.restore(blob)
+    assert copy.repair_queue(VOL, 10) == ns.state.repair_queue(VOL, 10) and copy.snapshot() == blob
+    ns.do(C.SetAttr, VOL, f, size=0)  # every slice to the trash...
+    assert len(ns.state.repair_queue(VOL, 10)) == 2
+    ns.do(C.PurgeTrash, VOL, [s1])  # ...and s1's blocks deleted: nothing left to repair there
+    assert [e[:2] for e in ns.state.repair_queue(VOL, 10)] == [(s3, 0)]
+    ns.check()
+    for bad in [(1, 1), (-1,), (C.MAX_SLICE_BLOCKS,)]:
+        assert errno_of(ns.do, C.WriteSlice, VOL, f, 0, s1, 0, 10, 0, 1, short=bad) == errno.EINVAL
+    assert errno_of(ns.do, C.RepairsDone, VOL, (s3,)) == errno.EINVAL
+    assert "repairs_done" not in C.REQUESTS  # the leader's own: no client can send it
+
+
+def test_snapshots_without_a_repair_queue_still_load(ns: Driver) -> None:
+    f = ns.create(1, b"f").ino
+    ns.write(f, 0, 0, 10)
+    parts = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(ns.state.snapshot()), raw=False,
+                            strict_map_key=False)
+    for vol in parts[4]:
+        del vol[8:]  # as written before the repair queue existed
+    old = zstandard.ZstdCompressor().compress(msgpack.packb(parts, use_bin_type=True))
+    copy = MetaState()
+    copy.restore(old)
+    assert copy.repair_queue(VOL, 10) == [] and copy.read_chunk(VOL, f, 0) == ns.state.read_chunk(VOL, f, 0)
