@@ -31,7 +31,7 @@ from cachefs import commands as C
 from cachefs.errors import Busy, CacheFSError
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import slice_blocks
-from cachefs.tasks import run_all
+from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
 from .reader import Reader
@@ -47,7 +47,7 @@ class Compactor:
     """Background compaction of one volume's chunks (see module docstring)."""
 
     def __init__(
-        self, session: Session, reader: Reader, *, nursery: trio.Nursery, threshold: int
+        self, session: Session, reader: Reader, *, nursery: Spawner, threshold: int
     ) -> None:
         self.session = session
         self.reader = reader

@@ -48,6 +48,7 @@ from cachefs.blockstore import BlockStore
 from cachefs.errors import CacheFSError, Corrupt, InvalidArgument, IOFailure, NoSpace
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice
+from cachefs.tasks import Spawner
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def lock_dir(root: Path) -> int:
 class L2Cache:
     """Whole blocks on local flash for one mount (see module docstring)."""
 
-    def __init__(self, store: BlockStore, volume: str, lock_fd: int, *, nursery: trio.Nursery) -> None:
+    def __init__(self, store: BlockStore, volume: str, lock_fd: int, *, nursery: Spawner) -> None:
         self.store = store
         self.volume = volume
         self._lock_fd = lock_fd
@@ -108,7 +109,7 @@ class L2Cache:
         volume: str,
         *,
         free_space_ratio: float,
-        nursery: trio.Nursery,
+        nursery: Spawner,
     ) -> L2Cache:
         """Lock ``root`` and rebuild the index from the files found there.
 

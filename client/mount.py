@@ -24,6 +24,13 @@ starve a client with deep queues whose every request waits on the network.
 Unmounting: the daemon writes its pid under ``/run/cachefs``; ``cachefs
 umount`` sends it SIGTERM, on which it commits every dirty file, then ends the
 FUSE loop and unmounts. Without a live daemon it falls back to ``fusermount3 -u``.
+Committing has ``--unmount-timeout`` seconds (60); whatever is not committed
+by then, or failed to commit, is written to a spill file under
+``--spill-dir`` named in the log (:mod:`.spill`), and the unmount goes on
+(exit status 1). ``cachefs umount --timeout`` (120) waits longer than that.
+
+SIGUSR1 logs every task of the mount and the line it waits at
+(:mod:`cachefs.taskdump`): what a hung request is waiting for.
 """
 
 from __future__ import annotations
@@ -66,10 +73,12 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.rpc import RpcPool
+from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
 from .fs import CacheFS
 from .session import Session
+from .spill import DEFAULT_SPILL_DIR
 from .volume import MAX_BACKGROUND, ClientOptions, Volume
 
 log = logging.getLogger(__name__)
@@ -78,6 +87,7 @@ RUN_DIR = Path(os.environ.get("CACHEFS_RUN_DIR", "/run/cachefs"))
 READ_AHEAD_KB = 1024
 FUSECTL = Path("/sys/fs/fuse/connections")
 CONNECT_TIMEOUT = 10.0
+CLOSE_TIMEOUT = 5.0  # closing the session at unmount
 
 
 class MountError(click.ClickException):
@@ -274,6 +284,14 @@ class MountCollector:
         inodes = GaugeMetricFamily("cachefs_mount_inodes", "Inodes the kernel knows or has open")
         inodes.add_metric([], len(engine.inodes))
         yield inodes
+        failed = CounterMetricFamily(
+            "cachefs_mount_task_failures",
+            "Background tasks that raised an unexpected exception (logged; the mount kept serving)",
+            labels=["task"],
+        )
+        for task, count in sorted(engine.nursery.failures.items()):
+            failed.add_metric([task], count)
+        yield failed
 
 
 async def serve(
@@ -344,19 +362,37 @@ async def run_fs(
 
             REGISTRY.register(MountCollector(engine))
             start_metrics(metrics_port)
-        nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)
-        nursery.start_soon(_on_signals, engine)
+        stopping = _Stopping(options.unmount_timeout)
+        engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)
+        engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
         try:
             await pyfuse3.main()
         finally:
             with trio.CancelScope(shield=True):
-                await engine.flush_all()
-            nursery.cancel_scope.cancel()
+                await engine.flush_all(stopping.deadline())
+            nursery.cancel_scope.cancel()  # uploads still running: their data was spilled
             pyfuse3.close(unmount=True)
-            with trio.CancelScope(shield=True):
-                await session.close()
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                await session.close()  # else the metanodes expire the session
     log.info("unmounted %s", mountpoint)
+    if engine.spilled:
+        log.error("unmounted with %d file(s) not committed; their data is in spill files (see above)", engine.spilled)
+        return 1
     return 0
+
+
+class _Stopping:
+    """When the unmount's commit time ends: ``unmount_timeout`` seconds after
+    the first signal (or after the FUSE loop ended, unmounted from outside)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._deadline: float | None = None
+
+    def deadline(self) -> float:
+        if self._deadline is None:
+            self._deadline = trio.current_time() + self.timeout
+        return self._deadline
 
 
 async def _announce(
@@ -382,11 +418,15 @@ async def _announce(
     sdnotify.serving(nursery, f"mounted at {mountpoint}")
 
 
-async def _on_signals(engine: Volume) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
+    stop = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    with trio.open_signal_receiver(*stop, signal.SIGUSR1) as signals:
         async for signum in signals:
+            if signum == signal.SIGUSR1:
+                log.info("tasks of this mount (SIGUSR1):\n%s", task_tree())
+                continue
             log.info("signal %d: committing dirty data and unmounting", signum)
-            await engine.flush_all()
+            await engine.flush_all(stopping.deadline())
             pyfuse3.terminate()
             return
 
@@ -470,6 +510,20 @@ def _remove_pid(mountpoint: str) -> None:
     show_default=True,
     help="Share of the L2 directory's filesystem that L2 keeps free.",
 )
+@click.option(
+    "--unmount-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to commit dirty files at unmount; then what is left goes to spill files.",
+)
+@click.option(
+    "--spill-dir",
+    type=click.Path(file_okay=False),
+    default=DEFAULT_SPILL_DIR,
+    show_default=True,
+    help="Where data that could not be committed at unmount is kept.",
+)
 @click.option("--zone", default="", help="Zone of this node (its cache ring is tried first).")
 @click.option("--read-only", is_flag=True, help="Mount read-only.")
 @click.option(
@@ -524,6 +578,8 @@ def mount_command(
     cache_dir: str | None,
     cache_size: int,
     free_space_ratio: float,
+    unmount_timeout: float,
+    spill_dir: str,
     zone: str,
     read_only: bool,
     allow_other: bool,
@@ -557,6 +613,8 @@ def mount_command(
         cache_dir=os.path.abspath(cache_dir) if cache_dir else "",
         cache_size=cache_size,
         free_space_ratio=free_space_ratio,
+        unmount_timeout=unmount_timeout,
+        spill_dir=os.path.abspath(spill_dir),
     )
 
     def run(ready: Callable[[str | None], None]) -> int:

@@ -53,7 +53,7 @@ from cachefs.layout import (
     segment_blocks,
 )
 from cachefs.singleflight import SingleFlight
-from cachefs.tasks import run_all
+from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
 from .l1 import Block, L1Cache
@@ -115,7 +115,7 @@ class Reader:
         source: BlockSource,
         l1: L1Cache,
         *,
-        nursery: trio.Nursery,
+        nursery: Spawner,
         readahead_max: int,
         max_parallel: int = 8,
     ) -> None:

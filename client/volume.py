@@ -5,6 +5,11 @@ the one place it is put together:
 
 - the :class:`~.session.Session` (metadata calls, the block chain) and its
   upkeep task;
+- ``nursery``: where every background task of the engine starts (uploads,
+  compactions, readahead, upkeep, the front ends' own), a
+  :class:`~cachefs.tasks.TaskGuard` over the caller's nursery, so that an
+  unexpected exception in one of them is logged and counted and the mount
+  (which runs its FUSE loop in that same nursery) keeps serving;
 - the inode table (:mod:`.inodes`): the FUSE front end counts the kernel's
   lookups there, the native API keeps an inode there only while a file of it
   is open (or being read); an inode that leaves keeps its slice lists for its
@@ -25,6 +30,7 @@ mapping and kernel cache invalidation (:mod:`.fs`); paths, file objects and
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +40,9 @@ from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
+from cachefs.layout import Run
 from cachefs.messages import Attr
+from cachefs.tasks import TaskGuard
 
 from .compaction import Compactor
 from .inodes import GHOSTS, Inode, InodeTable
@@ -42,6 +50,7 @@ from .l1 import L1Cache
 from .l2 import CachedBlocks, L2Cache
 from .reader import Reader
 from .session import Session
+from .spill import DEFAULT_SPILL_DIR, spill
 from .writer import FileWriter
 
 log = logging.getLogger(__name__)
@@ -74,6 +83,8 @@ class ClientOptions:
     cache_dir: str = ""  # L2 on local flash ("": none)
     cache_size: int = 10 << 30  # L2 capacity in bytes
     free_space_ratio: float = 0.1  # L2 keeps this share of its filesystem free
+    unmount_timeout: float = 60.0  # mount only: commit time at unmount, then spill
+    spill_dir: str = DEFAULT_SPILL_DIR  # mount only: where uncommittable data goes
 
 
 class Volume:
@@ -96,7 +107,7 @@ class Volume:
         """
         self.session = session
         self.options = options
-        self.nursery = nursery
+        self.nursery = TaskGuard(nursery)
         self.inodes = InodeTable(ghosts)
         self.l1 = L1Cache(options.l1_bytes)
         self.l2: L2Cache | None = None
@@ -107,17 +118,20 @@ class Volume:
                 options.cache_size,
                 session.volume,
                 free_space_ratio=options.free_space_ratio,
-                nursery=nursery,
+                nursery=self.nursery,
             )
             source = CachedBlocks(session, self.l2)
-        self.reader = Reader(source, self.l1, nursery=nursery, readahead_max=options.readahead_max)
+        self.reader = Reader(
+            source, self.l1, nursery=self.nursery, readahead_max=options.readahead_max
+        )
         self.compactor = Compactor(
-            session, self.reader, nursery=nursery, threshold=options.compact_after
+            session, self.reader, nursery=self.nursery, threshold=options.compact_after
         )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self.spilled = 0  # files not committed at unmount, their data spilled
         session.on_block_stored = self._keep_written
-        nursery.start_soon(session.run)
-        nursery.start_soon(self._seal_idle_writes)
+        self.nursery.start_soon(session.run, restart=True)
+        self.nursery.start_soon(self._seal_idle_writes, restart=True)
 
     @property
     def block_size(self) -> int:
@@ -202,14 +216,52 @@ class Volume:
         if inode.writer is not None:
             await inode.writer.flush()
 
-    async def flush_all(self) -> None:
-        """Commit every dirty file (unmount, SIGTERM); failures are logged."""
-        for inode in self.inodes.all():
-            if inode.writer is not None and inode.writer.dirty:
-                try:
-                    await inode.writer.flush()
-                except CacheFSError as exc:
-                    log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
+    async def flush_all(self, deadline: float = math.inf) -> None:
+        """Commit every dirty file, all at once (unmount, SIGTERM), until the
+        trio clock reaches ``deadline``; then spill what is still uncommitted,
+        and what failed to commit, to local files (see :mod:`.spill`).
+        :attr:`spilled` counts the spilled files; every failure and spill is logged."""
+
+        async def commit(inode: Inode, writer: FileWriter) -> None:
+            try:
+                await writer.flush()
+            except CacheFSError as exc:
+                log.error("could not commit inode %d at unmount: %s", inode.ino, exc)
+
+        held = [(i, i.writer) for i in self.inodes.all() if i.writer is not None and not i.writer.spilled]
+        with trio.move_on_at(deadline) as scope:
+            async with trio.open_nursery() as nursery:
+                for inode, writer in held:
+                    if writer.dirty:
+                        nursery.start_soon(commit, inode, writer)
+        for inode, writer in held:
+            runs = writer.unsaved()
+            if not runs:
+                continue
+            if writer.error is not None:
+                reason = f"its commit failed: {writer.error.message}"
+            elif scope.cancelled_caught:
+                reason = "its commits did not finish before the unmount deadline"
+            else:
+                reason = "it was not committed"
+            self._spill(inode, runs, reason)
+            await writer.abandon(f"not committed at unmount ({reason}); spilled")
+            self.spilled += 1
+
+    def _spill(self, inode: Inode, runs: list[Run], reason: str) -> None:
+        size = sum(len(run.data) for run in runs)
+        try:
+            path = spill(self.options.spill_dir, self.session.volume, inode.ino, runs, reason)
+        except OSError as exc:
+            log.error(
+                "inode %d: %d uncommitted bytes are lost (%s), and could not be spilled to %s: %s",
+                inode.ino, size, reason, self.options.spill_dir, exc,
+            )  # fmt: skip
+            return
+        log.error(
+            "inode %d: %d uncommitted bytes (%s) are kept in %s; see %s for their extents",
+            inode.ino, size, reason, path, path.with_suffix(".json").name,
+        )  # fmt: skip
 
     def dirty_bytes(self) -> int:
         return sum(i.writer.buffered for i in self.inodes.all() if i.writer is not None)

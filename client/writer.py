@@ -52,7 +52,7 @@ from cachefs.errors import (
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import MAX_FILE_SIZE, Run, WritePlan, runs_end, slice_blocks
 from cachefs.messages import Attr
-from cachefs.tasks import run_all
+from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
 
@@ -83,10 +83,11 @@ class BlockSink(Protocol):
 class _Pending:
     """One sealed run on its way to being committed."""
 
-    __slots__ = ("committed", "run")
+    __slots__ = ("committed", "order", "run")
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, order: int) -> None:
         self.run = run
+        self.order = order  # seal order: the order in which runs win
         self.committed = trio.Event()
 
 
@@ -96,7 +97,7 @@ class FileWriter:
         sink: BlockSink,
         inode: Inode,
         *,
-        nursery: trio.Nursery,
+        nursery: Spawner,
         buffer_limit: int,
         upload_limit: trio.Semaphore,
         write_through: bool = False,
@@ -115,6 +116,11 @@ class FileWriter:
         self._upload_limit = upload_limit
         self._queue: deque[_Pending] = deque()
         self._last: _Pending | None = None
+        self._sealed = 0
+        # Runs whose commit failed (seal order, run): kept for a spill at
+        # unmount. Bounded: after the first failure the file takes no writes.
+        self.lost: list[tuple[int, Run]] = []
+        self.spilled = False  # abandoned at unmount, its bytes spilled
         self._changed = trio.Condition()
         self.error: CacheFSError | None = None
         self.buffered = 0  # bytes written and not yet committed
@@ -129,6 +135,25 @@ class FileWriter:
         """Uncommitted runs, oldest first (the order in which they win)."""
         # Open extents are disjoint and newer than every queued run.
         return [p.run for p in self._queue] + self.plan.extents
+
+    def unsaved(self) -> list[Run]:
+        """Every run written and not committed, failed ones included, oldest
+        first: what a spill keeps (see :mod:`.spill`)."""
+        return [run for _, run in sorted(self.lost, key=lambda lost: lost[0])] + self.pending_runs()
+
+    async def abandon(self, reason: str) -> None:
+        """Give up on every uncommitted run (the unmount's deadline passed,
+        their bytes are spilled): the file fails with ``reason``, so whoever
+        waits in :meth:`flush` or :meth:`write` returns with that error
+        instead of waiting for uploads the unmount is about to cancel. A
+        commit already in flight may still land."""
+        if self.error is None:
+            self.error = IOFailure(reason)
+        self.spilled = True
+        for pending in self._queue:
+            pending.committed.set()
+        async with self._changed:
+            self._changed.notify_all()
 
     def pending_end(self) -> int:
         return runs_end(self.pending_runs())
@@ -166,7 +191,8 @@ class FileWriter:
 
     def _submit(self, runs: list[Run]) -> None:
         for run in runs:
-            pending = _Pending(run)
+            self._sealed += 1
+            pending = _Pending(run, self._sealed)
             previous, self._last = self._last, pending
             self._queue.append(pending)
             self._nursery.start_soon(self._upload, pending, previous)
@@ -192,6 +218,7 @@ class FileWriter:
 
     async def _upload(self, pending: _Pending, previous: _Pending | None) -> None:
         run = pending.run
+        committed = False
         try:
             if self.error is None:
                 slice_id = await self.sink.alloc_slice()
@@ -211,6 +238,7 @@ class FileWriter:
                         tuple(sorted(short)),
                     )
                     self._committed(run, attr)
+                    committed = True
         except CacheFSError as exc:
             log.error(
                 "write of inode %d (chunk %d, %d bytes) failed: %s",
@@ -221,7 +249,18 @@ class FileWriter:
             )
             if self.error is None:
                 self.error = exc
+        except Exception as exc:
+            # A bug, not a failure of the cluster: the run is lost all the
+            # same, so the file is failed (the task boundary logs the rest).
+            if self.error is None:
+                leaf: BaseException = exc
+                while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+                    leaf = leaf.exceptions[0]
+                self.error = IOFailure(f"unexpected {type(leaf).__name__}: {leaf}")
+            raise
         finally:
+            if not committed:
+                self.lost.append((pending.order, run))
             self._queue.remove(pending)
             self.buffered -= len(run.data)
             pending.committed.set()

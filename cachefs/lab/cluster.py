@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "lab.json"
 VOLUME = "lab"
 TLS_DIR = "tls"
+UMOUNT_TIMEOUT = 120.0  # cachefs umount's own default: the mount commits for up to 60 s
 TLS_CLIENT = "client"  # the certificate the mount, `lab status` and lab clients show
 
 
@@ -349,7 +350,8 @@ class Lab:
             extra = ("--cache-dir", str(self.root / "mount-l2"), "--cache-size", self.config.mount_cache, *extra)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.secret_file),
-                "--log-file", str(self.root / "logs" / "mount.log"), *self.tls_args(), *extra]
+                "--log-file", str(self.root / "logs" / "mount.log"),
+                "--spill-dir", str(self.root / "spill"), *self.tls_args(), *extra]
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
         logf = self.root / "logs" / "mount.log"
@@ -361,19 +363,29 @@ class Lab:
         self.config.mountpoint = mountpoint
         self.save()
 
-    def umount(self) -> None:
+    def umount(self, timeout: float = UMOUNT_TIMEOUT) -> None:
+        """Unmount the lab's mount, giving its daemon ``timeout`` seconds to
+        commit (what it cannot commit it spills, see client/spill.py). A
+        daemon that does not finish is detached lazily; :meth:`down` then
+        stops it with the lab's other daemons (it is one of their strays)."""
         mp = self.config.mountpoint
-        if mp and os.path.ismount(mp):
-            subprocess.run([sys.executable, "-m", "cachefs.cli", "umount", mp], timeout=60, check=False)
-            if os.path.ismount(mp):
+        if mp and _mounted(mp):
+            argv = [sys.executable, "-m", "cachefs.cli", "umount", "--timeout", str(timeout), mp]
+            try:
+                subprocess.run(argv, timeout=timeout + 10, check=False)
+            except subprocess.TimeoutExpired:
+                pass
+            if _mounted(mp):
                 subprocess.run(["fusermount3", "-u", "-z", mp], check=False)
         self.config.mountpoint = None
         self.save()
 
     # ------------------------------------------------------------ teardown
 
-    def down(self, *, wipe: bool = False) -> None:
-        self.umount()
+    def down(self, *, wipe: bool = False, umount_timeout: float = UMOUNT_TIMEOUT) -> None:
+        """Unmount, then stop every daemon of the lab, the mount's too, even
+        when the unmount failed."""
+        self.umount(umount_timeout)
         alive = [n.pid for n in self.nodes if n.pid and _alive(n.pid)] + self._strays()
         for pid in alive:
             os.kill(pid, signal.SIGTERM)
@@ -473,6 +485,16 @@ def _last_line(path: Path) -> str:
         return "no log"
     lines = [line.strip(" |+-") for line in tail.splitlines()]
     return next((line for line in reversed(lines) if line), "empty log")
+
+
+def _mounted(path: str) -> bool:
+    """Whether ``path`` (absolute, as it was mounted) is a mount point, read
+    from mountinfo: a stat of it would wait forever on a hung FUSE daemon."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return False
+    return any(len(f := line.split()) > 4 and f[4].encode().decode("unicode_escape") == path for line in lines)
 
 
 def _alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 import trio
 
@@ -31,7 +32,9 @@ from cachefs.transport.tcp import TcpTransport
 VOLUME = "vol"
 
 
-async def main_async(mountpoint: str, block_size: int, options: ClientOptions) -> int:
+async def main_async(
+    mountpoint: str, block_size: int, options: ClientOptions, metrics_port: int = 0
+) -> int:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool:
         await metanode.create_volume(VOLUME, block_size=block_size)
         meta = metanode.client(pool, client_id="localfs")
@@ -50,12 +53,75 @@ async def main_async(mountpoint: str, block_size: int, options: ClientOptions) -
             print("ready" if error is None else f"error: {error}", flush=True)
 
         # allow_other: the POSIX tests check permissions as other users through this mount.
-        status = await run_fs(session, mountpoint, options, ready, allow_other=True)
+        status = await run_fs(session, mountpoint, options, ready, metrics_port, allow_other=True)
         try:
             metanode.check()  # fsck-style invariants of everything the mount did
         except AssertionError:
             logging.getLogger("localfs").exception("metadata invariants violated")
         return status
+
+
+# ``--fail-once NAME``: the first call of this method raises RuntimeError,
+# standing in for a bug in the background task that runs it (the code around
+# it is the real client's).
+FAIL_ONCE: dict[str, tuple[Any, ...]] = {
+    "upload": (DictBacking, "put_block"),
+    "compaction": ("cachefs.client.compaction", "Compactor", "compact"),
+    "upkeep": ("cachefs.client.session", "Session", "heartbeat"),
+    "idle-seal": ("cachefs.client.writer", "FileWriter", "seal_idle"),
+    # Not the early read of a file's first block at open (that is read_early's).
+    "readahead": ("cachefs.client.reader", "Reader", "_readahead", lambda _self, _inode, offset, _w: offset > 0),
+    "early-read": ("cachefs.client.volume", "Volume", "read_early"),
+}
+
+
+def stall_uploads(after: int) -> None:
+    real = DictBacking.put_block
+    done = [0]
+
+    async def put_block(self: DictBacking, volume: str, key: Any, data: Any) -> None:
+        done[0] += 1
+        if done[0] > after:
+            await trio.sleep_forever()
+        await real(self, volume, key, data)
+
+    DictBacking.put_block = put_block  # type: ignore[method-assign]
+
+
+def fail_once(name: str) -> None:
+    import functools
+    import importlib
+    import inspect
+
+    target = FAIL_ONCE[name]
+    if isinstance(target[0], str):
+        cls, method, *when = getattr(importlib.import_module(target[0]), target[1]), *target[2:]
+    else:
+        cls, method, *when = target
+    real = getattr(cls, method)
+    state = {"failed": False}
+
+    def boom(*args: Any) -> None:
+        if not state["failed"] and (not when or when[0](*args)):
+            state["failed"] = True
+            raise RuntimeError(f"injected failure in {cls.__name__}.{method}")
+
+    if inspect.iscoroutinefunction(real):
+        @functools.wraps(real)
+        async def patched(*args: Any, **kwargs: Any) -> Any:
+            boom(*args)
+            return await real(*args, **kwargs)
+    else:
+        @functools.wraps(real)
+        def patched(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            boom(*args)
+            return real(*args, **kwargs)
+
+    setattr(cls, method, patched)
+    if name == "upkeep":  # the session's upkeep runs every MAP_REFRESH seconds
+        import cachefs.client.session
+
+        cachefs.client.session.MAP_REFRESH = 0.2
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l1", type=int, default=4 << 20)
     parser.add_argument("--compact-after", type=int, default=16)
     parser.add_argument("--read-only", action="store_true")
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--unmount-timeout", type=float, default=60.0)
+    parser.add_argument("--spill-dir", default="")
+    # Every block upload after the first N never finishes (a backing store
+    # that stopped answering, with no deadline to save us).
+    parser.add_argument("--stall-uploads-after", type=int, default=-1)
+    parser.add_argument("--fail-once", action="append", default=[], choices=sorted(FAIL_ONCE))
     args = parser.parse_args(argv)
+    for name in args.fail_once:
+        fail_once(name)
+    if args.stall_uploads_after >= 0:
+        stall_uploads(args.stall_uploads_after)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ClientOptions(
         l1_bytes=args.l1,
@@ -76,8 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         entry_timeout=0.5,
         read_only=args.read_only,
         compact_after=args.compact_after,
+        unmount_timeout=args.unmount_timeout,
+        **({"spill_dir": args.spill_dir} if args.spill_dir else {}),
     )
-    sys.exit(trio.run(main_async, args.mountpoint, args.block_size, options))
+    sys.exit(trio.run(main_async, args.mountpoint, args.block_size, options, args.metrics_port))
 
 
 if __name__ == "__main__":
