@@ -129,7 +129,8 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class CallContext:
-    """Who is calling; handlers that want it declare a ``ctx`` parameter."""
+    """Who is calling; handlers that want it declare a ``ctx`` parameter (or
+    an ``identity`` parameter for the peer's :class:`Identity` alone)."""
 
     peer: str
     conn_id: int
@@ -239,9 +240,11 @@ class Method:
         sig = inspect.signature(fn)
         self.wants_payload = "payload" in sig.parameters
         self.wants_ctx = "ctx" in sig.parameters
+        # just the peer's identity: cheaper than a CallContext on hot inline paths
+        self.wants_identity = "identity" in sig.parameters
         self.params: dict[str, _Param] = {}
         for p in sig.parameters.values():
-            if p.name in ("self", "payload", "ctx") or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            if p.name in ("self", "payload", "ctx", "identity") or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                 continue
             self.params[p.name] = _Param(p.name, _accepted_types(hints.get(p.name, Any)),
                                          p.default is inspect.Parameter.empty)
@@ -825,6 +828,8 @@ class RpcServer:
             kwargs["payload"] = req.payload
         elif req.payload:
             raise InvalidArgument(f"{req.method} takes no payload")
+        if method.wants_identity:
+            kwargs["identity"] = conn.identity
         if method.wants_ctx:
             kwargs["ctx"] = CallContext(conn.peer, conn.conn_id, trio.current_time() + self._timeout(req),
                                         conn.identity)
