@@ -22,9 +22,15 @@ are proposed by the leader alone.
 
 Clients' commands carry ``client_id`` and ``seq`` (``MetaClient`` fills them
 in): the state machine answers a repeated ``(client_id, seq)`` with the first
-answer instead of applying it again. Commands proposed by the metanodes
-themselves (session expiry, for example) carry an empty ``client_id`` and are
-not deduplicated.
+answer instead of applying it again. The leader puts the sender's identity
+(``Identity.tag``) before the ``client_id`` it sent, so one credential can
+neither replay another's commands nor collect its answers, and a session
+(named after its ``client_id``) belongs to the identity that mounted it.
+Commands proposed by the metanodes themselves (session expiry, for example)
+carry an empty ``client_id`` and are not deduplicated.
+
+Who may send a command is its ``ROLES`` (servers only by default);
+``metanode.service`` checks it, and the volumes and sessions a client names.
 
 Time enters only as ``now_ns`` stamped by the leader that proposes the
 command, so applying the same log on every replica gives the same state.
@@ -46,6 +52,7 @@ import msgpack
 
 from cachefs import messages as M
 from cachefs.backing.policy import VolumePolicy
+from cachefs.credentials import ADMINS, CLIENTS, MAX_TAG, SERVERS
 from cachefs.errors import FileTooLarge, InvalidArgument, NameTooLong
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE
 from cachefs.layout import MAX_FILE_SIZE
@@ -61,6 +68,7 @@ U64 = (1 << 64) - 1
 I64 = (1 << 63) - 1
 MAX_SLICE_ALLOC = 1 << 20
 MAX_SLICE_BLOCKS = CHUNK_SIZE // 4096  # a slice lies in one chunk; blocks are at least 4 KiB
+MAX_CLIENT_ID = 128  # as sent; the leader puts "<identity tag>/" before it
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -211,12 +219,15 @@ class Command(Generic[R]):
     """Base of every log command; subclasses set ``TAG`` and add fields.
 
     ``NAME``: the RPC method a client sends it as ("" = the leader's own);
-    ``REPLY``: decodes the apply result the client receives (see
-    :mod:`cachefs.messages`).
+    ``ROLES``: the credential roles that may send it (servers only unless
+    the class says otherwise; see :mod:`cachefs.credentials` and
+    ``metanode.service``); ``REPLY``: decodes the apply result the client
+    receives (see :mod:`cachefs.messages`).
     """
 
     TAG: ClassVar[int] = 0
     NAME: ClassVar[str] = ""
+    ROLES: ClassVar[frozenset[str]] = SERVERS
     REPLY: ClassVar[Callable[[Any], Any]] = M.nothing
     MUTATES_VOLUME: ClassVar[bool] = True
 
@@ -238,8 +249,8 @@ class Command(Generic[R]):
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if len(self.client_id) > 128:
-            raise InvalidArgument("client_id is longer than 128 characters")
+        if len(self.client_id) > MAX_TAG + 1 + MAX_CLIENT_ID:  # as stamped by the leader
+            raise InvalidArgument(f"client_id is longer than {MAX_TAG + 1 + MAX_CLIENT_ID} characters")
         check_int(self.seq, "seq")
         check_int(self.now_ns, "now_ns", 0, I64)
         self.validate()
@@ -318,6 +329,7 @@ class CreateVolume(Command[dict[str, Any]]):
 
     TAG: ClassVar[int] = 1
     NAME: ClassVar[str] = "create_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
@@ -351,6 +363,7 @@ class SetVolumeCompression(Command[dict[str, Any]]):
 
     TAG: ClassVar[int] = 4
     NAME: ClassVar[str] = "set_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
@@ -373,6 +386,7 @@ class SetVolumeAccess(Command[dict[str, Any]]):
 
     TAG: ClassVar[int] = 42
     NAME: ClassVar[str] = "set_volume_access"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     name: str
@@ -389,6 +403,7 @@ class MountVolume(Command[M.MountInfo]):
 
     TAG: ClassVar[int] = 2
     NAME: ClassVar[str] = "mount_volume"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.MountInfo.from_wire
     MUTATES_VOLUME: ClassVar[bool] = False
     volume: str
@@ -400,6 +415,7 @@ class CloseSession(Command[None]):
 
     TAG: ClassVar[int] = 3
     NAME: ClassVar[str] = "close_session"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     MUTATES_VOLUME: ClassVar[bool] = False
     session: str
 
@@ -411,6 +427,7 @@ class CloseSession(Command[None]):
 class SetAttr(Command[M.Attr]):
     TAG: ClassVar[int] = 10
     NAME: ClassVar[str] = "setattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -448,6 +465,7 @@ class Mknod(Command[M.Attr]):
 
     TAG: ClassVar[int] = 11
     NAME: ClassVar[str] = "mknod"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
@@ -475,6 +493,7 @@ class Mknod(Command[M.Attr]):
 class Mkdir(Command[M.Attr]):
     TAG: ClassVar[int] = 12
     NAME: ClassVar[str] = "mkdir"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
@@ -499,6 +518,7 @@ class Mkdir(Command[M.Attr]):
 class Symlink(Command[M.Attr]):
     TAG: ClassVar[int] = 13
     NAME: ClassVar[str] = "symlink"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
@@ -526,6 +546,7 @@ class Symlink(Command[M.Attr]):
 class Link(Command[M.Attr]):
     TAG: ClassVar[int] = 14
     NAME: ClassVar[str] = "link"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -546,6 +567,7 @@ class Unlink(Command[None]):
 
     TAG: ClassVar[int] = 15
     NAME: ClassVar[str] = "unlink"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     parent: int
     name: bytes
@@ -562,6 +584,7 @@ class Unlink(Command[None]):
 class Rmdir(Command[None]):
     TAG: ClassVar[int] = 16
     NAME: ClassVar[str] = "rmdir"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     parent: int
     name: bytes
@@ -575,6 +598,7 @@ class Rmdir(Command[None]):
 class Rename(Command[None]):
     TAG: ClassVar[int] = 17
     NAME: ClassVar[str] = "rename"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     parent: int
     name: bytes
@@ -602,6 +626,7 @@ class Rename(Command[None]):
 class SetXattr(Command[None]):
     TAG: ClassVar[int] = 18
     NAME: ClassVar[str] = "setxattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     ino: int
     name: bytes
@@ -627,6 +652,7 @@ class SetXattr(Command[None]):
 class RemoveXattr(Command[None]):
     TAG: ClassVar[int] = 19
     NAME: ClassVar[str] = "removexattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     ino: int
     name: bytes
@@ -645,6 +671,7 @@ class SetQuota(Command[M.Usage]):
 
     TAG: ClassVar[int] = 22
     NAME: ClassVar[str] = "set_quota"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Usage.from_wire
     volume: str
     ino: int
@@ -668,6 +695,7 @@ class AllocSlices(Command[int]):
 
     TAG: ClassVar[int] = 30
     NAME: ClassVar[str] = "alloc_slices"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     MUTATES_VOLUME: ClassVar[bool] = False
     count: int = 1
@@ -688,6 +716,7 @@ class WriteSlice(Command[M.Attr]):
 
     TAG: ClassVar[int] = 31
     NAME: ClassVar[str] = "write_slice"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -734,6 +763,7 @@ class CompactChunk(Command[M.Attr]):
 
     TAG: ClassVar[int] = 32
     NAME: ClassVar[str] = "compact_chunk"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -760,6 +790,7 @@ class PurgeTrash(Command[int]):
 
     TAG: ClassVar[int] = 33
     NAME: ClassVar[str] = "purge_trash"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     volume: str
     slice_ids: tuple[int, ...]
@@ -836,6 +867,7 @@ class RegisterNode(Command[int]):
 class RemoveNode(Command[int]):
     TAG: ClassVar[int] = 41
     NAME: ClassVar[str] = "remove_node"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.integer
     MUTATES_VOLUME: ClassVar[bool] = False
     kind: str

@@ -30,7 +30,7 @@ import hashlib
 import hmac
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachefs.errors import AuthFailed, InvalidArgument, PermissionDenied
@@ -45,6 +45,7 @@ ANYONE = CLIENTS
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_KEY_ID = 1024
+MAX_TAG = 96  # Identity.tag: at most 64 + 16 + 2 + len("client:") otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,20 @@ class Identity:
     name: str
     volumes: frozenset[str] | None = None
     insecure: bool = False
+    # A short name unique to the key id: the metanodes put it before the
+    # ``client_id`` of this identity's commands (so before its sessions and
+    # dedup entries too). The key id itself when short; a client naming many
+    # volumes gets its role, name and a digest (``~`` is in no key id, so the
+    # two forms never meet); "" for an insecure peer.
+    tag: str = field(default="", init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        kid = f"{self.role}:{self.name}"
+        if self.volumes is not None:
+            kid += ":" + ",".join(sorted(self.volumes))
+        if len(kid) > MAX_TAG:
+            kid = f"{self.role}:{self.name}:~{hashlib.sha256(kid.encode()).hexdigest()[:16]}"
+        object.__setattr__(self, "tag", "" if self.insecure else kid)
 
     def __str__(self) -> str:
         return "insecure peer" if self.insecure else f"{self.role} {self.name!r}"

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic
 
 from cachefs import messages as M
+from cachefs.credentials import ADMINS, CLIENTS, SERVERS
 from cachefs.errors import InvalidArgument
 from cachefs.layout import Slice
 
@@ -44,9 +45,11 @@ QUERIES: dict[str, type[Query[Any]]] = {}  # RPC method name -> query
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Query(Generic[R]):
-    """Base of every query; subclasses set ``NAME`` and ``REPLY`` and add fields."""
+    """Base of every query; subclasses set ``NAME`` and ``REPLY`` and add
+    fields, and ``ROLES`` unless it is for servers only (as ``Command``)."""
 
     NAME: ClassVar[str] = ""
+    ROLES: ClassVar[frozenset[str]] = SERVERS
     REPLY: ClassVar[Callable[[Any], Any]] = M.nothing
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -60,6 +63,12 @@ class Query(Generic[R]):
 
     def validate(self) -> None:
         """Range checks specific to the query; raise a CacheFSError."""
+
+    def confine(self, answer: Any, volumes: frozenset[str]) -> Any:
+        """What a client credential for ``volumes`` sees of ``answer``: all of
+        it, unless the query answers about every volume (then only its own)."""
+        del volumes
+        return answer
 
     # A read also defines ``run(self, state: MetaState)``: the state-machine read
     # that answers it. The others have a hook in the service instead.
@@ -82,6 +91,7 @@ class Query(Generic[R]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup(Query[M.Attr]):
     NAME: ClassVar[str] = "lookup"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
@@ -97,6 +107,7 @@ class Lookup(Query[M.Attr]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class GetAttr(Query[M.Attr]):
     NAME: ClassVar[str] = "getattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -108,6 +119,7 @@ class GetAttr(Query[M.Attr]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReadLink(Query[bytes]):
     NAME: ClassVar[str] = "readlink"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.blob
     volume: str
     ino: int
@@ -122,6 +134,7 @@ class ReadDir(Query[list[M.DirEntry]]):
     at most ``MAX_READDIR``) of them; stable while entries come and go."""
 
     NAME: ClassVar[str] = "readdir"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.dir_entries
     volume: str
     ino: int
@@ -139,6 +152,7 @@ class ReadDir(Query[list[M.DirEntry]]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class StatFs(Query[M.FsStats]):
     NAME: ClassVar[str] = "statfs"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.FsStats.from_wire
     volume: str
 
@@ -149,6 +163,7 @@ class StatFs(Query[M.FsStats]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class GetXattr(Query[bytes]):
     NAME: ClassVar[str] = "getxattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.blob
     volume: str
     ino: int
@@ -161,6 +176,7 @@ class GetXattr(Query[bytes]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ListXattr(Query[list[bytes]]):
     NAME: ClassVar[str] = "listxattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.blobs
     volume: str
     ino: int
@@ -174,6 +190,7 @@ class ReadChunk(Query[list[Slice]]):
     """A chunk's slices in commit order, newest last."""
 
     NAME: ClassVar[str] = "read_chunk"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.slices
     volume: str
     ino: int
@@ -191,6 +208,7 @@ class GetUsage(Query[M.Usage]):
     """A directory's subtree usage and quota."""
 
     NAME: ClassVar[str] = "get_usage"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Usage.from_wire
     volume: str
     ino: int
@@ -204,6 +222,7 @@ class ListTrash(Query[list[M.TrashEntry]]):
     """Unreferenced slices for the garbage collector, oldest first."""
 
     NAME: ClassVar[str] = "list_trash"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.trash_entries
     volume: str
     limit: int = 1000
@@ -218,6 +237,7 @@ class ListRepairs(Query[list[M.RepairEntry]]):
     """Blocks waiting to be brought back to full redundancy, oldest first."""
 
     NAME: ClassVar[str] = "list_repairs"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
     REPLY: ClassVar[Callable[[Any], Any]] = M.repair_entries
     volume: str
     limit: int = 1000
@@ -232,6 +252,7 @@ class ListVolumes(Query[dict[str, Any]]):
     used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""
 
     NAME: ClassVar[str] = "list_volumes"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
 
     def run(self, state: MetaState) -> dict[str, Any]:
@@ -246,6 +267,9 @@ class ListVolumes(Query[dict[str, Any]]):
             }
         return out
 
+    def confine(self, answer: dict[str, Any], volumes: frozenset[str]) -> dict[str, Any]:
+        return {name: spec for name, spec in answer.items() if name in volumes}
+
 
 # -- answered by the service: the cluster map and the leader's soft state ------------
 
@@ -255,10 +279,19 @@ class ClusterMap(Query[dict[str, Any]]):
     """The cluster map (docs/contracts.md), node liveness as this leader sees it."""
 
     NAME: ClassVar[str] = "cluster_map"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
 
     def run(self, state: MetaState) -> dict[str, Any]:
         return state.cluster.to_dict()
+
+    def confine(self, answer: dict[str, Any], volumes: frozenset[str]) -> dict[str, Any]:
+        """The nodes (a client reads and writes them), its own volumes only."""
+        return {
+            **answer,
+            "volumes": {n: v for n, v in answer["volumes"].items() if n in volumes},
+            "pgs": {n: pgs for n, pgs in answer["pgs"].items() if n in volumes},
+        }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -268,6 +301,7 @@ class Open(Query[M.Attr]):
     Reply: the inode's attributes as of then (a linearizable read)."""
 
     NAME: ClassVar[str] = "open"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     ino: int
@@ -279,6 +313,7 @@ class Release(Query[None]):
     """Uncount an open (soft state); the last release of an orphan purges it."""
 
     NAME: ClassVar[str] = "release"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     volume: str
     ino: int
     session: str
@@ -290,6 +325,7 @@ class SessionHeartbeat(Query[bool]):
     inodes the session holds open, which a new leader learns this way."""
 
     NAME: ClassVar[str] = "session_heartbeat"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
     REPLY: ClassVar[Callable[[Any], Any]] = M.boolean
     session: str
     opens: tuple[int, ...] | None = None

@@ -42,9 +42,13 @@ def check(state: MetaState) -> None:
         problems.extend(_check_volume(state, vol))
     if state.volumes.keys() != state.cluster.volumes.keys():
         problems.append("namespace volumes and cluster-map volumes differ")
+    counts: Counter[tuple[str, str]] = Counter()
     for sid, session in state.sessions.items():
         if session.volume not in state.volumes:
             problems.append(f"session {sid} is on missing volume {session.volume}")
+        counts[(session.owner, session.volume)] += 1
+    if counts != state.session_counts:
+        problems.append(f"session counts {state.session_counts} do not match the sessions ({dict(counts)})")
     if problems:
         raise InvariantError("\n".join(problems))
 

@@ -237,13 +237,20 @@ class Volume:
 
 
 class Session:
-    """A mounted client; which files it has open is the leader's soft state."""
+    """A mounted client; which files it has open is the leader's soft state.
 
-    __slots__ = ("client_id", "volume")
+    ``owner``: the identity that mounted it, the tag the leader put before
+    its ``client_id`` (``Identity.tag``; "" if none was, as on an insecure
+    cluster). Only that identity (or a server or admin) may act on it.
+    """
+
+    __slots__ = ("client_id", "owner", "volume")
 
     def __init__(self, client_id: str, volume: str) -> None:
         self.client_id = client_id
         self.volume = volume
+        owner, stamped, _ = client_id.partition("/")
+        self.owner = owner if stamped else ""
 
 
 # -- slice records -----------------------------------------------------------------
@@ -303,6 +310,9 @@ class MetaState:
         self.volumes: dict[str, Volume] = {}
         self.cluster = ClusterMap()
         self.sessions: dict[str, Session] = {}
+        # (owner, volume) -> how many sessions it has there; derived from
+        # ``sessions`` (never in the snapshot): what per-call token checks ask
+        self.session_counts: dict[tuple[str, str], int] = {}
         self.dedup: dict[str, dict[int, Any]] = {}
         self.dedup_floor: dict[str, int] = {}
         self.dedup_last: dict[str, int] = {}  # client -> now_ns of its last command
@@ -625,6 +635,21 @@ class MetaState:
                 f"volume {volume!r} needs its mount token; {what} token was given"
             )
 
+    def check_session_grant(self, owner: str, volume: str) -> None:
+        """Refuse a client's call on a token-protected volume unless ``owner``
+        has a session there: its mount proved the token, and the grant ends
+        with its last session (so it survives a failover, as sessions do)."""
+        vol = self.volumes.get(volume)
+        if vol is not None and vol.token_hash and not self.session_counts.get((owner, volume)):
+            raise PermissionDenied(
+                f"volume {volume!r} needs its mount token: mount it with the token first"
+            )
+
+    def add_session(self, sid: str, session: Session) -> None:
+        self.sessions[sid] = session
+        key = (session.owner, session.volume)
+        self.session_counts[key] = self.session_counts.get(key, 0) + 1
+
     def _set_volume_compression(self, cmd: C.SetVolumeCompression) -> dict[str, Any]:
         self._vol(cmd.name)
         return self.cluster.set_compression(cmd.name, cmd.compression)
@@ -636,13 +661,20 @@ class MetaState:
         session = f"{cmd.client_id}/{self.applied_index}"
         if session in self.sessions:  # only without a log index (tests applying directly)
             session = f"{cmd.client_id}/{self.applied_index}.{len(self.sessions)}"
-        self.sessions[session] = Session(cmd.client_id, cmd.volume)
+        self.add_session(session, Session(cmd.client_id, cmd.volume))
         return MountInfo(ROOT, session, self.cluster.volumes[cmd.volume].to_dict())
 
     def _close_session(self, cmd: C.CloseSession) -> None:
         """The leader then drops the session's opens and purges orphans it held."""
-        if self.sessions.pop(cmd.session, None) is None:
+        s = self.sessions.pop(cmd.session, None)
+        if s is None:
             raise NotFound(f"no session {cmd.session!r}")
+        key = (s.owner, s.volume)
+        left = self.session_counts[key] - 1
+        if left:
+            self.session_counts[key] = left
+        else:
+            del self.session_counts[key]
 
     def _purge_orphans(self, cmd: C.PurgeOrphans) -> int:
         """Free the listed orphans (others, and inodes no longer orphans, are skipped)."""

@@ -39,6 +39,7 @@ see :class:`~.opentable.OpenTable`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -48,7 +49,8 @@ import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
-from cachefs.errors import CacheFSError, InvalidArgument, NotLeader
+from cachefs.credentials import ANYONE, Identity
+from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, PermissionDenied
 from cachefs.ids import BlockKey
 from cachefs.rpc import rpc_method
 
@@ -70,36 +72,96 @@ NODE_TIMEOUT = 15.0
 def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
     """Give ``cls`` one RPC method per client command and per query, named by
     the class's ``NAME``, whose one argument ``a`` is the class's wire list
-    (``Command.to_request`` / ``Query.to_wire``). Query handlers are plain
-    functions, so the RPC reader answers them inline (see ``_answer``)."""
+    (``Command.to_request`` / ``Query.to_wire``), open to the class's
+    ``ROLES`` (the RPC layer refuses anyone else before decoding). Query
+    handlers are plain functions, so the RPC reader answers them inline (see
+    ``_answer``)."""
 
     def mutation(command: type[C.Command[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def handle(self: MetaService, a: list, token: str | None = None) -> Any:
-            return await self.mutate(command.from_request(a, time.time_ns()), token)
+        scope = _Scope.of(command)
+
+        async def handle(self: MetaService, a: list, identity: Identity, token: str | None = None) -> Any:
+            cmd = command.from_request(_stamped(a, identity), time.time_ns())
+            self._admit(identity, cmd, scope)
+            return await self.mutate(cmd, token)
 
         return handle
 
     def query(query: type[Q.Query[Any]]) -> Callable[..., Any]:
+        scope = _Scope.of(query)
         hook = cls._QUERY_HOOKS.get(query)
-        if hook is not None:
+        if hook is not None or scope.confines:
+            run = hook or _state_read
 
-            def answer(self: MetaService, a: list) -> Any:
-                return hook(self, query.from_wire(a))
+            def answer(self: MetaService, a: list, identity: Identity) -> Any:
+                q = query.from_wire(a)
+                if identity.volumes is None:
+                    return run(self, q)
+                self._admit(identity, q, scope)
+                reply = run(self, q)
+                return _confined(q, reply, identity.volumes) if scope.confines else reply
 
             return answer
 
-        def read(self: MetaService, a: list) -> Any:  # the hot path: no lookups on the way
-            return self._answer(query.from_wire(a).run)  # type: ignore[attr-defined]
+        def read(self: MetaService, a: list, identity: Identity) -> Any:  # the hot path: no lookups on the way
+            q = query.from_wire(a)
+            if identity.volumes is not None:
+                self._admit(identity, q, scope)
+            return self._answer(q.run)  # type: ignore[attr-defined]
 
         return read
 
     for name, command in C.REQUESTS.items():
-        setattr(cls, f"_rpc_{name}", rpc_method(mutation(command), name=name))
+        setattr(cls, f"_rpc_{name}", rpc_method(mutation(command), name=name, roles=command.ROLES))
     for name, q in Q.QUERIES.items():
         if not hasattr(q, "run") and q not in cls._QUERY_HOOKS:
             raise TypeError(f"query {q.__name__} has neither a state read (run) nor a hook")
-        setattr(cls, f"_rpc_{name}", rpc_method(query(q), name=name))
+        setattr(cls, f"_rpc_{name}", rpc_method(query(q), name=name, roles=q.ROLES))
     return cls
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Scope:
+    """What a command or query names that a client credential must hold:
+    volumes (``volume``, a rename's ``new_volume``), a ``session``; and
+    whether its answer speaks of every volume (``Query.confine``)."""
+
+    volumes: tuple[str, ...]
+    session: bool
+    confines: bool
+
+    @classmethod
+    def of(cls, message: type) -> _Scope:
+        fields = {f.name for f in dataclasses.fields(message)}
+        return cls(
+            tuple(f for f in ("volume", "new_volume") if f in fields),
+            "session" in fields,
+            getattr(message, "confine", Q.Query.confine) is not Q.Query.confine,
+        )
+
+
+def _state_read(self: MetaService, q: Q.Query[Any]) -> Any:
+    return self._answer(q.run)  # type: ignore[attr-defined]  # checked when served
+
+
+def _stamped(a: list, identity: Identity) -> list:
+    """Put the sender's identity before the ``client_id`` it sent, so its
+    dedup entries and sessions are its own (see :mod:`cachefs.commands`)."""
+    if a and isinstance(a[0], str) and not identity.insecure:
+        if len(a[0]) > C.MAX_CLIENT_ID:
+            raise InvalidArgument(f"client_id is longer than {C.MAX_CLIENT_ID} characters")
+        a[0] = f"{identity.tag}/{a[0]}"
+    return a
+
+
+def _confined(q: Q.Query[Any], answer: Any, volumes: frozenset[str]) -> Any:
+    if inspect.isawaitable(answer):
+        return _confined_later(q, answer, volumes)
+    return q.confine(answer, volumes)
+
+
+async def _confined_later(q: Q.Query[Any], answer: Awaitable[Any], volumes: frozenset[str]) -> Any:
+    return q.confine(await answer, volumes)
 
 
 @_serves_interface
@@ -298,6 +360,29 @@ class MetaService:
 
     # -- the interface: one handler for every command, one for every query -----------
 
+    def _admit(self, identity: Identity, message: Any, scope: _Scope) -> None:
+        """What a client credential may name, checked on every call (the RPC
+        layer checked its role): only its own volumes; a volume with a mount
+        token only while it has a session there (a mount proved the token);
+        only sessions it opened. Servers and admins pass (an admin may set the
+        token anyway).
+
+        Raises:
+            PermissionDenied: a volume or session that is not the caller's.
+        """
+        if identity.volumes is None:
+            return
+        for field in scope.volumes:
+            volume = getattr(message, field)
+            if volume is not None:
+                identity.check_volume(volume)
+                if type(message) is not C.MountVolume:  # the mount proves the token
+                    self.state.check_session_grant(identity.tag, volume)
+        if scope.session:
+            s = self.state.sessions.get(message.session)
+            if s is not None and s.owner != identity.tag:
+                raise PermissionDenied(f"session {message.session!r} is not {identity}'s")
+
     async def mutate(self, cmd: C.Command[Any], token: str | None = None) -> Any:
         """Propose a client's command (decoded and stamped with ``now_ns``),
         through its leader hook if it has one; ``token``: a volume's mount
@@ -443,7 +528,7 @@ class MetaService:
 
     # -- status ---------------------------------------------------------------------
 
-    @rpc_method
+    @rpc_method(roles=ANYONE)
     async def meta_status(self) -> dict:
         """Where this replica stands (answered by followers too)."""
         node = self.node

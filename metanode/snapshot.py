@@ -146,8 +146,9 @@ def load(state: MetaState, data: bytes) -> None:
                 vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
         state.volumes[name] = vol
     state.sessions = {}
+    state.session_counts = {}
     for sid, client_id, volume, _files in sessions:
-        state.sessions[sid] = Session(client_id, volume)
+        state.add_session(sid, Session(client_id, volume))
     state.dedup = {}
     state.dedup_floor = {}
     state.dedup_last = {}

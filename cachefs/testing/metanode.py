@@ -71,14 +71,15 @@ class LocalMetanode:
     """One in-process metanode (see the module docstring); start it with
     :func:`local_metanode`."""
 
-    def __init__(self, **service_options: Any) -> None:
+    def __init__(self, secret: bytes | None = None, **service_options: Any) -> None:
         self.state = MetaState()
         self.service = MetaService(self.state, **service_options)
-        self.server = RpcServer(self.service, name="metanode", secret=None)
+        self.server = RpcServer(self.service, name="metanode", secret=secret)
         self.addr = ""
 
     def client(self, pool: RpcPool, **options: Any) -> MetaClient:
-        """A real MetaClient of this metanode (``pool``: insecure, ``secret=None``)."""
+        """A real MetaClient of this metanode (``pool``: with a credential
+        of the metanode's ``secret``, or ``secret=None`` if it has none)."""
         return MetaClient(pool, [self.addr], **options)
 
     async def create_volume(
@@ -95,11 +96,12 @@ class LocalMetanode:
 
 @asynccontextmanager
 async def local_metanode(
-    *, housekeeping: float = 1.0, **service_options: Any
+    *, housekeeping: float = 1.0, secret: bytes | None = None, **service_options: Any
 ) -> AsyncIterator[LocalMetanode]:
     """Serve a :class:`LocalMetanode` on 127.0.0.1 (a free port) until the
-    block ends; ``housekeeping``: seconds between session expiry passes."""
-    meta = LocalMetanode(**service_options)
+    block ends; ``housekeeping``: seconds between session expiry passes;
+    ``secret``: the cluster secret (None: insecure, everyone may do anything)."""
+    meta = LocalMetanode(secret, **service_options)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(meta.server.serve, "127.0.0.1", 0)
         meta.addr = f"127.0.0.1:{port}"
