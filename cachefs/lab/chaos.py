@@ -341,7 +341,7 @@ class Chaos:
     def meta_status(self) -> list[dict[str, Any]]:
         async def ask() -> list[dict[str, Any]]:
             out = []
-            async with RpcPool(secret=self.lab.secret) as pool:
+            async with RpcPool(secret=self.lab.credential("admin")) as pool:
                 for node in self.lab.of_kind("metanode"):
                     if not node.pid:
                         continue
@@ -368,7 +368,7 @@ class Chaos:
         from cachefs import queries as Q
 
         async def count() -> int:
-            async with RpcPool(secret=self.lab.secret) as pool:
+            async with RpcPool(secret=self.lab.credential("admin")) as pool:
                 meta = self.lab.meta_client(pool, deadline=10)
                 volumes = await meta.query(Q.ListVolumes())
                 return sum([len(await meta.query(Q.ListRepairs(v, 100_000))) for v in volumes])
@@ -451,7 +451,7 @@ class Chaos:
 
     def repair(self, *extra: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "cachefs.cli", "repair", "--meta", ",".join(self.lab.meta_addrs),
-                "--secret-file", str(self.lab.secret_file), *extra]
+                "--secret-file", str(self.lab.credential_file("admin")), *extra]
         if self.lab.config.netns:  # the lab's addresses are reachable from the client namespace only
             argv = self.lab.network.wrap(netns.CLIENT, argv)
         return subprocess.run(argv, capture_output=True, text=True, timeout=300)
@@ -508,7 +508,7 @@ class Chaos:
         return row
 
     async def _write_refused(self) -> bool:
-        async with RpcPool(secret=self.lab.secret) as pool:
+        async with RpcPool(secret=self.lab.credential("admin")) as pool:
             meta = self.lab.meta_client(pool, deadline=4.0)
             try:
                 name = b"no-quorum-" + os.urandom(4).hex().encode()
@@ -650,7 +650,7 @@ class Chaos:
 
     async def _cache_stats(self) -> list[dict[str, Any]]:
         out = []
-        async with RpcPool(secret=self.lab.secret) as pool:
+        async with RpcPool(secret=self.lab.credential("admin")) as pool:
             for node in self.lab.of_kind("cachenode"):
                 if node.pid:
                     out.append((await pool.call(node.addr, "stats", timeout=5)).result)
@@ -664,7 +664,7 @@ class Chaos:
         """
 
         async def wait() -> None:
-            async with RpcPool(secret=self.lab.secret) as pool:
+            async with RpcPool(secret=self.lab.credential("admin")) as pool:
                 meta = self.lab.meta_client(pool, deadline=10)
                 with trio.fail_after(timeout):
                     for node in self.lab.of_kind("datanode"):

@@ -164,6 +164,12 @@ class Lab:
         volume): the least credentials of the lab's admin commands and clients."""
         return self.root / f"{role}.cred"
 
+    def credential(self, role: str) -> Credential:
+        """The lab's ``admin`` credential (its own readiness, volume and status
+        calls) or ``client`` credential (its mounts)."""
+        self._issue_credentials()  # a lab started before credentials existed
+        return Credential.from_json(self.credential_file(role).read_text(), str(self.credential_file(role)))
+
     def _issue_credentials(self) -> None:
         for role, volumes in (("admin", ()), ("client", (VOLUME,))):
             path = self.credential_file(role)
@@ -310,7 +316,7 @@ class Lab:
         return MetaClient(pool, self.meta_addrs, **kwargs)
 
     async def _wait_ready(self, timeout: float) -> None:
-        async with RpcPool(secret=self.secret, tls=self.client_tls()) as pool:
+        async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
             meta = self.meta_client(pool, deadline=2.0)
             with trio.fail_after(timeout):
                 want_d, want_c = len(self.of_kind("datanode")), len(self.of_kind("cachenode"))
@@ -327,8 +333,8 @@ class Lab:
                     await trio.sleep(0.2)
                 log.info("metanode leader: %s", meta.leader)
                 if VOLUME not in cmap["volumes"]:
-                    # An open volume (no mount token): every lab client, test and
-                    # benchmark mounts it with the cluster secret alone.
+                    # An open volume (no mount token): the lab's client credential
+                    # (and any test's or benchmark's) mounts it without one.
                     await meta.mutate(CreateVolume(VOLUME, self.config.policy, self.config.compression))
 
     def _check_alive(self) -> None:
@@ -349,7 +355,7 @@ class Lab:
         if l2 and "--cache-dir" not in extra:
             extra = ("--cache-dir", str(self.root / "mount-l2"), "--cache-size", self.config.mount_cache, *extra)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
-                "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.secret_file),
+                "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.credential_file("client")),
                 "--log-file", str(self.root / "logs" / "mount.log"),
                 "--spill-dir", str(self.root / "spill"), *self.tls_args(), *extra]
         if self.config.netns:
@@ -432,7 +438,7 @@ class Lab:
 
     async def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"nodes": [], "leader": None, "cache": []}
-        async with RpcPool(secret=self.secret, tls=self.client_tls()) as pool:
+        async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
             for node in self.nodes:
                 alive = bool(node.pid and _alive(node.pid))
                 health = None
