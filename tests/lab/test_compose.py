@@ -176,12 +176,27 @@ def test_no_host_side_interpolation():
     assert not bare, f"host-interpolated variables {bare}: use env_file or $$ escapes"
 
 
-def test_secret_comes_from_the_env_file(services):
+def test_only_the_daemons_hold_the_secret_and_the_rest_a_least_credential(services, monkeypatch):
+    """Daemons (and the job that issues credentials) get the cluster secret
+    from an env file; the volume job an admin credential, the client a client
+    credential for the lab's volume, each from its own volume and nothing more."""
+    issued = {}
+    job = services["credentials"]
+    for line in command_lines(job, "credentials"):
+        p = parse_cachefs(line, service_env(job), monkeypatch)
+        issued[p.params["output"]] = (p.params["role"], tuple(p.params["volumes"]))
     for name, svc in services.items():
         env = service_env(svc)
+        assert "--insecure" not in str(svc.get("command")), f"{name} runs insecure"
+        if name in ("volume-init", "client"):
+            assert "CACHEFS_SECRET" not in env, f"{name} must not get the cluster secret"
+            (volume,) = [v for v in svc.get("volumes", []) if v.endswith(":/credentials:ro")]
+            path = env["CACHEFS_SECRET_FILE"]
+            role, volumes = issued[f"/credentials/{volume.split('-')[0]}/{path.rsplit('/', 1)[1]}"]
+            assert (name, role, volumes) in {("volume-init", "admin", ()), ("client", "client", (VOLUME,))}
+            continue
         secret = env.get("CACHEFS_SECRET", "")
         assert re.fullmatch(r"[0-9a-f]{64}", secret), f"{name}: CACHEFS_SECRET missing or not 32 random bytes in hex"
-        assert "--insecure" not in str(svc.get("command")), f"{name} runs insecure"
 
 
 # ---------------------------------------------------------------- topology
@@ -250,7 +265,7 @@ def test_dependencies_and_restart_policies(services):
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
             assert dep in services, f"{name} depends on unknown service {dep}"
-            want = "service_completed_successfully" if dep == "volume-init" else "service_healthy"
+            want = "service_completed_successfully" if dep in ("volume-init", "credentials") else "service_healthy"
             assert cond["condition"] == want, f"{name} -> {dep}"
         kind = svc.get("labels", {}).get("cachefs.kind")
         restart = svc.get("restart")
@@ -277,18 +292,24 @@ def test_named_volumes(compose, services, monkeypatch):
     parsed = all_parsed(services, monkeypatch)
     declared = set(compose.get("volumes") or {})
     used: dict[str, str] = {}
+    credentials = {}  # a credential's volume: written by the credentials job, read by one service
     for name, svc in services.items():
         for spec in svc.get("volumes", []):
             source, _, target = spec.partition(":")
             target = target.split(":")[0]
             assert not source.startswith(("/", ".")), f"{name}: bind mount {spec}; use a named volume"
             assert source in declared, f"{name}: volume {source} is not declared"
+            if source.endswith("-credential"):
+                assert name == "credentials" or spec.endswith(":ro"), f"{name} may write {source}"
+                credentials.setdefault(source, []).append(name)
+                continue
             assert source not in used, f"volume {source} is shared by {used[source]} and {name}"
             used[source] = name
             p = daemon(parsed, name)
             data_dir = p.params.get("data_dir") or p.params.get("cache_dir")
             assert str(data_dir) == target, f"{name}: data dir {data_dir} is not the volume {target}"
-    assert set(used) == declared, f"declared but unused: {declared - set(used)}"
+    assert set(used) | set(credentials) == declared, f"declared but unused: {declared - set(used)}"
+    assert all(len(users) == 2 and "credentials" in users for users in credentials.values()), credentials
     daemons = [n for n, s in services.items() if s.get("labels", {}).get("cachefs.kind") in DAEMON_KINDS]
     assert sorted(used.values()) == sorted(daemons), "every daemon keeps its state in a named volume"
 
