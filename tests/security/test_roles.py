@@ -110,3 +110,58 @@ def test_credential_issue_writes_a_private_file_the_commands_accept(small_lab, t
                              str(tmp_path / "d"), "--capacity", "1G", "--listen", "127.0.0.1:1",
                              "--secret-file", str(out)], capture_output=True, text=True, timeout=60)
     assert daemon.returncode != 0 and "needs the cluster secret" in daemon.stderr
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cachefs.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_the_metanode_refuses_a_credential_of_the_wrong_role_naming_role_and_method(small_lab, tmp_path) -> None:
+    """The lab's own credentials (ROOT/client.cred, ROOT/admin.cred) against
+    the real metanode daemon through the real CLI: administration with a
+    client credential is refused with the method, the caller and the role it
+    needs, and done with the admin one; a client sees and mounts only its
+    own volume."""
+    meta = ",".join(small_lab.meta_addrs)
+    client, admin = str(small_lab.credential_file("client")), str(small_lab.credential_file("admin"))
+    volume = "roles-" + os.urandom(3).hex()
+
+    refused = _cli("volume", "create", volume, "--policy", "replica:1", "--meta", meta, "--secret-file", client)
+    assert refused.returncode != 0
+    assert "create_volume is not allowed for client 'lab-client' (needs admin or server)" in refused.stderr
+    refused = _cli("volume", "set", "lab", "--open", "--meta", meta, "--secret-file", client)
+    assert "set_volume_access is not allowed for client 'lab-client' (needs admin or server)" in refused.stderr
+    listed = _cli("volume", "list", "--json", "--meta", meta, "--secret-file", admin)
+    assert volume not in json.loads(listed.stdout)
+
+    made = _cli("volume", "create", volume, "--policy", "replica:1", "--meta", meta, "--secret-file", admin)
+    assert made.returncode == 0, made.stderr
+    assert set(json.loads(_cli("volume", "list", "--json", "--meta", meta, "--secret-file", admin).stdout)) >= {
+        "lab", volume}
+    assert set(json.loads(_cli("volume", "list", "--json", "--meta", meta, "--secret-file", client).stdout)) == {
+        "lab"}
+
+    # A mount of a volume the credential does not name is refused, naming both.
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount = _cli("mount", meta, volume, str(mnt), "--secret-file", client)
+    assert mount.returncode != 0 and not os.path.ismount(mnt)
+    assert f"client 'lab-client' has no credential for volume '{volume}'" in mount.stderr + mount.stdout
+
+    async def scenario():
+        from cachefs import commands as C
+        from cachefs import queries as Q
+        from cachefs.metanode.client import MetaClient
+
+        async with RpcPool(secret=small_lab.credential("client")) as pool:
+            mc = MetaClient(pool, small_lab.meta_addrs, deadline=10.0)
+            with pytest.raises(PermissionDenied, match="register_node is not allowed for client 'lab-client' "
+                                                       r"\(needs server\)"):
+                await mc.mutate(C.RegisterNode("datanode", "rogue", "127.0.0.1:9", "z1", 1 << 30))
+            with pytest.raises(PermissionDenied, match="purge_trash is not allowed for client 'lab-client'"):
+                await mc.mutate(C.PurgeTrash("lab", (1,)))
+            with pytest.raises(PermissionDenied, match=f"has no credential for volume '{volume}'"):
+                await mc.query(Q.GetAttr(volume, 1))
+            assert "rogue" not in (await mc.query(Q.ClusterMap()))["datanodes"]
+
+    trio.run(scenario)
