@@ -104,6 +104,7 @@ def host(tmp_path: Path) -> Path:
     etc.mkdir()
     (etc / "secret").write_text("s3cret\n")
     (etc / "datasets.token").write_text("t0ken\n")
+    (etc / "datasets.cred").write_text('{"key_id": "client:train:datasets", "key": "00"}\n')
     return etc
 
 
@@ -171,6 +172,7 @@ def test_every_command_line_is_accepted_by_the_real_cli(kind, host: Path, monkey
         assert p["mountpoint"] == "/mnt/data" and p["volume"] == "datasets" and len(p["meta_addrs"]) == 3
         assert p["allow_other"] is True and p["background"] is False  # Type=notify: the mount is the main process
         assert p["token_file"] == f"{host}/datasets.token" and p["l1_size"] == 8 << 30
+        assert p["secret_file"] == f"{host}/datasets.cred"  # a client credential, never the cluster secret
 
 
 def test_the_guides_fstab_line_is_accepted(host: Path) -> None:
@@ -183,6 +185,7 @@ def test_the_guides_fstab_line_is_accepted(host: Path) -> None:
 
     params = mount_command.make_context("mount", args[1:]).params
     assert params["background"] and params["allow_other"] and params["zone"] == "z1"
+    assert params["secret_file"] == f"{host}/datasets.cred"
 
 
 # ---------------------------------------------------------------- systemd's view
