@@ -399,7 +399,7 @@ async def run_warmup(
     "--secret-file",
     envvar="CACHEFS_SECRET_FILE",
     type=click.Path(dir_okay=False),
-    help="File holding the cluster secret (or set CACHEFS_SECRET).",
+    help="A client credential for the volume (cachefs credential issue) or the cluster secret (or set CACHEFS_SECRET).",
 )
 @click.option(
     "--insecure",

@@ -543,7 +543,7 @@ def _remove_pid(mountpoint: str) -> None:
     "--secret-file",
     envvar="CACHEFS_SECRET_FILE",
     type=click.Path(dir_okay=False),
-    help="File holding the cluster secret (or set CACHEFS_SECRET).",
+    help="A client credential for the volume (cachefs credential issue) or the cluster secret (or set CACHEFS_SECRET).",
 )
 @click.option(
     "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."

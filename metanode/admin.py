@@ -30,7 +30,7 @@ _secret = click.option(
     "--secret-file",
     envvar="CACHEFS_SECRET_FILE",
     type=click.Path(dir_okay=False),
-    help="File holding the cluster secret.",
+    help="An admin credential (cachefs credential issue; a client one for list and quota reads) or the cluster secret.",
 )
 _insecure = click.option(
     "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
@@ -103,7 +103,7 @@ def volume() -> None:
     "--open",
     "open_",
     is_flag=True,
-    help="Any client with the cluster secret may mount it (the default without --token-file).",
+    help="Any client credential for it may mount it (the default without --token-file).",
 )
 @_meta
 @_secret

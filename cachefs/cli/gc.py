@@ -44,7 +44,7 @@ async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: byt
               help="Seconds a slice stays in the trash before its blocks are deleted.")  # fmt: skip
 @click.option("--check", is_flag=True, help="Change nothing; report missing and unreferenced blocks.")
 @click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
-              help="File holding the cluster secret (or set CACHEFS_SECRET).")  # fmt: skip
+              help="An admin credential (cachefs credential issue) or the cluster secret (or set CACHEFS_SECRET).")  # fmt: skip
 @click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster.")
 @click.option("--log-level", default="WARNING", show_default=True)
 @tls_options
