@@ -58,7 +58,7 @@ def mount(needs_fuse, lab) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def fs(lab) -> Iterator[FileSystem]:
-    with connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z1") as client:
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1") as client:
         yield client
 
 

@@ -17,7 +17,7 @@ from cachefs.client.api import FileSystem
 @pytest.fixture(scope="module")
 def cfs(lab) -> CacheFSFileSystem:
     fs = fsspec.filesystem(
-        "cachefs", meta=",".join(lab.meta_addrs), secret_file=str(lab.secret_file), zone="z1"
+        "cachefs", meta=",".join(lab.meta_addrs), secret_file=str(lab.credential_file("client")), zone="z1"
     )
     yield fs
     fs.close()
@@ -30,7 +30,7 @@ def test_registered_through_the_entry_point() -> None:
 
 def test_options_come_from_the_environment(lab, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHEFS_META", ",".join(lab.meta_addrs))
-    monkeypatch.setenv("CACHEFS_SECRET_FILE", str(lab.secret_file))
+    monkeypatch.setenv("CACHEFS_SECRET_FILE", str(lab.credential_file("client")))
     with fsspec.open("cachefs://lab/fsspec/env.txt", "wb") as f:
         f.write(b"via env")
     of = fsspec.open("cachefs://lab/fsspec/env.txt", "rb")

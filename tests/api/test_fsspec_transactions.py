@@ -25,7 +25,7 @@ TOP = "lab/fsspec-txn"
 @pytest.fixture(scope="module")
 def cfs(lab) -> CacheFSFileSystem:
     fs = fsspec.filesystem(
-        "cachefs", meta=",".join(lab.meta_addrs), secret_file=str(lab.secret_file), zone="z1",
+        "cachefs", meta=",".join(lab.meta_addrs), secret_file=str(lab.credential_file("client")), zone="z1",
         skip_instance_cache=True,
     )  # fmt: skip
     yield fs
@@ -146,7 +146,7 @@ def test_a_transaction_is_seen_whole_by_another_client(cfs: CacheFSFileSystem, l
     """Another process's client sees the old file until the commit, then the new one."""
     d = f"{TOP}/other"
     cfs.pipe_file(f"{d}/model.bin", b"v1")
-    with connect(lab.meta_addrs, "lab", secret=lab.secret) as other:
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client")) as other:
         with cfs.transaction:
             with cfs.open(f"{d}/model.bin", "wb") as f:
                 f.write(b"v2" * 1000)

@@ -85,7 +85,7 @@ def test_errors_are_oserrors_with_errno(fs: FileSystem) -> None:
 def test_a_read_only_client_reads_and_refuses_every_change(lab, fs: FileSystem) -> None:
     fs.makedirs("native/ro/d", exist_ok=True)
     fs.write_bytes("native/ro/f", b"kept")
-    with connect(lab.meta_addrs, "lab", secret=lab.secret, read_only=True) as ro:
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), read_only=True) as ro:
         assert ro.read_bytes("native/ro/f") == b"kept"
         with ro.open("native/ro/f") as f:
             assert f.read() == b"kept"
@@ -122,7 +122,10 @@ def test_text_mode(fs: FileSystem) -> None:
 
 def test_connect_errors(lab) -> None:
     with pytest.raises(FileNotFoundError):
-        connect(lab.meta_addrs, "no-such-volume", secret=lab.secret)
+        connect(lab.meta_addrs, "no-such-volume", secret=lab.credential("admin"))
+    # The lab's client credential is for its volume alone.
+    with pytest.raises(PermissionError, match="no credential for volume 'no-such-volume'"):
+        connect(lab.meta_addrs, "no-such-volume", secret=lab.credential("client"))
     with pytest.raises(PermissionError):
         connect(lab.meta_addrs, "lab", secret=b"not the secret", connect_timeout=5)
 
@@ -168,7 +171,7 @@ def test_files_read_write_seek(fs: FileSystem) -> None:
 
 
 def test_two_clients_close_to_open(lab, fs: FileSystem) -> None:
-    with connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z2") as other:
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z2") as other:
         fs.write_bytes("native/shared", b"first version")
         assert other.read_bytes("native/shared") == b"first version"
         f = fs.open("native/shared", "wb")
@@ -194,7 +197,7 @@ def test_many_threads_share_one_client(fs: FileSystem) -> None:
 
 
 async def test_trio_native_entry_points(lab) -> None:
-    async with open_volume(lab.meta_addrs, "lab", secret=lab.secret, zone="z1") as afs:
+    async with open_volume(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1") as afs:
         await afs.makedirs("native/aio", exist_ok=True)
         payload = os.urandom(3 * MiB)
         async with await afs.open("native/aio/f", "wb") as f:
@@ -218,7 +221,7 @@ async def test_trio_native_entry_points(lab) -> None:
 
 
 def test_repeat_reads_come_from_l1(lab) -> None:
-    with connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z1") as c:
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1") as c:
         data = os.urandom(6 * MiB)
         c.write_bytes("native/l1", data)
         assert c.read_bytes("native/l1") == data
@@ -296,7 +299,7 @@ def test_a_forked_child_connects_on_its_own(lab) -> None:
     connection works; the parent's client goes on working."""
     import gc
 
-    c = connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z1")
+    c = connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1")
     c.write_bytes("native/fork", b"parent")
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit status
@@ -308,7 +311,7 @@ def test_a_forked_child_connects_on_its_own(lab) -> None:
             except RuntimeError:
                 del c
                 gc.collect()
-                with connect(lab.meta_addrs, "lab", secret=lab.secret) as own:
+                with connect(lab.meta_addrs, "lab", secret=lab.credential("client")) as own:
                     code = 0 if own.read_bytes("native/fork") == b"parent" else 3
         finally:
             os._exit(code)

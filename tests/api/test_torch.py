@@ -37,7 +37,7 @@ def dataset_dir(fs: FileSystem) -> str:
 
 def _dataset(lab, source, **kw) -> CacheFSDataset:
     return CacheFSDataset(
-        lab.meta_addrs, "lab", source, secret=lab.secret, zone="z1", transform=_sample_id, **kw
+        lab.meta_addrs, "lab", source, secret=lab.credential("client"), zone="z1", transform=_sample_id, **kw
     )
 
 
@@ -63,7 +63,7 @@ def _id_and_worker_stats(data: bytes) -> tuple[int, int, int, int]:
 
 
 def test_shuffled_epochs_with_two_workers_yield_each_sample_once(lab, dataset_dir: str) -> None:
-    ds = CacheFSDataset(lab.meta_addrs, "lab", dataset_dir, secret=lab.secret, zone="z1",
+    ds = CacheFSDataset(lab.meta_addrs, "lab", dataset_dir, secret=lab.credential("client"), zone="z1",
                         transform=_id_and_worker_stats, prefetch_depth=16)  # fmt: skip
     loader = make_loader(ds, batch_size=8, shuffle=True, num_workers=2, persistent_workers=True,
                          generator=torch.Generator().manual_seed(7))  # fmt: skip
@@ -160,6 +160,6 @@ def test_order_board_round_trip() -> None:
 def test_benchmark_case_reports_each_epoch(lab, dataset_dir: str) -> None:
     from bench.native_case import run_native
 
-    rates = run_native(lab.meta_addrs, "lab", dataset_dir, secret=lab.secret, zone="z1", epochs=2, workers=2,
+    rates = run_native(lab.meta_addrs, "lab", dataset_dir, secret=lab.credential("client"), zone="z1", epochs=2, workers=2,
                        batch_size=8)  # fmt: skip
     assert len(rates) == 2 and all(r > 0 for r in rates)
