@@ -165,3 +165,21 @@ def test_the_metanode_refuses_a_credential_of_the_wrong_role_naming_role_and_met
             assert "rogue" not in (await mc.query(Q.ClusterMap()))["datanodes"]
 
     trio.run(scenario)
+
+
+def test_a_client_credential_writes_and_warms_its_volume(small_lab) -> None:
+    """What a training job does (the native API, then ``cachefs warmup`` into
+    the cache tier) needs no more than the client credential of its volume."""
+    from cachefs.client.api import connect
+
+    name = f"roles-warm-{os.urandom(3).hex()}"
+    with connect(small_lab.meta_addrs, "lab", secret=small_lab.credential("client"), zone="z1") as fs:
+        fs.write_bytes(f"/{name}", os.urandom(3 << 20))
+    try:
+        warm = _cli("warmup", "--volume", "lab", "--meta", ",".join(small_lab.meta_addrs), "--quiet",
+                    "--secret-file", str(small_lab.credential_file("client")), f"/{name}")
+        assert warm.returncode == 0, warm.stderr
+        assert "1 file" in warm.stdout + warm.stderr, warm.stdout + warm.stderr
+    finally:
+        with connect(small_lab.meta_addrs, "lab", secret=small_lab.credential("client")) as fs:
+            fs.remove(f"/{name}")
