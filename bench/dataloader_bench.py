@@ -131,7 +131,7 @@ def run_native_epochs(bed: Testbed, directory: str, workers: int, epochs: int, b
     from cachefs.client.adapters.torch import CacheFSDataset, make_loader
 
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    ds = CacheFSDataset(bed.lab.meta_addrs, "lab", directory, secret=bed.lab.secret, zone="z1",
+    ds = CacheFSDataset(bed.lab.meta_addrs, "lab", directory, secret=bed.lab.credential("client"), zone="z1",
                         transform=decode)
     loader = make_loader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
                          persistent_workers=False, generator=torch.Generator().manual_seed(1))

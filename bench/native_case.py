@@ -140,7 +140,7 @@ def run(files: int, size: int, epochs: int, workers: list[int], batch_size: int)
             warnings.simplefilter("ignore", ResourceWarning)
             lab.up(timeout=120)
         lab.mount(str(mnt))
-        with connect(lab.meta_addrs, "lab", secret=lab.secret, zone="z1") as fs:
+        with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1") as fs:
             for w in workers:
                 _write_set(fs, f"bench/fuse-w{w}", files, size)
                 _write_set(fs, f"bench/native-w{w}", files, size)
@@ -148,7 +148,7 @@ def run(files: int, size: int, epochs: int, workers: list[int], batch_size: int)
             fuse = run_fuse(
                 mnt / "bench" / f"fuse-w{w}", epochs=epochs, workers=w, batch_size=batch_size
             )
-            native = run_native(lab.meta_addrs, "lab", f"/bench/native-w{w}", secret=lab.secret, zone="z1",
+            native = run_native(lab.meta_addrs, "lab", f"/bench/native-w{w}", secret=lab.credential("client"), zone="z1",
                                 epochs=epochs, workers=w, batch_size=batch_size)  # fmt: skip
             result["cases"].append({"workers": w, "fuse": fuse, "native": native})
     finally:

@@ -35,7 +35,7 @@ BLOCK = 4 * MiB
 async def _backing_fetches(lab: Any) -> dict[str, dict[str, Any]]:
     from cachefs.rpc import RpcPool
 
-    async with RpcPool(secret=lab.secret) as pool:
+    async with RpcPool(secret=lab.credential("admin")) as pool:
         return {
             n.name: (await pool.call(n.addr, "stats", timeout=10)).result
             for n in lab.of_kind("cachenode")
@@ -52,7 +52,7 @@ async def _passes(lab: Any, size: int) -> list[dict[str, Any]]:
         while any(s.get("peer_zones", 0) < 1 for s in (await _backing_fetches(lab)).values()):  # noqa: ASYNC110 - polling other processes
             await trio.sleep(0.2)
     steps = []
-    async with open_volume(lab.meta_addrs, "lab", secret=lab.secret, zone="z1", options=options) as fs:
+    async with open_volume(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1", options=options) as fs:
         data = bytes(range(256)) * (size // 256)
         await fs.write_bytes("/ws", data)
         steps.append(await _backing_fetches(lab))

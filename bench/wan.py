@@ -370,7 +370,7 @@ class Testbed:
         """Mount the lab volume; with ``l2``, an L2 there as large as JuiceFS's disk cache."""
         mountpoint.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.lab.meta_addrs), "lab",
-                str(mountpoint), "--background", "--zone", "z1", "--secret-file", str(self.lab.secret_file),
+                str(mountpoint), "--background", "--zone", "z1", "--secret-file", str(self.lab.credential_file("client")),
                 "--l1-size", l1_size, "--no-write-through",
                 "--log-file", str(self.workdir / f"mount-{mountpoint.name}.log")]
         if l2 is not None:
@@ -412,7 +412,7 @@ class Testbed:
         from cachefs.queries import ClusterMap
         from cachefs.rpc import RpcPool
 
-        async with RpcPool(secret=self.lab.secret) as pool:
+        async with RpcPool(secret=self.lab.credential("client")) as pool:
             try:
                 cmap = await self.lab.meta_client(pool, deadline=3.0).query(ClusterMap())
             except CacheFSError:
@@ -422,7 +422,7 @@ class Testbed:
     def warmup(self, volume_path: str) -> None:
         """``cachefs warmup`` of a directory of the volume into the cache tier."""
         argv = [sys.executable, "-m", "cachefs.cli", "warmup", "--volume", "lab", "--meta",
-                ",".join(self.lab.meta_addrs), "--secret-file", str(self.lab.secret_file), "--quiet",
+                ",".join(self.lab.meta_addrs), "--secret-file", str(self.lab.credential_file("client")), "--quiet",
                 "--threads", "16", volume_path]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
         if proc.returncode != 0:
