@@ -17,7 +17,14 @@ CubeFS serves from any member of a flash group):
 
 So one zone's nodes fill first, the next zone's take the overflow, and the
 second pass over a working set between one zone's capacity and the tier's
-finds every block in the tier. A peer that does not answer within
+finds every block in the tier.
+
+A peek is one more round trip on the miss path, before backing storage: a
+cold read (blocks no zone holds yet) pays it on every block for nothing. So
+a peer that missed ``PEEK_PATIENCE`` peeks in a row (since its last hit or
+since we last placed a block on it) is asked only on one miss in
+``PEEK_SAMPLE`` after that, which is how it is found holding blocks again;
+a hit or a placement makes it asked every time again. A peer that does not answer within
 ``PEEK_TIMEOUT`` is marked down in the router (with back-off) and skipped: a
 cut zone costs one timeout, then reads go to backing storage as before.
 
@@ -41,6 +48,8 @@ from cachefs.rpc import RpcPool
 log = logging.getLogger(__name__)
 
 PEEK_TIMEOUT = 1.0
+PEEK_PATIENCE = 32  # peeks missed in a row before a peer is asked only now and then
+PEEK_SAMPLE = 16  # then one miss in this many still asks it
 PUT_TIMEOUT = 10.0
 MAP_REFRESH = 5.0
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
@@ -62,8 +71,10 @@ class PeerZones:
         self._cluster_map = cluster_map
         self.router = CacheRouter({}, zone)
         self._room: dict[str, int] = {}  # addr -> free bytes, as the map said less what we sent
+        self._missed: dict[str, int] = {}  # addr -> misses in a row (peeked or skipped), see above
         self._refreshed_at = -math.inf
-        self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0}
+        self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0,
+                      "peeks_skipped": 0}  # fmt: skip
 
     def update(self, cmap: Mapping[str, Any]) -> None:
         self.router.update(cmap)
@@ -106,10 +117,16 @@ class PeerZones:
         addr = self._next_owner(key)
         if addr is None:
             return None
+        missed = self._missed.get(addr, 0)
+        if missed >= PEEK_PATIENCE and missed % PEEK_SAMPLE:
+            self._missed[addr] = missed + 1
+            self.stats["peeks_skipped"] += 1
+            return None
         args = {"volume": volume, "key": key.to_bytes(), "policy": "peek"}
         try:
             reply = await self.pool.call(addr, "get", args, timeout=PEEK_TIMEOUT)
         except CacheMiss:
+            self._missed[addr] = missed + 1
             self.stats["peer_misses"] += 1
             return None
         except _DOWN as exc:
@@ -121,6 +138,7 @@ class PeerZones:
             self.stats["peer_errors"] += 1
             log.info("peer cache node %s failed %s: %s", addr, key.hex(), exc)
             return None
+        self._missed[addr] = 0
         self.stats["peer_hits"] += 1
         return reply.payload
 
@@ -143,5 +161,6 @@ class PeerZones:
         except CacheFSError as exc:
             log.info("placing %s on peer cache node %s failed: %s", key.hex(), addr, exc)
             return False
+        self._missed[addr] = 0  # it holds a block now: worth asking again
         self.stats["peer_puts"] += 1
         return True
