@@ -755,10 +755,14 @@ def check_short_blocks(indexes: tuple[int, ...]) -> None:
 class CompactChunk(Command[M.Attr]):
     """Swap a chunk's slices for one new slice, if they are still exactly ``expect``.
 
-    The compactor read ``expect`` (the chunk's slice ids in commit order),
-    wrote their merged content as ``slice_id`` covering ``[0, length)`` of the
-    chunk, and asks for an atomic swap; if the chunk changed since, the swap
-    is refused with EBUSY and the new slice goes to the trash.
+    The compactor read the chunk's records and wrote their merged content as
+    ``slice_id`` covering ``[0, length)`` of the chunk, ``length`` being the
+    end of the last record; it asks for an atomic swap. ``expect`` is every
+    record as it read it, flat, ``(slice id, pos, length, offset)`` each, in
+    commit order: a record added, cut by a truncate or replaced since makes
+    the swap EBUSY (the new slice goes to the trash), and a ``length`` that
+    is not where the records end is EINVAL. So a swap installs exactly the
+    bytes the records held, and never drops another client's commit.
     """
 
     TAG: ClassVar[int] = 32
@@ -778,9 +782,13 @@ class CompactChunk(Command[M.Attr]):
         check_int(self.chunk, "chunk", 0, U32 - 1)
         check_int(self.slice_id, "slice_id", 1)
         check_int(self.length, "length", 1, CHUNK_SIZE)
-        if not self.expect or len(self.expect) > 100_000:
-            raise InvalidArgument("expect must list the chunk's slice ids")
+        if not self.expect or len(self.expect) % 4 or len(self.expect) > 400_000:
+            raise InvalidArgument("expect must list the chunk's records: (slice id, pos, length, offset) each")
         check_short_blocks(self.short)
+
+    def records(self) -> list[tuple[int, int, int, int]]:
+        e = self.expect
+        return [(e[i], e[i + 1], e[i + 2], e[i + 3]) for i in range(0, len(e), 4)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ import trio
 
 from cachefs import commands as C
 from cachefs.errors import Busy, CacheFSError
-from cachefs.ids import CHUNK_SIZE, BlockKey
-from cachefs.layout import slice_blocks
+from cachefs.ids import BlockKey
+from cachefs.layout import HOLE, Slice, resolve, slice_blocks
 from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
@@ -89,10 +89,11 @@ class Compactor:
         slices = await session.read_chunk(inode.ino, chunk)
         if len(slices) < self.threshold:
             return True
-        file_end = inode.attr.size - chunk * CHUNK_SIZE
-        length = min(max(s.pos + s.length for s in slices), file_end)
-        if length <= 0:
-            return True
+        # The records end where the chunk's bytes end (a truncate cuts them):
+        # not the cached size, which may be older than the list just read.
+        length = max(s.pos + s.length for s in slices)
+        if 2 * _stored(slices, length) < length:
+            return True  # mostly holes: one slice would store them as zeros
         view = memoryview(await self.reader.read_slices(slices, length))
         slice_id = await session.alloc_slice()
         short: list[int] = []
@@ -106,7 +107,7 @@ class Compactor:
             for index, start, end in slice_blocks(length, session.block_size)
         )
         try:
-            expect = tuple(s.id for s in slices)
+            expect = tuple(f for s in slices for f in (s.id, s.pos, s.length, s.offset))
             swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length,
                                   tuple(sorted(short)))
             await session.meta.mutate(swap)
@@ -117,3 +118,8 @@ class Compactor:
         inode.layout += 1
         log.info("compacted chunk %d of inode %d: %d slices -> 1", chunk, inode.ino, len(slices))
         return True
+
+
+def _stored(slices: list[Slice], length: int) -> int:
+    """Bytes of ``[0, length)`` the slices hold (not holes)."""
+    return sum(seg.length for seg in resolve(slices, 0, length) if seg.slice_id != HOLE)

@@ -240,7 +240,10 @@ class FileWriter:
                     self._committed(run, attr)
                     committed = True
         except CacheFSError as exc:
-            log.error(
+            # Over quota, out of space, past the largest file, read-only: the
+            # application is told (its errno) and nothing is wrong here.
+            log.log(
+                logging.INFO if isinstance(exc, _CARRIED) else logging.ERROR,
                 "write of inode %d (chunk %d, %d bytes) failed: %s",
                 self.inode.ino,
                 run.chunk,

@@ -25,7 +25,17 @@ from collections import Counter
 
 from cachefs.ids import CHUNK_SIZE
 
-from .namespace import INO_BITS, INO_MASK, ROOT, Dir, MetaState, Volume, _all_records, _kind
+from .namespace import (
+    INO_BITS,
+    INO_MASK,
+    ROOT,
+    Dir,
+    MetaState,
+    Volume,
+    _all_records,
+    _kind,
+    stored_bytes,
+)
 
 _S_IFDIR = 0o040000
 _S_IFREG = 0o100000
@@ -90,8 +100,9 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
     total_bytes = 0
     for ino, inode in inodes.items():
         n = links[ino]
-        if not inode.is_dir:
-            total_bytes += inode.size
+        total_bytes += inode.stored
+        if inode.stored != stored_bytes(inode):
+            p.append(f"{name}: inode {ino} stored {inode.stored}, recount {stored_bytes(inode)}")
         if ino == ROOT:
             if n:
                 p.append(f"{name}: the root is linked from a directory")
@@ -166,7 +177,7 @@ def _check_tree(vol: Volume) -> list[str]:
                 nbytes += b
                 ninodes += i + 1
             else:
-                nbytes += child.size
+                nbytes += child.stored
                 ninodes += 1
         usage[ino] = (nbytes, ninodes)
         if (d.ubytes, d.uinodes) != (nbytes, ninodes):

@@ -41,8 +41,14 @@ Directory usage: every directory keeps the bytes and inode count of its
 subtree (``du`` in one call). Each dentry counts: a hard link counts once in
 every directory that names it, so a quota cannot be dodged by linking a file
 out of its scope and unlinking the original (the Backend.AI "quota scope").
-Bytes are the logical sizes of non-directories. A quota on a directory is
-checked against the growth of its subtree before any change (EDQUOT).
+Bytes are what is stored, not logical sizes: a file counts the sizes of
+the slices its records hold (``Inode.stored``; a hole record and a sparse
+tail hold none), so a sparse file costs only what was written, and
+shrinking a file or punching a hole never needs space. A quota on a
+directory is checked against the growth of its subtree before any change
+(EDQUOT). The datanodes' capacity (ENOSPC, ``statfs``) counts the same bytes
+times each volume's storage overhead (``ec:4+2`` stores 1.5 bytes per byte,
+``replica:3`` three).
 
 Unlinked but open: which files are open is soft state on the leader
 (``opentable.OpenTable``), not replicated: open and release add no log entry.
@@ -71,6 +77,7 @@ metanode enforces structure: types, names, emptiness, links, cycles, quotas.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import hmac
 import itertools
@@ -81,6 +88,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachefs import commands as C
+from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -99,6 +107,7 @@ from cachefs.errors import (
     error_from_wire,
 )
 from cachefs.ids import CHUNK_SIZE
+from cachefs.layout import HOLE
 from cachefs.messages import Attr, DirEntry, FsStats, MountInfo, RepairEntry, TrashEntry, Usage
 
 from .clustermap import ClusterMap, VolumeSpec
@@ -167,6 +176,7 @@ class Inode:
         "parent",
         "xattrs",
         "data",
+        "stored",
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int, data: Any) -> None:
@@ -183,6 +193,7 @@ class Inode:
         self.parent: int | dict[int, int] = 0
         self.xattrs: dict[bytes, bytes] | None = None
         self.data = data
+        self.stored = 0  # bytes of the slices its records hold (regular files)
 
     @property
     def is_dir(self) -> bool:
@@ -301,6 +312,21 @@ def _store_chunk(
 
 def _kind(mode: int) -> int:
     return mode & _S_IFMT
+
+
+def stored_bytes(inode: Inode) -> int:
+    """What a file's slice records hold in the datanodes (``Inode.stored``
+    recounted): each record's slice size; 0 for anything but a file."""
+    if _kind(inode.mode) != _S_IFREG:
+        return 0
+    return sum(rec[5] for rec in _all_records(inode.data))
+
+
+@functools.cache
+def storage_overhead(policy: str) -> float:
+    """Bytes the datanodes hold per byte stored under ``policy``."""
+    p = VolumePolicy.parse(policy)
+    return p.n / p.k
 
 
 class MetaState:
@@ -428,7 +454,7 @@ class MetaState:
         if inode.is_dir:
             d: Dir = inode.data
             return d.ubytes, d.uinodes + 1
-        return inode.size, 1
+        return inode.stored, 1
 
     def _ancestors(self, vol: Volume, ino: int) -> Iterator[Inode]:
         """The directory ``ino`` and its ancestors up to the root."""
@@ -457,13 +483,27 @@ class MetaState:
             d.ubytes += dbytes
             d.uinodes += dinodes
 
+    def _overhead(self, vol: Volume) -> float:
+        spec = self.cluster.volumes.get(vol.name)
+        return storage_overhead(spec.policy) if spec is not None else 1.0
+
+    def _raw_used(self) -> float:
+        """Bytes the datanodes hold for every volume (stored times overhead)."""
+        return sum(v.used_bytes * self._overhead(v) for v in self.volumes.values())
+
     def _check_space(self, vol: Volume, dbytes: int) -> None:
         if dbytes <= 0:
             return
         capacity, _ = self.cluster.capacity()
-        used = sum(v.used_bytes for v in self.volumes.values())
-        if capacity and used + dbytes > capacity:
-            raise NoSpace(f"the datanodes hold {capacity} bytes; {used} are in use")
+        if not capacity:
+            return
+        used = self._raw_used()
+        need = dbytes * self._overhead(vol)
+        if used + need > capacity:
+            raise NoSpace(
+                f"storing {dbytes} more bytes needs {need:.0f} of the datanodes' {capacity}; "
+                f"{used:.0f} are in use"
+            )
 
     def _alloc_ino(self, vol: Volume) -> int:
         if vol.next_ino > MAX_INO:
@@ -520,7 +560,8 @@ class MetaState:
             parent.nlink -= 1
 
     def _trash(self, vol: Volume, slice_id: int, slice_size: int, now: int) -> None:
-        vol.trash += _TRASH.pack(slice_id, slice_size, now)
+        if slice_id != HOLE:  # a hole record has no blocks
+            vol.trash += _TRASH.pack(slice_id, slice_size, now)
 
     @staticmethod
     def keeps(expect: int, keep: bool, ino: int) -> bool:
@@ -548,22 +589,20 @@ class MetaState:
         if _kind(inode.mode) == _S_IFREG:
             for rec in _all_records(inode.data):
                 self._trash(vol, rec[1], rec[5], now)
-        if not inode.is_dir:
-            vol.used_bytes -= inode.size
+        vol.used_bytes -= inode.stored
         del vol.inodes[inode.ino]
 
-    def _grow(self, vol: Volume, inode: Inode, new_size: int) -> None:
-        """Set a file's size, keeping usage of every directory linking it."""
-        delta = new_size - inode.size
+    def _store(self, vol: Volume, inode: Inode, delta: int) -> None:
+        """Change a file's stored bytes, keeping usage of every directory linking it."""
         if not delta:
             return
-        inode.size = new_size
+        inode.stored += delta
         vol.used_bytes += delta
         for p in inode.parents():
             self._charge(vol, p, delta, 0)
 
-    def _check_grow(self, vol: Volume, inode: Inode, new_size: int) -> None:
-        delta = new_size - inode.size
+    def _check_store(self, vol: Volume, inode: Inode, delta: int) -> None:
+        """Quotas and capacity for a file storing ``delta`` more bytes."""
         if delta <= 0:
             return
         if isinstance(inode.parent, int):
@@ -733,15 +772,13 @@ class MetaState:
         if name in parent.data.entries:
             raise Exists(f"{name!r} exists in directory {parent_ino}")
         is_dir = _kind(mode) == _S_IFDIR
-        self._check_quota(vol, parent_ino, size, 1)
-        self._check_space(vol, size)
+        self._check_quota(vol, parent_ino, 0, 1)
         if is_dir and parent.nlink >= LINK_MAX:
             raise NotPermitted(f"directory {parent_ino} has too many subdirectories")
         inode = Inode(self._alloc_ino(vol), mode, uid, gid, now, data)
         if is_dir:
             inode.nlink = 2
         inode.size = size
-        vol.used_bytes += size if not is_dir else 0
         vol.inodes[inode.ino] = inode
         self._add_entry(vol, parent, name, inode)
         self._touch(parent, now)
@@ -785,7 +822,7 @@ class MetaState:
         parent = self._dir(vol, cmd.new_parent)
         if cmd.new_name in parent.data.entries:
             raise Exists(f"{cmd.new_name!r} exists in directory {cmd.new_parent}")
-        self._check_quota(vol, cmd.new_parent, inode.size, 1)
+        self._check_quota(vol, cmd.new_parent, inode.stored, 1)
         self._add_entry(vol, parent, cmd.new_name, inode)
         inode.nlink += 1
         inode.ctime = cmd.now_ns
@@ -945,7 +982,6 @@ class MetaState:
                 raise IsADirectory("cannot truncate a directory")
             if kind != _S_IFREG:
                 raise InvalidArgument("can only truncate regular files")
-            self._check_grow(vol, inode, cmd.size)
         if cmd.mode is not None and _kind(cmd.mode) and _kind(cmd.mode) != kind:
             raise InvalidArgument("chmod cannot change the file type")
         now = cmd.now_ns
@@ -966,6 +1002,8 @@ class MetaState:
         return self.attr(inode)
 
     def _truncate(self, vol: Volume, inode: Inode, size: int, now: int) -> None:
+        """Set the size; records past it go (their slices to the trash), one
+        across it is cut. Stores nothing, so it needs no space."""
         if size < inode.size:
             first = size // CHUNK_SIZE
             chunks = sorted({r[0] for r in _all_records(inode.data) if r[0] >= first})
@@ -975,6 +1013,7 @@ class MetaState:
                 for slice_id, pos, length, offset, ssize in _chunk_records(inode.data, chunk):
                     if pos >= cut:
                         self._trash(vol, slice_id, ssize, now)
+                        self._store(vol, inode, -ssize)
                     elif pos + length > cut:
                         keep.append((slice_id, pos, cut - pos, offset, ssize))
                     else:
@@ -982,7 +1021,7 @@ class MetaState:
                 inode.data = _store_chunk(inode.data, chunk, keep)
         if size != inode.size:
             inode.version += 1
-        self._grow(vol, inode, size)
+        inode.size = size
 
     def _setxattr(self, cmd: C.SetXattr) -> None:
         vol = self._vol(cmd.volume)
@@ -1035,18 +1074,20 @@ class MetaState:
         end = cmd.chunk * CHUNK_SIZE + cmd.pos + cmd.length
         if end > C.MAX_FILE_SIZE:
             raise InvalidArgument("write past the largest file size")
-        new_size = max(inode.size, end)
-        self._check_grow(vol, inode, new_size)
         keep: list[Rec] = []
+        gone: list[Rec] = []
         lo, hi = cmd.pos, cmd.pos + cmd.length
         for rec in _chunk_records(inode.data, cmd.chunk):
-            if lo <= rec[1] and rec[1] + rec[2] <= hi:
-                self._trash(vol, rec[0], rec[4], cmd.now_ns)  # fully overwritten
-            else:
-                keep.append(rec)
-        keep.append((cmd.slice_id, cmd.pos, cmd.length, cmd.offset, cmd.offset + cmd.length))
+            (gone if lo <= rec[1] and rec[1] + rec[2] <= hi else keep).append(rec)  # fully overwritten
+        ssize = cmd.offset + cmd.length
+        delta = ssize - sum(rec[4] for rec in gone)
+        self._check_store(vol, inode, delta)
+        for rec in gone:
+            self._trash(vol, rec[0], rec[4], cmd.now_ns)
+        keep.append((cmd.slice_id, cmd.pos, cmd.length, cmd.offset, ssize))
         inode.data = _store_chunk(inode.data, cmd.chunk, keep)
-        self._grow(vol, inode, new_size)
+        self._store(vol, inode, delta)
+        inode.size = max(inode.size, end)
         inode.version += 1
         inode.mtime = inode.ctime = cmd.mtime_ns
         self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
@@ -1065,13 +1106,19 @@ class MetaState:
         if cmd.slice_id >= self.next_slice:
             raise InvalidArgument(f"slice {cmd.slice_id} was never allocated")
         recs = _chunk_records(inode.data, cmd.chunk)
-        if tuple(r[0] for r in recs) != cmd.expect:
+        if [r[:4] for r in recs] != cmd.records():
             raise Busy("the chunk changed since it was read; compact again")
+        end = max(r[1] + r[2] for r in recs)
+        if cmd.length != end:
+            raise InvalidArgument(f"a compaction of records ending at {end} must be {end} bytes, not {cmd.length}")
+        delta = cmd.length - sum(rec[4] for rec in recs)
+        self._check_store(vol, inode, delta)
         for rec in recs:
             self._trash(vol, rec[0], rec[4], cmd.now_ns)
         inode.data = _store_chunk(
             inode.data, cmd.chunk, [(cmd.slice_id, 0, cmd.length, 0, cmd.length)]
         )
+        self._store(vol, inode, delta)
         self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
         return self.attr(inode)
 
@@ -1184,10 +1231,14 @@ class MetaState:
     def statfs(self, volume: str) -> FsStats:
         vol = self._vol(volume)
         capacity, _reported = self.cluster.capacity()
-        used = sum(v.used_bytes for v in self.volumes.values())
         bsize = 4096
-        total = capacity if capacity else max(used, 1 << 50)
-        free = max(total - used, 0)
+        if capacity:  # in this volume's bytes: the datanodes' raw bytes over its overhead
+            overhead = self._overhead(vol)
+            total = int(capacity / overhead)
+            free = max(int((capacity - self._raw_used()) / overhead), 0)
+        else:
+            total = max(vol.used_bytes, 1 << 50)
+            free = total - vol.used_bytes
         files = len(vol.inodes)
         max_files = MAX_INO
         return FsStats(

@@ -6,7 +6,10 @@ deterministic (the same state gives the same bytes on every replica), and
 built for speed, since it runs at a Raft Ready boundary (in a forked child
 by default, see ``raft/snapshot_child.py``): inodes are one flat list of
 ``_NFIELDS`` values each rather than a list per inode. Version 3 (open
-counts per volume) still loads; version 4 keeps the orphan list instead.
+counts per volume) still loads; version 4 keeps the orphan list instead;
+version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
+bytes, which loading a 3 or 4 recounts. ``Inode.stored`` is not in the
+blob: loading sums it from the slice records.
 Fields added to a volume since (its token hash, its repair queue) are
 optional at the end of its list, so older version-4 snapshots load.
 """
@@ -22,10 +25,23 @@ import zstandard
 from cachefs.errors import InvalidArgument
 
 from .clustermap import ClusterMap
-from .namespace import _S_IFDIR, _S_IFMT, _S_IFREG, Dir, Failure, Inode, MetaState, Session, Volume
+from .namespace import (
+    _S_IFDIR,
+    _S_IFMT,
+    _S_IFREG,
+    Dir,
+    Failure,
+    Inode,
+    MetaState,
+    Session,
+    Volume,
+    stored_bytes,
+)
 
-_FIELDS = operator.attrgetter(*Inode.__slots__)
-_NFIELDS = len(Inode.__slots__)
+_SLOTS = Inode.__slots__[: Inode.__slots__.index("data") + 1]  # not ``stored``
+_FIELDS = operator.attrgetter(*_SLOTS)
+_NFIELDS = len(_SLOTS)
+VERSION = 5
 
 
 def dump(state: MetaState) -> bytes:
@@ -75,7 +91,7 @@ def dump(state: MetaState) -> bytes:
             [client, state.dedup_floor.get(client, 0), state.dedup_last.get(client, 0), answers]
         )
     parts = [
-        4,
+        VERSION,
         state.applied_index,
         state.next_slice,
         state.cluster.dump(),
@@ -93,7 +109,7 @@ def load(state: MetaState, data: bytes) -> None:
     raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
     parts = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     version, applied, next_slice, cluster, volumes, sessions, dedup, swept = parts
-    if version not in (3, 4):
+    if version not in (3, 4, VERSION):
         raise InvalidArgument(f"unknown snapshot version {version}")
     state.applied_index = applied
     state.next_slice = next_slice
@@ -141,9 +157,12 @@ def load(state: MetaState, data: bytes) -> None:
             inode.version = version
             inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
             inode.xattrs = xattrs
+            inode.stored = stored_bytes(inode)
             vol.inodes[ino] = inode
             if nlink == 0 and mode & _S_IFMT == _S_IFREG:
                 vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
+        if version < 5:
+            _recount_usage(vol)
         state.volumes[name] = vol
     state.sessions = {}
     state.session_counts = {}
@@ -160,3 +179,18 @@ def load(state: MetaState, data: bytes) -> None:
         }
         if floor:
             state.dedup_floor[client] = floor
+
+
+def _recount_usage(vol: Volume) -> None:
+    """Usage in stored bytes, for a snapshot that counted logical sizes."""
+    vol.used_bytes = sum(i.stored for i in vol.inodes.values())
+    dirs = [i for i in vol.inodes.values() if i.is_dir]
+    for inode in dirs:
+        inode.data.ubytes = 0
+    for inode in vol.inodes.values():
+        if not inode.is_dir and inode.stored:
+            for p in inode.parents():  # each link counts, in every ancestor
+                while p:
+                    parent = vol.inodes[p]
+                    parent.data.ubytes += inode.stored
+                    p = parent.parent if isinstance(parent.parent, int) else 0

@@ -364,3 +364,44 @@ def test_unlinked_open_file_survives_a_leader_kill_between_open_and_unlink(clust
         reader.stop()
     writer.check_log()
     reader.check_log()
+
+
+def test_compaction_keeps_what_another_mount_appended(cluster, tmp_path: Path) -> None:
+    """Issue 14, item 1: A's compactor must not size the new slice by A's
+    cached file size. A makes 64 fsynced 100-byte writes (a compaction is
+    due 0.5 s after its commits); before it runs, B appends 4 KiB and
+    fsyncs, which A's cached size does not know. After A compacted and the
+    GC ran, a third mount reads every byte, B's included."""
+    a = ClusterMount(cluster, tmp_path)
+    b = ClusterMount(cluster, tmp_path)
+    name = f"compacted-{os.getpid()}"
+    parts = [os.urandom(100) for _ in range(64)]
+    tail = os.urandom(4096)
+    try:
+        with open(a.path / name, "wb") as f:
+            for part in parts:
+                f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(b.path / name, "ab") as g:  # opened on B: B sees A's 6400 bytes
+                g.write(tail)
+                g.flush()
+                os.fsync(g.fileno())
+        deadline = time.monotonic() + 30
+        while "compacted chunk 0" not in a.log():
+            assert time.monotonic() < deadline, a.log()
+            time.sleep(0.2)
+    finally:
+        a.stop()
+        b.stop()
+    a.check_log()
+    b.check_log()
+    r = _gc(cluster, "--grace", "0")
+    assert r.returncode == 0, r.stderr
+    c = ClusterMount(cluster, tmp_path)
+    try:
+        assert (c.path / name).read_bytes() == b"".join(parts) + tail
+        os.unlink(c.path / name)
+    finally:
+        c.stop()
+    c.check_log()

@@ -141,7 +141,7 @@ async def test_rpc_surface(meta: Single) -> None:
     await mc.mutate(C.WriteSlice(VOL, a.ino, 0, sid, 0, 10, 0, 1))
     await mc.mutate(C.WriteSlice(VOL, a.ino, 0, sid + 1, 5, 10, 0, 2))
     assert await mc.query(Q.ReadChunk(VOL, a.ino, 0)) == [Slice(sid, 0, 10, 0), Slice(sid + 1, 5, 10, 0)]
-    await mc.mutate(C.CompactChunk(VOL, a.ino, 0, [sid, sid + 1], sid + 2, 15))
+    await mc.mutate(C.CompactChunk(VOL, a.ino, 0, [sid, 0, 10, 0, sid + 1, 5, 10, 0], sid + 2, 15))
     assert await mc.query(Q.ReadChunk(VOL, a.ino, 0)) == [Slice(sid + 2, 0, 15, 0)]
     names = [e[0] for e in await mc.query(Q.ReadDir(VOL, 1, 0, 100))]
     assert names == [b"d", b"renamed"]
