@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import resource
 import signal
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cachefs.credentials import Credential, metanode_name
 from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig, RaftNode
+from cachefs.metanode.raft.storage import record_spans
 from cachefs.rpc import RpcPool, RpcServer
 from cachefs.testing.ports import free_ports
 
@@ -47,16 +47,6 @@ class Machine(KV):
 
 def put(client: str, seq: int, key: str, value: int) -> bytes:
     return msgpack.packb([client, seq, "put", key, value, None])
-
-
-def wal_records(raw: bytes) -> list[int]:
-    """Where each top-level WAL record starts."""
-    out, pos = [], 0
-    while pos < len(raw):
-        out.append(pos)
-        (length,) = struct.unpack_from(">I", raw, pos)
-        pos += 9 + length
-    return out
 
 
 @dataclass
@@ -290,9 +280,9 @@ async def test_a_replica_with_a_damaged_wal_refuses_to_start_and_is_rebuilt(
         await trio.sleep(0.05)
         wal = tmp_path / f"m{victim}" / "wal.log"
         raw = bytearray(wal.read_bytes())
-        records = wal_records(bytes(raw))
+        records = record_spans(bytes(raw))
         assert len(records) >= 3
-        at = records[1]  # the record after BASE, with whole records after it
+        at = records[1][0]  # the record after BASE, with whole records after it
         raw[at + 12] ^= 0x20
         wal.write_bytes(bytes(raw))
         with pytest.RaisesGroup(pytest.RaisesExc(Corrupt, match=f"WAL {wal}: CRC mismatch at "
