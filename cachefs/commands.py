@@ -843,6 +843,22 @@ class RepairsDone(Command[int]):
         return list(zip(self.blocks[::2], self.blocks[1::2], strict=True))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SealSlices(Command[int]):
+    """No slice id below ``floor`` may be committed from now on (``WriteSlice``
+    and ``CompactChunk`` of one answer ``SliceExpired``), so the collector may
+    delete the blocks of any such slice nothing references (``backing/gc.py``).
+    The floor never goes down, nor past the next slice id. No ``NAME``: the
+    leader's collector proposes it. Reply: the floor now."""
+
+    TAG: ClassVar[int] = 36
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
+    floor: int
+
+    def validate(self) -> None:
+        check_int(self.floor, "floor", 0)
+
+
 # -- cluster map --------------------------------------------------------------------
 
 

@@ -82,6 +82,8 @@ AuthFailed = _posix("AuthFailed", "EAUTH", _errno.EACCES, "The peer did not prov
 ProtocolError = _posix("ProtocolError", "EPROTO", _errno.EPROTO, "A malformed frame or message.")
 Unavailable = _posix("Unavailable", "EUNAVAIL", _errno.EIO, "Too few shards or replicas are reachable to serve the data.")
 Corrupt = _posix("Corrupt", "ECORRUPT", _errno.EIO, "Stored data failed its checksum.")
+SliceExpired = _posix("SliceExpired", "ESLICEEXPIRED", _errno.EIO,
+                      "The slice id was sealed before its commit (held too long); store the data under a new one.")
 CacheMiss = _posix("CacheMiss", "EMISS", _errno.EAGAIN, "Cache miss under the fast-fail policy; the node is filling the block.")
 
 

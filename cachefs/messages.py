@@ -182,6 +182,20 @@ class RepairEntry(NamedTuple):
         return cls._make(raw)
 
 
+class Unreferenced(NamedTuple):
+    """Slices below the commit floor that nothing references: their blocks are garbage."""
+
+    floor: int
+    slice_ids: list[int]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Unreferenced:
+        if (not isinstance(raw, list | tuple) or len(raw) != 2 or type(raw[0]) is not int
+                or not isinstance(raw[1], list | tuple) or not all(type(v) is int for v in raw[1])):
+            raise IOFailure("malformed unreferenced slices from metanode")
+        return cls(raw[0], list(raw[1]))
+
+
 dir_entries = _listed(DirEntry.from_wire, "directory entries")
 trash_entries = _listed(TrashEntry.from_wire, "trash entries")
 repair_entries = _listed(RepairEntry.from_wire, "repair entries")

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the reads name the state machine's methods; no import at ru
 
 MAX_READDIR = 10_000
 MAX_TRASH_PAGE = 100_000
+MAX_UNREFERENCED_ASK = 10_000  # each ask reads every file of the volume
 
 QUERIES: dict[str, type[Query[Any]]] = {}  # RPC method name -> query
 
@@ -244,6 +245,28 @@ class ListRepairs(Query[list[M.RepairEntry]]):
 
     def run(self, state: MetaState) -> list[M.RepairEntry]:
         return state.repair_queue(self.volume, max(1, min(self.limit, MAX_TRASH_PAGE)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreferenced(Query[M.Unreferenced]):
+    """Of ``slice_ids`` (found on datanodes), those below the commit floor
+    (``SealSlices``) that no file and no trash entry of ``volume`` references:
+    nothing can ever reference them again, so the collector deletes their
+    blocks. One read of the state, so no rename or commit can slip between
+    the files it looks at."""
+
+    NAME: ClassVar[str] = "unreferenced_slices"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Unreferenced.from_wire
+    volume: str
+    slice_ids: tuple[int, ...]
+
+    def validate(self) -> None:
+        if len(self.slice_ids) > MAX_UNREFERENCED_ASK:
+            raise InvalidArgument(f"at most {MAX_UNREFERENCED_ASK} slice ids per ask")
+
+    def run(self, state: MetaState) -> M.Unreferenced:
+        return state.unreferenced(self.volume, self.slice_ids)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

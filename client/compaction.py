@@ -28,7 +28,7 @@ import logging
 import trio
 
 from cachefs import commands as C
-from cachefs.errors import Busy, CacheFSError
+from cachefs.errors import Busy, CacheFSError, SliceExpired
 from cachefs.ids import BlockKey
 from cachefs.layout import HOLE, Slice, resolve, slice_blocks
 from cachefs.tasks import Spawner, run_all
@@ -113,6 +113,10 @@ class Compactor:
             await session.meta.mutate(swap)
         except Busy:
             log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
+            return False
+        except SliceExpired:  # held longer than the collector's grace; its blocks are garbage
+            session.drop_slice_ids()
+            log.info("compaction of chunk %d of inode %d took too long; its slice was sealed", chunk, inode.ino)
             return False
         inode.chunks.pop(chunk, None)
         inode.layout += 1

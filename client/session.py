@@ -41,6 +41,7 @@ from cachefs.errors import (
     ConnectionLost,
     InvalidArgument,
     NotFound,
+    SliceExpired,
     TimedOut,
     Unreachable,
 )
@@ -61,6 +62,10 @@ MAP_REFRESH = 5.0
 # replicated log entry, and a random writer seals a run every few MiB. Ids
 # left unused when the mount ends are only gaps (no block has them).
 SLICE_BATCH = 64
+# A batch older than this is dropped for a fresh one: the collector seals
+# slice ids a grace (10 min by default) after their allocation, and a slice
+# must be stored and committed before that (cachefs/backing/gc.py).
+SLICE_ID_TTL = 60.0
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
 
@@ -95,6 +100,7 @@ class Session:
         # it in L1: a reader of what was just written needs no fetch).
         self.on_block_stored: Callable[[BlockKey, bytes | memoryview], None] | None = None
         self._slice_ids = range(0)
+        self._slice_ids_at = 0.0  # trio time the batch was allocated
         self._slice_lock = trio.Lock()
         self._open: dict[int, int] = {}  # ino -> opens by this mount (announced while > 0)
         self._open_locks: dict[int, trio.Lock] = {}
@@ -250,11 +256,13 @@ class Session:
     # ------------------------------------------------------------------ writes
 
     async def alloc_slice(self) -> int:
-        """A new slice id, from a batch of ``SLICE_BATCH`` taken from the metanodes."""
+        """A new slice id, from a batch of ``SLICE_BATCH`` taken from the metanodes
+        at most ``SLICE_ID_TTL`` seconds ago."""
         async with self._slice_lock:
-            if not self._slice_ids:
+            if not self._slice_ids or trio.current_time() - self._slice_ids_at > SLICE_ID_TTL:
                 first = await self.meta.mutate(C.AllocSlices(SLICE_BATCH))
                 self._slice_ids = range(first, first + SLICE_BATCH)
+                self._slice_ids_at = trio.current_time()
             sid = self._slice_ids[0]
             self._slice_ids = self._slice_ids[1:]
             return sid
@@ -283,9 +291,18 @@ class Session:
         short: tuple[int, ...] = (),
     ) -> Attr:
         """Commit a slice (the writer's ``BlockSink`` call)."""
-        return await self.meta.mutate(
-            C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
-        )
+        try:
+            return await self.meta.mutate(
+                C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
+            )
+        except SliceExpired:
+            self.drop_slice_ids()
+            raise
+
+    def drop_slice_ids(self) -> None:
+        """Forget the batch of slice ids: a commit found one sealed (the
+        collector's grace is shorter than ``SLICE_ID_TTL``, or the mount stalled)."""
+        self._slice_ids = range(0)
 
     # ------------------------------------------------------------------ reads
 

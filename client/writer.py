@@ -20,6 +20,10 @@ an application can act on (EDQUOT, ENOSPC, EFBIG, EROFS), else EIO; so does
 every later write of the file, which is how a write learns that the commit
 of a full buffer failed.
 
+A commit can find its slice sealed (``SliceExpired``: the id was held
+longer than the collector's grace, say behind a metanode outage, and its
+blocks may be collected); the run is then stored again under a new id.
+
 Each run becomes a new slice, so a small random write stores a small slice
 and never rewrites a whole block. When a chunk's slice list grows past
 ``compact_after`` the writer schedules a compaction (:class:`~.compaction.Compactor`):
@@ -48,6 +52,7 @@ from cachefs.errors import (
     NoSpace,
     QuotaExceeded,
     ReadOnly,
+    SliceExpired,
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import MAX_FILE_SIZE, Run, WritePlan, runs_end, slice_blocks
@@ -57,6 +62,7 @@ from cachefs.tasks import Spawner, run_all
 from .inodes import Inode
 
 log = logging.getLogger(__name__)
+SLICE_ATTEMPTS = 3  # stores of one run under fresh slice ids when a commit finds its slice sealed
 
 # Failures an application can act on keep their errno up to the kernel (a
 # full volume, a quota, a size limit); any other failure of a commit is EIO.
@@ -220,10 +226,12 @@ class FileWriter:
         run = pending.run
         committed = False
         try:
-            if self.error is None:
+            data = bytes(run.data)
+            view = memoryview(data)
+            for attempt in range(1, SLICE_ATTEMPTS + 1):
+                if self.error is not None:
+                    break
                 slice_id = await self.sink.alloc_slice()
-                data = bytes(run.data)
-                view = memoryview(data)
                 short: list[int] = []  # blocks stored short: the commit queues them for repair
                 await run_all(
                     functools.partial(self._store, BlockKey(slice_id, index), view[start:end], short)
@@ -231,14 +239,22 @@ class FileWriter:
                 )
                 if previous is not None:
                     await previous.committed.wait()
-                if self.error is None:
-                    mtime = time.time_ns()
+                if self.error is not None:
+                    break
+                try:
                     attr = await self.sink.write_slice(
-                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, mtime,
+                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, time.time_ns(),
                         tuple(sorted(short)),
                     )
-                    self._committed(run, attr)
-                    committed = True
+                except SliceExpired:
+                    if attempt == SLICE_ATTEMPTS:
+                        raise
+                    log.info("slice %d of inode %d was sealed before its commit; storing it again",
+                             slice_id, self.inode.ino)
+                    continue
+                self._committed(run, attr)
+                committed = True
+                break
         except CacheFSError as exc:
             # Over quota, out of space, past the largest file, read-only: the
             # application is told (its errno) and nothing is wrong here.

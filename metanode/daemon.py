@@ -12,13 +12,17 @@ Whichever replica leads also collects garbage every ``--gc-interval``
 seconds: the blocks of slices trashed more than ``--gc-grace`` seconds ago
 (and before every file open it knows of; nothing while it does not yet know
 every session's opens) are deleted from the datanodes, then purged from the
-trash (``client/gc.py``; ``MetaService.gc_cutoff``), and repairs the blocks
+trash (``cachefs/backing/gc.py``; ``MetaService.gc_cutoff``). Once a grace
+it also seals the slice ids allocated a grace ago (``SealSlices``) and
+deletes the leaked blocks of sealed slices nothing references (uploads
+never committed: ``GarbageCollector.sweep``). It repairs the blocks
 writes stored short every ``--repair-interval`` seconds, writing at most
 ``--repair-rate`` bytes/s (``metanode/repairs.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import signal
 import ssl
@@ -84,8 +88,17 @@ async def run_gc(
     meta = MetaClient(pool, addrs, deadline=max(5.0, interval))
     view = MetaClusterView(meta)
     gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
+    # (when, next_slice) as this replica applied it: every id below was
+    # allocated by then, leader or not, so the marks outlive a failover.
+    marks: collections.deque[tuple[float, int]] = collections.deque()
+    ready = 0  # the newest mark at least a grace old: the floor to seal at
+    swept = trio.current_time()
     while True:
         await trio.sleep(interval)
+        now = trio.current_time()
+        marks.append((now, service.state.next_slice))
+        while marks and marks[0][0] <= now - grace:
+            ready = marks.popleft()[1]
         node = service.node
         if node is None or not node.is_leader:
             continue
@@ -99,6 +112,15 @@ async def run_gc(
                 report = await gc.collect(volume, before_ns=before)
                 for err in report.errors:
                     log.warning("gc of %s: %s", volume, err)
+            if now - swept >= grace:  # at most once a grace: a sweep lists every datanode
+                swept = now
+                if ready > service.state.slice_floor:
+                    await service.seal_slices(ready)
+                datanodes = [n.addr for n in view.datanodes.values() if n.state == "up"]
+                for volume in sorted(service.state.volumes):
+                    report = await gc.sweep(volume, datanodes)
+                    for err in report.errors:
+                        log.warning("gc of %s: %s", volume, err)
         except CacheFSError as exc:
             log.warning("gc pass failed, will retry: %s", exc)
 

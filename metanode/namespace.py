@@ -69,6 +69,11 @@ first, until the leader's repair service reports them whole
 (``RepairsDone``) or their slice leaves the trash (``PurgeTrash``: its
 blocks are gone).
 
+Slice floor: ``SealSlices`` raises ``slice_floor``, below which no slice
+may be committed any more (``SliceExpired``), so a slice below it that
+nothing references now never will be, and the collector may delete its
+blocks (``unreferenced``; the argument is in ``cachefs/backing/gc.py``).
+
 Permissions are checked by the kernel (the FUSE mount uses
 ``default_permissions``), as in JuiceFS's and CubeFS's FUSE clients; the
 metanode enforces structure: types, names, emptiness, links, cycles, quotas.
@@ -104,11 +109,21 @@ from cachefs.errors import (
     NotPermitted,
     PermissionDenied,
     QuotaExceeded,
+    SliceExpired,
     error_from_wire,
 )
 from cachefs.ids import CHUNK_SIZE
 from cachefs.layout import HOLE
-from cachefs.messages import Attr, DirEntry, FsStats, MountInfo, RepairEntry, TrashEntry, Usage
+from cachefs.messages import (
+    Attr,
+    DirEntry,
+    FsStats,
+    MountInfo,
+    RepairEntry,
+    TrashEntry,
+    Unreferenced,
+    Usage,
+)
 
 from .clustermap import ClusterMap, VolumeSpec
 
@@ -344,6 +359,7 @@ class MetaState:
         self.dedup_last: dict[str, int] = {}  # client -> now_ns of its last command
         self.dedup_swept_ns = 0
         self.next_slice = 1
+        self.slice_floor = 0  # no commit of a slice id below it (SealSlices)
         self.applied_index = 0
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
             C.CreateVolume: self._create_volume,
@@ -368,6 +384,7 @@ class MetaState:
             C.PurgeTrash: self._purge_trash,
             C.PurgeOrphans: self._purge_orphans,
             C.RepairsDone: self._repairs_done,
+            C.SealSlices: self._seal_slices,
             C.RegisterNode: self._register_node,
             C.RemoveNode: self._remove_node,
         }
@@ -1061,6 +1078,17 @@ class MetaState:
         self.next_slice += cmd.count
         return first
 
+    def _check_slice(self, slice_id: int) -> None:
+        if slice_id >= self.next_slice:
+            raise InvalidArgument(f"slice {slice_id} was never allocated")
+        if slice_id < self.slice_floor:
+            raise SliceExpired(f"slice {slice_id} is sealed (below {self.slice_floor}): its blocks may be "
+                               "collected; store the data under a new slice")
+
+    def _seal_slices(self, cmd: C.SealSlices) -> int:
+        self.slice_floor = max(self.slice_floor, min(cmd.floor, self.next_slice))
+        return self.slice_floor
+
     def _write_slice(self, cmd: C.WriteSlice) -> Attr:
         vol = self._vol(cmd.volume)
         inode = self._inode(vol, cmd.ino)
@@ -1069,8 +1097,7 @@ class MetaState:
             raise IsADirectory(f"inode {cmd.ino} is a directory")
         if kind != _S_IFREG:
             raise InvalidArgument(f"inode {cmd.ino} is not a regular file")
-        if cmd.slice_id >= self.next_slice:
-            raise InvalidArgument(f"slice {cmd.slice_id} was never allocated")
+        self._check_slice(cmd.slice_id)
         end = cmd.chunk * CHUNK_SIZE + cmd.pos + cmd.length
         if end > C.MAX_FILE_SIZE:
             raise InvalidArgument("write past the largest file size")
@@ -1103,8 +1130,7 @@ class MetaState:
         inode = self._inode(vol, cmd.ino)
         if _kind(inode.mode) != _S_IFREG:
             raise InvalidArgument(f"inode {cmd.ino} is not a regular file")
-        if cmd.slice_id >= self.next_slice:
-            raise InvalidArgument(f"slice {cmd.slice_id} was never allocated")
+        self._check_slice(cmd.slice_id)
         recs = _chunk_records(inode.data, cmd.chunk)
         if [r[:4] for r in recs] != cmd.records():
             raise Busy("the chunk changed since it was read; compact again")
@@ -1266,6 +1292,20 @@ class MetaState:
             if len(out) >= limit:
                 break
         return out
+
+    def unreferenced(self, volume: str, slice_ids: tuple[int, ...]) -> Unreferenced:
+        """Of ``slice_ids``, those below the floor that no file or trash entry holds."""
+        vol = self._vol(volume)
+        floor = self.slice_floor
+        left = {s for s in slice_ids if s < floor}
+        if left:
+            left.difference_update(rec[0] for rec in _TRASH.iter_unpack(vol.trash))
+        for inode in vol.inodes.values():
+            if not left:
+                break
+            if _kind(inode.mode) == _S_IFREG:
+                left.difference_update(rec[1] for rec in _all_records(inode.data))
+        return Unreferenced(floor, sorted(left))
 
     def repair_queue(self, volume: str, limit: int) -> list[RepairEntry]:
         """Blocks stored short, oldest first."""

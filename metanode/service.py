@@ -299,6 +299,10 @@ class MetaService:
         flat = tuple(v for key in blocks for v in (key.slice_id, key.index))
         return await self._propose(C.RepairsDone(volume, flat, now_ns=time.time_ns()))
 
+    async def seal_slices(self, floor: int) -> int:
+        """Propose the commit floor (the collector's call, see ``backing/gc.py``)."""
+        return await self._propose(C.SealSlices(floor, now_ns=time.time_ns()))
+
     async def purge_orphans(self) -> int:
         """Propose freeing every orphan no session holds (in settled volumes)."""
         self._check_leadership()

@@ -1,7 +1,7 @@
 """The namespace snapshot: all of :class:`~.namespace.MetaState` as one blob.
 
 The format is msgpack, then zstd: ``[version, applied_index, next_slice,
-cluster map, volumes, sessions, dedup answers, dedup sweep time]``. It is
+cluster map, volumes, sessions, dedup answers, dedup sweep time, slice floor]``. It is
 deterministic (the same state gives the same bytes on every replica), and
 built for speed, since it runs at a Raft Ready boundary (in a forked child
 by default, see ``raft/snapshot_child.py``): inodes are one flat list of
@@ -10,8 +10,8 @@ counts per volume) still loads; version 4 keeps the orphan list instead;
 version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
 bytes, which loading a 3 or 4 recounts. ``Inode.stored`` is not in the
 blob: loading sums it from the slice records.
-Fields added to a volume since (its token hash, its repair queue) are
-optional at the end of its list, so older version-4 snapshots load.
+Fields added since (a volume's token hash and repair queue, the slice
+floor) are optional at the end of their list, so older snapshots load.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def dump(state: MetaState) -> bytes:
         sessions,
         dedup,
         state.dedup_swept_ns,
+        state.slice_floor,
     ]
     raw = msgpack.packb(parts, use_bin_type=True)
     return zstandard.ZstdCompressor(level=3).compress(raw)
@@ -108,11 +109,12 @@ def load(state: MetaState, data: bytes) -> None:
     """Replace ``state`` with the one ``data`` (from :func:`dump`) holds."""
     raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
     parts = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    version, applied, next_slice, cluster, volumes, sessions, dedup, swept = parts
+    version, applied, next_slice, cluster, volumes, sessions, dedup, swept, *tail = parts
     if version not in (3, 4, VERSION):
         raise InvalidArgument(f"unknown snapshot version {version}")
     state.applied_index = applied
     state.next_slice = next_slice
+    state.slice_floor = tail[0] if tail else 0  # older snapshots: no floor
     state.cluster = ClusterMap.load(cluster)
     state.volumes = {}
     for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *later in volumes:

@@ -17,10 +17,39 @@ a block gone re-reads the slice list). Ten minutes is far beyond that window,
 and sessions that hold unlinked files keep those slices out of the trash
 altogether (the metanodes trash them only at the last close).
 
+Leaked blocks: a writer that dies between its puts and its slice commit,
+or a compaction that loses its race (``Busy``), leaves blocks that nothing
+references and nothing will ever trash. :meth:`GarbageCollector.sweep` lists
+the datanodes and asks the metanodes which of the slices found there are
+*unreferenced* (``Q.Unreferenced``): below the commit floor and held by no
+file and no trash entry; it deletes their shards where they were listed.
+Why that cannot delete data anyone will read:
+
+1. The floor is replicated state: once ``SealSlices(F)`` is applied, every
+   later ``WriteSlice`` or ``CompactChunk`` of a slice below ``F`` fails
+   (``SliceExpired``). References are made only by those commits (and
+   trash entries only from references), so a slice below ``F`` that nothing
+   holds at one applied index is held at no later index either.
+2. ``Unreferenced`` reads one applied state, every file of the volume in one
+   go with no await between them, so no rename or commit slips between the
+   files it looks at (a walk of the namespace through readdir could miss a
+   file renamed from a directory not yet read into one already read).
+3. A live client still storing blocks of a sealed slice cannot commit it:
+   the writer stores the data again under a new slice id
+   (``client/writer.py``), so nothing acknowledged refers to what was
+   deleted; a put that lands after the delete is found by the next sweep.
+
+Where the floor stands is only a matter of liveness: the leader seals at the
+``next_slice`` it saw ``grace`` seconds before (``metanode/daemon.py``), so
+a writer loses a slice id, and stores its data again, only if it held the id
+from allocation to commit longer than that (sessions take a fresh batch of
+ids once theirs is a minute old, ``client/session.py``).
+
 ``--check`` walks the namespace (readdir + read_chunk), lists every datanode's
-shards, and reports *missing* blocks (referenced, with no shard anywhere) and
+shards, and reports *missing* blocks (referenced, with no shard anywhere),
 *unreferenced* ones (stored, yet neither referenced nor trashed: writes in
-flight, files open but unlinked, or leaks). It changes nothing.
+flight, files open but unlinked, or leaks), and of those the *leaked* ones
+(below the floor: the next sweep deletes them). It changes nothing.
 
 The metanode leader runs it in the background (``cachefs metanode
 --gc-interval/--gc-grace``, see ``metanode/daemon.py``), with a cutoff that
@@ -61,6 +90,7 @@ class GcReport:
     slices_purged: int = 0
     blocks_deleted: int = 0
     bytes_freed: int = 0
+    leaked_blocks_deleted: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -73,6 +103,7 @@ class CheckReport:
     trashed_slices: int = 0
     missing: list[str] = field(default_factory=list)
     unreferenced: list[str] = field(default_factory=list)
+    leaked: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -182,10 +213,52 @@ class GarbageCollector:
         report.trashed_slices = len(trashed)
         if not report.errors:  # a datanode we could not list would make everything look missing
             report.missing = sorted(k.hex() for k in referenced - stored)
-        report.unreferenced = sorted(
-            k.hex() for k in stored if k.slice_id not in referenced_slices and k.slice_id not in trashed
-        )
+        loose = {k for k in stored if k.slice_id not in referenced_slices and k.slice_id not in trashed}
+        report.unreferenced = sorted(k.hex() for k in loose)
+        leaked = await self._unreferenced(volume, {k.slice_id for k in loose})
+        report.leaked = sorted(k.hex() for k in loose if k.slice_id in leaked)
         return report
+
+    # ------------------------------------------------------------------ leaks
+
+    async def sweep(self, volume: str, datanode_addrs: list[str], report: GcReport | None = None) -> GcReport:
+        """Delete the shards of every leaked slice of ``volume`` (see the module docstring)."""
+        report = report or GcReport(volume)
+        stored: dict[str, set[BlockKey]] = {}
+        for addr in datanode_addrs:
+            try:
+                stored[addr] = await self._inventory(addr, volume)
+            except CacheFSError as exc:  # safe to go on: what is leaked is the metanodes' answer
+                report.errors.append(f"listing {addr}: {exc}")
+        leaked = await self._unreferenced(volume, {k.slice_id for keys in stored.values() for k in keys})
+
+        async def delete(addr: str, key: BlockKey) -> None:
+            async with self._limit:
+                try:
+                    reply = await self.backing.pool.call(
+                        addr, "delete", {"volume": volume, "key": key.to_bytes(), "index": -1}, timeout=60.0)
+                except CacheFSError as exc:
+                    report.errors.append(f"deleting {key.hex()} on {addr}: {exc}")
+                    return
+                if reply.result["removed"]:
+                    report.leaked_blocks_deleted += 1
+
+        await run_all(functools.partial(delete, addr, key)
+                      for addr, keys in stored.items() for key in sorted(keys) if key.slice_id in leaked)
+        if leaked:
+            log.info("gc of %s: %d leaked slices, %d of their blocks deleted", volume, len(leaked),
+                     report.leaked_blocks_deleted)
+        return report
+
+    async def _unreferenced(self, volume: str, slice_ids: set[int]) -> set[int]:
+        """Which of ``slice_ids`` the metanodes call leaked, asking a page at a time."""
+        floor = (await self.meta.query(Q.Unreferenced(volume, ()))).floor
+        ids = sorted(s for s in slice_ids if s < floor)
+        out: set[int] = set()
+        for start in range(0, len(ids), Q.MAX_UNREFERENCED_ASK):
+            page = tuple(ids[start:start + Q.MAX_UNREFERENCED_ASK])
+            out.update((await self.meta.query(Q.Unreferenced(volume, page))).slice_ids)
+        return out
 
     async def _inventory(self, addr: str, volume: str) -> set[BlockKey]:
         keys: set[BlockKey] = set()

@@ -1,4 +1,4 @@
-"""``cachefs gc``: delete the blocks of trashed slices, or audit block storage (``--check``).
+"""``cachefs gc``: delete the blocks of trashed slices and of leaked ones, or audit block storage (``--check``).
 
 The collector is :class:`cachefs.backing.gc.GarbageCollector`; this wires it
 to a metanode client and a backing client.
@@ -31,10 +31,10 @@ async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: byt
         gc = GarbageCollector(meta, BackingClient(pool, view), grace=grace)
         cmap = await meta.query(ClusterMap())
         names = list(volumes) or sorted(cmap["volumes"])
+        addrs = [n["addr"] for n in cmap["datanodes"] if n.get("state", "up") == "up"]
         if check:
-            addrs = [n["addr"] for n in cmap["datanodes"] if n.get("state", "up") == "up"]
             return [await gc.check(v, addrs) for v in names]
-        return [await gc.collect(v) for v in names]
+        return [await gc.sweep(v, addrs, await gc.collect(v)) for v in names]
 
 
 @click.command("gc")
@@ -51,7 +51,7 @@ async def run_gc(meta_addrs: list[str], volumes: tuple[str, ...], *, secret: byt
 def command(meta: list[str], volumes: tuple[str, ...], grace: float, check: bool, secret_file: str | None,
             insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
             tls_ca: str | None) -> None:  # fmt: skip
-    """Delete the blocks of trashed slices (or, with --check, audit block storage)."""
+    """Delete the blocks of trashed slices and of leaked ones (or, with --check, audit block storage)."""
     setup_logging("gc", log_level)
     secret = load_secret(secret_file, insecure)
     _, tls = load_tls(tls_cert, tls_key, tls_ca)
@@ -68,10 +68,12 @@ def command(meta: list[str], volumes: tuple[str, ...], grace: float, check: bool
             click.echo(f"  missing: {len(r.missing)}" + "".join(f"\n    {k}" for k in r.missing[:50]))
             click.echo(f"  unreferenced (writes in flight, open unlinked files, or leaks): {len(r.unreferenced)}"
                        + "".join(f"\n    {k}" for k in r.unreferenced[:50]))  # fmt: skip
+            click.echo(f"  leaked (never committed, sealed: the next sweep deletes them): {len(r.leaked)}"
+                       + "".join(f"\n    {k}" for k in r.leaked[:50]))  # fmt: skip
             failed |= bool(r.missing)
         else:
             click.echo(f"{r.volume}: purged {r.slices_purged} slices, deleted {r.blocks_deleted} blocks, "
-                       f"freed {r.bytes_freed} bytes")  # fmt: skip
+                       f"freed {r.bytes_freed} bytes, deleted {r.leaked_blocks_deleted} leaked blocks")  # fmt: skip
         for err in r.errors:
             click.echo(f"  error: {err}", err=True)
         failed |= bool(r.errors)

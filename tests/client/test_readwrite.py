@@ -251,6 +251,45 @@ async def test_failed_upload_is_reported_on_flush(nursery) -> None:
         await writer.write(100, b"y")
 
 
+@pytest.mark.allow_log("cachefs.client.writer", match=r"failed: \[ESLICEEXPIRED\]")
+async def test_a_run_whose_slice_is_sealed_before_its_commit_is_stored_again(nursery) -> None:
+    """The collector sealed the run's slice id while its blocks were stored (the
+    writer held the id past the grace): the commit answers SliceExpired and the
+    writer stores the run again under a new id, so nothing acknowledged refers to
+    blocks the collector may delete. A run sealed at every try fails, as EIO."""
+    src = InProcess()
+    sealed: list[int] = []
+    store = src.store_block
+
+    async def store_then_seal(key: BlockKey, data: bytes | memoryview) -> bool:
+        short = await store(key, data)
+        if len(sealed) < seal_times and key.slice_id not in sealed:
+            sealed.append(key.slice_id)
+            src.do(C.SealSlices, src.state.next_slice)
+        return short
+
+    src.store_block = store_then_seal  # type: ignore[method-assign]
+    seal_times = 1
+    inode = src.new_file()
+    data = random.randbytes(3 * BLOCK)
+    writer = _writer(src, inode, nursery)
+    await writer.write(0, data)
+    await writer.flush()
+    (piece,) = await src.read_chunk(inode.ino, 0)
+    assert len(sealed) == 1 and piece.id > sealed[0]
+    reader = Reader(src, L1Cache(4 * BLOCK), nursery=nursery, readahead_max=4 * BLOCK)
+    assert await reader.read(inode, 0, len(data), reader.new_readahead()) == data
+    assert src.state.unreferenced(VOL, tuple(sealed)).slice_ids == sealed  # garbage for the collector
+
+    seal_times = 1 + 3  # every try of the next run
+    other = src.new_file(b"g")
+    writer = _writer(src, other, nursery)
+    await writer.write(0, b"z" * 100)
+    with pytest.raises(IOFailure, match="sealed"):
+        await writer.flush()
+    assert len(sealed) == 4 and other.attr.size == 0
+
+
 async def test_a_commit_over_quota_is_edquot_at_a_later_write_and_at_flush(nursery) -> None:
     """The commit of a full buffer fails over quota: the write that waits for
     room, and the flush, say EDQUOT (not EIO), so the kernel tells the truth."""

@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from cachefs import commands as C
-from cachefs.errors import CacheFSError
+from cachefs.errors import CacheFSError, SliceExpired
 from cachefs.ids import CHUNK_SIZE
 from cachefs.messages import Usage
 from cachefs.metanode.invariants import check
@@ -616,3 +616,38 @@ def test_snapshots_without_a_repair_queue_still_load(ns: Driver) -> None:
     copy = MetaState()
     copy.restore(old)
     assert copy.repair_queue(VOL, 10) == [] and copy.read_chunk(VOL, f, 0) == ns.state.read_chunk(VOL, f, 0)
+
+
+def test_sealed_slices_cannot_be_committed_and_unreferenced_ones_are_leaks(ns: Driver) -> None:
+    f = ns.create(1, b"f").ino
+    g = ns.create(1, b"g").ino
+    held, trashed, leaked, orphaned = (ns.do(C.AllocSlices, 1) for _ in range(4))
+    ns.do(C.WriteSlice, VOL, f, 0, held, 0, 100, 0, 1)
+    ns.do(C.WriteSlice, VOL, f, 1, trashed, 0, 100, 0, 1)
+    ns.do(C.SetAttr, VOL, f, size=CHUNK_SIZE)  # chunk 1 to the trash
+    ns.do(C.WriteSlice, VOL, g, 0, orphaned, 0, 100, 0, 1)
+    ns.do(C.Unlink, VOL, 1, b"g", g, True)  # open: an orphan keeps its slices
+    late = ns.do(C.AllocSlices, 1)  # allocated, not yet sealed
+    ids = (held, trashed, leaked, orphaned, late)
+    assert ns.state.unreferenced(VOL, ids) == (0, [])  # nothing sealed: nothing is a leak yet
+    assert ns.do(C.SealSlices, late) == late
+    assert ns.state.unreferenced(VOL, ids) == (late, [leaked])
+    assert errno_of(ns.do, C.WriteSlice, VOL, f, 2, leaked, 0, 100, 0, 1) == errno.EIO
+    with pytest.raises(SliceExpired):  # a writer that held it too long stores it again
+        ns.do(C.WriteSlice, VOL, f, 2, leaked, 0, 100, 0, 1)
+    with pytest.raises(SliceExpired):
+        ns.do(C.CompactChunk, VOL, f, 0, (held, 0, 100, 0), leaked, 100)
+    assert ns.state.unreferenced(VOL, ids) == (late, [leaked])  # the refused commits changed nothing
+    ns.do(C.WriteSlice, VOL, f, 2, late, 0, 100, 0, 1)  # at the floor: still fine
+    assert ns.do(C.SealSlices, 1) == late  # the floor never goes down...
+    assert ns.do(C.SealSlices, 1 << 40) == ns.state.next_slice  # ...nor past the next id
+    blob = ns.state.snapshot()
+    copy = MetaState()
+    copy.restore(blob)
+    assert copy.slice_floor == ns.state.next_slice and copy.snapshot() == blob
+    parts = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob), raw=False, strict_map_key=False)
+    old = zstandard.ZstdCompressor().compress(msgpack.packb(parts[:8], use_bin_type=True))
+    copy.restore(old)  # as written before the floor existed
+    assert copy.slice_floor == 0 and copy.unreferenced(VOL, ids) == (0, [])
+    assert errno_of(ns.state.unreferenced, "nope", ids) == errno.ENOENT
+    ns.check()
