@@ -60,7 +60,8 @@ def main(as_json: bool, quick: bool, base_port: int, seed: int, use_netns: bool)
         if not os.path.ismount(mnt):
             mnt.rmdir()
     result = {**totals(chaos.rows), "power_cuts": chaos.power_cuts,
-              "under_replicated_after_recovery": under_replicated, "quick": quick,
+              "under_replicated_after_recovery": under_replicated,
+              "hostile_messages_survived": chaos.hostile_messages_survived, "quick": quick,
               "seconds": round(time.monotonic() - started, 1), "policy": config.policy}
     if as_json:
         click.echo(json.dumps(result))

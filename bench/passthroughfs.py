@@ -43,6 +43,13 @@ def _oserror(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
+def _names(path: str, ino: int) -> bool:
+    try:
+        return os.lstat(path).st_ino == ino
+    except OSError:
+        return False
+
+
 class Passthrough(pyfuse3.Operations):
     enable_writeback_cache = False
 
@@ -63,7 +70,13 @@ class Passthrough(pyfuse3.Operations):
 
     def _remember(self, ino: int, path: str) -> None:
         self._lookups[ino] += 1
-        self._paths.setdefault(ino, set()).add(path)
+        paths = self._paths.setdefault(ino, set())
+        if path not in paths:
+            # A path removed behind our back (in the source) may still be
+            # here, under a number the source has since given to this new
+            # file: forget the paths that no longer name it.
+            paths -= {p for p in paths if not _names(p, ino)}
+            paths.add(path)
 
     def _attr(self, path: str | None = None, fd: int | None = None) -> pyfuse3.EntryAttributes:
         st = os.fstat(fd) if fd is not None else os.lstat(path)  # type: ignore[arg-type]

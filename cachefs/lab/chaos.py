@@ -21,6 +21,11 @@ was not fsynced, file data and directory entries alike), kills every daemon
 mid-workload, cuts the power of every disk at once, reboots, and checks.
 A missing fsync anywhere on the write path shows up there as lost data.
 
+The hostile peer (:mod:`cachefs.lab.hostile`) sends forged Raft traffic
+over identities that are not the members it names; ``bench.chaos --json``
+reports the messages every metanode refused and outlived
+(``hostile_messages_survived``).
+
 ``python -m bench.chaos [--quick] [--json]`` runs the whole matrix; the
 fault tests (tests/fault/) run the same scenarios on the quick lab.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -50,9 +56,11 @@ from typing import Any
 import trio
 
 from cachefs.commands import Mkdir
+from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError
-from cachefs.lab import netns
+from cachefs.lab import hostile, netns
 from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.metanode.raft.storage import WAL_NAME, record_spans
 from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 from cachefs.testing.powercut import PowerCutDisk
@@ -316,6 +324,7 @@ class Chaos:
         self._acked_before = 0
         self.packets_dropped = 0  # by the last packet_loss fault (nftables' counters)
         self.power_cuts = 0
+        self.hostile_messages_survived = 0  # forged Raft messages refused with every metanode still up
         self._disks: dict[str, PowerCutDisk] = {}  # node name -> its power-cut layer, during power_cut
 
     # -- set-up
@@ -815,6 +824,28 @@ class Chaos:
             time.sleep(0.2)
         raise RuntimeError(f"{name} did not catch up to {target} within {timeout:.0f}s: {status}")
 
+    def _log(self, name: str) -> str:
+        return (self.lab.root / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def _start_refused(self, name: str, timeout: float = 30) -> bool:
+        """Start ``name``: True if it refused to start (exited; then recorded as stopped), False
+        once it answers ``meta_status``."""
+        self.start(name)
+        deadline = time.monotonic() + timeout
+        pid = self.lab.node(name).pid
+        while time.monotonic() < deadline:
+            try:
+                waited, _ = os.waitpid(pid, os.WNOHANG)  # type: ignore[arg-type]
+            except ChildProcessError:
+                waited = pid
+            if waited == pid:
+                self.lab.kill(name)  # records it as stopped
+                return True
+            if any(s["name"] == name for s in self.meta_status()):
+                return False
+            time.sleep(0.2)
+        return False
+
     def _lose_leader_check(self) -> Check:
         """With the repaired replica in the majority: kill the leader, check, restart it."""
         leader = self.leader()
@@ -869,24 +900,9 @@ class Chaos:
         data[len(data) // 2] ^= 0x01
         snaps[-1].write_bytes(bytes(data))
         t0 = time.monotonic()
-        self.start(victim)
-        deadline = time.monotonic() + 30
-        pid = self.lab.node(victim).pid
-        refused = False
-        while time.monotonic() < deadline:
-            try:
-                waited, _ = os.waitpid(pid, os.WNOHANG)  # type: ignore[arg-type]
-            except ChildProcessError:
-                waited = pid
-            if waited == pid:
-                refused = True
-                break
-            if any(s["name"] == victim for s in self.meta_status()):
-                break  # it came up: it must not serve the corrupt state (checked below)
-            time.sleep(0.2)
-        log = (self.lab.root / "logs" / f"{victim}.log").read_text(errors="replace")
+        refused = self._start_refused(victim)  # else it came up: it must not serve the corrupt state (below)
+        log = self._log(victim)
         if refused:
-            self.lab.kill(victim)  # records it as stopped
             note = "refused to start: " + ("snapshot named" if "snapshot" in log.lower() else "NO CLEAR MESSAGE")
             shutil.rmtree(self.lab.root / victim)  # the operator's fix: rebuild from the others
             self.start(victim)
@@ -908,6 +924,98 @@ class Chaos:
         extra = self._lose_leader_check()
         row.lost += len(extra.lost) + (1 if "NO CLEAR" in note else 0)
         row.lost_detail += extra.lost[:10]
+        return row
+
+    def corrupt_wal_middle(self) -> Row:
+        """A bit flipped in a follower's WAL record that has whole records after it: not a torn
+        tail, so start-up must refuse it, naming the file and the offset, rather than cut what
+        the replica acknowledged. The operator's way back (docs/raft.md): move the data directory
+        aside and start the replica empty; it rebuilds from its peers."""
+        fault = "corrupt a record mid-WAL on a follower, rebuild it, then lose the leader"
+        victim = self._follower()
+        wal = self.lab.root / victim / WAL_NAME
+        for i in range(12):  # until its WAL holds records after the damaged one (bounded)
+            with self.load(f"walmid{i}"):
+                pass
+            if len(record_spans(wal.read_bytes())) >= 4:
+                break
+        self.lab.kill(victim)
+        raw = bytearray(wal.read_bytes())
+        spans = record_spans(bytes(raw))
+        if len(spans) < 4:
+            return self.record(fault, 0, None, f"the WAL held only {len(spans)} records: not run")
+        at, size = spans[-3]  # two whole records after it; never BASE (the first)
+        raw[at + size // 2] ^= 0x10  # past the length field: the CRC no longer matches
+        wal.write_bytes(bytes(raw))
+        t0 = time.monotonic()
+        refused = self._start_refused(victim)
+        log = self._log(victim)
+        named = f"CRC mismatch at byte {at}" in log and str(wal) in log
+        note = ("refused to start, file and offset named" if refused and named else
+                "refused to start: NO CLEAR MESSAGE" if refused else "CAME UP ON A DAMAGED WAL")
+        if refused:
+            aside = self.lab.root / f"{victim}.damaged"
+            shutil.rmtree(aside, ignore_errors=True)  # an earlier run's
+            (self.lab.root / victim).rename(aside)  # kept for a post-mortem, as the procedure says
+            self.start(victim)
+        with self.load("walmidfix"):  # entries to replicate: the leader finds the empty replica
+            pass
+        try:
+            self._wait_caught_up(victim)
+        except RuntimeError as exc:
+            row = self.record(fault, 1, None, note + f"; REBUILT REPLICA NEVER CAUGHT UP ({str(exc)[:60]})")
+            row.lost_detail.append("rebuilt replica never caught up")
+            return row
+        row = self.record(fault, 2, time.monotonic() - t0, note)
+        extra = self._lose_leader_check()  # the rebuilt replica is in the majority now
+        row.lost += len(extra.lost) + (0 if refused and named else 1)
+        row.lost_detail += extra.lost[:10] + ([] if refused and named else [note])
+        return row
+
+    def hostile_peer(self, rounds: int = 20) -> Row:
+        """Forged Raft traffic (:mod:`cachefs.lab.hostile`: well-formed messages of every kind and
+        snapshot transfers) at every metanode while the workload runs, over identities that are
+        not the members the messages name (the cluster secret's, a datanode's, the lab's admin
+        and client credentials): each refused, every metanode still up, nobody deposed, nothing
+        lost."""
+        metanodes = [n.name for n in self.lab.of_kind("metanode")]
+        end = time.monotonic() + 60
+        while len(status := {s["name"]: s for s in self.meta_status()}) < len(metanodes):  # all serving
+            if time.monotonic() > end:
+                raise RuntimeError(f"metanodes not all serving: {sorted(status)}")
+            time.sleep(0.2)
+        leader = self.leader()
+        term = status[leader]["term"]
+        forger = hostile.Forger(self.rng, tuple(sorted(s["id"] for s in status.values())), term,
+                                status[leader]["commit_index"])
+        secret = self.lab.secret
+        identities = [as_credential(secret), as_credential(secret, "datanode-1"), self.lab.credential("admin"),
+                      self.lab.credential("client")]
+        logged = {n: self._log(n).count("refused a") for n in metanodes}  # refusals are logged (rate-limited)
+        storm = functools.partial(hostile.storm, self.lab.meta_addrs, identities, forger, rounds=rounds,
+                                  tls=self.lab.client_tls())
+        with self.load("hostile"):
+            t0 = time.monotonic()
+            report = self.lab.run(storm)
+            self.probe()
+            recover = time.monotonic() - t0
+        down = [n for n in metanodes if n not in self.lab.running()]
+        after = {s["name"]: s for s in self.meta_status()}
+        deposed = after.get(leader, {}).get("is_leader") is not True or after[leader]["term"] != term
+        refused = all(self._log(n).count("refused a") > logged[n] for n in metanodes)
+        problems = ([f"METANODES DOWN: {', '.join(down)}"] if down else []) + \
+            (["LEADER DEPOSED"] if deposed else []) + ([] if refused else ["REFUSALS NOT LOGGED"]) + \
+            ([f"{report.unexpected} CALLS FAILED UNREFUSED"] if report.unexpected else [])
+        errors = ", ".join(f"{n} {name}" for name, n in sorted(report.errors.items()))
+        note = f"{report.messages} forged messages in {report.calls} calls (errors: {errors}; the rest " \
+               f"answered, their messages refused and counted)" + "".join(f"; {p}" for p in problems)
+        row = self.record("hostile peer: forged Raft messages from non-members", report.messages, recover, note)
+        row.lost += len(problems)
+        row.lost_detail += problems
+        if down:
+            self.restart_dead("metanode")
+        else:
+            self.hostile_messages_survived += report.messages
         return row
 
     def corrupt_cache_files(self, count: int = 12) -> Row:
@@ -1007,7 +1115,7 @@ class Chaos:
         return [self.kill_leader, self.kill_follower, self.kill_two_metanodes, self.restart_all_metanodes,
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
                 self.kill_client, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
-                self.corrupt_snapshot, self.corrupt_cache_files,
+                self.corrupt_snapshot, self.corrupt_wal_middle, self.hostile_peer, self.corrupt_cache_files,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 
 

@@ -260,6 +260,20 @@ def scan(buf: bytes | bytearray | memoryview) -> ScanResult:
     return ScanResult(records, pos, None, count)
 
 
+def record_spans(raw: bytes) -> list[tuple[int, int]]:
+    """Where each whole top-level record starts and its size (header
+    included), up to a torn one, CRCs unchecked: for tests and the chaos
+    matrix, which damage a WAL on purpose."""
+    out, pos = [], 0
+    while len(raw) - pos >= _H:
+        size = _H + _HEADER.unpack_from(raw, pos)[0]
+        if len(raw) - pos < size:
+            break
+        out.append((pos, size))
+        pos += size
+    return out
+
+
 def recover(raw: bytes, snapshot: SnapshotMeta, name: str) -> tuple[Replayed, ScanResult]:
     """Scan and replay a WAL read at start-up (``name`` is for errors).
 

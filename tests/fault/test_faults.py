@@ -92,6 +92,22 @@ def test_corrupt_snapshot_detected_and_rebuilt(chaos: Chaos) -> None:
     assert row.note in ("refused to start: snapshot named", "came up"), row.note
 
 
+def test_corrupt_wal_middle_refused_and_rebuilt(chaos: Chaos) -> None:
+    """Damage before the WAL's tail is refused at start-up, not cut (issue 14 item 4); the
+    replica rebuilt from an empty directory then holds up the majority when the leader dies."""
+    row = chaos.corrupt_wal_middle()
+    assert not row.lost_detail, row.note
+    _ok(row)
+    assert row.injected > 0 and row.note == "refused to start, file and offset named", row.note
+
+
+def test_hostile_peer_is_refused_and_changes_nothing(chaos: Chaos) -> None:
+    row = chaos.hostile_peer(rounds=10)
+    assert not row.lost_detail, row.note
+    _ok(row)
+    assert chaos.hostile_messages_survived == row.injected > 400
+
+
 def test_corrupt_cache_files_never_served(chaos: Chaos) -> None:
     row = chaos.corrupt_cache_files(count=8)
     _ok(row)

@@ -1,13 +1,13 @@
 """Hostile peers against real RaftNodes over RPC.
 
-A peer with the cluster secret (every client holds it today) sends
-well-formed hostile ``raft_step`` batches and ``raft_snapshot`` transfers,
-built by the strategies of ``hostile.py``, while honest proposals go on. No
-node may die. Messages from non-members must change nothing: what was
-committed stays, and the cluster keeps committing. Forged member messages
-(until the RPC layer binds connections to identities, a member's ``src`` can
-be forged) may disturb the cluster but must not crash it or break a core's
-own invariants.
+A hostile peer sends well-formed ``raft_step`` batches and ``raft_snapshot``
+transfers, built by the strategies of ``hostile.py``, while honest proposals
+go on. No node may die. Messages from non-members (over the cluster
+secret's own identity, which is no member's) must change nothing: what was
+committed stays, and the cluster keeps committing. Messages over a member's
+own credential (a member gone rogue, the worst a peer can be) may disturb
+the cluster but must not crash it or break a core's own invariants; a
+connection can speak only for the member it is authenticated as.
 
 InstallSnapshot's memory is bounded: chunks are spooled to disk, and the
 decompressed size is capped by ``DriverConfig.max_snapshot``. The peak RSS
