@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 GC_INTERVAL = 60.0
 GC_GRACE = 600.0
+FULL_SWEEP_EVERY = 6  # leak sweeps (one a grace): every sixth looks at every slice, not only new ones
 
 
 def parse_peers(text: str) -> dict[int, str]:
@@ -93,6 +94,7 @@ async def run_gc(
     marks: collections.deque[tuple[float, int]] = collections.deque()
     ready = 0  # the newest mark at least a grace old: the floor to seal at
     swept = trio.current_time()
+    since, sweeps = 0, 0  # the floor of the last clean sweep; sweeps done
     while True:
         await trio.sleep(interval)
         now = trio.current_time()
@@ -116,11 +118,15 @@ async def run_gc(
                 swept = now
                 if ready > service.state.slice_floor:
                     await service.seal_slices(ready)
+                floor, clean = service.state.slice_floor, True
                 datanodes = [n.addr for n in view.datanodes.values() if n.state == "up"]
                 for volume in sorted(service.state.volumes):
-                    report = await gc.sweep(volume, datanodes)
+                    report = await gc.sweep(volume, datanodes, since=0 if sweeps % FULL_SWEEP_EVERY == 0 else since)
                     for err in report.errors:
                         log.warning("gc of %s: %s", volume, err)
+                    clean = clean and not report.errors
+                sweeps += 1
+                since = floor if clean else since
         except CacheFSError as exc:
             log.warning("gc pass failed, will retry: %s", exc)
 

@@ -221,8 +221,13 @@ class GarbageCollector:
 
     # ------------------------------------------------------------------ leaks
 
-    async def sweep(self, volume: str, datanode_addrs: list[str], report: GcReport | None = None) -> GcReport:
-        """Delete the shards of every leaked slice of ``volume`` (see the module docstring)."""
+    async def sweep(self, volume: str, datanode_addrs: list[str], report: GcReport | None = None, *,
+                    since: int = 0) -> GcReport:
+        """Delete the shards of every leaked slice of ``volume`` (see the module docstring)
+        with an id of at least ``since``: the floor of the last clean sweep, whose
+        leaks are gone and whose other slices can leave only through the trash (so
+        each sweep asks the metanodes about new slices only; the leader sweeps
+        everything now and then, for puts that landed after a sweep)."""
         report = report or GcReport(volume)
         stored: dict[str, set[BlockKey]] = {}
         for addr in datanode_addrs:
@@ -230,7 +235,8 @@ class GarbageCollector:
                 stored[addr] = await self._inventory(addr, volume)
             except CacheFSError as exc:  # safe to go on: what is leaked is the metanodes' answer
                 report.errors.append(f"listing {addr}: {exc}")
-        leaked = await self._unreferenced(volume, {k.slice_id for keys in stored.values() for k in keys})
+        leaked = await self._unreferenced(
+            volume, {k.slice_id for keys in stored.values() for k in keys if k.slice_id >= since})
 
         async def delete(addr: str, key: BlockKey) -> None:
             async with self._limit:

@@ -165,8 +165,8 @@ LEAK_GRACE = 5.0
 def test_blocks_never_committed_are_deleted_once_their_slice_is_sealed(gc_cluster) -> None:
     """Blocks of a slice whose writer died before the commit: `gc --check` reports
     them as unreferenced; a grace after the slice's allocation the leader seals it
-    and deletes them (never before), a late commit of it is refused, and the
-    committed file beside it is kept whole."""
+    and deletes them (never before), a late commit of it is refused, a later leak
+    goes the same way, and the committed file beside it is kept whole."""
     c, dn_addr = gc_cluster
     trio.run(_setup, c)
     with connect(c.addrs, VOL, secret=None) as fs:
@@ -182,5 +182,8 @@ def test_blocks_never_committed_are_deleted_once_their_slice_is_sealed(gc_cluste
         assert time.monotonic() - allocated >= LEAK_GRACE  # not one block before the grace
         with pytest.raises(SliceExpired):
             trio.run(_late_commit, c.addrs, dead)
+        again = trio.run(_upload_uncommitted, c.addrs)  # the next sweeps ask only about new slices
+        assert trio.run(_stored, dn_addr) == keep | {again}
+        _wait_stored(dn_addr, keep, timeout=LEAK_GRACE + 30)
         assert fs.read_bytes("/keep") == b"k" * (3 * BLOCK)
     assert trio.run(_check, c.addrs, dn_addr) == ([], [])
