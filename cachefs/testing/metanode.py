@@ -11,7 +11,8 @@ tests (``tests/client/localfs.py``) and benches mount on it.
 
     async with local_metanode() as meta:
         await meta.create_volume("vol", block_size=64 * 1024)
-        client = meta.client(pool)
+        client = meta.client(pool)  # a MetaClient
+        session = await meta.session(pool, "vol")  # or a client Session of the volume
         ...
         meta.check()  # the namespace invariants (fsck) hold
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 import trio
 
+from cachefs.client.session import Session
 from cachefs.commands import CreateVolume
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.invariants import check
@@ -33,7 +35,10 @@ from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig
 from cachefs.metanode.service import MetaService
+from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool, RpcServer
+from cachefs.testing.backing import DictBacking
+from cachefs.transport.tcp import TcpTransport
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,16 @@ class LocalMetanode:
         """A real MetaClient of this metanode (``pool``: with a credential
         of the metanode's ``secret``, or ``secret=None`` if it has none)."""
         return MetaClient(pool, [self.addr], **options)
+
+    async def session(self, pool: RpcPool, volume: str, **options: Any) -> Session:
+        """A client session of ``volume`` mounted on this metanode (``options``:
+        the MetaClient's), its blocks kept in a :class:`DictBacking`."""
+        meta = self.client(pool, **options)
+        info = await meta.mount_volume(volume)
+        return Session(
+            meta, volume, info.session, await meta.query(ClusterMap()),
+            zone="", transport=TcpTransport(pool), backing=DictBacking(),  # type: ignore[arg-type]
+        )  # fmt: skip
 
     async def create_volume(
         self, name: str, policy: str = "replica:1", *, block_size: int = 4 << 20

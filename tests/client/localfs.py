@@ -21,13 +21,10 @@ from typing import Any
 import trio
 
 from cachefs.client.mount import run_fs
-from cachefs.client.session import Session
 from cachefs.client.volume import ClientOptions
-from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
 from cachefs.testing.backing import DictBacking
 from cachefs.testing.metanode import local_metanode
-from cachefs.transport.tcp import TcpTransport
 
 VOLUME = "vol"
 
@@ -37,17 +34,7 @@ async def main_async(
 ) -> int:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool:
         await metanode.create_volume(VOLUME, block_size=block_size)
-        meta = metanode.client(pool, client_id="localfs")
-        info = await meta.mount_volume(VOLUME)
-        session = Session(
-            meta,
-            VOLUME,
-            info.session,
-            await meta.query(ClusterMap()),
-            zone="",
-            transport=TcpTransport(pool),
-            backing=DictBacking(),  # type: ignore[arg-type]
-        )
+        session = await metanode.session(pool, VOLUME, client_id="localfs")
 
         def ready(error: str | None) -> None:
             print("ready" if error is None else f"error: {error}", flush=True)

@@ -23,14 +23,10 @@ import pytest
 import trio
 
 from cachefs.client.fs import CacheFS
-from cachefs.client.session import Session
 from cachefs.client.volume import ClientOptions, Volume
 from cachefs.layout import MAX_FILE_SIZE
-from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
-from cachefs.testing.backing import DictBacking
 from cachefs.testing.metanode import LocalMetanode, local_metanode
-from cachefs.transport.tcp import TcpTransport
 
 VOLUME = "vol"
 ROOT = pyfuse3.ROOT_INODE
@@ -56,12 +52,7 @@ class Mounted:
 async def _mounted(options: ClientOptions) -> AsyncIterator[Mounted]:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool:
         await metanode.create_volume(VOLUME, block_size=64 << 10)
-        meta = metanode.client(pool)
-        info = await meta.mount_volume(VOLUME)
-        session = Session(
-            meta, VOLUME, info.session, await meta.query(ClusterMap()),
-            zone="", transport=TcpTransport(pool), backing=DictBacking(),  # type: ignore[arg-type]
-        )  # fmt: skip
+        session = await metanode.session(pool, VOLUME)
         async with trio.open_nursery() as nursery:
             mounted = Mounted(CacheFS(Volume(session, options, nursery=nursery)), metanode)
             yield mounted

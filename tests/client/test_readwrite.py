@@ -334,12 +334,8 @@ compact_ops_st = st.lists(
 @given(ops=compact_ops_st, seed=st.integers(0, 1000))
 def test_session_io_with_compaction_matches_model(ops, seed) -> None:
     """The real Session (over an in-process metanode) with compactions in between."""
-    from cachefs.client.session import Session
-    from cachefs.queries import ClusterMap
     from cachefs.rpc import RpcPool
-    from cachefs.testing.backing import DictBacking
     from cachefs.testing.metanode import local_metanode
-    from cachefs.transport.tcp import TcpTransport
     from tests.client.localfs import VOLUME
 
     rng = random.Random(seed)
@@ -347,12 +343,7 @@ def test_session_io_with_compaction_matches_model(ops, seed) -> None:
     async def main() -> None:
         async with local_metanode() as metanode, RpcPool(secret=None) as pool:
             await metanode.create_volume(VOLUME, block_size=BLOCK)
-            meta = metanode.client(pool)
-            info = await meta.mount_volume(VOLUME)
-            session = Session(
-                meta, VOLUME, info.session, await meta.query(ClusterMap()),
-                zone="", transport=TcpTransport(pool), backing=DictBacking(),
-            )  # fmt: skip
+            session = await metanode.session(pool, VOLUME)
             async with trio.open_nursery() as n:
                 await _session_ops(session, n, ops, rng)
             await session.close()
@@ -441,12 +432,8 @@ def test_compaction_keeps_bytes_its_cached_size_does_not_know() -> None:
     compaction must still cover every record (the metanode checks the
     records and where they end), and the appended bytes read back."""
     from cachefs.client.compaction import Compactor
-    from cachefs.client.session import Session
-    from cachefs.queries import ClusterMap
     from cachefs.rpc import RpcPool
-    from cachefs.testing.backing import DictBacking
     from cachefs.testing.metanode import local_metanode
-    from cachefs.transport.tcp import TcpTransport
     from tests.client.localfs import VOLUME
 
     parts = [random.randbytes(100) for _ in range(20)]
@@ -455,12 +442,8 @@ def test_compaction_keeps_bytes_its_cached_size_does_not_know() -> None:
     async def main() -> None:
         async with local_metanode() as metanode, RpcPool(secret=None) as pool:
             await metanode.create_volume(VOLUME, block_size=BLOCK)
-            meta = metanode.client(pool)
-            info = await meta.mount_volume(VOLUME)
-            session = Session(
-                meta, VOLUME, info.session, await meta.query(ClusterMap()),
-                zone="", transport=TcpTransport(pool), backing=DictBacking(),
-            )  # fmt: skip
+            session = await metanode.session(pool, VOLUME)
+            meta = session.meta
             async with trio.open_nursery() as n:
                 a = Inode(await meta.mutate(C.Mknod(VOLUME, 1, b"f", 0o100644)))
                 writer = _writer(session, a, n)  # type: ignore[arg-type]
