@@ -53,7 +53,7 @@ import msgpack
 from cachefs import messages as M
 from cachefs.backing.policy import VolumePolicy
 from cachefs.credentials import ADMINS, CLIENTS, MAX_TAG, SERVERS
-from cachefs.errors import FileTooLarge, InvalidArgument, NameTooLong
+from cachefs.errors import FileTooLarge, InvalidArgument, NameTooLong, NotSupported
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE
 from cachefs.layout import MAX_FILE_SIZE
 
@@ -789,6 +789,53 @@ class CompactChunk(Command[M.Attr]):
     def records(self) -> list[tuple[int, int, int, int]]:
         e = self.expect
         return [(e[i], e[i + 1], e[i + 2], e[i + 3]) for i in range(0, len(e), 4)]
+
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+FALLOCATE_MODES = (
+    0,
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_ZERO_RANGE,
+    FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fallocate(Command[M.Attr]):
+    """fallocate(2) on ``[offset, offset+length)`` as a change of the slice
+    lists only, whatever the range's size, no byte written.
+
+    ``mode`` 0 or ``FALLOC_FL_KEEP_SIZE``: the space must fit the quotas and
+    the datanodes (EDQUOT/ENOSPC otherwise) but nothing is charged, since
+    nothing is stored; without KEEP_SIZE the size grows to cover the range.
+    ``PUNCH_HOLE|KEEP_SIZE`` and ``ZERO_RANGE`` (optionally with KEEP_SIZE):
+    a hole record (slice 0) over the range inside the file in each chunk
+    that holds records there, so it reads as zeros; records it covers go to
+    the trash. ZERO_RANGE without KEEP_SIZE grows the size like mode 0.
+    Other modes (COLLAPSE_RANGE, INSERT_RANGE, ...) are EOPNOTSUPP.
+    """
+
+    TAG: ClassVar[int] = 37
+    NAME: ClassVar[str] = "fallocate"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
+    volume: str
+    ino: int
+    mode: int
+    offset: int
+    length: int
+
+    def validate(self) -> None:
+        check_int(self.ino, "ino", 1)
+        if self.mode not in FALLOCATE_MODES:
+            raise NotSupported(f"fallocate mode {self.mode:#x} is not supported")
+        check_int(self.offset, "offset", 0, I64)
+        check_int(self.length, "length", 1, I64)
+        if self.offset + self.length > MAX_FILE_SIZE:
+            raise FileTooLarge(f"fallocate to {self.offset + self.length} is past the largest file ({MAX_FILE_SIZE})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

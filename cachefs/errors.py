@@ -74,6 +74,7 @@ NoSuchMethod = _posix("NoSuchMethod", "ENOSYS", _errno.ENOSYS, "The peer has no 
 ConnectionLost = _posix("ConnectionLost", "ECONNRESET", _errno.ECONNRESET, "The connection to a peer broke.")
 Unreachable = _posix("Unreachable", "ECONNREFUSED", _errno.ECONNREFUSED, "A peer could not be reached.")
 ReadOnly = _posix("ReadOnly", "EROFS", _errno.EROFS, "The filesystem or node is read-only.")
+NotSupported = _posix("NotSupported", "EOPNOTSUPP", _errno.EOPNOTSUPP, "The operation or mode is not supported.")
 FrameTooLarge = _posix("FrameTooLarge", "EMSGSIZE", _errno.EMSGSIZE, "A frame is over the size limit.")
 
 # cachefs codes without a POSIX name; they map to the nearest errno for FUSE.

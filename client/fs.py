@@ -250,6 +250,20 @@ class CacheFS(pyfuse3.Operations):
             changes["size"] = attr.st_size
         return self._entry(await self.engine.setattr(inode, **changes))
 
+    async def fallocate(self, inode: int, mode: int, offset: int, length: int) -> int:
+        """FUSE_FALLOCATE (pyfuse3 has no handler: :mod:`.fallocate_hook`
+        calls this); the errno to answer, 0 for success."""
+        try:
+            await self._fallocate(inode, mode, offset, length)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno
+        return 0
+
+    @_fuse
+    async def _fallocate(self, inode: int, mode: int, offset: int, length: int) -> None:
+        self._writable()
+        await self.engine.fallocate(inode, mode, offset, length)
+
     @_fuse
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         return await self.meta.query(Q.ReadLink(self.vol, inode))

@@ -76,6 +76,7 @@ from cachefs.rpc import RpcPool
 from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
+from . import fallocate_hook
 from .fs import CacheFS
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR
@@ -348,13 +349,15 @@ async def run_fs(
             await session.close()
             return 1
         fuse_opts = fuse_options(session.volume, options.read_only, allow_other, mount_flags)
+        front = CacheFS(engine)
         try:
-            pyfuse3.init(CacheFS(engine), mountpoint, fuse_opts)
+            pyfuse3.init(front, mountpoint, fuse_opts)
         except RuntimeError as exc:
             ready(f"could not mount at {mountpoint}: {exc}")
             nursery.cancel_scope.cancel()
             await session.close()
             return 1
+        fallocate_hook.install(front.fallocate, engine.nursery, pyfuse3.__file__)  # before any request
         if metrics_port:
             from prometheus_client import REGISTRY
 

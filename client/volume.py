@@ -179,6 +179,18 @@ class Volume:
             inode.layout += 1
         return inode
 
+    async def fallocate(self, ino: int, mode: int, offset: int, length: int) -> Inode:
+        """fallocate(2) as a metadata change (:class:`~cachefs.commands.Fallocate`).
+        Pending writes commit first: a hole wins over them, not over later ones."""
+        inode = self.inodes.get(ino)
+        if inode is not None:
+            await self.flush(inode)
+        change = C.Fallocate(self.session.volume, ino, mode, offset, length)
+        inode = self.inodes.update(await self.session.meta.mutate(change))
+        inode.chunks.clear()
+        inode.layout += 1
+        return inode
+
     async def read_early(self, inode: Inode, first_block: bool) -> None:
         """Fetch chunk 0's slice list, and with ``first_block`` the first block
         too, while an ``open`` waits for the leader (a data loader reads each

@@ -24,6 +24,7 @@ import struct
 from collections import Counter
 
 from cachefs.ids import CHUNK_SIZE
+from cachefs.layout import HOLE
 
 from .namespace import (
     INO_BITS,
@@ -121,7 +122,8 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
             p.append(f"{name}: inode {ino} parent slot {dict(actual)} != dentries {dict(expected)}")
         if _kind(inode.mode) == _S_IFREG:
             for chunk, slice_id, pos, length, offset, ssize in _all_records(inode.data):
-                if not (length > 0 and pos + length <= CHUNK_SIZE and offset + length <= ssize):
+                sized = offset == ssize == 0 if slice_id == HOLE else offset + length <= ssize
+                if not (length > 0 and pos + length <= CHUNK_SIZE and sized):
                     p.append(f"{name}: inode {ino} bad slice record {slice_id}")
                 if chunk * CHUNK_SIZE + pos + length > inode.size:
                     p.append(f"{name}: inode {ino} slice {slice_id} lies past the size")

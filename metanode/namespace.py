@@ -381,6 +381,7 @@ class MetaState:
             C.AllocSlices: self._alloc_slices,
             C.WriteSlice: self._write_slice,
             C.CompactChunk: self._compact_chunk,
+            C.Fallocate: self._fallocate,
             C.PurgeTrash: self._purge_trash,
             C.PurgeOrphans: self._purge_orphans,
             C.RepairsDone: self._repairs_done,
@@ -1147,6 +1148,52 @@ class MetaState:
         self._store(vol, inode, delta)
         self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
         return self.attr(inode)
+
+    def _fallocate(self, cmd: C.Fallocate) -> Attr:
+        """See :class:`~cachefs.commands.Fallocate`: O(records), not O(range)."""
+        vol = self._vol(cmd.volume)
+        inode = self._inode(vol, cmd.ino)
+        kind = _kind(inode.mode)
+        if kind == _S_IFDIR:
+            raise IsADirectory(f"inode {cmd.ino} is a directory")
+        if kind != _S_IFREG:
+            raise InvalidArgument(f"inode {cmd.ino} is not a regular file")
+        end = cmd.offset + cmd.length
+        keep_size = bool(cmd.mode & C.FALLOC_FL_KEEP_SIZE)
+        new_size = inode.size if keep_size else max(inode.size, end)
+        if not cmd.mode & (C.FALLOC_FL_PUNCH_HOLE | C.FALLOC_FL_ZERO_RANGE):
+            self._check_store(vol, inode, cmd.length)  # room for it; nothing is stored yet
+        else:
+            self._hole(vol, inode, cmd.offset, min(end, new_size), cmd.now_ns)
+            inode.version += 1
+            inode.mtime = cmd.now_ns
+        if new_size != inode.size:
+            inode.size = new_size
+            inode.version += 1
+            inode.mtime = cmd.now_ns
+        inode.ctime = cmd.now_ns
+        return self.attr(inode)
+
+    def _hole(self, vol: Volume, inode: Inode, lo: int, hi: int, now: int) -> None:
+        """Make ``[lo, hi)`` read as zeros: a hole record in each chunk that
+        holds records there (a chunk without any reads as zeros already)."""
+        if lo >= hi:
+            return
+        first, last = lo // CHUNK_SIZE, (hi - 1) // CHUNK_SIZE
+        for chunk in sorted({r[0] for r in _all_records(inode.data) if first <= r[0] <= last}):
+            base = chunk * CHUNK_SIZE
+            a, b = max(lo, base) - base, min(hi, base + CHUNK_SIZE) - base
+            keep: list[Rec] = []
+            freed = 0
+            for rec in _chunk_records(inode.data, chunk):
+                if a <= rec[1] and rec[1] + rec[2] <= b:  # wholly inside: gone
+                    self._trash(vol, rec[0], rec[4], now)
+                    freed += rec[4]
+                else:
+                    keep.append(rec)
+            keep.append((HOLE, a, b - a, 0, 0))
+            inode.data = _store_chunk(inode.data, chunk, keep)
+            self._store(vol, inode, -freed)
 
     def _purge_trash(self, cmd: C.PurgeTrash) -> int:
         vol = self._vol(cmd.volume)

@@ -651,3 +651,33 @@ def test_sealed_slices_cannot_be_committed_and_unreferenced_ones_are_leaks(ns: D
     assert copy.slice_floor == 0 and copy.unreferenced(VOL, ids) == (0, [])
     assert errno_of(ns.state.unreferenced, "nope", ids) == errno.ENOENT
     ns.check()
+
+
+def test_fallocate_is_a_slice_list_change() -> None:
+    ns = Driver().volume()
+    d = ns.mkdir(1, b"d").ino
+    f = ns.create(d, b"f").ino
+    ns.write(f, 0, 0, 100)
+    ns.write(f, 2, 0, 100)
+    ns.do(C.SetQuota, VOL, d, 1000, None)
+    assert errno_of(ns.do, C.Fallocate, VOL, f, 0, 0, 1000) == errno.EDQUOT  # no room for it
+    a = ns.do(C.Fallocate, VOL, f, C.FALLOC_FL_KEEP_SIZE, 0, 800)
+    assert a.size == 2 * CHUNK_SIZE + 100 and ns.state.usage(VOL, d).bytes == 200  # nothing charged
+    # A hole over chunks 0..2: a hole record where records are, the wholly covered slice goes.
+    hole = C.FALLOC_FL_PUNCH_HOLE | C.FALLOC_FL_KEEP_SIZE
+    b = ns.do(C.Fallocate, VOL, f, hole, 50, 3 * CHUNK_SIZE)
+    assert b.size == a.size and b.version > a.version
+    assert ns.state.read_chunk(VOL, f, 0) == [(1, 0, 100, 0), (0, 50, CHUNK_SIZE - 50, 0)]
+    assert ns.state.read_chunk(VOL, f, 1) == []
+    assert ns.state.read_chunk(VOL, f, 2) == [(0, 0, 100, 0)]  # clipped at the size
+    assert ns.state.usage(VOL, d).bytes == 100 and [r[0] for r in ns.state.trash(VOL, 10)] == [2]
+    c = ns.do(C.Fallocate, VOL, f, C.FALLOC_FL_ZERO_RANGE, 3 * CHUNK_SIZE, 10)
+    assert c.size == 3 * CHUNK_SIZE + 10
+    for mode in (0x08, 0x20, 0x02, 0x40):  # collapse, insert, punch without KEEP_SIZE, unshare
+        assert errno_of(ns.do, C.Fallocate, VOL, f, mode, 0, 10) == errno.EOPNOTSUPP
+    assert errno_of(ns.do, C.Fallocate, VOL, f, 0, C.MAX_FILE_SIZE, 1) == errno.EFBIG
+    assert errno_of(ns.do, C.Fallocate, VOL, d, 0, 0, 1) == errno.EISDIR
+    ns.check()
+    copy = MetaState()
+    copy.restore(ns.state.snapshot())
+    check(copy)
