@@ -31,10 +31,10 @@ TOKEN = "mount-token-of-t"
 # Who may call each metanode method. A new method fails here until its
 # author decides (the default is servers only).
 ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "purge_trash",
-              "list_trash", "list_repairs", "remove_node"}
+              "list_trash", "list_repairs", "unreferenced_slices", "remove_node"}
 SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
 FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "symlink", "link", "unlink",
-               "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk",
+               "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
                "lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "read_chunk",
                "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat"}
 FOR_ANYONE = {"meta_status"}
@@ -126,7 +126,7 @@ async def test_a_client_credential_reaches_only_its_own_volumes(meta: LocalMetan
              Q.GetUsage("b", 1), Q.ListXattr("b", 1), Q.Open("b", f.ino, info.session),
              C.MountVolume("b"), C.Mkdir("b", 1, b"x", 0o755), C.Mknod("b", 1, b"x", 0o100644),
              C.SetAttr("b", 1, mode=0o777), C.WriteSlice("b", 1, 0, sid, 0, 10, 0, 1), C.Unlink("b", 1, b"x"),
-             C.SetXattr("b", 1, b"user.x", b"v"), C.CompactChunk("b", 1, 0, (sid,), sid, 10),
+             C.SetXattr("b", 1, b"user.x", b"v"), C.CompactChunk("b", 1, 0, (sid, 0, 10, 0), sid, 10),
              C.Rename("a", 1, b"d", 1, b"d", new_volume="b")]
     assert {type(m).__name__: await job.code(m) for m in other} == {type(m).__name__: "EACCES" for m in other}
     assert meta.state.applied_index == applied and len(meta.state.volumes["b"].inodes) == b_inodes
