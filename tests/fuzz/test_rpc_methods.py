@@ -182,7 +182,12 @@ def _client_messages_naming_a_volume() -> list[type]:
 
 
 def _of_type(hint) -> st.SearchStrategy:
-    """Values of a command field's type, at the edges that go over the wire."""
+    """Values of a command field's type: at the edges that go over the wire,
+    or small enough (ints) and clean enough (names) to pass validation."""
+    if hint is int:
+        return st.one_of(EDGE_INTS, st.integers(0, 1 << 16))
+    if hint is bytes:
+        return st.one_of(EDGE_BYTES, st.binary(min_size=1, max_size=16).filter(lambda b: not {0, 47} & set(b)))
     if hint in BY_TYPE:
         return BY_TYPE[hint]
     args = typing.get_args(hint)
