@@ -154,8 +154,40 @@ def setup_logging(component: str, level: str = "INFO") -> None:
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
 
 
-def daemon_options(fn: Any) -> Any:
-    """The options every daemon shares (secret, logging, metrics)."""
+def metrics_options(kind: str, envvar: str | None = "CACHEFS_METRICS_ADDR") -> Any:
+    """``--metrics-addr`` (on by default, at ``kind``'s default port) and ``--no-metrics``."""
+    from click.core import ParameterSource
+
+    from cachefs.metrics import DEFAULT_PORTS, parse_addr
+
+    def convert(ctx: click.Context, param: click.Parameter, value: str) -> Any:
+        explicit = ctx.get_parameter_source(param.name or "") is not ParameterSource.DEFAULT
+        try:
+            return parse_addr(value, explicit=explicit)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    options = [
+        click.option("--metrics-addr", envvar=envvar, metavar="[HOST:]PORT", default=str(DEFAULT_PORTS[kind]),
+                     show_default=True, callback=convert,
+                     help="Serve Prometheus /metrics here (host: CACHEFS_METRICS_HOST or 127.0.0.1). "
+                          "A default port already taken falls back to a free one, logged."),
+        click.option("--no-metrics", is_flag=True, help="Do not serve /metrics."),
+    ]
+    return _apply(options)
+
+
+def _apply(options: list[Any]) -> Any:
+    def decorate(fn: Any) -> Any:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def daemon_options(kind: str) -> Any:
+    """The options every daemon shares (secret, logging, metrics at ``kind``'s default port)."""
     options = [
         click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
                      help="File holding the cluster secret (or set CACHEFS_SECRET)."),
@@ -163,12 +195,8 @@ def daemon_options(fn: Any) -> Any:
                      help="Run without authentication (lab use only)."),
         click.option("--log-level", envvar="CACHEFS_LOG_LEVEL", type=LOG_LEVELS, default="INFO",
                      show_default=True, help="Log level."),
-        click.option("--metrics-port", envvar="CACHEFS_METRICS_PORT", type=click.IntRange(0, 65535),
-                     default=0, help="Serve Prometheus metrics on this port (0: off)."),
     ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    return lambda fn: _apply(options)(metrics_options(kind)(fn))
 
 
 # ---------------------------------------------------------------- TOML file

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram, start_http_server
 
@@ -45,14 +46,51 @@ def refused_connection(service: str, reason: str) -> None:
     RPC_REFUSED.labels(service, reason).inc()
 
 
-def start_metrics(port: int | None, host: str | None = None) -> None:
-    """Serve /metrics on ``host:port`` from a daemon thread (None/0: off).
+# The port each kind serves /metrics on unless told otherwise (docs/config.md
+# lists them with the options). Several daemons of one kind on one host (a
+# lab, a datanode per disk, a mount per volume) give explicit ports; one that
+# finds its default taken falls back to a free port and logs it.
+DEFAULT_PORTS = {"metanode": 9560, "datanode": 9561, "cachenode": 9562, "mount": 9563, "repair": 9564}
 
-    The host defaults to ``CACHEFS_METRICS_HOST`` or 127.0.0.1: metrics stay
-    private unless the operator publishes them (containers set 0.0.0.0).
+
+@dataclass(frozen=True)
+class MetricsAddr:
+    """Where /metrics is served; ``explicit``: the operator chose it (a bind
+    failure is then an error, not a fallback)."""
+
+    host: str
+    port: int
+    explicit: bool = True
+
+
+def parse_addr(text: str, *, explicit: bool = True) -> MetricsAddr:
+    """``PORT`` or ``HOST:PORT``; the host defaults to ``CACHEFS_METRICS_HOST``
+    or 127.0.0.1: metrics stay private unless the operator publishes them
+    (containers set 0.0.0.0)."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host = os.environ.get("CACHEFS_METRICS_HOST", "127.0.0.1")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise ValueError(f"{text!r} is not PORT or HOST:PORT (port 1-65535)")
+    return MetricsAddr(host.strip("[]"), int(port), explicit)
+
+
+def start_metrics(addr: MetricsAddr | None) -> int | None:
+    """Serve /metrics at ``addr`` from a daemon thread (None: off); returns the port.
+
+    A default port already taken (another daemon of the kind on this host)
+    falls back to a free one, logged; a port the operator chose must bind.
     """
-    if not port:
-        return
-    host = host or os.environ.get("CACHEFS_METRICS_HOST", "127.0.0.1")
-    start_http_server(port, addr=host)
-    log.info("metrics on http://%s:%d/metrics", host, port)
+    if addr is None:
+        return None
+    try:
+        server, _ = start_http_server(addr.port, addr=addr.host)
+    except OSError as exc:
+        if addr.explicit:
+            raise OSError(exc.errno, f"cannot serve metrics on {addr.host}:{addr.port}: {exc.strerror}") from None
+        server, _ = start_http_server(0, addr=addr.host)
+        log.warning("metrics: default port %d is taken (%s); serving on %d instead",
+                    addr.port, exc.strerror, server.server_port)
+    port = server.server_port
+    log.info("metrics on http://%s:%d/metrics", addr.host, port)
+    return port

@@ -45,7 +45,7 @@ from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.membership import Registrar, persistent_node_id
-from cachefs.metrics import start_metrics
+from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.queries import ClusterMap
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
@@ -280,7 +280,7 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
     show_default=True,
     help="Also serve blocks over RDMA when this machine has an RDMA device.",
 )
-@daemon_options
+@daemon_options("cachenode")
 @tls_options
 def command(
     zone: str,
@@ -302,7 +302,7 @@ def command(
     secret_file: str | None,
     insecure: bool,
     log_level: str,
-    metrics_port: int,
+    metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
@@ -340,7 +340,7 @@ def command(
         max_per_client=max_per_client,
         max_backing_fetches=max_backing_fetches,
     )
-    start_metrics(metrics_port)
+    start_metrics(None if no_metrics else metrics_addr)
     try:
         trio.run(
             lambda: serve(

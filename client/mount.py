@@ -60,6 +60,7 @@ from cachefs.config import (
     SIZE,
     load_secret,
     load_tls,
+    metrics_options,
     setup_logging,
     tls_options,
 )
@@ -72,6 +73,7 @@ from cachefs.errors import (
     Unavailable,
     Unreachable,
 )
+from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import RpcPool
 from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
@@ -254,26 +256,30 @@ class MountCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         engine = self.engine
-        l1 = GaugeMetricFamily("cachefs_mount_l1_bytes", "Bytes in the L1 block cache", labels=["kind"])
-        l1.add_metric(["used"], engine.l1.used)
-        l1.add_metric(["capacity"], engine.l1.capacity)
-        yield l1
+        yield _gauge("cachefs_mount_l1_used_bytes", "Bytes in the L1 block cache", engine.l1.used)
+        yield _gauge("cachefs_mount_l1_capacity_bytes", "Capacity of the L1 block cache", engine.l1.capacity)
         l1c = CounterMetricFamily("cachefs_mount_l1_events", "L1 cache events", labels=["event"])
         for name in ("hits", "misses", "evictions"):
             l1c.add_metric([name], getattr(engine.l1.stats, name))
         yield l1c
-        reads = CounterMetricFamily("cachefs_mount_read", "Read path counters", labels=["what"])
-        for name, value in engine.reader.stats.items():
-            reads.add_metric([name], value)
-        yield reads
+        reads = engine.reader.stats
+        yield _counter("cachefs_mount_read_bytes", "Bytes read by applications", reads["bytes"])
+        yield _counter("cachefs_mount_read_l1_hit_bytes", "Bytes read served from L1", reads["l1_hit_bytes"])
+        fetches = CounterMetricFamily("cachefs_mount_read_fetches", "Fetches the read path issued, by kind",
+                                      labels=["kind"])
+        for kind in ("range", "block"):
+            fetches.add_metric([kind], reads[f"{kind}_fetches"])
+        fetches.add_metric(["prefetch"], reads["prefetches"])
+        yield fetches
         if engine.l2 is not None:
-            l2 = GaugeMetricFamily("cachefs_mount_l2_bytes", "Bytes in the L2 flash cache", labels=["kind"])
-            l2.add_metric(["used"], engine.l2.store.used)
-            l2.add_metric(["capacity"], engine.l2.store.capacity)
-            yield l2
+            l2 = engine.l2.stats
+            yield _gauge("cachefs_mount_l2_used_bytes", "Bytes in the L2 flash cache", engine.l2.store.used)
+            yield _gauge("cachefs_mount_l2_capacity_bytes", "Capacity of the L2 flash cache", engine.l2.store.capacity)
+            yield _counter("cachefs_mount_l2_hit_bytes", "Bytes read served from L2", l2["l2_hit_bytes"])
             l2c = CounterMetricFamily("cachefs_mount_l2_events", "L2 cache events", labels=["event"])
-            for name, value in engine.l2.stats.items():
-                l2c.add_metric([name.removeprefix("l2_")], value)
+            for name, value in l2.items():
+                if name != "l2_hit_bytes":
+                    l2c.add_metric([name.removeprefix("l2_")], value)
             yield l2c
         chain = CounterMetricFamily("cachefs_mount_blocks", "Block fetches by source", labels=["what"])
         for name, value in engine.session.stats.items():
@@ -295,6 +301,18 @@ class MountCollector:
         yield failed
 
 
+def _gauge(name: str, help_text: str, value: float):  # type: ignore[no-untyped-def]
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _counter(name: str, help_text: str, value: float):  # type: ignore[no-untyped-def]
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name, help_text, value=value)
+
+
 async def serve(
     meta_addrs: list[str],
     volume: str,
@@ -304,7 +322,7 @@ async def serve(
     secret: bytes | None,
     zone: str,
     ready: Callable[[str | None], None],
-    metrics_port: int = 0,
+    metrics: MetricsAddr | None = None,
     tls: ssl.SSLContext | None = None,
     token: str | None = None,
     allow_other: bool = False,
@@ -325,7 +343,7 @@ async def serve(
         except CacheFSError as exc:
             ready(describe(exc, meta_addrs, volume))
             return 1
-        return await run_fs(session, mountpoint, options, ready, metrics_port,
+        return await run_fs(session, mountpoint, options, ready, metrics,
                             allow_other=allow_other, mount_flags=mount_flags)
 
 
@@ -334,7 +352,7 @@ async def run_fs(
     mountpoint: str,
     options: ClientOptions,
     ready: Callable[[str | None], None],
-    metrics_port: int = 0,
+    metrics: MetricsAddr | None = None,
     *,
     allow_other: bool = False,
     mount_flags: tuple[str, ...] = (),
@@ -358,13 +376,11 @@ async def run_fs(
             await session.close()
             return 1
         fallocate_hook.install(front.fallocate, engine.nursery, pyfuse3.__file__)  # before any request
-        if metrics_port:
+        if metrics is not None:
             from prometheus_client import REGISTRY
 
-            from cachefs.metrics import start_metrics
-
             REGISTRY.register(MountCollector(engine))
-            start_metrics(metrics_port)
+            start_metrics(metrics)
         stopping = _Stopping(options.unmount_timeout)
         engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)
         engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
@@ -552,7 +568,7 @@ def _remove_pid(mountpoint: str) -> None:
     "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
 )
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, help="Serve Prometheus metrics on this port (0: off).")
+@metrics_options("mount", envvar=None)
 @click.option(
     "--log-file",
     type=click.Path(dir_okay=False),
@@ -591,7 +607,8 @@ def mount_command(
     insecure: bool,
     log_level: str,
     log_file: str | None,
-    metrics_port: int,
+    metrics_addr: MetricsAddr,
+    no_metrics: bool,
     token_file: str | None,
     tls_cert: str | None,
     tls_key: str | None,
@@ -624,7 +641,7 @@ def mount_command(
         try:
             main = functools.partial(
                 serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, ready=ready,
-                metrics_port=metrics_port, tls=tls, token=token, allow_other=allow_other,
+                metrics=None if no_metrics else metrics_addr, tls=tls, token=token, allow_other=allow_other,
                 mount_flags=mount_flags,
             )
             return trio.run(main)

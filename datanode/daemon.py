@@ -31,7 +31,7 @@ from cachefs.config import (
 from cachefs.credentials import as_credential
 from cachefs.errors import InvalidArgument
 from cachefs.membership import Registrar, persistent_node_id
-from cachefs.metrics import start_metrics
+from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .service import DatanodeService
@@ -94,11 +94,11 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
 @click.option("--heartbeat", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
               help="Seconds between heartbeats to the metanodes.")
 @click.option("--no-fsync", is_flag=True, help="Skip fsync (benchmarks only: not crash safe).")
-@daemon_options
+@daemon_options("datanode")
 @tls_options
 def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
             meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
-            secret_file: str | None, insecure: bool, log_level: str, metrics_port: int,
+            secret_file: str | None, insecure: bool, log_level: str, metrics_addr: MetricsAddr, no_metrics: bool,
             tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
     setup_logging("datanode", log_level)
@@ -116,6 +116,6 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
         store = ShardStore(root, capacity, durable=not no_fsync)
     except OSError as exc:
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
-    start_metrics(metrics_port)
+    start_metrics(None if no_metrics else metrics_addr)
     trio.run(lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
                            secret=secret, meta=meta, heartbeat=heartbeat, tls=tls))

@@ -18,7 +18,8 @@ import logging
 from typing import Any
 
 import trio
-from prometheus_client import Gauge
+from prometheus_client import REGISTRY, Gauge
+from prometheus_client.core import CounterMetricFamily
 
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.datanode.shardstore import ShardStore
@@ -34,7 +35,23 @@ SCRUB_PAGE = 256
 _CAPACITY = Gauge("cachefs_datanode_capacity_bytes", "Bytes this datanode may store")
 _USED = Gauge("cachefs_datanode_used_bytes", "Bytes of shards stored")
 _SHARDS = Gauge("cachefs_datanode_shards", "Shards stored")
-_CORRUPT = Gauge("cachefs_datanode_corrupt_shards_found", "Corrupt shards detected (and dropped) since start")
+
+
+class _CorruptShards:
+    """``cachefs_datanode_corrupt_shards_found_total``: a counter of the store's own
+    count (the store stays free of Prometheus; a Counter cannot follow a value)."""
+
+    store: ShardStore | None = None
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        found = CounterMetricFamily("cachefs_datanode_corrupt_shards_found",
+                                    "Corrupt shards detected (and dropped) since start")
+        found.add_metric([], self.store.corrupt_found if self.store else 0)
+        yield found
+
+
+_CORRUPT = _CorruptShards()
+REGISTRY.register(_CORRUPT)
 
 
 def _key_hex(key: bytes) -> str:
@@ -55,7 +72,7 @@ class DatanodeService:
         _CAPACITY.set_function(lambda: store.capacity)
         _USED.set_function(lambda: store.used)
         _SHARDS.set_function(lambda: store.shard_count)
-        _CORRUPT.set_function(lambda: store.corrupt_found)
+        _CORRUPT.store = store
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._io)

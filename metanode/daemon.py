@@ -44,7 +44,7 @@ from cachefs.config import (
 )
 from cachefs.credentials import as_credential, metanode_name
 from cachefs.errors import CacheFSError, InvalidArgument
-from cachefs.metrics import start_metrics
+from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .namespace import MetaState
@@ -278,7 +278,7 @@ async def serve(
     show_default=True,
     help="Bytes/s the repair service writes at most, all datanodes together (0: no limit).",
 )
-@daemon_options
+@daemon_options("metanode")
 @tls_options
 def command(
     node_id: int,
@@ -296,7 +296,7 @@ def command(
     secret_file: str | None,
     insecure: bool,
     log_level: str,
-    metrics_port: int,
+    metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
@@ -320,7 +320,7 @@ def command(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
-    start_metrics(metrics_port)
+    start_metrics(None if no_metrics else metrics_addr)
     trio.run(
         serve,
         node_id,

@@ -29,15 +29,16 @@ Every option can be given three ways; the first one found wins:
 
 1. on the command line: `cachefs datanode --capacity 2T`;
 2. in the environment: the variable in the table (`CACHEFS_DATANODE_CAPACITY=2T`).
-   The shared ones (`CACHEFS_SECRET_FILE`, `CACHEFS_LOG_LEVEL`, `CACHEFS_METRICS_PORT`,
+   The shared ones (`CACHEFS_SECRET_FILE`, `CACHEFS_LOG_LEVEL`, `CACHEFS_METRICS_ADDR`,
    `CACHEFS_TLS_*`, ...) serve every subcommand that has the option;
 3. in a TOML file given with `cachefs --config FILE` (or `CACHEFS_CONFIG`): one table
    per subcommand, keys spelled as the long option without its dashes
    (`[datanode]` / `capacity = "2T"`; `[volume.create]` for `cachefs volume create`).
 
 Besides the options: `CACHEFS_SECRET` holds the cluster secret itself (instead of a
-file), `CACHEFS_METRICS_HOST` the address `/metrics` is served on (default
-127.0.0.1), `CACHEFS_RUN_DIR` where mounts keep their pid files (default /run/cachefs).
+file), `CACHEFS_METRICS_HOST` the address `/metrics` is served on when `--metrics-addr`
+gives only a port (default 127.0.0.1; `/metrics` is on by default, at 9560 for a metanode,
+9561 a datanode, 9562 a cache node, 9563 a mount, 9564 repair), `CACHEFS_RUN_DIR` where mounts keep their pid files (default /run/cachefs).
 Sizes take binary units (`4096`, `64M`, `1.5G`, `2TiB`). `mount.cachefs` (mount(8) and
 /etc/fstab) takes every `cachefs mount` option as `-o name=value`, a flag as `-o name`.
 """

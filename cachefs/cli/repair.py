@@ -30,7 +30,7 @@ from cachefs.config import (
 )
 from cachefs.errors import CacheFSError
 from cachefs.metanode.client import MetaClient
-from cachefs.metrics import start_metrics
+from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import RpcPool
 
 
@@ -78,11 +78,11 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
 @click.option("--interval", type=click.FloatRange(min=0), default=0.0,
               help="Keep running, one pass every this many seconds (0: one pass and exit).")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as one JSON object.")
-@daemon_options
+@daemon_options("repair")
 @tls_options
 def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
             rate: int, max_rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
-            log_level: str, metrics_port: int, tls_cert: str | None, tls_key: str | None,
+            log_level: str, metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None, tls_key: str | None,
             tls_ca: str | None) -> None:
     """Find missing, corrupt or misplaced shards and rebuild them.
 
@@ -99,7 +99,7 @@ def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str
             cluster_map = json.loads(Path(cluster_file).read_text())
         except (OSError, ValueError) as exc:
             raise click.UsageError(f"--cluster-file {cluster_file}: {exc}") from None
-    start_metrics(metrics_port)
+    start_metrics(None if no_metrics else metrics_addr)
     try:
         reports = trio.run(lambda: run_repair(
             secret=secret, meta=meta, cluster_map=cluster_map, volumes=list(volumes), scrub=scrub,

@@ -91,6 +91,7 @@ class LabConfig:
     nodes: list[Node] = field(default_factory=list)
     mountpoint: str | None = None
     mount_pid: int | None = None
+    mount_metrics_port: int = 0  # the mount's /metrics (0: metrics off)
     netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
     tls: bool = False  # mutual TLS on every link, certificates under ROOT/tls
 
@@ -125,6 +126,7 @@ class Lab:
         if c.metrics:
             for node in nodes:
                 node.metrics_port = node.port + 1000
+            c.mount_metrics_port = c.base_port + 1300
         if c.netns:  # same ports, each node on its own address in its own namespace
             for i, node in enumerate(nodes, 1):
                 node.addr = f"{netns.node_ip(c.netns, i)}:{node.port}"
@@ -212,8 +214,8 @@ class Lab:
 
     def _argv(self, node: Node) -> list[str]:
         base = [sys.executable, "-m", "cachefs.cli"]
-        common = ["--secret-file", str(self.secret_file), "--metrics-port", str(node.metrics_port),
-                  *self.tls_args(node.name)]
+        metrics = ["--metrics-addr", str(node.metrics_port)] if node.metrics_port else ["--no-metrics"]
+        common = ["--secret-file", str(self.secret_file), *metrics, *self.tls_args(node.name)]
         meta = ",".join(self.meta_addrs)
         d = str(self.root / node.name)
         if node.kind == "metanode":
@@ -357,7 +359,7 @@ class Lab:
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.credential_file("client")),
                 "--log-file", str(self.root / "logs" / "mount.log"),
-                "--spill-dir", str(self.root / "spill"), *self.tls_args(), *extra]
+                "--spill-dir", str(self.root / "spill"), *self.tls_args(), *self._mount_metrics(), *extra]
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
         logf = self.root / "logs" / "mount.log"
@@ -368,6 +370,10 @@ class Lab:
             raise LabError(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
         self.config.mountpoint = mountpoint
         self.save()
+
+    def _mount_metrics(self) -> list[str]:
+        port = self.config.mount_metrics_port
+        return ["--metrics-addr", str(port)] if port else ["--no-metrics"]
 
     def umount(self, timeout: float = UMOUNT_TIMEOUT) -> None:
         """Unmount the lab's mount, giving its daemon ``timeout`` seconds to

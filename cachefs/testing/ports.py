@@ -44,8 +44,9 @@ def free_lab_base(config: LabConfig) -> int:
     candidates = list(range(20000, 31000, 10))
     random.shuffle(candidates)
     for base in candidates:
-        plan = Lab(dataclasses.replace(config, base_port=base, nodes=[], netns="")).nodes
-        if _all_free([port for node in plan for port in (node.port, node.metrics_port) if port]):
+        lab = Lab(dataclasses.replace(config, base_port=base, nodes=[], netns=""))
+        ports = [port for node in lab.nodes for port in (node.port, node.metrics_port)]
+        if _all_free([port for port in (*ports, lab.config.mount_metrics_port) if port]):
             return base
     raise RuntimeError("no base port in 20000-31000 has all of a lab's ports free")
 

@@ -22,6 +22,7 @@ import trio
 
 from cachefs.client.mount import run_fs
 from cachefs.client.volume import ClientOptions
+from cachefs.metrics import MetricsAddr
 from cachefs.rpc import RpcPool
 from cachefs.testing.backing import DictBacking
 from cachefs.testing.metanode import local_metanode
@@ -40,7 +41,8 @@ async def main_async(
             print("ready" if error is None else f"error: {error}", flush=True)
 
         # allow_other: the POSIX tests check permissions as other users through this mount.
-        status = await run_fs(session, mountpoint, options, ready, metrics_port, allow_other=True)
+        metrics = MetricsAddr("127.0.0.1", metrics_port) if metrics_port else None
+        status = await run_fs(session, mountpoint, options, ready, metrics, allow_other=True)
         try:
             metanode.check()  # fsck-style invariants of everything the mount did
         except AssertionError:

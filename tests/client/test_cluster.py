@@ -317,7 +317,7 @@ def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: 
     import urllib.request
 
     port = free_port()
-    m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0", "--metrics-port", str(port))
+    m = ClusterMount(cluster, tmp_path, "--write-through", "--l1-size", "0", "--metrics-addr", str(port))
     try:
         before = _cache_stats(cluster)
         data = os.urandom(16 << 20)
@@ -329,7 +329,7 @@ def test_write_through_fills_the_cache_tier_and_reads_hit_it(cluster, tmp_path: 
         read = _cache_stats(cluster)
         assert sum(r["hits"] - a["hits"] for r, a in zip(read.values(), after.values(), strict=True)) >= 4
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'cachefs_mount_l1_bytes{kind="capacity"} 0.0' in metrics
+        assert 'cachefs_mount_l1_capacity_bytes 0.0' in metrics
         assert 'cachefs_mount_blocks_total{what="write_through"}' in metrics
     finally:
         m.stop()

@@ -138,7 +138,7 @@ def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -
     m.check_log()
     port = _free_port()
     m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
-                     "--metrics-port", str(port))  # fmt: skip
+                     "--metrics-addr", str(port))  # fmt: skip
     try:
         assert "L2 " in m.log() and ": 4 blocks" in m.log()
         _drop_caches()
@@ -161,7 +161,7 @@ def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: P
     data = os.urandom(4 * BLOCK)
     port = _free_port()
     m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
-                     "--metrics-port", str(port))  # fmt: skip
+                     "--metrics-addr", str(port))  # fmt: skip
     try:
         d = _own_dir(m, tmp_path)
         (d / "f").write_bytes(data)

@@ -59,11 +59,11 @@ def test_o_options_mean_what_the_command_line_means(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t\n")
     words = ["l1-size=8G", "readahead=64M", f"token-file={token}", "attr-timeout=0.25", "zone=z2",
-             "transport=auto", "write-through", "insecure", "allow_other", "metrics-port=9200",
+             "transport=auto", "write-through", "insecure", "allow_other", "metrics-addr=9200",
              "max-background=64", "log-level=debug"]
     cli = ["--l1-size", "8G", "--readahead", "64M", "--token-file", str(token), "--attr-timeout", "0.25",
            "--zone", "z2", "--transport", "auto", "--write-through", "--insecure", "--allow-other",
-           "--metrics-port", "9200", "--max-background", "64", "--log-level", "debug"]
+           "--metrics-addr", "9200", "--max-background", "64", "--log-level", "debug"]
     assert params_of(translate(words, TABLE, KERNEL_FLAGS)) == params_of(cli)
     # A later option wins, as in mount(8); no-X undoes X.
     got = params_of(translate(["write-through", "no-write-through", "l1-size=1G", "l1-size=2G"],

@@ -320,8 +320,10 @@ def test_metrics_ports(services, monkeypatch):
     for name, svc in services.items():
         if svc.get("labels", {}).get("cachefs.kind") not in DAEMON_KINDS:
             continue
-        metrics = daemon(parsed, name).params["metrics_port"]
-        assert metrics, f"{name} has no --metrics-port"
+        addr = daemon(parsed, name).params["metrics_addr"]
+        assert addr.explicit, f"{name} has no --metrics-addr"
+        assert addr.host == "0.0.0.0", f"{name}: metrics not published beyond the container"
+        metrics = addr.port
         [mapping] = svc["ports"]
         published, container = (int(x) for x in str(mapping).split(":"))
         assert container == metrics, name
