@@ -20,7 +20,7 @@ RPC_LATENCY = Histogram(
     "cachefs_rpc_latency_seconds", "RPC handler latency", ["service", "method"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
-RPC_BYTES_IN = Counter("cachefs_rpc_payload_bytes_in_total", "Bulk payload bytes received", ["service", "method"])
+RPC_BYTES_IN = Counter("cachefs_rpc_payload_received_bytes_total", "Bulk payload bytes received", ["service", "method"])
 
 RPC_REFUSED = Counter("cachefs_rpc_refused_connections_total",
                       "Connections dropped before or at authentication, by reason", ["service", "reason"])

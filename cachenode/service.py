@@ -98,9 +98,9 @@ HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", [
 MISSES = Counter("cachefs_cache_misses_total", "Cache gets that missed", ["node"])
 EVICTIONS = Counter("cachefs_cache_evictions_total", "Blocks evicted to make room", ["node"])
 BYTES_IN = Counter(
-    "cachefs_cache_bytes_in_total", "Bytes filled from backing storage or written through", ["node"]
+    "cachefs_cache_filled_bytes_total", "Bytes filled from backing storage or written through", ["node"]
 )
-BYTES_OUT = Counter("cachefs_cache_bytes_out_total", "Bytes served to clients", ["node"])
+BYTES_OUT = Counter("cachefs_cache_served_bytes_total", "Bytes served to clients", ["node"])
 BUSY = Counter("cachefs_cache_busy_total", "Requests refused over a load limit", ["node"])
 BACKING_LATENCY = Histogram(
     "cachefs_cache_backing_fetch_seconds",

@@ -49,7 +49,7 @@ LIST_PAGE = 2000
 MAX_REPORTED_KEYS = 100
 
 _REBUILT = Counter("cachefs_repair_shards_rebuilt_total", "Shards rebuilt by repair")
-_REBUILT_BYTES = Counter("cachefs_repair_bytes_written_total", "Bytes written by repair")
+_REBUILT_BYTES = Counter("cachefs_repair_written_bytes_total", "Bytes written by repair")
 _UNRECOVERABLE = Counter("cachefs_repair_unrecoverable_blocks_total", "Blocks repair found with too few shards")
 
 

@@ -89,8 +89,8 @@ async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> N
         assert stats["backing_fetches"] == 1 and stats["blocks"] == 1
         labels = {"node": c.service.node}
         assert REGISTRY.get_sample_value("cachefs_cache_misses_total", labels) == stats["misses"]
-        assert REGISTRY.get_sample_value("cachefs_cache_bytes_in_total", labels) == SIZE
-        assert REGISTRY.get_sample_value("cachefs_cache_bytes_out_total", labels) == 100 * 4096
+        assert REGISTRY.get_sample_value("cachefs_cache_filled_bytes_total", labels) == SIZE
+        assert REGISTRY.get_sample_value("cachefs_cache_served_bytes_total", labels) == 100 * 4096
         assert REGISTRY.get_sample_value("cachefs_cache_backing_fetch_seconds_count", labels) == 1
         await c.get(key)
         assert REGISTRY.get_sample_value("cachefs_cache_hits_total", labels) == stats["hits"] + 1

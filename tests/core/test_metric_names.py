@@ -1,0 +1,93 @@
+"""Every metric of every daemon kind follows Prometheus naming: a cachefs_ prefix,
+help text, base units as the last word (_bytes, _seconds), _total on counters
+only, one unit per metric (no label value that is a unit), bounded labels."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import trio
+from prometheus_client import REGISTRY
+from prometheus_client.metrics_core import Metric
+
+from cachefs.client.mount import MountCollector
+from cachefs.client.volume import ClientOptions, Volume
+from cachefs.rpc import RpcPool
+from cachefs.testing.metanode import local_metanode
+
+NOT_BASE_UNITS = re.compile(r"_(ms|us|ns|milliseconds|microseconds|kb|mb|gb|kib|mib|gib|percent|minutes|hours)(_|$)")
+UNITS = ("bytes", "seconds")
+# Labels whose values grow without bound (one series per file or block) are not metrics.
+UNBOUNDED_LABELS = {"path", "inode", "ino", "file", "key", "block", "client", "client_id", "session", "uid"}
+
+
+def daemon_families() -> list[Metric]:
+    import cachefs.cachenode.daemon  # noqa: F401
+    import cachefs.cli.repair  # noqa: F401  (each daemon's module registers its metrics)
+    import cachefs.datanode.daemon  # noqa: F401
+    import cachefs.metanode.daemon  # noqa: F401
+
+    return [m for m in REGISTRY.collect() if m.name.startswith("cachefs_")]
+
+
+async def mount_families(tmp_path: Path) -> list[Metric]:
+    async with local_metanode() as metanode, RpcPool(secret=None) as pool, trio.open_nursery() as nursery:
+        await metanode.create_volume("v")
+        session = await metanode.session(pool, "v")
+        engine = Volume(session, ClientOptions(cache_dir=str(tmp_path / "l2"), cache_size=64 << 20),
+                        nursery=nursery)
+        assert engine.l2 is not None
+        families = list(MountCollector(engine).collect())
+        nursery.cancel_scope.cancel()
+        await session.close()
+    return families
+
+
+def problems(family: Metric) -> list[str]:
+    name, kind = family.name, family.type
+    out = []
+    if not family.documentation.strip():
+        out.append("no help text")
+    if NOT_BASE_UNITS.search(name):
+        out.append("not in base units")
+    if kind == "counter":
+        if not all(s.name.endswith(("_total", "_created")) for s in family.samples):
+            out.append("a counter sample without _total")
+    elif name.endswith("_total"):
+        out.append(f"a {kind} named _total")
+    for unit in UNITS:
+        if f"_{unit}_" in name + "_" and not name.endswith(f"_{unit}"):
+            out.append(f"{unit} is not the last word")
+    if kind == "histogram" and "latency" in name and not name.endswith("_seconds"):
+        out.append("a latency not in _seconds")
+    for sample in family.samples:
+        for label, value in sample.labels.items():
+            if label in UNBOUNDED_LABELS:
+                out.append(f"unbounded label {label}")
+            if label not in ("le", "quantile") and any(value == u or value.endswith(f"_{u}") for u in UNITS):
+                out.append(f"label {label}={value} mixes units in one metric")
+    return sorted(set(out))
+
+
+async def test_every_metric_of_every_kind_follows_the_naming_rules(tmp_path: Path) -> None:
+    families = daemon_families() + await mount_families(tmp_path)
+    names = {f.name for f in families}
+    for expected in ("cachefs_mount_l1_capacity_bytes", "cachefs_mount_read_bytes", "cachefs_raft_term",
+                     "cachefs_datanode_corrupt_shards_found", "cachefs_cache_hits", "cachefs_rpc_latency_seconds"):
+        assert expected in names, expected
+    bad = {f.name: p for f in families if (p := problems(f))}
+    assert not bad, bad
+
+
+def test_the_rules_catch_what_the_old_names_did_wrong() -> None:
+    """The names issue 18 listed, as they were, fail the rules."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    reads = CounterMetricFamily("cachefs_mount_read", "Read path counters", labels=["what"])
+    reads.add_metric(["bytes"], 1)
+    reads.add_metric(["block_fetches"], 1)
+    assert problems(reads) == ["label what=bytes mixes units in one metric"]
+    corrupt = GaugeMetricFamily("cachefs_datanode_corrupt_shards_found_total", "running count", value=1)
+    assert problems(corrupt) == ["a gauge named _total"]
+    assert problems(GaugeMetricFamily("cachefs_x_ms", "", value=1)) == ["no help text", "not in base units"]
