@@ -279,6 +279,46 @@ class Command(Generic[R]):
             raise InvalidArgument(f"bad {cls.NAME or cls.__name__}: {exc}") from None
 
 
+# -- which inodes a command changes (for the leader's leases) -------------------------
+
+# Read from a command's fields by name, so a new command is covered by naming
+# its fields so: ``ino``/``inos``/``parent``/``new_parent`` are inodes it
+# changes, ``(parent, name)`` and ``(new_parent, new_name)`` entries whose
+# inode it changes (whatever they name when it applies). A command that
+# changes other inodes must name them in such fields.
+_INODE_FIELDS = ("ino", "parent", "new_parent")
+_ENTRY_FIELDS = (("parent", "name"), ("new_parent", "new_name"))
+Refs = tuple[str, tuple[int, ...], tuple[tuple[int, bytes], ...]]
+_REF_GETTERS: dict[type, Callable[[Any], Refs | None]] = {}
+
+
+def inode_refs(cmd: Command[Any]) -> Refs | None:
+    """``(volume, inodes, entries)`` the command changes, or None if it
+    changes no inode (volume, session and cluster commands)."""
+    getter = _REF_GETTERS.get(type(cmd))
+    if getter is None:
+        getter = _REF_GETTERS[type(cmd)] = _ref_getter(type(cmd))
+    return getter(cmd)
+
+
+def _ref_getter(cls: type) -> Callable[[Any], Refs | None]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "volume" not in names or not names & {*_INODE_FIELDS, "inos"}:
+        return lambda _cmd: None
+    inode_fields = [n for n in _INODE_FIELDS if n in names]
+    entry_fields = [pair for pair in _ENTRY_FIELDS if set(pair) <= names]
+    many = "inos" in names
+
+    def refs(cmd: Any) -> Refs:
+        inos = tuple(getattr(cmd, n) for n in inode_fields)
+        if many:
+            inos += tuple(cmd.inos)
+        entries = tuple((getattr(cmd, p), getattr(cmd, n)) for p, n in entry_fields)
+        return cmd.volume, inos, entries
+
+    return refs
+
+
 _REQUIRED: dict[type, int] = {}
 
 

@@ -156,6 +156,107 @@ class TrashEntry(NamedTuple):
         return cls._make(raw)
 
 
+# -- leases (metanode/leases.py, client/leases.py) ---------------------------------------
+
+
+def _int_tuple(raw: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(raw, list | tuple) or not _INT.issuperset(map(type, raw)):
+        raise IOFailure(f"malformed {what} from metanode: {raw!r:.200}")
+    return tuple(raw)
+
+
+class Grant(NamedTuple):
+    """Leases granted with a reply: on ``inos``, for ``ms`` milliseconds
+    counted from when the request was sent, by the leader of Raft ``term``."""
+
+    term: int
+    ms: int
+    inos: tuple[int, ...]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Grant:
+        if not isinstance(raw, list | tuple) or len(raw) != 3:
+            raise IOFailure(f"malformed lease grant from metanode: {raw!r:.200}")
+        term, ms, inos = raw
+        if type(term) is not int or type(ms) is not int:
+            raise IOFailure(f"malformed lease grant from metanode: {raw!r:.200}")
+        return cls(term, ms, _int_tuple(inos, "leased inodes"))
+
+
+class LeasedAttr(NamedTuple):
+    """An inode's attributes and the leases that came with them."""
+
+    attr: Attr
+    grant: Grant
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> LeasedAttr:
+        if not isinstance(raw, list | tuple) or len(raw) != 2:
+            raise IOFailure(f"malformed leased attributes from metanode: {raw!r:.200}")
+        return cls(Attr.from_wire(raw[0]), Grant.from_wire(raw[1]))
+
+
+class LoadedEntry(NamedTuple):
+    """One entry of a directory load: ``slices`` is chunk 0's slice list for
+    a small regular file, else None."""
+
+    name: bytes
+    attr: Attr
+    cookie: int
+    slices: list[Slice] | None
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> LoadedEntry:
+        if not isinstance(raw, list | tuple) or len(raw) != 4:
+            raise IOFailure(f"malformed directory entry from metanode: {raw!r:.200}")
+        name, attr, cookie, sl = raw
+        if type(name) is not bytes or type(cookie) is not int:
+            raise IOFailure(f"malformed directory entry from metanode: {raw!r:.200}")
+        return cls(name, Attr.from_wire(attr), cookie, None if sl is None else slices(sl))
+
+
+class DirLoad(NamedTuple):
+    """A page of a directory with everything its entries' opens need, and
+    the leases on the directory and the entries (``LoadDir``)."""
+
+    attr: Attr
+    entries: list[LoadedEntry]
+    more: bool
+    grant: Grant
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DirLoad:
+        if not isinstance(raw, list | tuple) or len(raw) != 4 or type(raw[2]) is not bool:
+            raise IOFailure(f"malformed directory load from metanode: {raw!r:.200}")
+        attr, entries, more, grant = raw
+        if not isinstance(entries, list | tuple):
+            raise IOFailure(f"malformed directory load from metanode: {raw!r:.200}")
+        return cls(
+            Attr.from_wire(attr), [LoadedEntry.from_wire(e) for e in entries], more,
+            Grant.from_wire(grant),
+        )
+
+
+class LeaseNews(NamedTuple):
+    """A lease poll's answer: the leader's term and lease length, and
+    ``(revocation id, ino)`` of every lease of the session being revoked."""
+
+    term: int
+    ms: int
+    revoke: list[tuple[int, int]]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> LeaseNews:
+        if not isinstance(raw, list | tuple) or len(raw) != 3:
+            raise IOFailure(f"malformed lease poll reply from metanode: {raw!r:.200}")
+        term, ms, revoke = raw
+        if type(term) is not int or type(ms) is not int or not isinstance(revoke, list | tuple):
+            raise IOFailure(f"malformed lease poll reply from metanode: {raw!r:.200}")
+        for row in revoke:
+            _ints(row, 2, "revocation")
+        return cls(term, ms, [(r[0], r[1]) for r in revoke])
+
+
 # -- decoders for replies without a class of their own ------------------------------
 
 

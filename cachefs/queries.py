@@ -365,3 +365,97 @@ class NodeHeartbeat(Query[None]):
 
     def validate(self) -> None:
         check_int(self.used, "used")
+
+
+# -- leases: reads that come with a lease, and the session's poll --------------------
+# (answered by the service: a grant is leader soft state, metanode/leases.py)
+
+SMALL_FILE = 4 << 20  # LoadDir sends chunk 0's slices of regular files up to this size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseLookup(Query[M.LeasedAttr]):
+    """``Lookup``, granting ``session`` leases on the directory (its entry
+    ``name``) and the inode found."""
+
+    NAME: ClassVar[str] = "lease_lookup"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.LeasedAttr.from_wire
+    volume: str
+    parent: int
+    name: bytes
+    session: str
+
+    def validate(self) -> None:
+        check_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseGetAttr(Query[M.LeasedAttr]):
+    """``GetAttr``, granting ``session`` a lease on the inode."""
+
+    NAME: ClassVar[str] = "lease_getattr"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.LeasedAttr.from_wire
+    volume: str
+    ino: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseOpen(Query[M.LeasedAttr]):
+    """``Open`` (counted as an open of ``session``), granting a lease on the inode."""
+
+    NAME: ClassVar[str] = "lease_open"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.LeasedAttr.from_wire
+    volume: str
+    ino: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadDir(Query[M.DirLoad]):
+    """A page of directory ``ino`` after ``cookie`` (at most ``limit`` and
+    ``MAX_READDIR`` entries) with every entry's attributes, chunk 0's slice
+    list of regular files up to ``small`` bytes (at most ``SMALL_FILE``; 0:
+    none), and leases for ``session`` on the directory and the entries."""
+
+    NAME: ClassVar[str] = "load_dir"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.DirLoad.from_wire
+    volume: str
+    ino: int
+    session: str
+    cookie: int = 0
+    limit: int = 1000
+    small: int = SMALL_FILE
+
+    def validate(self) -> None:
+        check_int(self.cookie, "cookie")
+        check_int(self.limit, "limit", 1)
+        check_int(self.small, "small")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeasePoll(Query[M.LeaseNews]):
+    """The session's lease channel: acknowledges revocations (``acks``, by
+    id), gives leases up (``drops``), reports which of those inodes it has
+    open (``opens``), says the Raft term of the leases it still holds
+    (``held_term``, 0: none), and renews its leases. The leader answers at
+    once when a revocation for the session is pending, else after at most
+    ``wait_ms`` (and at most a quarter of the lease term)."""
+
+    NAME: ClassVar[str] = "lease_poll"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.LeaseNews.from_wire
+    session: str
+    acks: tuple[int, ...] = ()
+    drops: tuple[int, ...] = ()
+    opens: tuple[int, ...] = ()
+    held_term: int = 0
+    wait_ms: int = 0
+
+    def validate(self) -> None:
+        check_int(self.held_term, "held_term")
+        check_int(self.wait_ms, "wait_ms", 0, 60_000)

@@ -89,10 +89,19 @@ class MetaClient:
         self._tokens: dict[str, str] = {}  # volume -> mount token, for remounts
 
     async def mutate(
-        self, cmd: C.Command[R], *, token: str | None = None, deadline: float | None = None
+        self,
+        cmd: C.Command[R],
+        *,
+        token: str | None = None,
+        lease: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None,
+        deadline: float | None = None,
     ) -> R:
         """Apply ``cmd`` once, however often it has to be sent; its decoded reply.
         ``token``: a volume's mount token, for the commands that take one.
+        ``lease``: ``(session, kept, opens)``: the sending session's leases
+        this change leaves alone (the session forgets what it makes stale)
+        and which of those inodes it has open unannounced
+        (``client/leases.py``).
 
         Raises:
             TimedOut: no leader answered within the deadline.
@@ -104,6 +113,8 @@ class MetaClient:
         args: dict[str, Any] = {"a": cmd.to_request(self.client_id, next(self._seq))}
         if token is not None:
             args["token"] = token
+        if lease is not None:
+            args["lease"] = [lease[0], list(lease[1]), list(lease[2])]
         return type(cmd).REPLY(await self.call(cmd.NAME, args, deadline=deadline))
 
     async def query(self, q: Q.Query[R], *, deadline: float | None = None) -> R:

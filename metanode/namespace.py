@@ -88,9 +88,9 @@ import hmac
 import itertools
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cachefs import commands as C
 from cachefs.backing.policy import VolumePolicy
@@ -118,6 +118,7 @@ from cachefs.messages import (
     Attr,
     DirEntry,
     FsStats,
+    LoadedEntry,
     MountInfo,
     RepairEntry,
     TrashEntry,
@@ -146,6 +147,15 @@ _S_IFMT = 0o170000
 _S_IFDIR = stat.S_IFDIR
 _S_IFREG = stat.S_IFREG
 _S_IFLNK = stat.S_IFLNK
+
+
+class ApplyWatcher(Protocol):
+    """Told which inodes each apply touched, in the volumes it asks about
+    (the leader's leases, ``metanode/leases.py``; never part of the state)."""
+
+    def watching(self, volume: str) -> bool: ...
+
+    def applied(self, volume: str, inos: Iterable[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +371,7 @@ class MetaState:
         self.next_slice = 1
         self.slice_floor = 0  # no commit of a slice id below it (SealSlices)
         self.applied_index = 0
+        self.watcher: ApplyWatcher | None = None  # set by the leader's service
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
             C.CreateVolume: self._create_volume,
             C.SetVolumeCompression: self._set_volume_compression,
@@ -407,16 +418,57 @@ class MetaState:
                 return seen[cmd.seq]
             if cmd.seq < self.dedup_floor.get(client, 0):
                 return Failure("EINVAL", f"seq {cmd.seq} is older than the dedup window")
+        watched = self._watched(cmd)
         try:
             result = self._handlers[type(cmd)](cmd)
         except CacheFSError as err:
             result = Failure(err.code, err.message)
+        if watched is not None and self.watcher is not None:
+            volume, refs, before = watched
+            # and what the names resolve to after it: a create's new inode
+            self.watcher.applied(volume, before | self._resolve(volume, *refs))
         if client:
             self._remember(client, cmd.seq, result)
             self.dedup_last[client] = cmd.now_ns
             if cmd.now_ns - self.dedup_swept_ns > DEDUP_SWEEP_NS:
                 self._sweep_dedup(cmd.now_ns)
         return result
+
+    def _watched(
+        self, cmd: C.Command
+    ) -> tuple[str, tuple[tuple[int, ...], tuple[tuple[int, bytes], ...]], set[int]] | None:
+        """``(volume, refs, inodes touched)`` of ``cmd`` resolved before it
+        applies, if the watcher wants to hear about its volume."""
+        watcher = self.watcher
+        if watcher is None:
+            return None
+        refs = C.inode_refs(cmd)
+        if refs is None or not watcher.watching(refs[0]):
+            return None
+        volume, inos, entries = refs
+        return volume, (inos, entries), self._resolve(volume, inos, entries)
+
+    def touched(self, cmd: C.Command) -> tuple[str, set[int]] | None:
+        """``(volume, inodes)`` that ``cmd`` changes if it applied now (see
+        ``commands.inode_refs``), or None for commands that change no inode."""
+        refs = C.inode_refs(cmd)
+        if refs is None:
+            return None
+        return refs[0], self._resolve(*refs)
+
+    def _resolve(
+        self, volume: str, inos: tuple[int, ...], entries: tuple[tuple[int, bytes], ...]
+    ) -> set[int]:
+        out = set(inos)
+        vol = self.volumes.get(volume)
+        if vol is not None:
+            for parent, name in entries:
+                d = vol.inodes.get(parent)
+                if d is not None and d.is_dir:
+                    ino = self._lookup_ino(d.data, name)
+                    if ino is not None:
+                        out.add(ino)
+        return out
 
     def _sweep_dedup(self, now: int) -> None:
         """Forget clients silent for DEDUP_IDLE_NS (leader time from the log, so
@@ -1271,6 +1323,24 @@ class MetaState:
             if len(out) >= limit:
                 break
         return out
+
+    def load_dir(
+        self, volume: str, ino: int, cookie: int, limit: int, small: int
+    ) -> tuple[Attr, list[LoadedEntry], bool]:
+        """The directory's attributes, a page of ``readdir`` whose regular
+        files up to ``small`` bytes carry chunk 0's slice list, and whether
+        more entries follow."""
+        page = self.readdir(volume, ino, cookie, limit + 1)
+        more = len(page) > limit
+        vol = self.volumes[volume]
+        out = []
+        for name, attr, c in page[:limit]:
+            slices = None
+            if attr.size <= small and _kind(attr.mode) == _S_IFREG:
+                data = vol.inodes[attr.ino].data
+                slices = [(s, p, n, o) for s, p, n, o, _ in _chunk_records(data, 0)]
+            out.append(LoadedEntry(name, attr, c, slices))
+        return self.attr(vol.inodes[ino]), out, more
 
     def getxattr(self, volume: str, ino: int, name: bytes) -> bytes:
         inode = self._inode(self._vol(volume), ino)

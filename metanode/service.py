@@ -48,12 +48,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from cachefs import commands as C
+from cachefs import messages as M
 from cachefs import queries as Q
 from cachefs.credentials import ANYONE, Identity
-from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, PermissionDenied
+from cachefs.errors import CacheFSError, InvalidArgument, NotFound, NotLeader, PermissionDenied
 from cachefs.ids import BlockKey
 from cachefs.rpc import rpc_method
 
+from .leases import DEFAULT_TERM, LeaseTable, Mutation
 from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
 from .raft.lease import ReadLease, lease_duration
@@ -80,10 +82,16 @@ def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
     def mutation(command: type[C.Command[Any]]) -> Callable[..., Awaitable[Any]]:
         scope = _Scope.of(command)
 
-        async def handle(self: MetaService, a: list, identity: Identity, token: str | None = None) -> Any:
+        async def handle(
+            self: MetaService,
+            a: list,
+            identity: Identity,
+            token: str | None = None,
+            lease: list | None = None,
+        ) -> Any:
             cmd = command.from_request(_stamped(a, identity), time.time_ns())
             self._admit(identity, cmd, scope)
-            return await self.mutate(cmd, token)
+            return await self.mutate(cmd, token, lease)
 
         return handle
 
@@ -176,6 +184,7 @@ class MetaService:
         session_timeout: float = SESSION_TIMEOUT,
         node_timeout: float = NODE_TIMEOUT,
         read_lease: bool = True,
+        lease_term: float = DEFAULT_TERM,
     ) -> None:
         self.state = state
         self.read_lease = read_lease
@@ -191,6 +200,11 @@ class MetaService:
         self._freeing: dict[tuple[str, int], int] = {}
         self._freed = trio.Event()  # set (and replaced) when one of those ends
         self._wake = trio.Event()  # housekeeping: an orphan may be purgeable
+        self.leases = LeaseTable(lease_term)  # see metanode/leases.py
+        if state is not None:
+            state.watcher = self.leases
+        self._lease_changed = trio.Event()  # set (and replaced) when revocations were acked
+        self._polls: dict[str, trio.Event] = {}  # session -> its waiting lease poll
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -240,7 +254,8 @@ class MetaService:
 
     def _check_leadership(self) -> None:
         """On becoming leader, restart every soft clock (a grace period) and
-        forget every open (a new term: see :class:`OpenTable`)."""
+        forget every open and lease (a new term: see :class:`OpenTable` and
+        :class:`LeaseTable`)."""
         node = self.node
         leader = node is not None and node.is_leader
         if node is not None and leader and (not self._was_leader or node.term != self._leader_term):
@@ -248,6 +263,7 @@ class MetaService:
             self._session_seen = dict.fromkeys(self.state.sessions, now)
             self.state.cluster.reset_liveness(now)
             self.opens.reset()
+            self.leases.reset(now, node.term)
             self._leader_term = node.term
         self._was_leader = leader
 
@@ -317,9 +333,19 @@ class MetaService:
                 for i in sorted(vol.orphans)
                 if not self.opens.is_open(name, i) and (name, i) not in self._freeing
             ][:100_000]
-            if inos:
-                cmd = C.PurgeOrphans(name, tuple(inos), now_ns=time.time_ns())
-                freed += await self._propose_freeing(cmd, [(name, i) for i in inos])
+            if not inos:
+                continue
+            cmd = C.PurgeOrphans(name, tuple(inos), now_ns=time.time_ns())
+            m = await self._revoke(cmd, None)
+            try:
+                # a lapsed lease may have hidden an open (see LeaseTable.blocked)
+                inos = [i for i in inos if not self.opens.is_open(name, i)]
+                if inos:
+                    cmd = C.PurgeOrphans(name, tuple(inos), now_ns=time.time_ns())
+                    freed += await self._propose_freeing(cmd, [(name, i) for i in inos])
+            finally:
+                if m is not None:
+                    self.leases.end(m)
         return freed
 
     async def run_housekeeping(
@@ -354,6 +380,11 @@ class MetaService:
             for sid in list(self.opens.by_session):
                 if sid not in self.state.sessions:
                     self.opens.end_session(sid)
+            for sid in list(self.leases.holders):
+                if sid not in self.state.sessions:
+                    self.leases.end_session(sid)
+                    self._leases_changed()
+                    self._notify_polls({sid})
             try:
                 await self.purge_orphans()
             except CacheFSError as exc:
@@ -387,16 +418,114 @@ class MetaService:
             if s is not None and s.owner != identity.tag:
                 raise PermissionDenied(f"session {message.session!r} is not {identity}'s")
 
-    async def mutate(self, cmd: C.Command[Any], token: str | None = None) -> Any:
+    async def mutate(
+        self, cmd: C.Command[Any], token: str | None = None, lease: list | None = None
+    ) -> Any:
         """Propose a client's command (decoded and stamped with ``now_ns``),
-        through its leader hook if it has one; ``token``: a volume's mount
-        token, for the commands that take one (it never enters the log)."""
+        through its leader hook if it has one, once the leases on what it
+        changes are revoked; ``token``: a volume's mount token, for the
+        commands that take one (it never enters the log); ``lease``:
+        ``[session, kept, opens]`` of the mutating session (see
+        :meth:`_mutator`)."""
         if token is not None and type(cmd) not in self._TAKES_TOKEN:
             raise InvalidArgument(f"{cmd.NAME} takes no token")
         hook = self._COMMAND_HOOKS.get(type(cmd))
-        if hook is None:
-            return await self._propose(cmd)
-        return await hook(self, cmd, token)
+        m = await self._revoke(cmd, lease)
+        try:
+            if hook is None:
+                return await self._propose(cmd)
+            return await hook(self, cmd, token)
+        finally:
+            if m is not None:
+                self.leases.end(m)
+
+    # -- leases (metanode/leases.py): revocations before a mutation ---------------------
+
+    async def _revoke(self, cmd: C.Command[Any], lease: list | None) -> Mutation | None:
+        """Revoke every lease on what ``cmd`` changes and wait until each is
+        acknowledged or lapsed (and, after a failover, for the grace); the
+        mutation to ``end`` once proposed. None: it changes no inode."""
+        while True:
+            self._check_leadership()
+            touched = self.state.touched(cmd)
+            if touched is None or not self._was_leader:
+                return None  # no inode; or proposing will say NotLeader
+            volume, inos = touched
+            mutator, kept = self._mutator(cmd, volume, lease)
+            term = self.leases.leader_term
+            m, notify = self.leases.begin(volume, inos, time.monotonic(), mutator, kept)
+            self._notify_polls(notify)
+            try:
+                await self._wait_revoked(m)
+            except BaseException:
+                self.leases.end(m)
+                raise
+            self._check_leadership()
+            if self.leases.leader_term == term:
+                return m
+            self.leases.end(m)  # a new term reset the table meanwhile: again
+
+    def _mutator(
+        self, cmd: C.Command[Any], volume: str, lease: list | None
+    ) -> tuple[str | None, tuple[int, ...]]:
+        """The mutating session and the leases of it that the change leaves
+        alone (it forgets itself what the change makes stale), from ``lease =
+        [session, kept, opens]``; ``opens``: which of the kept inodes it has
+        open without having told us (counted here, before anything is
+        stamped: an unlink must see them). A session that is not the
+        command's client's is ignored: its leases are revoked like anyone's."""
+        if lease is None:
+            return None, ()
+        if (
+            len(lease) != 3
+            or type(lease[0]) is not str
+            or not all(isinstance(x, list) and all(type(i) is int for i in x) for x in lease[1:])
+        ):
+            raise InvalidArgument("lease must be [session, [ino...], [ino...]]")
+        session, kept, opens = lease
+        s = self.state.sessions.get(session)
+        if s is None or s.volume != volume or s.client_id != cmd.client_id:
+            return None, ()
+        now_ns = time.time_ns()
+        for ino in opens:
+            self.opens.open(volume, session, ino, now_ns)
+        return session, tuple(kept)
+
+    async def _wait_revoked(self, m: Mutation) -> None:
+        while True:
+            sessions = [sid for sid, s in self.state.sessions.items() if s.volume == m.volume]
+            wait = self.leases.blocked(m, time.monotonic(), sessions)
+            if m.possibly_open:  # lapsed unacknowledged: the holder may have it open
+                now_ns = time.time_ns()
+                for session, ino in m.possibly_open:
+                    if session in self.state.sessions:
+                        self.opens.open(m.volume, session, ino, now_ns)
+                m.possibly_open.clear()
+            if wait is None:
+                return
+            changed = self._lease_changed
+            with trio.move_on_after(wait):
+                await changed.wait()
+
+    def _leases_changed(self) -> None:
+        self._lease_changed.set()
+        self._lease_changed = trio.Event()
+
+    def _notify_polls(self, sessions: set[str]) -> None:
+        for session in sessions:
+            event = self._polls.pop(session, None)
+            if event is not None:
+                event.set()
+
+    def _grant(self, session: str, volume: str, inos: list[int]) -> M.Grant:
+        """Leases on ``inos`` for ``session``, as the leader that just read
+        them (a session not on ``volume`` gets none)."""
+        self._check_leadership()
+        s = self.state.sessions.get(session)
+        if not self._was_leader or s is None or s.volume != volume:
+            return M.Grant(self.leases.leader_term, 0, ())
+        granted = self.leases.grant(session, volume, inos, time.monotonic())
+        return M.Grant(self.leases.leader_term, int(self.leases.term * 1000), granted)
 
     # -- leader hooks of commands ------------------------------------------------------
 
@@ -417,8 +546,9 @@ class MetaService:
         # decoded as a client would: a retry answered from a restored dedup table is an array
         info = C.MountVolume.REPLY(await self._propose(cmd))
         self._check_leadership()
-        if self._leader_term == term:  # mounted on this leader's watch: no opens yet
+        if self._leader_term == term:  # mounted on this leader's watch: no opens, no leases
             self.opens.known.add(info.session)
+            self.leases.mounted(info.session, cmd.volume, time.monotonic())
         self._touch_session(info.session)
         return info
 
@@ -426,6 +556,9 @@ class MetaService:
         self._session_seen.pop(cmd.session, None)
         await self._propose(cmd)
         self.opens.end_session(cmd.session)
+        self.leases.end_session(cmd.session)
+        self._leases_changed()
+        self._notify_polls({cmd.session})
         try:  # unmount frees the unlinked files it held before it returns
             await self.purge_orphans()
         except CacheFSError as exc:
@@ -522,7 +655,73 @@ class MetaService:
         self._check_leadership()  # a new leader restarts the liveness clocks first
         return q.run(state)
 
+    # -- queries that grant leases, and the lease poll -----------------------------------
+
+    def _lease_lookup(self, q: Q.LeaseLookup) -> Any:
+        def read(state: MetaState) -> M.LeasedAttr:
+            attr = state.lookup(q.volume, q.parent, q.name)
+            return M.LeasedAttr(attr, self._grant(q.session, q.volume, [q.parent, attr.ino]))
+
+        return self._answer(read)
+
+    def _lease_getattr(self, q: Q.LeaseGetAttr) -> Any:
+        def read(state: MetaState) -> M.LeasedAttr:
+            attr = state.getattr(q.volume, q.ino)
+            return M.LeasedAttr(attr, self._grant(q.session, q.volume, [q.ino]))
+
+        return self._answer(read)
+
+    def _load_dir(self, q: Q.LoadDir) -> Any:
+        limit = min(q.limit, Q.MAX_READDIR)
+        small = min(q.small, Q.SMALL_FILE)
+
+        def read(state: MetaState) -> M.DirLoad:
+            attr, entries, more = state.load_dir(q.volume, q.ino, q.cookie, limit, small)
+            inos = [q.ino, *(e.attr.ino for e in entries)]
+            return M.DirLoad(attr, entries, more, self._grant(q.session, q.volume, inos))
+
+        return self._answer(read)
+
+    async def _lease_open(self, q: Q.LeaseOpen) -> M.LeasedAttr:
+        attr = await self._open(Q.Open(q.volume, q.ino, q.session))
+        return M.LeasedAttr(attr, self._grant(q.session, q.volume, [q.ino]))
+
+    def _lease_poll(self, q: Q.LeasePoll) -> Any:
+        """Inline, in the order the session's requests arrived: count the
+        opens it reports, then take its acks and drops (an open reported
+        with an ack is counted before the mutation waiting for the ack goes
+        on). Then, as confirmed leader, renew and wait for news."""
+        s = self.state.sessions.get(q.session)
+        if s is None:
+            raise NotFound(f"no session {q.session!r}")
+        received = time.monotonic()
+        now_ns = time.time_ns()
+        for ino in q.opens:
+            self.opens.open(s.volume, q.session, ino, now_ns)
+        if self.leases.acknowledge(q.session, q.acks, q.drops):
+            self._leases_changed()
+        return self._poll_news(q, s.volume, received)
+
+    async def _poll_news(self, q: Q.LeasePoll, volume: str, received: float) -> M.LeaseNews:
+        await self._leader_read()  # a renewal is a promise only the leader may make
+        term = self.leases.leader_term
+        self.leases.renew(q.session, volume, received, clean=q.held_term in (0, term))
+        with trio.move_on_after(min(q.wait_ms / 1000, self.leases.term / 4)):
+            while not self.leases.revocations(q.session) and self.leases.leader_term == term:
+                event = self._polls.get(q.session)
+                if event is None:
+                    event = self._polls[q.session] = trio.Event()
+                await event.wait()
+        return M.LeaseNews(
+            self.leases.leader_term, int(self.leases.term * 1000), self.leases.revocations(q.session)
+        )
+
     _QUERY_HOOKS: dict[type, Callable[..., Awaitable[Any]]] = {
+        Q.LeaseLookup: _lease_lookup,
+        Q.LeaseGetAttr: _lease_getattr,
+        Q.LoadDir: _load_dir,
+        Q.LeaseOpen: _lease_open,
+        Q.LeasePoll: _lease_poll,
         Q.Open: _open,
         Q.Release: _release,
         Q.SessionHeartbeat: _session_heartbeat,

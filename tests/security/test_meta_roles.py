@@ -36,7 +36,8 @@ SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
 FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "symlink", "link", "unlink",
                "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
                "lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "read_chunk",
-               "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat"}
+               "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat",
+               "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll"}
 FOR_ANYONE = {"meta_status"}
 # Client methods that name no volume or session: what they touch is global
 # (slice ids) or their answer is cut down to the caller's volumes.

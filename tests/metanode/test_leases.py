@@ -1,0 +1,323 @@
+"""The lease protocol, sans-IO: the leader's LeaseTable and the clients' LeaseCache.
+
+The unit tests pin the leader's rules (revocation waits for the ack or the
+lapse, the mutator's own leases, the grace after a failover). The stateful
+test runs 2-3 clients against a model of inode versions with the lease
+layer between them, on a network that delays, reorders and drops every
+message, and checks after every step that no client answers from its
+memory with a version the model has moved past, and that every mutation
+goes ahead within the lease bound.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cachefs.client.leases import LeaseCache
+from cachefs.messages import Attr, Grant, LeaseNews
+from cachefs.metanode.leases import TRANSITIONS, Event, LeaseTable, State
+
+VOL = "v"
+TERM = 1.0
+
+
+def table(now: float = 0.0) -> LeaseTable:
+    t = LeaseTable(TERM)
+    t.reset(now - 2 * TERM, 1)  # long past the grace
+    return t
+
+
+def test_the_transition_table_never_grants_a_revoking_lease_and_acks_end_revocations() -> None:
+    assert TRANSITIONS[(State.NONE, Event.GRANT)] is State.HELD
+    assert (State.REVOKING, Event.GRANT) not in TRANSITIONS
+    assert TRANSITIONS[(State.REVOKING, Event.ACK)] is State.NONE
+    assert (State.HELD, Event.ACK) not in TRANSITIONS  # an ack revokes nothing held
+
+
+def test_a_mutation_waits_for_the_ack_and_grants_wait_for_the_mutation() -> None:
+    t = table()
+    assert t.grant("a", VOL, [5], 0.0) == (5,)
+    m, notify = t.begin(VOL, [5], 0.1)
+    assert notify == {"a"}
+    assert t.blocked(m, 0.1, ["a"]) is not None
+    assert t.grant("b", VOL, [5], 0.2) == ()  # nothing granted on what is changing
+    [(rev, ino)] = t.revocations("a")
+    assert ino == 5
+    assert not t.acknowledge("a", [rev + 1000], [])  # an unknown id changes nothing
+    assert t.blocked(m, 0.2, ["a"]) is not None
+    assert t.acknowledge("a", [rev], [])
+    assert t.blocked(m, 0.2, ["a"]) is None
+    assert t.revocations("a") == []
+    t.applied(VOL, [5])
+    t.end(m)
+    assert t.grant("b", VOL, [5], 0.3) == (5,)
+
+
+def test_a_silent_holder_delays_a_mutation_by_at_most_the_term_and_counts_as_open() -> None:
+    t = table()
+    t.grant("a", VOL, [5], 0.0)
+    m, _ = t.begin(VOL, [5], 0.5)
+    wait = t.blocked(m, 0.5, ["a"])
+    assert wait is not None and wait <= TERM
+    assert t.blocked(m, TERM, ["a"]) is None  # lapsed: the mutation goes on
+    assert m.possibly_open == [("a", 5)]
+    # the lapsed lease stays revoking until acknowledged: no new grant to "a"
+    assert t.revocations("a") != []
+    t.end(m)
+    assert t.grant("a", VOL, [5], 2.0) == ()
+    [(rev, _)] = t.revocations("a")
+    t.acknowledge("a", [rev], [])
+    assert t.grant("a", VOL, [5], 2.0) == (5,)
+
+
+def test_a_renewed_lease_lasts_a_term_from_the_renewal() -> None:
+    t = table()
+    t.grant("a", VOL, [5], 0.0)
+    t.renew("a", VOL, 0.9, clean=True)
+    m, _ = t.begin(VOL, [5], 1.2)
+    assert t.blocked(m, 1.5, ["a"]) is not None
+    assert t.blocked(m, 1.9, ["a"]) is None
+
+
+def test_the_mutators_kept_leases_are_neither_revoked_nor_waited_for() -> None:
+    t = table()
+    t.grant("a", VOL, [1, 5], 0.0)
+    t.grant("b", VOL, [1], 0.0)
+    m, notify = t.begin(VOL, [1, 5], 0.1, mutator="a", kept=[1, 5])
+    assert notify == {"b"}
+    assert set(m.waits) == {("b", 1)}
+    assert t.state("a", 1) is State.HELD
+    # another mutation revokes "a"'s lease on 1; a's own next change is not held up by it
+    m2, _ = t.begin(VOL, [1], 0.2, mutator="b", kept=[])
+    assert t.state("a", 1) is State.REVOKING
+    m3, _ = t.begin(VOL, [1], 0.3, mutator="a", kept=[1])
+    assert ("a", 1) not in m3.waits
+    assert ("a", 1) in m2.waits
+
+
+def test_a_new_leader_waits_out_the_old_leases_unless_every_session_is_clean() -> None:
+    t = LeaseTable(TERM)
+    t.reset(10.0, 2)
+    m, _ = t.begin(VOL, [5], 10.1)
+    assert t.blocked(m, 10.1, ["a", "b"]) is not None
+    t.renew("a", VOL, 10.2, clean=True)
+    assert t.blocked(m, 10.2, ["a", "b"]) is not None
+    t.renew("b", VOL, 10.3, clean=False)  # still holds leases of an older leader
+    assert t.blocked(m, 10.3, ["a", "b"]) is not None
+    t.renew("b", VOL, 10.4, clean=True)
+    assert t.blocked(m, 10.4, ["a", "b"]) is None
+    m2, _ = t.begin(VOL, [6], 10.5)
+    assert t.blocked(m2, 11.0, ["a", "b", "c"]) is None  # the grace is over for everyone
+
+
+def test_a_name_that_moves_under_an_inflight_mutation_is_not_granted_before_it_ends() -> None:
+    t = table()
+    m, _ = t.begin(VOL, [1], 0.0)  # predicted: directory 1 only
+    t.applied(VOL, [1, 7])  # but the apply touched inode 7 too (it was linked meanwhile)
+    assert t.grant("a", VOL, [7], 0.1) == ()
+    t.end(m)
+    assert t.grant("a", VOL, [7], 0.2) == (7,)
+
+
+def test_the_client_drops_revoked_leases_and_acks_after_listing_kernel_names() -> None:
+    c = LeaseCache()
+    ticket = c.ticket(0.0)
+    leases = c.accept(ticket, Grant(1, 1000, (1, 5)), 0.01)
+    c.done(ticket)
+    leases[1].entries[b"x"] = 5
+    leases[1].kernel_names.add(b"x")
+    assert c.get(1, 0.5) is not None
+    c.news(LeaseNews(1, 1000, [(77, 1)]), 0.4)
+    assert c.get(1, 0.5) is None
+    out = c.outgoing()
+    assert out.acks == (77,) and out.lost == ((1, (b"x",)),)
+    assert c.get(5, 1.29) is not None  # renewed by the poll sent at 0.4, less the margin
+    assert c.get(5, 1.31) is None
+
+
+def test_an_answer_sent_before_a_revocation_is_not_installed() -> None:
+    c = LeaseCache()
+    ticket = c.ticket(0.0)
+    c.news(LeaseNews(1, 1000, [(3, 5)]), 0.0)  # revoked while the read was in flight
+    assert c.accept(ticket, Grant(1, 1000, (5,)), 0.1) == {}
+
+
+# -- the stateful test ------------------------------------------------------------------
+
+INOS = (1, 2)
+
+
+class Client:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cache = LeaseCache()
+
+
+class LeaseProtocol(RuleBasedStateMachine):
+    """Clients read (with grants), poll (acks, renewals) and mutate through
+    a leader over a network that delays, reorders and drops messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 100.0
+        self.leader = LeaseTable(TERM)
+        self.leader.reset(self.now, 1)
+        self.term = 1
+        self.version = dict.fromkeys(INOS, 0)
+        self.clients: list[Client] = []
+        self.net: list[tuple] = []  # messages in flight, delivered in any order
+        self.muts: list = []  # [mutation, begun at, mutator client or None, kept]
+        self.add_client()
+        self.add_client()
+
+    # -- setup and time ----------------------------------------------------------
+
+    @precondition(lambda self: len(self.clients) < 3)
+    @rule()
+    def add_client(self) -> None:
+        c = Client(f"s{len(self.clients)}")
+        self.leader.mounted(c.name, VOL, self.now)
+        self.clients.append(c)
+
+    @rule(dt=st.floats(0.01, 0.4))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @precondition(lambda self: self.term < 3)
+    @rule()
+    def new_leader(self) -> None:
+        """A failover: the new leader knows no lease; old replies still arrive."""
+        self.term += 1
+        self.leader = LeaseTable(TERM)
+        self.leader.reset(self.now, self.term)
+        self.muts.clear()  # the proposals died with the old leader
+
+    # -- the network -------------------------------------------------------------------
+
+    @precondition(lambda self: self.net)
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        msg = self.net.pop(data.draw(st.integers(0, len(self.net) - 1)))
+        client, kind = msg[0], msg[1]
+        if kind == "read-reply" or kind == "read":
+            client.cache.done(msg[2])
+        elif kind in ("poll", "poll-reply"):
+            client.cache.resend(msg[2])
+
+    @precondition(lambda self: self.net)
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        self._deliver(self.net.pop(data.draw(st.integers(0, len(self.net) - 1))))
+
+    def _deliver(self, msg: tuple) -> None:
+        client, kind = msg[0], msg[1]
+        if kind == "read":
+            _, _, ticket, ino, term = msg
+            if term != self.leader.leader_term:
+                client.cache.done(ticket)  # a deposed leader does not answer
+                return
+            granted = self.leader.grant(client.name, VOL, [ino], self.now)
+            grant = Grant(self.leader.leader_term, int(TERM * 1000), granted)
+            self.net.append((client, "read-reply", ticket, ino, grant, self.version[ino]))
+        elif kind == "read-reply":
+            _, _, ticket, ino, grant, version = msg
+            for lease in client.cache.accept(ticket, grant, self.now).values():
+                lease.attr = attr(ino, version)
+            client.cache.done(ticket)
+        elif kind == "poll":
+            _, _, state, sent, term = msg
+            if term != self.leader.leader_term:
+                client.cache.resend(state)
+                return
+            self.leader.acknowledge(client.name, state.acks, state.drops)
+            clean = state.held_term in (0, self.leader.leader_term)
+            self.leader.renew(client.name, VOL, self.now, clean)
+            news = LeaseNews(
+                self.leader.leader_term, int(TERM * 1000), self.leader.revocations(client.name)
+            )
+            self.net.append((client, "poll-reply", state, sent, news))
+        elif kind == "poll-reply":
+            _, _, _state, sent, news = msg
+            client.cache.news(news, sent)
+
+    def _send(self, msg: tuple, now: bool) -> None:
+        """Into the network, or (``now``) there and back at once."""
+        if not now:
+            self.net.append(msg)
+            return
+        self._deliver(msg)
+        self._deliver(self.net.pop())
+
+    # -- clients ------------------------------------------------------------------------
+
+    @rule(data=st.data(), ino=st.sampled_from(INOS), now=st.booleans())
+    def read(self, data: st.DataObject, ino: int, now: bool) -> None:
+        client = data.draw(st.sampled_from(self.clients))
+        if client.cache.get(ino, self.now) is not None:
+            return  # answered from memory (checked by the invariant)
+        ticket = client.cache.ticket(self.now)
+        self._send((client, "read", ticket, ino, self.leader.leader_term), now)
+
+    @rule(data=st.data(), now=st.booleans())
+    def poll(self, data: st.DataObject, now: bool) -> None:
+        client = data.draw(st.sampled_from(self.clients))
+        state = client.cache.outgoing()  # (the front end invalidates state.lost here)
+        self._send((client, "poll", state, self.now, self.leader.leader_term), now)
+
+    @rule(data=st.data(), ino=st.sampled_from(INOS))
+    def mutate(self, data: st.DataObject, ino: int) -> None:
+        """Another party's change, or (with a client) that client's own."""
+        mutator = data.draw(st.sampled_from([None, *self.clients]))
+        if mutator is None:
+            m, _ = self.leader.begin(VOL, [ino], self.now)
+            self.muts.append([m, self.now, None, ()])
+            return
+        kept, _opens = mutator.cache.begin_mutation([ino])
+        m, _ = self.leader.begin(VOL, [ino], self.now, mutator.name, kept)
+        self.muts.append([m, self.now, mutator, kept])
+
+    @precondition(lambda self: self.muts)
+    @rule(data=st.data())
+    def apply(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.muts) - 1))
+        m, _begun, mutator, kept = self.muts[i]
+        sessions = [c.name for c in self.clients]
+        if self.leader.blocked(m, self.now, sessions) is not None:
+            return
+        del self.muts[i]
+        for ino in m.inos:
+            self.version[ino] += 1
+        self.leader.applied(VOL, m.inos)
+        self.leader.end(m)
+        if mutator is not None:
+            mutator.cache.end_mutation(kept, ())
+
+    # -- what must hold -------------------------------------------------------------------
+
+    @invariant()
+    def no_client_answers_with_a_stale_version(self) -> None:
+        for c in self.clients:
+            for ino in INOS:
+                lease = c.cache.get(ino, self.now)
+                if lease is not None and lease.attr is not None:
+                    assert lease.attr.version == self.version[ino], (c.name, ino)
+
+    @invariant()
+    def every_mutation_may_go_ahead_within_the_bound(self) -> None:
+        sessions = [c.name for c in self.clients]
+        for m, begun, _, _ in self.muts:
+            if self.now >= begun + TERM + 1e-9:
+                assert self.leader.blocked(m, self.now, sessions) is None
+
+
+def attr(ino: int, version: int) -> Attr:
+    return Attr(ino, 0o100644, 0, 0, 1, 0, 0, 0, 0, version=version)
+
+
+TestLeaseProtocol = LeaseProtocol.TestCase
+TestLeaseProtocol.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
