@@ -110,7 +110,7 @@ class Compactor:
             expect = tuple(f for s in slices for f in (s.id, s.pos, s.length, s.offset))
             swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length,
                                   tuple(sorted(short)))
-            await session.meta.mutate(swap)
+            await session.mutate(swap)
         except Busy:
             log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
             return False

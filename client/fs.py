@@ -22,14 +22,19 @@ Rules every handler keeps:
   (one round trip, not a ``getattr`` and an ``open``); meanwhile the first
   chunk's slice list (and, opened read-only, its first block) is fetched,
   which the read that follows joins.
+- Leases (:mod:`.leases`): a lookup, getattr or open answered under a valid
+  lease comes from memory, and the kernel gets the lease's remaining time
+  as its entry and attribute timeouts; the names it learns that way are
+  kept with the directory's lease, and when a lease goes (revoked, lapsed
+  through a new leader) the kernel's entries and inode are invalidated
+  before the revocation is acknowledged (``_leases_lost``). Without a lease
+  the timeouts are the mount's options, as below.
 - Attribute cache: the kernel drops an inode's attributes after every write
   and asks again on the next read (and asks ``security.capability`` on every
-  write); ``getattr`` and ``getxattr`` answer from what the metanodes said
-  less than ``attr_timeout`` ago, so the staleness bound stays the one the
-  kernel's own attribute cache already has (the reply carries only the time
-  left). A namespace change made here (create, unlink, rename...) voids the
-  cached attributes of every inode, since it changes nlink, mtime and ctime
-  of inodes we do not track by name; an xattr change here voids that inode's.
+  write); ``getattr`` answers from the lease, else asks the leader, and
+  ``getxattr`` answers from what the metanodes said less than
+  ``attr_timeout`` ago, so its staleness bound stays the one the kernel's
+  own attribute cache already has. An xattr change here voids that inode's.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from cachefs.layout import MAX_FILE_SIZE
 from cachefs.messages import Attr
 
 from .inodes import Inode
+from .leases import Lease
 from .reader import Readahead
 from .volume import Volume
 
@@ -86,6 +92,21 @@ def entry_attributes(
     e.attr_timeout = attr_timeout
     e.entry_timeout = entry_timeout
     return e
+
+
+def _invalidate_all(lost: list[tuple[int, tuple[bytes, ...]]]) -> None:
+    """The kernel forgets the names and inodes (see ``CacheFS._leases_lost``);
+    what it no longer knows is skipped."""
+    for ino, names in lost:
+        for name in names:
+            try:
+                pyfuse3.invalidate_entry(ino, name)
+            except OSError:
+                pass
+        try:
+            pyfuse3.invalidate_inode(ino)
+        except OSError:
+            pass
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -141,24 +162,29 @@ class CacheFS(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, int] = {}
         self._next_fh = 1
-        self._ns_changed = 0.0  # time.monotonic() of our last namespace change
+        self.session.enable_leases(self.nursery, self._leases_lost)
+        self.leases = self.session.leases
 
     # ------------------------------------------------------------------ helpers
 
-    def _entry(self, inode: Inode, attr_timeout: float | None = None) -> pyfuse3.EntryAttributes:
+    def _entry(
+        self, inode: Inode, attr_timeout: float | None = None, entry_timeout: float | None = None
+    ) -> pyfuse3.EntryAttributes:
         attr = inode.attr
         if inode.writer is not None and inode.size != attr.size:
             attr = attr.with_size(inode.size)
         return entry_attributes(
             attr,
             self.options.attr_timeout if attr_timeout is None else attr_timeout,
-            self.options.entry_timeout,
+            self.options.entry_timeout if entry_timeout is None else entry_timeout,
             self.session.block_size,
         )
 
-    def _namespace_changed(self) -> None:
-        """Void every cached attribute (see module docstring)."""
-        self._ns_changed = time.monotonic()
+    def _lease_left(self, lease: Lease | None, now: float, default: float) -> float:
+        """The kernel's timeout for what ``lease`` covers."""
+        if lease is None:
+            return default
+        return max(default, self.leases.remaining(lease, now))
 
     def _learn(self, attr: Attr) -> pyfuse3.EntryAttributes:
         return self._entry(self.inodes.learn(attr))
@@ -188,7 +214,43 @@ class CacheFS(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self._learn(await self.meta.query(Q.Lookup(self.vol, parent_inode, name)))
+        leases = self.leases
+        now = time.monotonic()
+        parent = leases.get(parent_inode, now)
+        if parent is not None:
+            ino = parent.entries.get(name)
+            child = leases.get(ino, now) if ino is not None else None
+            if child is not None and child.attr is not None:
+                leases.stats["hits"] += 1
+                return self._leased_entry(child.attr, parent, child, now)
+        ticket = leases.ticket(now)
+        try:
+            reply = await self.meta.query(
+                Q.LeaseLookup(self.vol, parent_inode, name, self.session.session_id)
+            )
+            got = leases.accept(ticket, reply.grant, time.monotonic())
+        finally:
+            leases.done(ticket)
+        attr = reply.attr
+        parent, child = got.get(parent_inode), got.get(attr.ino)
+        if parent is not None:
+            parent.entries[name] = attr.ino
+            parent.kernel_names.add(name)
+        if child is not None:
+            child.attr = attr
+        return self._leased_entry(attr, parent, child, time.monotonic())
+
+    def _leased_entry(
+        self, attr: Attr, parent: Lease | None, child: Lease | None, now: float
+    ) -> pyfuse3.EntryAttributes:
+        """A lookup's answer: the kernel keeps the name while the directory's
+        lease lasts and the attributes while the inode's does."""
+        inode = self.inodes.learn(attr)
+        return self._entry(
+            inode,
+            self._lease_left(child, now, self.options.attr_timeout),
+            self._lease_left(parent, now, self.options.entry_timeout),
+        )
 
     @_fuse
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -198,17 +260,22 @@ class CacheFS(pyfuse3.Operations):
     @_fuse
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         known = self.inodes.get(inode)
-        if known is not None:
-            left = known.fresh_for(self.options.attr_timeout, self._ns_changed)
-            if left > 0:
-                return self._entry(known, left)
+        now = time.monotonic()
+        lease = self.leases.get(inode, now)
+        if lease is not None and lease.attr is not None:
+            self.leases.stats["hits"] += 1
+            node = self.inodes.update(lease.attr)
+            return self._entry(node, self._lease_left(lease, now, self.options.attr_timeout))
         try:
-            attr = await self.meta.query(Q.GetAttr(self.vol, inode))
+            reply = await self.session.leased(
+                inode, Q.LeaseGetAttr(self.vol, inode, self.session.session_id)
+            )
         except NotFound:
             # Unlinked while open here: keep answering from what we know.
             if known is not None and known.opens > 0:
                 return self._entry(known)
             raise
+        attr = reply.attr
         node = self.inodes.update(attr)
         if (
             node.cached_version is not None
@@ -217,7 +284,23 @@ class CacheFS(pyfuse3.Operations):
         ):
             node.cached_version = None
             self.nursery.start_soon(self._invalidate, inode)
-        return self._entry(node)
+        lease = self.leases.get(inode, time.monotonic())
+        return self._entry(node, self._lease_left(lease, now, self.options.attr_timeout))
+
+    async def _leases_lost(self, lost: tuple[tuple[int, tuple[bytes, ...]], ...]) -> None:
+        """Drop the kernel's caches of what lost leases covered: the names
+        it learned under a directory's lease, and each inode's attributes
+        and pages. In a worker thread: an invalidation waits for the
+        directory's lock and the pages that requests in flight hold. A
+        directory with our own change in flight is invalidated
+        asynchronously instead: its lock is held until that change returns,
+        which may wait for this very acknowledgement."""
+        later = [(ino, names) for ino, names in lost if self.leases.busy(ino)]
+        for ino, names in later:
+            for name in names:
+                pyfuse3.invalidate_entry_async(ino, name, ignore_enoent=True)
+        now = [(ino, () if self.leases.busy(ino) else names) for ino, names in lost]
+        await trio.to_thread.run_sync(_invalidate_all, now)
 
     async def _invalidate(self, ino: int) -> None:
         try:
@@ -276,9 +359,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
-        self._namespace_changed()
         return self._learn(
-            await self.meta.mutate(C.Mknod(self.vol, parent_inode, name, mode, rdev, uid, gid))
+            await self.session.mutate(C.Mknod(self.vol, parent_inode, name, mode, rdev, uid, gid))
         )
 
     @_fuse
@@ -287,9 +369,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
-        self._namespace_changed()
         return self._learn(
-            await self.meta.mutate(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
+            await self.session.mutate(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
         )
 
     @_fuse
@@ -298,9 +379,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, _ = self._owner(parent_inode, ctx, stat.S_IFLNK)
-        self._namespace_changed()
         return self._learn(
-            await self.meta.mutate(C.Symlink(self.vol, parent_inode, name, target, uid, gid))
+            await self.session.mutate(C.Symlink(self.vol, parent_inode, name, target, uid, gid))
         )
 
     @_fuse
@@ -308,22 +388,19 @@ class CacheFS(pyfuse3.Operations):
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         self._writable()
-        self._namespace_changed()
         return self._learn(
-            await self.meta.mutate(C.Link(self.vol, inode, new_parent_inode, new_name))
+            await self.session.mutate(C.Link(self.vol, inode, new_parent_inode, new_name))
         )
 
     @_fuse
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
-        self._namespace_changed()
-        await self.meta.mutate(C.Unlink(self.vol, parent_inode, name))
+        await self.session.mutate(C.Unlink(self.vol, parent_inode, name))
 
     @_fuse
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._writable()
-        self._namespace_changed()
-        await self.meta.mutate(C.Rmdir(self.vol, parent_inode, name))
+        await self.session.mutate(C.Rmdir(self.vol, parent_inode, name))
 
     @_fuse
     async def rename(
@@ -336,8 +413,7 @@ class CacheFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         self._writable()
-        self._namespace_changed()
-        await self.meta.mutate(
+        await self.session.mutate(
             C.Rename(self.vol, parent_inode_old, name_old, parent_inode_new, name_new, flags)
         )
 
@@ -394,8 +470,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
-        self._namespace_changed()
-        attr = await self.meta.mutate(
+        attr = await self.session.mutate(
             C.Mknod(self.vol, parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
         )
         self.inodes.learn(attr)
@@ -524,7 +599,7 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         self._xattr_changed(inode)
         try:
-            await self.meta.mutate(C.SetXattr(self.vol, inode, name, value))
+            await self.session.mutate(C.SetXattr(self.vol, inode, name, value))
         finally:
             self._xattr_changed(inode)
 
@@ -534,7 +609,6 @@ class CacheFS(pyfuse3.Operations):
         node = self.inodes.get(ino)
         if node is not None:
             node.void_xattrs()
-            node.fetched = 0.0  # its ctime changed too
 
     @_fuse
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
@@ -568,6 +642,6 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         self._xattr_changed(inode)
         try:
-            await self.meta.mutate(C.RemoveXattr(self.vol, inode, name))
+            await self.session.mutate(C.RemoveXattr(self.vol, inode, name))
         finally:
             self._xattr_changed(inode)

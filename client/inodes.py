@@ -52,8 +52,6 @@ class Inode:
     # our own commits), so a slice list fetched before that is not cached.
     layout: int = 0
     writer: FileWriter | None = None
-    # When ``attr`` came from the metanodes (time.monotonic); 0: treat as stale.
-    fetched: float = field(default_factory=time.monotonic)
     # Extended attributes read here: name -> (when, value or None for "none"),
     # and when they were last voided (a getxattr older than that is not kept).
     xattrs: dict[bytes, tuple[float, bytes | None]] = field(default_factory=dict)
@@ -70,14 +68,6 @@ class Inode:
             self.chunks.clear()
             self.layout += 1
         self.attr = attr
-        self.fetched = time.monotonic()
-
-    def fresh_for(self, ttl: float, since: float = 0.0) -> float:
-        """Seconds the attributes may still be trusted under a ``ttl`` cache
-        that nothing newer than ``since`` invalidated (0: ask the metanodes)."""
-        if self.fetched <= since:
-            return 0.0
-        return max(0.0, ttl - (time.monotonic() - self.fetched))
 
     def void_xattrs(self) -> None:
         self.xattrs.clear()

@@ -291,6 +291,19 @@ class MountCollector:
         inodes = GaugeMetricFamily("cachefs_mount_inodes", "Inodes the kernel knows or has open")
         inodes.add_metric([], len(engine.inodes))
         yield inodes
+        leases = engine.session.leases
+        if leases is not None:
+            held = GaugeMetricFamily("cachefs_mount_leases_held", "Metadata leases this mount holds")
+            held.add_metric([], len(leases))
+            yield held
+            events = CounterMetricFamily(
+                "cachefs_mount_lease_events",
+                "Metadata lease events (hits: answered from memory, no metanode request)",
+                labels=["event"],
+            )
+            for name, value in leases.stats.items():
+                events.add_metric([name], value)
+            yield events
         failed = CounterMetricFamily(
             "cachefs_mount_task_failures",
             "Background tasks that raised an unexpected exception (logged; the mount kept serving)",

@@ -12,7 +12,15 @@ The :class:`Session` is what the engine (:mod:`.volume`, :mod:`.reader`,
   (``Open``) and its last close too (``Release``), one at a time per inode so
   they reach it in order; both are soft state there, not log entries. Every
   heartbeat carries the whole open set, which is how a new leader learns it
-  after a failover (see ``metanode.opentable.OpenTable``);
+  after a failover (see ``metanode.opentable.OpenTable``). Under a lease an
+  open is not announced at all (see below);
+- with :meth:`enable_leases` (the FUSE front end), the session's metadata
+  leases (:mod:`.leases`): the lease poll, kept outstanding on the leader,
+  which renews them and brings revocations (acknowledged by the next poll,
+  once the front end has dropped the kernel's caches); opens of a leased
+  file that the leader hears of only if it loses the lease while the file
+  is open; and the session's own changes (:meth:`mutate`), which keep its
+  leases on what they change;
 - the cluster map, refreshed in the background, which feeds the backing-storage
   client's placement and the cache router's rings;
 - the block chain for reads (DESIGN.md "Reads"): the owner of the block on our
@@ -24,6 +32,7 @@ The :class:`Session` is what the engine (:mod:`.volume`, :mod:`.reader`,
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -47,11 +56,13 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import Attr
+from cachefs.messages import Attr, LeasedAttr
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 from cachefs.transport import BlockTransport, open_transport
+
+from .leases import LeaseCache
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +77,7 @@ SLICE_BATCH = 64
 # slice ids a grace (10 min by default) after their allocation, and a slice
 # must be stored and committed before that (cachefs/backing/gc.py).
 SLICE_ID_TTL = 60.0
+POLL_WAIT = 2.0  # seconds the leader may hold a lease poll (it caps this at a quarter term)
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
 
@@ -102,8 +114,11 @@ class Session:
         self._slice_ids = range(0)
         self._slice_ids_at = 0.0  # trio time the batch was allocated
         self._slice_lock = trio.Lock()
-        self._open: dict[int, int] = {}  # ino -> opens by this mount (announced while > 0)
+        self._open: dict[int, int] = {}  # ino -> opens by this mount
         self._open_locks: dict[int, trio.Lock] = {}
+        self.leases: LeaseCache | None = None  # see enable_leases
+        # The front end drops the kernel's caches of lost leases: [(ino, names)].
+        self._on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]] | None = None
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
 
     @classmethod
@@ -175,6 +190,9 @@ class Session:
                     log.warning("session %s expired; opening a new one", self.session_id)
                     info = await self.meta.mount_volume(self.volume)
                     self.session_id = info.session
+                    if self.leases is not None:
+                        self.leases.drop_all()
+                        self.leases.unannounced.clear()  # re-opened below
                     await self._reopen_all()
                     if self.on_new_session is not None:
                         await self.on_new_session()
@@ -186,7 +204,9 @@ class Session:
                 log.warning("session upkeep failed (will retry): %s", exc)
 
     async def heartbeat(self) -> bool:
-        """Keep the session alive and announce its open set; False: it is gone."""
+        """Keep the session alive and announce its open set (a new leader
+        counts it once, opens under a lease included: it knows no lease);
+        False: it is gone."""
         return await self.meta.query(Q.SessionHeartbeat(self.session_id, tuple(sorted(self._open))))
 
     async def _reopen_all(self) -> None:
@@ -217,25 +237,51 @@ class Session:
             self._open_locks.pop(ino, None)
 
     async def open(self, ino: int) -> Attr | None:
-        """Count an open; the first one is announced to the leader (who checks
-        the inode is a regular file that still exists) and returns the
-        inode's attributes as of then (a linearizable read, as ``getattr``);
-        None when the inode was already open here."""
+        """Count an open; the first one returns the inode's attributes as of
+        then (a linearizable read, as ``getattr``), None when the inode was
+        already open here. Under a valid lease with attributes it is the
+        lease's answer and the leader is not told (it revokes the lease
+        before anyone unlinks or changes the file, and hears of the open
+        then); else the open is announced (``LeaseOpen``: the leader checks
+        the inode is a regular file that still exists) and leased."""
         lock = self._lock(ino)
         attr = None
         async with lock:
             count = self._open.get(ino, 0)
             if not count:
                 try:
-                    attr = await self.meta.query(Q.Open(self.volume, ino, self.session_id))
+                    attr = self._open_leased(ino) or await self._announce_open(ino)
                 except BaseException:
                     self._unlock_idle(ino, lock)
                     raise
             self._open[ino] = count + 1
         return attr
 
+    def leased_attr(self, ino: int) -> Attr | None:
+        """``ino``'s attributes under a valid lease, or None."""
+        if self.leases is None:
+            return None
+        lease = self.leases.get(ino, time.monotonic())
+        return None if lease is None else lease.attr
+
+    def _open_leased(self, ino: int) -> Attr | None:
+        attr = self.leased_attr(ino)
+        if attr is None or not attr.is_reg:
+            return None
+        assert self.leases is not None
+        self.leases.unannounced.add(ino)
+        self.leases.stats["hits"] += 1
+        return attr
+
+    async def _announce_open(self, ino: int) -> Attr:
+        if self.leases is None:
+            return await self.meta.query(Q.Open(self.volume, ino, self.session_id))
+        reply = await self.leased(ino, Q.LeaseOpen(self.volume, ino, self.session_id))
+        return reply.attr
+
     async def release(self, ino: int) -> None:
-        """Uncount an open; the last one is announced to the leader."""
+        """Uncount an open; the last one is announced to the leader, if it
+        knows of the open."""
         lock = self._lock(ino)
         async with lock:
             count = self._open.get(ino, 0)
@@ -244,10 +290,88 @@ class Session:
                 return
             self._open.pop(ino, None)
             try:
-                if count:
+                if count and (self.leases is None or self.leases.closed(ino)):
                     await self.meta.query(Q.Release(self.volume, ino, self.session_id))
             finally:
                 self._unlock_idle(ino, lock)
+
+    # ------------------------------------------------------------------ leases
+
+    def enable_leases(
+        self,
+        nursery: trio.Nursery,
+        on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]],
+    ) -> None:
+        """Take metadata leases from now on; ``on_lost`` drops the kernel's
+        caches of ``(ino, names)`` whose lease went (before it is acknowledged)."""
+        self.leases = LeaseCache()
+        self._on_lost = on_lost
+        nursery.start_soon(self._poll_leases)
+
+    async def leased(self, ino: int, q: Q.Query[LeasedAttr]) -> LeasedAttr:
+        """Send a query that answers ``ino``'s attributes with leases; the
+        leases are installed and hold the answer (unless something about the
+        inode changed here meanwhile)."""
+        leases = self.leases
+        assert leases is not None
+        ticket = leases.ticket(time.monotonic())
+        try:
+            reply = await self.meta.query(q)
+            lease = leases.accept(ticket, reply.grant, time.monotonic()).get(ino)
+            if lease is not None:
+                lease.attr = reply.attr
+            return reply
+        finally:
+            leases.done(ticket)
+
+    async def _poll_leases(self) -> None:
+        """Keep a lease poll outstanding on the leader (see module docstring):
+        what a poll acknowledges is dropped from the kernel first."""
+        leases = self.leases
+        assert leases is not None and self._on_lost is not None
+        while True:
+            out = leases.outgoing()
+            if out.lost:
+                await self._on_lost(out.lost)
+            poll = Q.LeasePoll(
+                self.session_id, out.acks, out.drops, out.opens, out.held_term,
+                int(POLL_WAIT * 1000),
+            )
+            sent = time.monotonic()
+            try:
+                news = await self.meta.query(poll, deadline=POLL_WAIT + 10.0)
+            except CacheFSError as exc:
+                leases.resend(out)
+                log.info("lease poll failed (will retry): %s", exc)
+                await trio.sleep(0.5)
+                continue
+            leases.news(news, sent)
+
+    async def mutate(self, cmd: C.Command[Any]) -> Any:
+        """Apply our own change: with leases, the leader leaves ours on what
+        it changes alone (it revokes everyone else's), and we forget what
+        the change makes stale. An open of those inodes the leader does not
+        know of is reported with it (an unlink must see it)."""
+        leases = self.leases
+        refs = C.inode_refs(cmd) if leases is not None else None
+        if refs is None or leases is None:
+            return await self.meta.mutate(cmd)
+        _, inos, entries = refs
+        named = set(inos)
+        for parent, name in entries:
+            lease = leases.held(parent)
+            if lease is not None and name in lease.entries:
+                named.add(lease.entries[name])
+        kept, opens = leases.begin_mutation(named)
+        try:
+            return await self.meta.mutate(cmd, lease=(self.session_id, kept, opens))
+        except CacheFSError as exc:
+            if not exc.remote:  # the outcome is unknown: the kernel may not know it
+                for ino in kept:
+                    leases.lose(ino)
+            raise
+        finally:
+            leases.end_mutation(kept, entries)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         """A chunk's slice list (the reader's ``BlockSource`` call)."""

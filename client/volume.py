@@ -142,11 +142,16 @@ class Volume:
     async def open(self, ino: int, fresh: Attr | None = None) -> Inode:
         """Count an open of ``ino`` and return its inode with fresh attributes:
         the leader's, from the first open here (the session announces it),
-        else ``fresh`` (just read by the caller), else a ``getattr``."""
+        else ``fresh`` (just read by the caller), else the lease's, else a
+        ``getattr``."""
         attr = await self.session.open(ino)
         try:
             if attr is None:  # already open here: the leader was not asked
-                attr = fresh or await self.session.meta.query(Q.GetAttr(self.session.volume, ino))
+                attr = (
+                    fresh
+                    or self.session.leased_attr(ino)
+                    or await self.session.meta.query(Q.GetAttr(self.session.volume, ino))
+                )
         except BaseException:
             await self.session.release(ino)
             raise
@@ -173,7 +178,7 @@ class Volume:
         if "size" in changes and inode is not None:
             await self.flush(inode)
         change = C.SetAttr(self.session.volume, ino, **changes)
-        inode = self.inodes.update(await self.session.meta.mutate(change))
+        inode = self.inodes.update(await self.session.mutate(change))
         if "size" in changes:
             inode.chunks.clear()
             inode.layout += 1

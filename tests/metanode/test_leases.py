@@ -15,9 +15,19 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import errno
+
+import pytest
+import trio
+
+from cachefs import commands as C
+from cachefs import queries as Q
 from cachefs.client.leases import LeaseCache
+from cachefs.errors import CacheFSError
 from cachefs.messages import Attr, Grant, LeaseNews
 from cachefs.metanode.leases import TRANSITIONS, Event, LeaseTable, State
+
+from .test_service import Single, meta  # noqa: F401 - the service fixture
 
 VOL = "v"
 TERM = 1.0
@@ -142,6 +152,48 @@ def test_an_answer_sent_before_a_revocation_is_not_installed() -> None:
     ticket = c.ticket(0.0)
     c.news(LeaseNews(1, 1000, [(3, 5)]), 0.0)  # revoked while the read was in flight
     assert c.accept(ticket, Grant(1, 1000, (5,)), 0.1) == {}
+
+
+# -- over the real service (one replica, real RPC) ------------------------------------
+
+
+async def test_a_change_waits_for_the_holders_ack_which_its_poll_carries(meta: Single) -> None:  # noqa: F811
+    a_client, b_client = meta.client(heartbeat_interval=0.1), meta.client(heartbeat_interval=0.1)
+    a = (await a_client.mount_volume(VOL)).session
+    await b_client.mount_volume(VOL)
+    f = await b_client.mutate(C.Mknod(VOL, 1, b"f", 0o100644))
+    page = await a_client.query(Q.LoadDir(VOL, 1, a))
+    [entry] = page.entries
+    assert entry.name == b"f" and entry.attr.ino == f.ino and entry.slices == []
+    assert set(page.grant.inos) == {1, f.ino} and page.grant.ms > 0 and not page.more
+    news = await a_client.query(Q.LeasePoll(a, wait_ms=0))
+    assert news.revoke == []
+    changed = trio.Event()
+
+    async def chmod() -> None:
+        await b_client.mutate(C.SetAttr(VOL, f.ino, mode=0o100600))
+        changed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(chmod)
+        with trio.fail_after(5):
+            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # answered by the revocation
+        [(rev, ino)] = news.revoke
+        assert ino == f.ino
+        await trio.sleep(0.3)
+        assert not changed.is_set()  # waits for the ack (the lease has seconds left)
+        await a_client.query(Q.LeasePoll(a, acks=(rev,), wait_ms=0))
+        with trio.fail_after(5):
+            await changed.wait()
+    looked = await a_client.query(Q.LeaseLookup(VOL, 1, b"f", a))
+    assert looked.attr.mode & 0o777 == 0o600 and set(looked.grant.inos) == {1, f.ino}
+    with pytest.raises(CacheFSError) as info:
+        cmd = C.SetAttr(VOL, f.ino, mode=0o100644)
+        await a_client.call(cmd.NAME, {"a": cmd.to_request(a_client.client_id, 10**6), "lease": ["x"]})
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(CacheFSError) as info:
+        await a_client.query(Q.LeasePoll("no-such-session"))
+    assert info.value.errno == errno.ENOENT
 
 
 # -- the stateful test ------------------------------------------------------------------

@@ -1,0 +1,190 @@
+"""Metadata leases between real mounts: what one mount answers from memory
+never hides another mount's change (revocation, lapse, failover).
+
+Each test mounts the module cluster twice: mount A reads (and so holds
+leases on what it read), mount B changes things. After B's call returns, A's
+next stat or open must show it: B's change was applied only once A
+acknowledged the revocation (its kernel caches gone) or A's lease lapsed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import stat
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from cachefs.metanode.leases import DEFAULT_TERM
+from cachefs.testing.ports import free_port
+
+from .conftest import ClusterMount, lab_processes
+from .test_cluster import _leader
+
+
+class Pair:
+    """Mount A (the reader, with metrics) and mount B (the writer) of one volume."""
+
+    def __init__(self, cluster, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.a = ClusterMount(cluster, tmp_path, "--metrics-port", str(self.port))
+        try:
+            self.b = ClusterMount(cluster, tmp_path)
+        except BaseException:
+            self.a.stop()
+            raise
+        self.name = f"leases-{uuid.uuid4().hex[:8]}"
+        os.mkdir(self.b.path / self.name)
+
+    def stop(self) -> None:
+        """Unmount both, the test's directory removed first (the cluster's
+        volume root is shared by the module's tests)."""
+        try:
+            shutil.rmtree(self.b.path / self.name)
+        finally:
+            try:
+                self.a.stop()
+            finally:
+                self.b.stop()
+        self.a.check_log()
+        self.b.check_log()
+
+    def hits(self) -> int:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        m = re.search(r'^cachefs_mount_lease_events_total\{event="hits"\} ([0-9.e+]+)$', text, re.M)
+        assert m, text[-2000:]
+        return int(float(m.group(1)))
+
+
+def _check(root: Path, model: dict[str, tuple[int, bytes]]) -> None:
+    """``root`` holds exactly the model's files, with its modes and contents.
+    Stats come first and last: a read invalidates the kernel's cached atime,
+    so only a stat after the last read leaves the kernel's attribute cache
+    full for the next check to test."""
+    _stat_all(root, model)
+    for name, (_, data) in model.items():
+        assert (root / name).read_bytes() == data, name
+    _stat_all(root, model)
+    assert sorted(os.listdir(root)) == sorted(model)
+
+
+def _stat_all(root: Path, model: dict[str, tuple[int, bytes]]) -> None:
+    for name, (mode, data) in model.items():
+        st = os.stat(root / name)
+        assert stat.S_IMODE(st.st_mode) == mode, name
+        assert st.st_size == len(data), name
+
+
+def test_a_reader_sees_every_change_of_another_mount_by_its_next_stat_and_open(cluster, tmp_path: Path) -> None:
+    """B renames, unlinks, chmods, truncates and rewrites while A holds leases
+    on everything; A checks the whole directory against the model after each
+    change, at once (A's attribute and entry timeouts alone are 0.5 s, and
+    its leases last seconds: only the revocations make A see the changes)."""
+    pair = Pair(cluster, tmp_path)
+    rng = random.Random(13)
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        model: dict[str, tuple[int, bytes]] = {}
+        for i in range(6):
+            data = rng.randbytes(rng.choice([0, 100, 70_000]))
+            (b / f"f{i}").write_bytes(data)
+            os.chmod(b / f"f{i}", 0o644)
+            model[f"f{i}"] = (0o644, data)
+        _check(a, model)
+        hits = pair.hits()
+        _check(a, model)  # unchanged: the kernel's caches, and every open under A's leases
+        assert pair.hits() - hits >= len(model)
+        for step in range(40):
+            name = rng.choice(sorted(model))
+            op = rng.choice(["rename", "unlink", "chmod", "truncate", "rewrite", "create"])
+            mode, data = model[name]
+            if op == "rename":
+                new = rng.choice([*model, f"r{step}"])  # maybe over an existing file
+                os.rename(b / name, b / new)
+                model[new] = model.pop(name)
+            elif op == "unlink" and len(model) > 2:
+                os.unlink(b / name)
+                del model[name]
+            elif op == "chmod":
+                mode = rng.choice([0o600, 0o640, 0o444, 0o755])
+                os.chmod(b / name, mode)
+                model[name] = (mode, data)
+            elif op == "truncate":
+                size = rng.randrange(0, len(data) + 1000)
+                os.truncate(b / name, size)
+                model[name] = (mode, data[:size] + bytes(max(0, size - len(data))))
+            elif op == "rewrite":
+                data = rng.randbytes(rng.choice([10, 5000, 200_000]))
+                if not mode & 0o200:
+                    os.chmod(b / name, mode | 0o200)
+                (b / name).write_bytes(data)
+                os.chmod(b / name, mode)
+                model[name] = (mode, data)
+            else:
+                data = rng.randbytes(300)
+                (b / f"c{step}").write_bytes(data)
+                os.chmod(b / f"c{step}", 0o644)
+                model[f"c{step}"] = (0o644, data)
+            _check(a, model)
+            _check(b, model)
+    finally:
+        pair.stop()
+
+
+def test_a_frozen_holder_delays_a_change_by_at_most_the_lease_term(cluster, tmp_path: Path) -> None:
+    pair = Pair(cluster, tmp_path)
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        (b / "f").write_bytes(b"old")
+        os.chmod(b / "f", 0o644)
+        assert (a / "f").read_bytes() == b"old"
+        assert stat.S_IMODE(os.stat(a / "f").st_mode) == 0o644
+        os.kill(pair.a.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            os.chmod(b / "f", 0o600)
+            (b / "f").write_bytes(b"new contents")
+            took = time.monotonic() - start
+        finally:
+            os.kill(pair.a.pid, signal.SIGCONT)
+        assert took < DEFAULT_TERM + 4.0, took
+        assert stat.S_IMODE(os.stat(a / "f").st_mode) == 0o600
+        assert (a / "f").read_bytes() == b"new contents"
+    finally:
+        pair.stop()
+
+
+def test_nothing_stale_is_served_after_the_leader_is_killed(cluster, tmp_path: Path) -> None:
+    pair = Pair(cluster, tmp_path)
+    leader = None
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        for i in range(5):
+            (b / f"f{i}").write_bytes(b"v1")
+        for i in range(5):
+            assert (a / f"f{i}").read_bytes() == b"v1"
+            os.stat(a / f"f{i}")
+        leader = _leader(cluster)
+        cluster.kill(leader)
+        start = time.monotonic()
+        (b / "f0").write_bytes(b"version two")
+        os.chmod(b / "f1", 0o600)
+        os.rename(b / "f2", b / "g2")
+        os.unlink(b / "f3")
+        took = time.monotonic() - start
+        assert (a / "f0").read_bytes() == b"version two"
+        assert stat.S_IMODE(os.stat(a / "f1").st_mode) == 0o600
+        assert not (a / "f2").exists() and (a / "g2").read_bytes() == b"v1"
+        assert not (a / "f3").exists()
+        assert (a / "f4").read_bytes() == b"v1"
+        assert took < 30 + DEFAULT_TERM, took
+    finally:
+        if leader is not None:
+            with lab_processes():
+                cluster.start(leader)
+        pair.stop()
