@@ -191,7 +191,7 @@ class Volume:
         if inode is not None:
             await self.flush(inode)
         change = C.Fallocate(self.session.volume, ino, mode, offset, length)
-        inode = self.inodes.update(await self.session.meta.mutate(change))
+        inode = self.inodes.update(await self.session.mutate(change))
         inode.chunks.clear()
         inode.layout += 1
         return inode
