@@ -304,6 +304,12 @@ class MountCollector:
             for name, value in leases.stats.items():
                 events.add_metric([name], value)
             yield events
+        rss = GaugeMetricFamily(
+            "cachefs_mount_rss_bytes",
+            "Resident memory of the mount process (L1, write buffers, inodes, fixed overhead)",
+        )
+        rss.add_metric([], _rss())
+        yield rss
         failed = CounterMetricFamily(
             "cachefs_mount_task_failures",
             "Background tasks that raised an unexpected exception (logged; the mount kept serving)",
@@ -324,6 +330,14 @@ def _counter(name: str, help_text: str, value: float):  # type: ignore[no-untype
     from prometheus_client.core import CounterMetricFamily
 
     return CounterMetricFamily(name, help_text, value=value)
+
+
+def _rss() -> int:
+    """This process's resident bytes (0 where /proc is not there)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 async def serve(

@@ -9,11 +9,18 @@ must still serve and unmount cleanly, with no error in its log.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import urllib.request
+from pathlib import Path
 
 import pytest
+
+from cachefs.testing.ports import free_port
+
+from .conftest import LocalMount
 
 pytestmark = pytest.mark.needs_fuse
 
@@ -40,3 +47,18 @@ def test_fanotify_and_ioctls_with_file_traffic_finish(localmount) -> None:
     (localmount.path / "after").write_bytes(data)
     assert (localmount.path / "after").read_bytes() == data
     shutil.rmtree(work)  # the fixture then unmounts: status 0, no ERROR logged
+
+
+def test_the_mount_exports_its_resident_memory(tmp_path) -> None:
+    """cachefs_mount_rss_bytes is the mount process's own RSS (issue 16, item 6)."""
+    port = free_port()
+    m = LocalMount(tmp_path, "--metrics-port", str(port))
+    try:
+        (m.path / "f").write_bytes(os.urandom(1 << 20))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        exported = float(re.search(r"^cachefs_mount_rss_bytes (\S+)$", text, re.M).group(1))
+        own = int(Path(f"/proc/{m.proc.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        assert exported > 20 << 20 and abs(exported - own) < 0.2 * own
+    finally:
+        assert m.stop() == 0, m.log()
+    m.check_log()
