@@ -32,7 +32,7 @@ class Pair:
 
     def __init__(self, cluster, tmp_path: Path) -> None:
         self.port = free_port()
-        self.a = ClusterMount(cluster, tmp_path, "--metrics-port", str(self.port))
+        self.a = ClusterMount(cluster, tmp_path, "--metrics-addr", str(self.port))
         try:
             self.b = ClusterMount(cluster, tmp_path)
         except BaseException:
