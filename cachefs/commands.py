@@ -78,6 +78,7 @@ XATTR_REPLACE = 2
 _FILE_TYPES = (stat.S_IFREG, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO, stat.S_IFSOCK)
 _SLASH = ord("/")
 _TOKEN_HASH = re.compile(r"[0-9a-f]{64}\Z")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 _VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -944,6 +945,115 @@ class SealSlices(Command[int]):
 
     def validate(self) -> None:
         check_int(self.floor, "floor", 0)
+
+
+# -- data repositories (linked S3 prefixes, see cachefs.repo) -----------------------
+
+IMPORT_MODES = ("full", "lazy")
+MAX_IMPORT_BATCH = 10_000
+MAX_OBJECT_KEY = 1024  # S3's limit, in UTF-8 bytes
+
+
+def check_repo_target(bucket: str, prefix: str, endpoint: str, region: str) -> None:
+    """An S3 bucket name (3..63 of ``[a-z0-9.-]``), a key prefix and an optional endpoint URL."""
+    if not _BUCKET.match(bucket):
+        raise InvalidArgument(f"bucket name must be 3..63 of [a-z0-9.-], got {bucket!r}")
+    if len(prefix.encode()) > MAX_OBJECT_KEY or prefix.startswith("/"):
+        raise InvalidArgument(f"bad key prefix {prefix!r}")
+    if endpoint and not re.match(r"https?://[^/\s]+/?\Z", endpoint):
+        raise InvalidArgument(f"endpoint must be http(s)://host[:port], got {endpoint!r}")
+    if len(region) > 64:
+        raise InvalidArgument("region is longer than 64 characters")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkRepo(Command[dict[str, Any]]):
+    """Associate directory ``ino`` of ``volume`` with ``s3://bucket/prefix``;
+    reply: the link (as ``ListRepoLinks`` shows it). Objects arrive by
+    ``ImportObjects``; credentials never enter the metadata."""
+
+    TAG: ClassVar[int] = 50
+    NAME: ClassVar[str] = "link_repo"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str
+    ino: int
+    bucket: str
+    prefix: str
+    endpoint: str = ""
+    region: str = ""
+    import_mode: str = "full"
+
+    def validate(self) -> None:
+        check_int(self.ino, "ino", 1)
+        check_repo_target(self.bucket, self.prefix, self.endpoint, self.region)
+        if self.import_mode not in IMPORT_MODES:
+            raise InvalidArgument(f"import mode must be one of {IMPORT_MODES}, got {self.import_mode!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnlinkRepo(Command[dict[str, Any]]):
+    """Forget link ``link_id``; its imported files stay, but reading their
+    S3 data then fails naming the removed link. Reply: the link as it was."""
+
+    TAG: ClassVar[int] = 51
+    NAME: ClassVar[str] = "unlink_repo"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    link_id: int
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImportObjects(Command[dict[str, int]]):
+    """One page of a link's listing becomes files under its directory.
+
+    ``entries`` is msgpack ``[[key, size, mtime_ns, etag], ...]``, keys
+    relative to the link's prefix. A new key becomes a file (its missing
+    directories too); a known key with another ETag gets a new content
+    version (new block keys); a name held by a local file or a directory is
+    left alone. ``cursor`` (the page's last key) is where a resumed import
+    starts; ``done`` marks the listing finished. Reply: ``{created, updated,
+    unchanged, skipped}``.
+    """
+
+    TAG: ClassVar[int] = 52
+    NAME: ClassVar[str] = "import_objects"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    link_id: int
+    entries: bytes
+    cursor: str = ""
+    done: bool = False
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+        self.objects()
+
+    def objects(self) -> list[tuple[str, int, int, str]]:
+        """The decoded entries; InvalidArgument naming the first bad one."""
+        try:
+            rows = msgpack.unpackb(self.entries, raw=False, use_list=True)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise InvalidArgument(f"undecodable import entries: {exc}") from None
+        if not isinstance(rows, list) or len(rows) > MAX_IMPORT_BATCH:
+            raise InvalidArgument(f"import entries must be a list of at most {MAX_IMPORT_BATCH}")
+        out = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+                    and isinstance(row[3], str) and len(row[3]) <= 256):  # fmt: skip
+                raise InvalidArgument(f"import entry must be [key, size, mtime_ns, etag], got {row!r}")
+            key, size, mtime, etag = row
+            if not key or len(key.encode()) > MAX_OBJECT_KEY:
+                raise InvalidArgument(f"bad object key {key!r}")
+            check_int(size, f"size of {key!r}", 0, MAX_FILE_SIZE)
+            check_int(mtime, f"mtime of {key!r}", 0, I64)
+            out.append((key, size, mtime, etag))
+        return out
 
 
 # -- cluster map --------------------------------------------------------------------

@@ -3,6 +3,13 @@
 A block is named by ``(slice_id, index)`` (see DESIGN.md, "Data model").
 Slice ids are allocated cluster-wide by the metanodes and never reused, so a
 key names the same bytes forever: a cached block can never be stale.
+
+Slice ids with :data:`REPO_SLICE_BIT` set are a key space of their own: each
+names one version (ETag) of one object of a linked S3 bucket (see
+:mod:`cachefs.repo`), allocated when that version is imported, so
+``BlockKey(repo slice, i)`` is block ``i`` of exactly that object version and
+a changed object gets new keys. Their blocks live in the bucket, never on the
+datanodes; the cache tier treats them like any other immutable block.
 """
 
 from __future__ import annotations
@@ -14,6 +21,12 @@ _KEY = struct.Struct(">QI")
 
 CHUNK_SIZE = 64 * 1024 * 1024
 DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
+REPO_SLICE_BIT = 1 << 63
+
+
+def is_repo_slice(slice_id: int) -> bool:
+    """Whether ``slice_id`` names an imported object version (its blocks are in S3)."""
+    return slice_id >= REPO_SLICE_BIT
 
 
 class BlockKey(NamedTuple):

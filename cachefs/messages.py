@@ -349,3 +349,9 @@ def mapping(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise IOFailure(f"metanode sent {type(raw).__name__} for a map")
     return raw
+
+
+def mapping_list(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list | tuple) or not all(isinstance(v, dict) for v in raw):
+        raise IOFailure(f"metanode sent {type(raw).__name__} for a list of maps")
+    return list(raw)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic
 from cachefs import messages as M
 from cachefs.credentials import ADMINS, CLIENTS, SERVERS
 from cachefs.errors import InvalidArgument
+from cachefs.ids import REPO_SLICE_BIT
 from cachefs.layout import Slice
 
 from .commands import U32, R, body_getter, check_fields, check_int, check_name
@@ -292,6 +293,38 @@ class ListVolumes(Query[dict[str, Any]]):
 
     def confine(self, answer: dict[str, Any], volumes: frozenset[str]) -> dict[str, Any]:
         return {name: spec for name, spec in answer.items() if name in volumes}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListRepoLinks(Query[list[dict[str, Any]]]):
+    """Every data repository link (``cachefs repo list --json``), in id order."""
+
+    NAME: ClassVar[str] = "list_repo_links"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping_list
+
+    def run(self, state: MetaState) -> list[dict[str, Any]]:
+        return state.repo_links()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RepoObject(Query[dict[str, Any]]):
+    """Where the blocks of repo slice ``slice_id`` come from: ``{link, key,
+    etag, size, block_size}`` (``link`` as ``ListRepoLinks`` shows it). What a
+    cache node (or a client reading around the cache tier) asks on a miss;
+    the answer never changes, so it may be kept."""
+
+    NAME: ClassVar[str] = "repo_object"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str
+    slice_id: int
+
+    def validate(self) -> None:
+        check_int(self.slice_id, "slice_id", REPO_SLICE_BIT, (1 << 64) - 1)
+
+    def run(self, state: MetaState) -> dict[str, Any]:
+        return state.repo_object(self.volume, self.slice_id)
 
 
 # -- answered by the service: the cluster map and the leader's soft state ------------

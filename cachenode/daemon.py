@@ -126,7 +126,10 @@ async def serve(
                 )
                 view = MetaClusterView(meta_client)
                 nursery.start_soon(view.run)
-                backing = BackingClient(pool, view, zone=zone)
+                from cachefs.repo.source import RepoBlocks
+
+                # blocks of imported files come from their buckets, the rest from the datanodes
+                backing = RepoBlocks(BackingClient(pool, view, zone=zone), meta_client.query)
             peers = None
             if meta_client is not None:
                 peers = PeerZones(pool, zone, node_id, functools.partial(meta_client.query, ClusterMap()))

@@ -58,6 +58,7 @@ from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
 from cachefs.messages import Attr, LeasedAttr
 from cachefs.metanode.client import MetaClient
+from cachefs.repo.source import RepoBlocks
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 from cachefs.transport import BlockTransport, open_transport
@@ -93,7 +94,7 @@ class Session:
         *,
         zone: str,
         transport: BlockTransport,
-        backing: BackingClient,
+        backing: BackingClient | RepoBlocks,
         view: MetaClusterView | None = None,
     ) -> None:
         """Parts are injected so tests can run the same session over other parts;
@@ -158,7 +159,7 @@ class Session:
             cmap,
             zone=zone,
             transport=open_transport(transport, pool),
-            backing=BackingClient(pool, view, zone=zone),
+            backing=RepoBlocks(BackingClient(pool, view, zone=zone), meta.query),
             view=view,
         )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 from collections import Counter
 
-from cachefs.ids import CHUNK_SIZE
+from cachefs.ids import CHUNK_SIZE, is_repo_slice
 from cachefs.layout import HOLE
 
 from .namespace import (
@@ -36,6 +36,7 @@ from .namespace import (
     _all_records,
     _kind,
     stored_bytes,
+    unpack_repo_object,
 )
 
 _S_IFDIR = 0o040000
@@ -123,12 +124,18 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
         if _kind(inode.mode) == _S_IFREG:
             for chunk, slice_id, pos, length, offset, ssize in _all_records(inode.data):
                 sized = offset == ssize == 0 if slice_id == HOLE else offset + length <= ssize
-                if not (length > 0 and pos + length <= CHUNK_SIZE and sized):
+                if is_repo_slice(slice_id):  # an imported object: its size is the object's
+                    raw = state.repo_objects.get(slice_id)
+                    if raw is None:
+                        p.append(f"{name}: inode {ino} uses unknown repo slice {slice_id:x}")
+                    elif ssize or offset + length > unpack_repo_object(raw)[1]:
+                        p.append(f"{name}: inode {ino} bad repo slice record {slice_id:x}")
+                elif not (length > 0 and pos + length <= CHUNK_SIZE and sized):
                     p.append(f"{name}: inode {ino} bad slice record {slice_id}")
+                elif slice_id >= state.next_slice:
+                    p.append(f"{name}: inode {ino} uses unallocated slice {slice_id}")
                 if chunk * CHUNK_SIZE + pos + length > inode.size:
                     p.append(f"{name}: inode {ino} slice {slice_id} lies past the size")
-                if slice_id >= state.next_slice:
-                    p.append(f"{name}: inode {ino} uses unallocated slice {slice_id}")
     if total_bytes != vol.used_bytes:
         p.append(f"{name}: used_bytes {vol.used_bytes}, recount {total_bytes}")
     p.extend(_check_tree(vol))

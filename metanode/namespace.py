@@ -112,7 +112,7 @@ from cachefs.errors import (
     SliceExpired,
     error_from_wire,
 )
-from cachefs.ids import CHUNK_SIZE
+from cachefs.ids import CHUNK_SIZE, REPO_SLICE_BIT, is_repo_slice
 from cachefs.layout import HOLE
 from cachefs.messages import (
     Attr,
@@ -272,6 +272,60 @@ class Volume:
         self.inodes[ROOT] = root
 
 
+class RepoLink:
+    """A directory of a volume linked to an S3 prefix (a data repository
+    association). ``cursor``: the last object key imported, where an
+    interrupted listing goes on; ``imported_ns``: when the listing finished
+    (0 while it runs). No credentials: every reader has its own."""
+
+    __slots__ = ("id", "volume", "ino", "bucket", "prefix", "endpoint", "region", "import_mode",
+                 "cursor", "objects", "created_ns", "imported_ns")  # fmt: skip
+
+    def __init__(self, link_id: int, cmd: C.LinkRepo) -> None:
+        self.id = link_id
+        self.volume = cmd.volume
+        self.ino = cmd.ino
+        self.bucket = cmd.bucket
+        self.prefix = cmd.prefix
+        self.endpoint = cmd.endpoint
+        self.region = cmd.region
+        self.import_mode = cmd.import_mode
+        self.cursor = ""
+        self.objects = 0
+        self.created_ns = cmd.now_ns
+        self.imported_ns = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **{name: getattr(self, name) for name in self.__slots__},
+            "url": f"s3://{self.bucket}/{self.prefix}",
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RepoLink:
+        link = cls.__new__(cls)
+        for name in cls.__slots__:
+            setattr(link, name, d[name])
+        return link
+
+
+# A repo slice's object: link id, size, ETag length, then the ETag and the key
+# relative to the link's prefix, in one bytes object (kept per imported file).
+_REPO_OBJ = struct.Struct("<IQH")
+
+
+def pack_repo_object(link_id: int, size: int, etag: str, key: str) -> bytes:
+    tag = etag.encode()
+    return _REPO_OBJ.pack(link_id, size, len(tag)) + tag + key.encode()
+
+
+def unpack_repo_object(raw: bytes) -> tuple[int, int, str, str]:
+    """``(link_id, size, etag, key)``."""
+    link_id, size, n = _REPO_OBJ.unpack_from(raw)
+    start = _REPO_OBJ.size
+    return link_id, size, raw[start : start + n].decode(), raw[start + n :].decode()
+
+
 class Session:
     """A mounted client; which files it has open is the leader's soft state.
 
@@ -370,6 +424,10 @@ class MetaState:
         self.dedup_swept_ns = 0
         self.next_slice = 1
         self.slice_floor = 0  # no commit of a slice id below it (SealSlices)
+        self.links: dict[int, RepoLink] = {}
+        self.next_link = 1
+        self.next_repo = 1  # repo slice ids are REPO_SLICE_BIT | next_repo
+        self.repo_objects: dict[int, bytes] = {}  # repo slice id -> pack_repo_object
         self.applied_index = 0
         self.watcher: ApplyWatcher | None = None  # set by the leader's service
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
@@ -399,6 +457,9 @@ class MetaState:
             C.SealSlices: self._seal_slices,
             C.RegisterNode: self._register_node,
             C.RemoveNode: self._remove_node,
+            C.LinkRepo: self._link_repo,
+            C.UnlinkRepo: self._unlink_repo,
+            C.ImportObjects: self._import_objects,
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -630,7 +691,8 @@ class MetaState:
             parent.nlink -= 1
 
     def _trash(self, vol: Volume, slice_id: int, slice_size: int, now: int) -> None:
-        if slice_id != HOLE:  # a hole record has no blocks
+        # a hole record has no blocks; a repo slice's blocks are in its bucket
+        if slice_id != HOLE and not is_repo_slice(slice_id):
             vol.trash += _TRASH.pack(slice_id, slice_size, now)
 
     @staticmethod
@@ -659,6 +721,8 @@ class MetaState:
         if _kind(inode.mode) == _S_IFREG:
             for rec in _all_records(inode.data):
                 self._trash(vol, rec[1], rec[5], now)
+                if is_repo_slice(rec[1]):
+                    self.repo_objects.pop(rec[1], None)
         vol.used_bytes -= inode.stored
         del vol.inodes[inode.ino]
 
@@ -1274,6 +1338,117 @@ class MetaState:
     def _remove_node(self, cmd: C.RemoveNode) -> int:
         return self.cluster.remove(cmd.kind, cmd.node_id)
 
+    # -- data repositories --------------------------------------------------------------
+
+    def _link_repo(self, cmd: C.LinkRepo) -> dict[str, Any]:
+        vol = self._vol(cmd.volume)
+        self._dir(vol, cmd.ino)
+        above = {i.ino for i in self._ancestors(vol, cmd.ino)}
+        for link in self.links.values():
+            if link.volume != cmd.volume:
+                continue
+            if link.ino in above:
+                raise Exists(f"directory {cmd.ino} is already inside link {link.id} ({link.ino})")
+            if link.ino in vol.inodes and cmd.ino in {i.ino for i in self._ancestors(vol, link.ino)}:
+                raise Exists(f"directory {cmd.ino} holds link {link.id} already")
+        link = RepoLink(self.next_link, cmd)
+        self.next_link += 1
+        self.links[link.id] = link
+        return link.to_dict()
+
+    def _unlink_repo(self, cmd: C.UnlinkRepo) -> dict[str, Any]:
+        link = self.links.pop(cmd.link_id, None)
+        if link is None:
+            raise NotFound(f"no repository link {cmd.link_id}")
+        return link.to_dict()
+
+    def _import_objects(self, cmd: C.ImportObjects) -> dict[str, int]:
+        link = self.links.get(cmd.link_id)
+        if link is None:
+            raise NotFound(f"no repository link {cmd.link_id}")
+        vol = self._vol(link.volume)
+        if link.ino not in vol.inodes:
+            raise NotFound(f"the directory of repository link {link.id} is gone")
+        self._dir(vol, link.ino)
+        counts = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0}
+        for key, size, mtime, etag in cmd.objects():
+            counts[self._import_one(vol, link, key, size, mtime, etag, cmd.now_ns)] += 1
+        link.objects += counts["created"]
+        if cmd.cursor:
+            link.cursor = cmd.cursor
+        if cmd.done:
+            link.imported_ns = cmd.now_ns
+        return counts
+
+    def _import_one(
+        self, vol: Volume, link: RepoLink, key: str, size: int, mtime: int, etag: str, now: int
+    ) -> str:
+        """One object: what became of it (a key of ``ImportObjects``' reply)."""
+        *dirs, leaf = key.split("/")
+        try:
+            names = [C.check_name(part.encode()) for part in (*dirs, leaf)]
+        except CacheFSError:
+            return "skipped"  # "a//b", "." parts, over-long names: no file can hold it
+        parent = vol.inodes[link.ino]
+        for name in names[:-1]:
+            ino = self._lookup_ino(parent.data, name)
+            if ino is None:
+                self._create(vol, parent.ino, name, _S_IFDIR | 0o755, 0, 0, now, Dir())
+                ino = self._lookup_ino(parent.data, name)
+            parent = vol.inodes[ino]
+            if not parent.is_dir:
+                return "skipped"
+        ino = self._lookup_ino(parent.data, names[-1])
+        if ino is None:
+            self._check_quota(vol, parent.ino, 0, 1)
+            inode = Inode(self._alloc_ino(vol), _S_IFREG | 0o644, 0, 0, mtime, None)
+            vol.inodes[inode.ino] = inode
+            self._add_entry(vol, parent, names[-1], inode)
+            self._touch(parent, now)
+            self._set_repo_content(vol, link, inode, key, size, etag)
+            return "created"
+        inode = vol.inodes[ino]
+        if _kind(inode.mode) != _S_IFREG:
+            return "skipped"
+        sids = {rec[1] for rec in _all_records(inode.data)}
+        if any(not is_repo_slice(sid) for sid in sids):
+            return "skipped"  # written here: the local content wins
+        old = next(iter(sids), None)
+        if old is None and inode.size:
+            return "skipped"  # a sparse local file
+        raw = self.repo_objects.get(old) if old is not None else None
+        if raw is not None and unpack_repo_object(raw)[2] == etag:
+            return "unchanged"
+        if old is None and not size:
+            return "unchanged"  # an empty object, as imported
+        self.repo_objects.pop(old, None)
+        inode.data = None
+        inode.atime = inode.mtime = mtime
+        inode.ctime = now
+        inode.version += 1
+        self._set_repo_content(vol, link, inode, key, size, etag)
+        return "updated"
+
+    def _set_repo_content(
+        self, vol: Volume, link: RepoLink, inode: Inode, key: str, size: int, etag: str
+    ) -> None:
+        """Point a file at a new repo slice: one record per chunk, no stored bytes."""
+        inode.size = size
+        if not size:
+            return
+        sid = REPO_SLICE_BIT | self.next_repo
+        self.next_repo += 1
+        self.repo_objects[sid] = pack_repo_object(link.id, size, etag, key)
+        last = (size - 1) // CHUNK_SIZE
+        recs = b"".join(
+            _REC.pack(c, sid, 0, min(CHUNK_SIZE, size - c * CHUNK_SIZE), c * CHUNK_SIZE, 0)
+            for c in range(last + 1)
+        )
+        if last + 1 > FLAT_MAX_RECORDS:
+            inode.data = {c: recs[c * _REC.size : (c + 1) * _REC.size] for c in range(last + 1)}
+        else:
+            inode.data = recs
+
     # -- reads (run by the queries, on the leader) --------------------------------------
 
     def lookup(self, volume: str, parent: int, name: bytes) -> Attr:
@@ -1370,6 +1545,29 @@ class MetaState:
             raise NotADirectory(f"inode {ino} is not a directory")
         d: Dir = inode.data
         return Usage(d.ubytes, d.uinodes, d.qbytes, d.qinodes)
+
+    def repo_links(self) -> list[dict[str, Any]]:
+        return [link.to_dict() for link in self.links.values()]
+
+    def repo_object(self, volume: str, slice_id: int) -> dict[str, Any]:
+        """Where repo slice ``slice_id`` of ``volume`` reads from (``Q.RepoObject``)."""
+        raw = self.repo_objects.get(slice_id)
+        if raw is None:
+            raise NotFound(f"repo slice {slice_id:x} is gone (its file changed or was removed)")
+        link_id, size, etag, key = unpack_repo_object(raw)
+        link = self.links.get(link_id)
+        if link is None:
+            raise NotFound(f"repository link {link_id} was removed")
+        if link.volume != volume:
+            raise NotFound(f"repo slice {slice_id:x} is not in volume {volume!r}")
+        spec = self.cluster.volumes.get(volume)
+        return {
+            "link": link.to_dict(),
+            "key": link.prefix + key,
+            "etag": etag,
+            "size": size,
+            "block_size": spec.block_size if spec is not None else 0,
+        }
 
     def statfs(self, volume: str) -> FsStats:
         vol = self._vol(volume)

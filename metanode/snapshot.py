@@ -1,14 +1,16 @@
 """The namespace snapshot: all of :class:`~.namespace.MetaState` as one blob.
 
 The format is msgpack, then zstd: ``[version, applied_index, next_slice,
-cluster map, volumes, sessions, dedup answers, dedup sweep time, slice floor]``. It is
+cluster map, volumes, sessions, dedup answers, dedup sweep time, slice floor,
+data repositories]``. It is
 deterministic (the same state gives the same bytes on every replica), and
 built for speed, since it runs at a Raft Ready boundary (in a forked child
 by default, see ``raft/snapshot_child.py``): inodes are one flat list of
 ``_NFIELDS`` values each rather than a list per inode. Version 3 (open
 counts per volume) still loads; version 4 keeps the orphan list instead;
 version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
-bytes, which loading a 3 or 4 recounts. ``Inode.stored`` is not in the
+bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
+links and imported objects (none before). ``Inode.stored`` is not in the
 blob: loading sums it from the slice records.
 Fields added since (a volume's token hash and repair queue, the slice
 floor) are optional at the end of their list, so older snapshots load.
@@ -33,6 +35,7 @@ from .namespace import (
     Failure,
     Inode,
     MetaState,
+    RepoLink,
     Session,
     Volume,
     stored_bytes,
@@ -41,7 +44,7 @@ from .namespace import (
 _SLOTS = Inode.__slots__[: Inode.__slots__.index("data") + 1]  # not ``stored``
 _FIELDS = operator.attrgetter(*_SLOTS)
 _NFIELDS = len(_SLOTS)
-VERSION = 5
+VERSION = 6
 
 
 def dump(state: MetaState) -> bytes:
@@ -100,6 +103,12 @@ def dump(state: MetaState) -> bytes:
         dedup,
         state.dedup_swept_ns,
         state.slice_floor,
+        [
+            [link.to_dict() for link in state.links.values()],
+            state.next_link,
+            state.next_repo,
+            [v for sid, raw in state.repo_objects.items() for v in (sid, raw)],
+        ],
     ]
     raw = msgpack.packb(parts, use_bin_type=True)
     return zstandard.ZstdCompressor(level=3).compress(raw)
@@ -110,11 +119,14 @@ def load(state: MetaState, data: bytes) -> None:
     raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 40)
     parts = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     version, applied, next_slice, cluster, volumes, sessions, dedup, swept, *tail = parts
-    if version not in (3, 4, VERSION):
+    if version not in (3, 4, 5, VERSION):
         raise InvalidArgument(f"unknown snapshot version {version}")
     state.applied_index = applied
     state.next_slice = next_slice
     state.slice_floor = tail[0] if tail else 0  # older snapshots: no floor
+    links, state.next_link, state.next_repo, objects = tail[1] if len(tail) > 1 else ([], 1, 1, [])
+    state.links = {d["id"]: RepoLink.from_dict(d) for d in links}
+    state.repo_objects = dict(zip(objects[::2], objects[1::2], strict=True))
     state.cluster = ClusterMap.load(cluster)
     state.volumes = {}
     for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *later in volumes:

@@ -72,7 +72,7 @@ import trio
 from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.errors import CacheFSError, NotFound
-from cachefs.ids import CHUNK_SIZE, BlockKey
+from cachefs.ids import CHUNK_SIZE, BlockKey, is_repo_slice
 from cachefs.layout import HOLE, Slice
 from cachefs.tasks import run_all
 
@@ -113,8 +113,9 @@ def slice_block_keys(slice_id: int, size: int, block_size: int) -> list[BlockKey
 
 
 def record_block_keys(rec: Slice, block_size: int) -> set[BlockKey]:
-    """The blocks a slice-list record needs: those covering ``[offset, offset+length)``."""
-    if rec.id == HOLE or rec.length <= 0:
+    """The blocks on the datanodes a slice-list record needs: those covering
+    ``[offset, offset+length)`` (none for an imported object's: they are in S3)."""
+    if rec.id == HOLE or rec.length <= 0 or is_repo_slice(rec.id):
         return set()
     first = rec.offset // block_size
     last = (rec.offset + rec.length - 1) // block_size

@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, str] = {
     "lab": "cachefs.lab.cli:lab",
     "bench": "cachefs.benchcmd:bench",
     "credential": "cachefs.cli.credential:credential",
+    "repo": "cachefs.cli.repo:repo",
 }
 
 # Optional dependencies: the module a failed import names -> (the extra that installs it, a note).

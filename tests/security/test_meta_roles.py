@@ -31,13 +31,14 @@ TOKEN = "mount-token-of-t"
 # Who may call each metanode method. A new method fails here until its
 # author decides (the default is servers only).
 ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "purge_trash",
-              "list_trash", "list_repairs", "unreferenced_slices", "remove_node"}
+              "list_trash", "list_repairs", "unreferenced_slices", "remove_node",
+              "link_repo", "unlink_repo", "import_objects", "list_repo_links"}
 SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
 FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "symlink", "link", "unlink",
                "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
                "lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "read_chunk",
                "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat",
-               "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll"}
+               "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll", "repo_object"}
 FOR_ANYONE = {"meta_status"}
 # Client methods that name no volume or session: what they touch is global
 # (slice ids) or their answer is cut down to the caller's volumes.

@@ -1,0 +1,200 @@
+"""``cachefs repo ...``: link S3 prefixes into volumes (data repositories).
+
+``link`` checks the bucket can be listed with this machine's AWS
+credentials before it records anything, then imports the whole listing
+(``--import full``), printing progress. Running it again for the same
+directory and URL goes on with the import where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from cachefs import commands as C
+from cachefs import queries as Q
+from cachefs.config import tls_options
+from cachefs.errors import CacheFSError, Exists, NotADirectory, NotFound
+from cachefs.metanode.admin import _insecure, _meta, _run, _secret
+from cachefs.metanode.client import MetaClient
+from cachefs.repo.importer import import_listing
+from cachefs.repo.s3 import S3Store
+from cachefs.repo.url import S3Url
+
+ROOT = 1
+
+
+async def resolve(meta: MetaClient, volume: str, path: str, *, create: bool = False) -> int:
+    """The inode of directory ``path`` of ``volume`` (made, with its parents, if ``create``)."""
+    ino = ROOT
+    for part in [p for p in path.split("/") if p]:
+        name = C.check_name(part.encode())
+        try:
+            attr = await meta.query(Q.Lookup(volume, ino, name))
+        except CacheFSError as exc:
+            if not create or exc.code != "ENOENT":
+                raise
+            attr = await meta.mutate(C.Mkdir(volume, ino, name, 0o755, 0, 0))
+        if not attr.mode & 0o040000:
+            raise NotADirectory(f"{path!r}: {part!r} is not a directory")
+        ino = attr.ino
+    return ino
+
+
+async def link_at(meta: MetaClient, volume: str, ino: int) -> dict[str, Any]:
+    for link in await meta.query(Q.ListRepoLinks()):
+        if link["volume"] == volume and link["ino"] == ino:
+            return link
+    raise NotFound(f"no repository link at that directory (inode {ino}) of volume {volume!r}")
+
+
+def _progress(totals: dict[str, int]) -> None:
+    print(f"\rlisted {totals['listed']:,} objects: {totals['created']:,} new, "
+          f"{totals['updated']:,} changed, {totals['skipped']:,} skipped", end="", file=sys.stderr)  # fmt: skip
+
+
+@click.group()
+def repo() -> None:
+    """Link S3 buckets into volumes: their objects become files, read through the cache tier."""
+
+
+@repo.command("link")
+@click.argument("volume")
+@click.argument("path")
+@click.argument("url")
+@click.option("--endpoint", default="", help="Endpoint URL of an S3-compatible store (default: AWS).")
+@click.option("--region", default="", help="The bucket's region (default: the AWS configuration's).")
+@click.option("--import", "import_mode", type=click.Choice(["full"]), default="full", show_default=True,
+              help="full: list the whole prefix now.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True)
+@_meta
+@_secret
+@_insecure
+@tls_options
+def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mode: str, as_json: bool,
+         meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
+         tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Link directory PATH of VOLUME to URL (s3://BUCKET/PREFIX) and import its listing."""
+    try:
+        target = S3Url.parse(url)
+        C.LinkRepo(volume, ROOT, target.bucket, target.prefix, endpoint, region, import_mode)
+    except CacheFSError as exc:
+        raise click.BadParameter(exc.message, param_hint="URL/--endpoint/--region") from None
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        ino = await resolve(mc, volume, path, create=True)
+        existing = [
+            lk for lk in await mc.query(Q.ListRepoLinks()) if lk["volume"] == volume and lk["ino"] == ino
+        ]
+        if existing and (existing[0]["url"], existing[0]["endpoint"]) != (str(target), endpoint):
+            raise Exists(f"{path} is linked to {existing[0]['url']} already (link {existing[0]['id']})")
+        name = f"repository link to {target}" if not existing else f"repository link {existing[0]['id']} ({target})"
+        store = S3Store(target.bucket, name=name, endpoint=endpoint, region=region)
+        await store.check()  # wrong credentials or bucket: refused before anything is recorded
+        lk = existing[0] if existing else await mc.mutate(
+            C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode)
+        )  # fmt: skip
+        store.name = f"repository link {lk['id']} ({target})"
+        totals = await import_listing(mc.mutate, lk, store, progress=None if as_json else _progress)
+        if not as_json:
+            print(file=sys.stderr)
+        return {**lk, "import": totals}
+
+    result = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        t = result["import"]
+        click.echo(f"linked {volume}:{path} to {result['url']} (link {result['id']}): "
+                   f"{t['created']} files imported, {t['updated']} changed, {t['skipped']} skipped")  # fmt: skip
+
+
+@repo.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@_meta
+@_secret
+@_insecure
+@tls_options
+def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
+          tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """List the repository links."""
+    links = _run(meta, secret_file, insecure, lambda mc: mc.query(Q.ListRepoLinks()), (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(links))
+        return
+    for lk in links:
+        state = "imported" if lk["imported_ns"] else f"importing (after {lk['cursor']!r})"
+        click.echo(f"{lk['id']}\t{lk['volume']}\tino {lk['ino']}\t{lk['url']}\t{lk['endpoint'] or 'aws'}\t"
+                   f"{lk['objects']} objects\t{state}")  # fmt: skip
+
+
+@repo.command("status")
+@click.argument("volume")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True)
+@_meta
+@_secret
+@_insecure
+@tls_options
+def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
+           tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Show the link of directory PATH of VOLUME."""
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        return await link_at(mc, volume, await resolve(mc, volume, path))
+
+    lk = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(lk))
+    else:
+        for key, value in lk.items():
+            click.echo(f"{key}: {value}")
+
+
+@repo.command("sync")
+@click.argument("volume")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True)
+@_meta
+@_secret
+@_insecure
+@tls_options
+def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
+         tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """List the link of PATH again: new objects become files, changed ones get a new
+    content version. (Objects deleted from the bucket are not removed here yet.)"""
+
+    async def go(mc: MetaClient) -> dict[str, int]:
+        lk = await link_at(mc, volume, await resolve(mc, volume, path))
+        store = S3Store(lk["bucket"], name=f"repository link {lk['id']} ({lk['url']})",
+                        endpoint=lk["endpoint"], region=lk["region"])  # fmt: skip
+        return await import_listing(mc.mutate, {**lk, "cursor": ""}, store)
+
+    totals = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(totals))
+    else:
+        click.echo(f"synced {volume}:{path}: {totals['created']} new, {totals['updated']} changed, "
+                   f"{totals['unchanged']} unchanged, {totals['skipped']} skipped")  # fmt: skip
+
+
+@repo.command("unlink")
+@click.argument("volume")
+@click.argument("path")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def unlink(volume: str, path: str, meta: list[str], secret_file: str | None, insecure: bool,
+           tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Remove the link of directory PATH of VOLUME (its files stay; their S3 data is no longer read)."""
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        lk = await link_at(mc, volume, await resolve(mc, volume, path))
+        return await mc.mutate(C.UnlinkRepo(lk["id"]))
+
+    lk = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    click.echo(f"unlinked {volume}:{path} from {lk['url']} (link {lk['id']})")

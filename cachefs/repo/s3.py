@@ -1,0 +1,129 @@
+"""One linked bucket through boto3, run in worker threads from trio.
+
+boto3 does the signing, the standard AWS credential chain (environment,
+shared credentials file, profile) and its retry policy with back-off for
+throttling (``standard`` mode: 503 SlowDown is retried); this module only
+bounds how many calls run at once and turns botocore's errors into
+:class:`~cachefs.errors.CacheFSError`\\ s that name the link, so an operator
+reading a log line knows which association is misconfigured.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NamedTuple, TypeVar
+
+import boto3
+import trio
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from cachefs.errors import CacheFSError, NotFound, PermissionDenied, Unavailable
+
+T = TypeVar("T")
+
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
+_THROTTLED = {"SlowDown", "503", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
+
+
+class ObjectInfo(NamedTuple):
+    key: str
+    size: int
+    mtime_ns: int
+    etag: str
+
+
+class S3Store:
+    """The calls cachefs makes on one bucket; ``name`` says which link in errors."""
+
+    def __init__(self, bucket: str, *, name: str, endpoint: str = "", region: str = "",
+                 max_calls: int = 16, timeout: float = 30.0, attempts: int = 4) -> None:  # fmt: skip
+        self.bucket = bucket
+        self.name = name
+        config = Config(
+            retries={"mode": "standard", "max_attempts": attempts},
+            max_pool_connections=max_calls,
+            connect_timeout=min(5.0, timeout),
+            read_timeout=timeout,
+        )
+        session = boto3.session.Session()  # one per store: boto3's default session is not thread-safe
+        self._client = session.client(
+            "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
+        )
+        self._limiter = trio.CapacityLimiter(max_calls)
+
+    async def _call(self, what: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        try:
+            return await trio.to_thread.run_sync(
+                functools.partial(fn, **kwargs), limiter=self._limiter, abandon_on_cancel=True
+            )
+        except ClientError as exc:
+            raise self._error(what, exc) from None
+        except NoCredentialsError:
+            raise PermissionDenied(
+                f"{self.name}: no AWS credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                "a shared credentials file or AWS_PROFILE)"
+            ) from None
+        except BotoCoreError as exc:  # endpoint unreachable, timeouts, retries exhausted
+            raise Unavailable(f"{self.name}: {what} failed: {exc}") from None
+
+    def _error(self, what: str, exc: ClientError) -> CacheFSError:
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        text = f"{self.name}: {what}: {code or status} {err.get('Message', '')}".rstrip()
+        if code == "NoSuchBucket":
+            return NotFound(f"{self.name}: bucket {self.bucket!r} does not exist")
+        if code in _DENIED or status == 403:
+            return PermissionDenied(f"{text} (check the AWS credentials of this machine)")
+        if code in _THROTTLED or status == 503:
+            return Unavailable(f"{text} (throttled: still slowed down after retries)")
+        if code in ("NoSuchKey", "404") or status == 404:
+            return NotFound(text)
+        if code == "PreconditionFailed" or status == 412:
+            return NotFound(f"{text}: the object changed since it was imported; run cachefs repo sync")
+        return Unavailable(text)
+
+    async def check(self) -> None:
+        """Raise the link's error if the bucket cannot be listed (what ``link`` checks first)."""
+        await self._call("listing", self._client.list_objects_v2, Bucket=self.bucket, MaxKeys=1)
+
+    async def list_page(
+        self, prefix: str, start_after: str = "", token: str = "", limit: int = 1000
+    ) -> tuple[list[ObjectInfo], str]:
+        """One page of the listing under ``prefix`` (keys in order) and the
+        continuation token ("" at the end)."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": limit}
+        if token:
+            kwargs["ContinuationToken"] = token
+        elif start_after:
+            kwargs["StartAfter"] = start_after
+        page = await self._call("listing", self._client.list_objects_v2, **kwargs)
+        objects = [
+            ObjectInfo(o["Key"], int(o["Size"]), _ns(o["LastModified"]), o.get("ETag", ""))
+            for o in page.get("Contents", ())
+        ]
+        return objects, page.get("NextContinuationToken", "") if page.get("IsTruncated") else ""
+
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``."""
+        if end <= start:
+            return b""
+
+        def get() -> bytes:
+            reply = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag
+            )
+            with reply["Body"] as body:
+                return body.read()
+
+        data = await self._call(f"reading {key!r}", get)
+        if len(data) != end - start:
+            raise Unavailable(f"{self.name}: {key!r} [{start}, {end}) came back {len(data)} bytes")
+        return data
+
+
+def _ns(when: datetime) -> int:
+    return int(when.timestamp() * 1_000_000) * 1000

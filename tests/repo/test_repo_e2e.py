@@ -1,0 +1,197 @@
+"""A bucket of a real S3 server (SeaweedFS) linked into a real lab and read through a real FUSE mount.
+
+Every byte read through the mount is compared with the object; the reads go
+through the cache node (the mount has no L2), which fetches block ranges
+from the bucket itself. A changed object is never served stale: after
+``repo sync`` a file whose old bytes sit in the cache reads the new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from cachefs.rpc import RpcPool
+from cachefs.testing.ports import free_lab_base, free_port
+from cachefs.testing.s3server import SeaweedS3
+
+MiB = 1 << 20
+BUCKET = "train"
+# relative key -> size; block size is 4 MiB, chunk 64 MiB: edges of both
+SIZES = {"empty.bin": 0, "one.bin": 1, "cls1/a.jpg": 4095, "cls1/b.jpg": 4 * MiB, "cls2/c.jpg": 4 * MiB + 1,
+         "cls2/deep/d.bin": 9 * MiB + 123, "cls3/e.jpg": 70_000}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    with SeaweedS3(tmp_path_factory.mktemp("weed")) as server:
+        yield server
+
+
+def client(s3: SeaweedS3) -> Any:
+    env = s3.env()
+    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+
+@pytest.fixture(scope="module")
+def objects(s3: SeaweedS3) -> dict[str, bytes]:
+    c = client(s3)
+    c.create_bucket(Bucket=BUCKET)
+    rng = random.Random(15)
+    out = {}
+    for key, size in SIZES.items():
+        out[key] = rng.randbytes(size)
+        c.put_object(Bucket=BUCKET, Key="imgs/" + key, Body=out[key])
+    c.put_object(Bucket=BUCKET, Key="imgs/marker/", Body=b"")  # a console's "folder": no file
+    c.put_object(Bucket=BUCKET, Key="other/outside.bin", Body=b"not under the prefix")
+    return out
+
+
+@pytest.fixture(scope="module")
+def lab(needs_fuse, s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The nodes and the mount inherit the S3 credentials from the environment, as on a real host."""
+    from cachefs.lab.cluster import Lab, LabConfig
+
+    config = LabConfig(root=str(tmp_path_factory.mktemp("repolab")), metanodes=1, datanodes=3, cachenodes=1,
+                       zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
+                       cache_memory="0")
+    config.base_port = free_lab_base(config)
+    saved = dict(os.environ)
+    os.environ.update(s3.env())
+    lab = Lab(config)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.up(timeout=120)
+        yield lab
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.down()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def mnt(lab: Any) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cachefs-repo-mnt-"))
+    lab.mount(str(path), "--attr-timeout", "0", "--entry-timeout", "0", l2=False)
+    try:
+        yield path
+    finally:
+        lab.umount()
+        if not os.path.ismount(path):
+            path.rmdir()
+
+
+def repo_cli(lab: Any, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "cachefs.cli", "repo", *args, "--meta", ",".join(lab.meta_addrs),
+            "--secret-file", str(lab.credential_file("admin"))]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+async def cache_stats(lab: Any) -> dict[str, Any]:
+    async with RpcPool(secret=lab.credential("admin")) as pool:
+        node = lab.of_kind("cachenode")[0]
+        return (await pool.call(node.addr, "stats", {}, timeout=10)).result
+
+
+def test_a_linked_bucket_reads_byte_for_byte_through_the_cache_tier(s3, objects, lab, mnt) -> None:
+    out = repo_cli(lab, "link", "lab", "/datasets/train", f"s3://{BUCKET}/imgs", "--endpoint", s3.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+    link = json.loads(out.stdout)
+    assert link["url"] == f"s3://{BUCKET}/imgs/" and link["import"]["created"] == len(SIZES)
+
+    root = mnt / "datasets" / "train"
+    before = lab.run(cache_stats, lab)["backing_fetches"]
+    assert files_under(root) == objects  # every byte, nothing outside the prefix, no "folder" file
+    listed = {o["Key"]: o for o in client(s3).list_objects_v2(Bucket=BUCKET, Prefix="imgs/")["Contents"]}
+    for key, data in objects.items():
+        st = (root / key).stat()
+        assert st.st_size == len(data)
+        assert abs(st.st_mtime - listed["imgs/" + key]["LastModified"].timestamp()) < 1.0
+    blocks = sum(-(-len(d) // (4 * MiB)) for d in objects.values())
+    assert lab.run(cache_stats, lab)["backing_fetches"] - before == blocks  # one fill per block, from S3
+
+    again = repo_cli(lab, "link", "lab", "/datasets/train", f"s3://{BUCKET}/imgs", "--endpoint", s3.endpoint, "--json")
+    assert again.returncode == 0, again.stderr  # linking again resumes: nothing new, nothing twice
+    assert json.loads(again.stdout)["import"]["created"] == 0
+    assert files_under(root) == objects
+
+    listing = json.loads(repo_cli(lab, "list", "--json").stdout)
+    assert [(lk["id"], lk["volume"], lk["url"], lk["objects"]) for lk in listing] == [
+        (link["id"], "lab", f"s3://{BUCKET}/imgs/", len(SIZES))]
+    status = json.loads(repo_cli(lab, "status", "lab", "/datasets/train", "--json").stdout)
+    assert status["imported_ns"] > 0 and status["endpoint"] == s3.endpoint
+
+
+def test_a_changed_object_is_never_served_stale(s3, objects, lab, mnt) -> None:
+    root = mnt / "datasets" / "train"
+    c = client(s3)
+    cached = "cls1/b.jpg"  # read (so cached) by the test before, or now
+    assert (root / cached).read_bytes() == objects[cached]
+    unread = "cls3/late.bin"
+    c.put_object(Bucket=BUCKET, Key="imgs/" + unread, Body=os.urandom(5000))
+    first = repo_cli(lab, "sync", "lab", "/datasets/train", "--json")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["created"] == 1
+    assert (root / unread).stat().st_size == 5000  # imported, never read
+
+    new_cached = bytes(b ^ 0xFF for b in objects[cached])  # same size, every byte different
+    new_unread = os.urandom(6000)
+    c.put_object(Bucket=BUCKET, Key="imgs/" + cached, Body=new_cached)
+    c.put_object(Bucket=BUCKET, Key="imgs/" + unread, Body=new_unread)
+
+    # Before a sync the namespace still says the old version: the cached
+    # blocks are that version's; a block not cached cannot be fetched any
+    # more (the GET is conditioned on the old ETag), so the read fails
+    # instead of serving other bytes under the old version's keys.
+    assert (root / cached).read_bytes() == objects[cached]
+    with pytest.raises(OSError):
+        (root / unread).read_bytes()
+
+    out = repo_cli(lab, "sync", "lab", "/datasets/train", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"created": 0, "updated": 2, "unchanged": len(SIZES) - 1,
+                                      "skipped": 0, "listed": len(SIZES) + 2}  # with the folder marker
+    assert (root / cached).read_bytes() == new_cached
+    assert (root / unread).read_bytes() == new_unread
+
+
+def test_bad_links_fail_with_an_error_naming_them_and_record_nothing(s3, objects, lab) -> None:
+    url = f"s3://{BUCKET}/imgs"
+    wrong = repo_cli(lab, "link", "lab", "/bad1", url, "--endpoint", s3.endpoint,
+                     env={"AWS_ACCESS_KEY_ID": "nobody", "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert wrong.returncode != 0
+    assert f"repository link to s3://{BUCKET}/imgs/" in wrong.stderr and "InvalidAccessKeyId" in wrong.stderr
+    missing = repo_cli(lab, "link", "lab", "/bad2", "s3://no-such-bucket/x", "--endpoint", s3.endpoint)
+    assert missing.returncode != 0 and "bucket 'no-such-bucket' does not exist" in missing.stderr
+    dead = repo_cli(lab, "link", "lab", "/bad3", url, "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert dead.returncode != 0 and f"repository link to s3://{BUCKET}/imgs/" in dead.stderr
+    assert "Could not connect" in dead.stderr
+    links = json.loads(repo_cli(lab, "list", "--json").stdout)
+    assert [lk["url"] for lk in links] == [f"s3://{BUCKET}/imgs/"]  # none of the three was recorded
+
+
+def test_unlink_forgets_the_link(s3, objects, lab, mnt) -> None:
+    out = repo_cli(lab, "unlink", "lab", "/datasets/train")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(repo_cli(lab, "list", "--json").stdout) == []
+    missing = repo_cli(lab, "status", "lab", "/datasets/train")
+    assert missing.returncode != 0 and "no repository link" in missing.stderr
