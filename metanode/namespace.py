@@ -503,7 +503,7 @@ class MetaState:
         watcher = self.watcher
         if watcher is None:
             return None
-        refs = C.inode_refs(cmd)
+        refs = self._refs(cmd)
         if refs is None or not watcher.watching(refs[0]):
             return None
         volume, inos, entries = refs
@@ -512,10 +512,35 @@ class MetaState:
     def touched(self, cmd: C.Command) -> tuple[str, set[int]] | None:
         """``(volume, inodes)`` that ``cmd`` changes if it applied now (see
         ``commands.inode_refs``), or None for commands that change no inode."""
-        refs = C.inode_refs(cmd)
+        refs = self._refs(cmd)
         if refs is None:
             return None
         return refs[0], self._resolve(*refs)
+
+    def _refs(self, cmd: C.Command) -> C.Refs | None:
+        """``commands.inode_refs``, and for an import (which names a link, not
+        inodes) the link's directory and every inode and name its keys walk."""
+        if type(cmd) is not C.ImportObjects:
+            return C.inode_refs(cmd)
+        link = self.links.get(cmd.link_id)
+        vol = self.volumes.get(link.volume) if link is not None else None
+        if vol is None or link.ino not in vol.inodes:
+            return None
+        inos = {link.ino}
+        entries = set()
+        for key, *_ in cmd.objects():
+            parent = vol.inodes[link.ino]
+            for part in key.split("/"):
+                name = part.encode()
+                entries.add((parent.ino, name))
+                ino = self._lookup_ino(parent.data, name)
+                if ino is None:
+                    break
+                inos.add(ino)
+                parent = vol.inodes[ino]
+                if not parent.is_dir:
+                    break
+        return link.volume, tuple(inos), tuple(entries)
 
     def _resolve(
         self, volume: str, inos: tuple[int, ...], entries: tuple[tuple[int, bytes], ...]

@@ -154,3 +154,13 @@ def test_links_and_objects_survive_a_snapshot(ns: Driver) -> None:
     again.index = ns.index
     again.do(C.ImportObjects, link, rows(("new", 1, '"3"')))  # counters went on
     assert other.read_chunk(VOL, other.lookup(VOL, d, b"new").ino, 0)[0][0] > sid
+
+
+def test_an_import_names_what_it_changes_so_leases_on_it_are_revoked(ns: Driver) -> None:
+    link, d = linked(ns)
+    ns.do(C.ImportObjects, link, rows(("x/a", 10, '"1"')))
+    x = path(ns, d, b"x")
+    a = path(ns, d, b"x", b"a")
+    change = C.ImportObjects(link, rows(("x/a", 10, '"2"'), ("x/new", 1, '"3"'), ("y/b", 1, '"4"')))
+    assert ns.state.touched(change) == (VOL, {d, x.ino, a.ino})
+    assert ns.state.touched(C.ImportObjects(99, rows())) is None  # no such link: nothing to revoke
