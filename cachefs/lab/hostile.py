@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import random
+import ssl
 from dataclasses import dataclass, field
 
 from cachefs.credentials import Credential
@@ -121,14 +122,14 @@ class StormReport:
 
 
 async def storm(addrs: list[str], identities: list[Credential], forger: Forger, *, rounds: int,
-                tls: object = None) -> StormReport:
+                tls: ssl.SSLContext | None = None) -> StormReport:
     """``rounds`` rounds: to every address, over every identity, one forged
     batch of up to 8 messages and one snapshot transfer (whole or loose
     chunks)."""
     report = StormReport()
     rng = forger.rng
     for cred in identities:
-        async with RpcPool(secret=cred, tls=tls) as pool:  # type: ignore[arg-type]
+        async with RpcPool(secret=cred, tls=tls) as pool:
             for r in range(rounds):
                 for addr in addrs:
                     batch = [forger.message() for _ in range(rng.randint(1, 8))]
