@@ -89,12 +89,13 @@ class Cluster:
                 async with RpcPool(secret=None) as pool, trio.open_nursery() as n:
                     service = MetaService(state)
                     server = RpcServer(service, name=f"meta{i}", secret=None)
-                    await n.start(server.serve, "127.0.0.1", port)
                     node = await RaftNode.create(i, self.peers, self.root / f"m{i}", state, pool,
                                                  nursery=n, server=server,
                                                  config=RaftConfig(election_tick=10),
                                                  driver_config=self.dconfig)
                     service.node = node
+                    # Serve once raft_step is registered, as the daemon does.
+                    await n.start(server.serve, "127.0.0.1", port)
                     task_status.started(Replica(scope, node, state, stopped))
         finally:
             stopped.set()
