@@ -105,3 +105,77 @@ async def test_an_interrupted_import_resumes_and_reads_match_the_objects(moto: s
         gone = S3Store("nope-bucket", name="repository link 9", endpoint=moto)
         with pytest.raises(CacheFSError, match="repository link 9: bucket 'nope-bucket' does not exist"):
             await gone.check()
+
+
+class Throttle:
+    """An HTTP front of the S3 server that answers 503 SlowDown to the next
+    ``slow`` requests and forwards the rest (what S3 does under load)."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.client
+        import http.server
+        import threading
+
+        host, port = upstream.removeprefix("http://").split(":")
+        front = self
+        self.slow = 0
+        self.refused = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if front.slow > 0:
+                    front.slow -= 1
+                    front.refused += 1
+                    xml = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(xml)))
+                    self.end_headers()
+                    self.wfile.write(xml)
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=10)
+                conn.request(self.command, self.path, body, dict(self.headers))
+                reply = conn.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+async def test_throttling_is_retried_and_then_fails_naming_the_link(moto: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="hot")
+    s3.put_object(Bucket="hot", Key="k", Body=b"0123456789")
+    etag = s3.head_object(Bucket="hot", Key="k")["ETag"]
+    front = Throttle(moto)
+    try:
+        store = S3Store("hot", name="repository link 4 (s3://hot/)", endpoint=front.endpoint, attempts=4)
+        front.slow = 2  # a burst of SlowDown: boto's back-off rides it out
+        assert await store.get_range("k", 2, 6, etag) == b"2345"
+        assert front.refused == 2
+        front.slow = 100  # throttled for good: a clear error, after the attempts
+        with pytest.raises(CacheFSError, match=r"repository link 4 \(s3://hot/\): reading 'k': SlowDown.*throttled"):
+            await store.get_range("k", 2, 6, etag)
+        assert front.refused >= 2 + 4  # every attempt boto was allowed (it may add one of its own)
+    finally:
+        front.close()
