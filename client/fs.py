@@ -284,7 +284,10 @@ class CacheFS(pyfuse3.Operations):
         ):
             node.cached_version = None
             self.nursery.start_soon(self._invalidate, inode)
-        lease = self.leases.get(inode, time.monotonic())
+        now = time.monotonic()
+        lease = self.leases.get(inode, now)
+        if lease is not None and lease.attr is not attr:
+            lease = None  # not installed: the answer is not under the lease
         return self._entry(node, self._lease_left(lease, now, self.options.attr_timeout))
 
     async def _leases_lost(self, lost: tuple[tuple[int, tuple[bytes, ...]], ...]) -> None:
@@ -544,27 +547,54 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        """Pages of ``LoadDir``: the entries with their attributes and leases
+        (later lookups and opens of them need no round trip), and chunk 0's
+        slice list of each small file (nor does its first read)."""
         ino = self._dirs[fh]
         cookie = start_id
+        leases = self.leases
         while True:
-            entries = await self.meta.query(Q.ReadDir(self.vol, ino, cookie, READDIR_BATCH))
-            for name, attr, next_cookie in entries:
+            ticket = leases.ticket(time.monotonic())
+            try:
+                page = await self.meta.query(
+                    Q.LoadDir(self.vol, ino, self.session.session_id, cookie, READDIR_BATCH)
+                )
+                got = leases.accept(ticket, page.grant, time.monotonic())
+            finally:
+                leases.done(ticket)
+            now = time.monotonic()
+            parent = got.get(ino)
+            if parent is not None:
+                parent.attr = page.attr
+            for e in page.entries:
+                child = got.get(e.attr.ino)
+                if child is not None:
+                    child.attr = e.attr
+                if parent is not None:
+                    parent.entries[e.name] = e.attr.ino
+                    parent.kernel_names.add(e.name)
+                entry = self._entry_for_readdir(e.attr, parent, child, now)
                 # readdirplus: an accepted entry is a lookup the kernel will forget.
-                if not pyfuse3.readdir_reply(
-                    token, name, self._entry_for_readdir(attr), next_cookie
-                ):
+                if not pyfuse3.readdir_reply(token, e.name, entry, e.cookie):
                     return
-                self.inodes.learn(attr)
-                cookie = next_cookie
-            if len(entries) < READDIR_BATCH:
+                inode = self.inodes.learn(e.attr)
+                if e.slices is not None and child is not None and inode.writer is None:
+                    inode.chunks[0] = ((e.attr.version, inode.layout), e.slices)
+                cookie = e.cookie
+            if not page.more:
                 return
 
-    def _entry_for_readdir(self, attr: Attr) -> pyfuse3.EntryAttributes:
+    def _entry_for_readdir(
+        self, attr: Attr, parent: Lease | None, child: Lease | None, now: float
+    ) -> pyfuse3.EntryAttributes:
         known = self.inodes.get(attr.ino)
         if known is not None and known.writer is not None and known.writer.dirty:
             return self._entry(known)
         return entry_attributes(
-            attr, self.options.attr_timeout, self.options.entry_timeout, self.session.block_size
+            attr,
+            self._lease_left(child, now, self.options.attr_timeout),
+            self._lease_left(parent, now, self.options.entry_timeout),
+            self.session.block_size,
         )
 
     @_fuse

@@ -265,6 +265,8 @@ class MountCollector:
         reads = engine.reader.stats
         yield _counter("cachefs_mount_read_bytes", "Bytes read by applications", reads["bytes"])
         yield _counter("cachefs_mount_read_l1_hit_bytes", "Bytes read served from L1", reads["l1_hit_bytes"])
+        yield _counter("cachefs_mount_slice_lists", "Chunk slice lists asked of the metanodes",
+                       reads["slice_lists"])
         fetches = CounterMetricFamily("cachefs_mount_read_fetches", "Fetches the read path issued, by kind",
                                       labels=["kind"])
         for kind in ("range", "block"):

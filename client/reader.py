@@ -135,6 +135,7 @@ class Reader:
             "range_fetches": 0,
             "block_fetches": 0,
             "prefetches": 0,
+            "slice_lists": 0,  # chunk slice lists asked of the metanodes
         }
 
     def new_readahead(self) -> Readahead:
@@ -147,6 +148,7 @@ class Reader:
         cached = inode.chunks.get(chunk)
         if cached is not None and cached[0] == stamp:
             return cached[1]
+        self.stats["slice_lists"] += 1
         slices = await self._lists.run(
             (inode.ino, chunk, stamp), functools.partial(self.source.read_chunk, inode.ino, chunk)
         )

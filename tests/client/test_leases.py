@@ -55,8 +55,17 @@ class Pair:
         self.b.check_log()
 
     def hits(self) -> int:
+        """Lookups, getattrs and opens mount A answered under its leases."""
+        return self._metric("cachefs_mount_lease_events_total", "event", "hits")
+
+    def slice_lists(self) -> int:
+        """Slice lists mount A asked the metanodes for."""
+        return self._metric("cachefs_mount_slice_lists_total")
+
+    def _metric(self, family: str, label: str = "", value: str = "") -> int:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
-        m = re.search(r'^cachefs_mount_lease_events_total\{event="hits"\} ([0-9.e+]+)$', text, re.M)
+        labels = rf'\{{{label}="{value}"\}}' if label else ""
+        m = re.search(rf"^{family}{labels} ([0-9.e+]+)$", text, re.M)
         assert m, text[-2000:]
         return int(float(m.group(1)))
 
@@ -132,6 +141,28 @@ def test_a_reader_sees_every_change_of_another_mount_by_its_next_stat_and_open(c
                 model[f"c{step}"] = (0o644, data)
             _check(a, model)
             _check(b, model)
+    finally:
+        pair.stop()
+
+
+def test_a_listing_leases_the_entries_and_their_first_slice_lists(cluster, tmp_path: Path) -> None:
+    """After A lists a directory B filled, A opens and reads every file with no
+    lookup, no open and no slice list asked of the metanodes (the first epoch
+    of a data loader after its listing)."""
+    pair = Pair(cluster, tmp_path)
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        files = {f"f{i:02d}": os.urandom(1000 + 997 * i) for i in range(20)}
+        for name, data in files.items():
+            (b / name).write_bytes(data)
+        assert sorted(os.listdir(a)) == sorted(files)
+        hits, lists = pair.hits(), pair.slice_lists()
+        for name, data in files.items():
+            assert (a / name).read_bytes() == data
+        assert pair.hits() - hits >= len(files)  # every open under a lease
+        assert pair.slice_lists() == lists
+        (b / "f00").write_bytes(b"changed")  # and a change is still seen at once
+        assert (a / "f00").read_bytes() == b"changed"
     finally:
         pair.stop()
 
