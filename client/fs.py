@@ -47,6 +47,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -60,6 +61,7 @@ from cachefs.messages import Attr
 
 from .inodes import Inode
 from .leases import Lease
+from .opstats import OpStats
 from .reader import Readahead
 from .volume import Volume
 
@@ -110,21 +112,29 @@ def _invalidate_all(lost: list[tuple[int, tuple[bytes, ...]]]) -> None:
 
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Map every error of a handler to FUSEError (see module docstring)."""
+    """Map every error of a handler to FUSEError (see module docstring), and
+    time it into the mount's :class:`OpStats` (errors counted by errno)."""
+    op = fn.__name__
 
     @functools.wraps(fn)
-    async def handler(*args: Any, **kwargs: Any) -> T:
+    async def handler(self: CacheFS, *args: Any, **kwargs: Any) -> T:
+        started = perf_counter()
         try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError as exc:
+            self.op_stats.error(op, exc.errno)
             raise
         except CacheFSError as exc:
             if exc.errno == errno.EIO:
-                log.error("%s failed: %s", fn.__name__, exc)
+                log.error("%s failed: %s", op, exc)
+            self.op_stats.error(op, exc.errno)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:
-            log.exception("unexpected error in %s", fn.__name__)
+            log.exception("unexpected error in %s", op)
+            self.op_stats.error(op, errno.EIO)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.op_stats.observe(op, perf_counter() - started)
 
     return handler
 
@@ -152,6 +162,7 @@ class CacheFS(pyfuse3.Operations):
     def __init__(self, engine: Volume) -> None:
         super().__init__()
         self.engine = engine
+        self.op_stats = OpStats()
         self.session = engine.session
         self.meta = engine.session.meta
         self.vol = engine.session.volume  # the volume's name, in every request

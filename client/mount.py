@@ -80,6 +80,7 @@ from cachefs.transport import MODES, RdmaUnavailable
 
 from . import fallocate_hook
 from .fs import CacheFS
+from .opstats import OpStats
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR
 from .volume import MAX_BACKGROUND, ClientOptions, Volume
@@ -249,8 +250,24 @@ class MountCollector:
     plain ints, so a scrape sees each one whole (no lock needed).
     """
 
-    def __init__(self, engine: Volume) -> None:
+    def __init__(self, engine: Volume, ops: OpStats) -> None:
         self.engine = engine
+        self.ops = ops
+
+    def _ops(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        latency = HistogramMetricFamily("cachefs_mount_op_latency_seconds",
+                                        "FUSE request latency by op, errors included", labels=["op"])
+        for op in sorted(self.ops.counts):
+            buckets, total = self.ops.histogram(op)
+            latency.add_metric([op], buckets, total)
+        yield latency
+        errors = CounterMetricFamily("cachefs_mount_op_errors", "FUSE requests answered with an error, by errno",
+                                     labels=["op", "errno"])
+        for (op, code), count in sorted(self.ops.errors.items()):
+            errors.add_metric([op, errno.errorcode.get(code, str(code))], count)
+        yield errors
 
     def collect(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -287,6 +304,7 @@ class MountCollector:
         for name, value in engine.session.stats.items():
             chain.add_metric([name], value)
         yield chain
+        yield from self._ops()
         dirty = GaugeMetricFamily("cachefs_mount_dirty_bytes", "Bytes written and not yet committed")
         dirty.add_metric([], engine.dirty_bytes())
         yield dirty
@@ -408,7 +426,7 @@ async def run_fs(
         if metrics is not None:
             from prometheus_client import REGISTRY
 
-            REGISTRY.register(MountCollector(engine))
+            REGISTRY.register(MountCollector(engine, front.op_stats))
             start_metrics(metrics)
         stopping = _Stopping(options.unmount_timeout)
         engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)

@@ -4,6 +4,7 @@ only, one unit per metric (no label value that is a unit), bounded labels."""
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
 from cachefs.client.mount import MountCollector
+from cachefs.client.opstats import OpStats
 from cachefs.client.volume import ClientOptions, Volume
 from cachefs.rpc import RpcPool
 from cachefs.testing.metanode import local_metanode
@@ -38,7 +40,10 @@ async def mount_families(tmp_path: Path) -> list[Metric]:
         engine = Volume(session, ClientOptions(cache_dir=str(tmp_path / "l2"), cache_size=64 << 20),
                         nursery=nursery)
         assert engine.l2 is not None
-        families = list(MountCollector(engine).collect())
+        ops = OpStats()
+        ops.observe("read", 0.001)
+        ops.error("lookup", errno.ENOENT)
+        families = list(MountCollector(engine, ops).collect())
         nursery.cancel_scope.cancel()
         await session.close()
     return families
