@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from cachefs.blockstore import BlockStore
 from cachefs.credentials import ADMINS, CLIENTS
@@ -101,6 +101,8 @@ BYTES_IN = Counter(
     "cachefs_cache_filled_bytes_total", "Bytes filled from backing storage or written through", ["node"]
 )
 BYTES_OUT = Counter("cachefs_cache_served_bytes_total", "Bytes served to clients", ["node"])
+USED = Gauge("cachefs_cache_used_bytes", "Bytes of blocks in the cache store", ["node"])
+CAPACITY = Gauge("cachefs_cache_capacity_bytes", "Bytes the cache store may hold", ["node"])
 BUSY = Counter("cachefs_cache_busy_total", "Requests refused over a load limit", ["node"])
 BACKING_LATENCY = Histogram(
     "cachefs_cache_backing_fetch_seconds",
@@ -237,6 +239,8 @@ class CacheService:
         self._m_evictions, self._m_busy = EVICTIONS.labels(**m), BUSY.labels(**m)
         self._m_in, self._m_out = BYTES_IN.labels(**m), BYTES_OUT.labels(**m)
         self._m_backing = BACKING_LATENCY.labels(**m)
+        USED.labels(**m).set_function(lambda: store.used)
+        CAPACITY.labels(**m).set_function(lambda: store.capacity)
         for _ in range(limits.prefetch_workers):
             nursery.start_soon(self._prefetch_worker, prefetch_recv.clone())
         prefetch_recv.close()

@@ -51,6 +51,7 @@ from .namespace import MetaState
 from .raft.driver import DriverConfig, RaftNode
 from .repairs import REPAIR_INTERVAL, REPAIR_RATE, run_repairs
 from .service import NODE_TIMEOUT, SESSION_TIMEOUT, MetaService
+from .stats import NAMESPACE
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ async def serve(
     service = MetaService(
         state, session_timeout=session_timeout, node_timeout=node_timeout, read_lease=read_lease
     )
+    NAMESPACE.service = service
     server = RpcServer(service, name="metanode", secret=secret, limits=Limits(), tls=tls[0])
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         # Its own server credential names it, so peers can check Raft's src.

@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 RAFT_TERM = Gauge("cachefs_raft_term", "Current Raft term", ["node"])
 RAFT_LEADER = Gauge("cachefs_raft_is_leader", "1 while this replica leads", ["node"])
+RAFT_ROLE = Gauge("cachefs_raft_role", "1 for this replica's current Raft role, 0 for the others", ["node", "role"])
 RAFT_COMMIT = Gauge("cachefs_raft_commit_index", "Highest committed log index", ["node"])
 RAFT_APPLIED = Gauge("cachefs_raft_applied_index", "Highest applied log index", ["node"])
 RAFT_FSYNC = Histogram("cachefs_raft_wal_sync_seconds", "WAL write + fsync per Ready", ["node"],
@@ -174,6 +175,7 @@ class RaftNode:
         label = str(node_id)
         self._m_term = RAFT_TERM.labels(label)
         self._m_leader = RAFT_LEADER.labels(label)
+        self._m_roles = {role: RAFT_ROLE.labels(label, role.value) for role in Role}
         self._m_commit = RAFT_COMMIT.labels(label)
         self._m_applied = RAFT_APPLIED.labels(label)
         self._m_fsync = RAFT_FSYNC.labels(label)
@@ -561,6 +563,8 @@ class RaftNode:
         assert ss is not None
         self._m_term.set(ss.term)
         self._m_leader.set(1 if ss.role is Role.LEADER else 0)
+        for role, gauge in self._m_roles.items():
+            gauge.set(1 if role is ss.role else 0)
         log.info("raft node %d: %s in term %d (leader %s)", self.id, ss.role.value, ss.term,
                  ss.leader or "unknown")
         if ss.role is not Role.LEADER:

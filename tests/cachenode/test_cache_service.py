@@ -92,6 +92,8 @@ async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> N
         assert REGISTRY.get_sample_value("cachefs_cache_filled_bytes_total", labels) == SIZE
         assert REGISTRY.get_sample_value("cachefs_cache_served_bytes_total", labels) == 100 * 4096
         assert REGISTRY.get_sample_value("cachefs_cache_backing_fetch_seconds_count", labels) == 1
+        assert REGISTRY.get_sample_value("cachefs_cache_used_bytes", labels) == c.store.used >= SIZE
+        assert REGISTRY.get_sample_value("cachefs_cache_capacity_bytes", labels) == c.store.capacity > 0
         await c.get(key)
         assert REGISTRY.get_sample_value("cachefs_cache_hits_total", labels) == stats["hits"] + 1
 

@@ -16,7 +16,7 @@ from cachefs.client.mount import MountCollector
 from cachefs.client.opstats import OpStats
 from cachefs.client.volume import ClientOptions, Volume
 from cachefs.rpc import RpcPool
-from cachefs.testing.metanode import local_metanode
+from cachefs.testing.metanode import LocalMetanode, local_metanode
 
 NOT_BASE_UNITS = re.compile(r"_(ms|us|ns|milliseconds|microseconds|kb|mb|gb|kib|mib|gib|percent|minutes|hours)(_|$)")
 UNITS = ("bytes", "seconds")
@@ -24,16 +24,21 @@ UNITS = ("bytes", "seconds")
 UNBOUNDED_LABELS = {"path", "inode", "ino", "file", "key", "block", "client", "client_id", "session", "uid"}
 
 
-def daemon_families() -> list[Metric]:
+def daemon_families(metanode: LocalMetanode) -> list[Metric]:
     import cachefs.cachenode.daemon  # noqa: F401
     import cachefs.cli.repair  # noqa: F401  (each daemon's module registers its metrics)
     import cachefs.datanode.daemon  # noqa: F401
     import cachefs.metanode.daemon  # noqa: F401
+    from cachefs.metanode.stats import NAMESPACE
 
-    return [m for m in REGISTRY.collect() if m.name.startswith("cachefs_")]
+    NAMESPACE.service = metanode.service
+    try:
+        return [m for m in REGISTRY.collect() if m.name.startswith("cachefs_")]
+    finally:
+        NAMESPACE.service = None
 
 
-async def mount_families(tmp_path: Path) -> list[Metric]:
+async def all_families(tmp_path: Path) -> list[Metric]:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool, trio.open_nursery() as nursery:
         await metanode.create_volume("v")
         session = await metanode.session(pool, "v")
@@ -43,7 +48,7 @@ async def mount_families(tmp_path: Path) -> list[Metric]:
         ops = OpStats()
         ops.observe("read", 0.001)
         ops.error("lookup", errno.ENOENT)
-        families = list(MountCollector(engine, ops).collect())
+        families = list(MountCollector(engine, ops).collect()) + daemon_families(metanode)
         nursery.cancel_scope.cancel()
         await session.close()
     return families
@@ -76,11 +81,19 @@ def problems(family: Metric) -> list[str]:
 
 
 async def test_every_metric_of_every_kind_follows_the_naming_rules(tmp_path: Path) -> None:
-    families = daemon_families() + await mount_families(tmp_path)
+    families = await all_families(tmp_path)
     names = {f.name for f in families}
     for expected in ("cachefs_mount_l1_capacity_bytes", "cachefs_mount_read_bytes", "cachefs_raft_term",
-                     "cachefs_datanode_corrupt_shards_found", "cachefs_cache_hits", "cachefs_rpc_latency_seconds"):
+                     "cachefs_datanode_corrupt_shards_found", "cachefs_cache_hits", "cachefs_rpc_latency_seconds",
+                     "cachefs_mount_op_latency_seconds", "cachefs_mount_op_errors", "cachefs_cache_used_bytes",
+                     "cachefs_cache_capacity_bytes", "cachefs_raft_role", "cachefs_datanode_used_bytes",
+                     "cachefs_datanode_capacity_bytes", "cachefs_metanode_inodes", "cachefs_metanode_sessions",
+                     "cachefs_metanode_volume_used_bytes", "cachefs_metanode_open_files"):
         assert expected in names, expected
+    values = {(s.name, tuple(s.labels.values())): s.value for f in families for s in f.samples}
+    assert values[("cachefs_metanode_inodes", ("v",))] >= 1  # the root
+    assert values[("cachefs_metanode_sessions", ())] == 1  # the mount's
+    assert values[("cachefs_mount_op_errors_total", ("lookup", "ENOENT"))] == 1
     bad = {f.name: p for f in families if (p := problems(f))}
     assert not bad, bad
 

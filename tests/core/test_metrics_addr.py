@@ -85,6 +85,12 @@ def test_a_daemon_serves_metrics_unless_told_not_to(tmp_path: Path) -> None:
         if "default port" not in on_log.read_text():
             assert port == DEFAULT_PORTS["metanode"]
         assert "# HELP cachefs_rpc_calls_total" in _scrape(port)
+        deadline = time.monotonic() + 30
+        while 'cachefs_raft_role{node="1",role="leader"} 1.0' not in (text := _scrape(port)):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
+        assert 'cachefs_raft_role{node="1",role="follower"} 0.0' in text
+        assert "cachefs_metanode_sessions 0.0" in text
         _wait_for(off_log, r"raft|leader|listening|serving", off)
         assert "metrics on" not in off_log.read_text()
     finally:
