@@ -74,10 +74,13 @@ def lab() -> None:
               help="With --netns: delay packets to a zone's nodes, e.g. z3=20ms (repeatable; needs sch_netem).")
 @click.option("--tls", is_flag=True,
               help="Mutual TLS on every link: a throwaway CA and per-node certificates in DIR/tls (openssl).")
+@click.option("--prometheus", "with_prometheus", is_flag=True,
+              help="Also run Prometheus (Debian's prometheus package) scraping every node and the mount, "
+                   "on 127.0.0.1 at base+1400.")
 @_lab_command
 def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
            cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...],
-           tls: bool) -> None:
+           tls: bool, with_prometheus: bool) -> None:
     """Start the lab cluster (and mount it with --mount)."""
     from cachefs.config import setup_logging
 
@@ -90,8 +93,11 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
     delays = dict(item.split("=", 1) for item in latency if "=" in item)
     if len(delays) != len(latency) or (latency and not use_netns):
         raise click.UsageError("--latency takes ZONE=DELAY and needs --netns")
+    if with_prometheus and use_netns:
+        raise click.UsageError("--prometheus scrapes 127.0.0.1 and does not reach --netns nodes")
     the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
-                            cache_capacity=cache_capacity, netns=subnet if use_netns else "", tls=tls))
+                            cache_capacity=cache_capacity, netns=subnet if use_netns else "", tls=tls,
+                            prometheus=with_prometheus))
     click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
     started = time.monotonic()
     try:
@@ -103,6 +109,8 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         the_lab.down()
         raise
     click.echo(f"cluster ready in {time.monotonic() - started:.1f}s; volume '{VOLUME}' ({policy})")
+    if with_prometheus:
+        click.echo(f"prometheus at http://127.0.0.1:{the_lab.config.prometheus_port}")
     if tls:
         click.echo(f"TLS on every link; clients use {' '.join(the_lab.tls_args())}")
     if mountpoint:

@@ -40,7 +40,7 @@ from cachefs.commands import CreateVolume
 from cachefs.config import load_tls
 from cachefs.credentials import Credential
 from cachefs.errors import CacheFSError
-from cachefs.lab import netns
+from cachefs.lab import netns, prometheus
 from cachefs.lab.pki import make_pki
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
@@ -92,6 +92,9 @@ class LabConfig:
     mountpoint: str | None = None
     mount_pid: int | None = None
     mount_metrics_port: int = 0  # the mount's /metrics (0: metrics off)
+    prometheus: bool = False  # a real Prometheus scraping every node (cachefs/lab/prometheus.py)
+    prometheus_port: int = 0
+    prometheus_pid: int | None = None
     netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
     tls: bool = False  # mutual TLS on every link, certificates under ROOT/tls
 
@@ -127,6 +130,8 @@ class Lab:
             for node in nodes:
                 node.metrics_port = node.port + 1000
             c.mount_metrics_port = c.base_port + 1300
+        if c.prometheus:
+            c.prometheus_port = c.base_port + 1400
         if c.netns:  # same ports, each node on its own address in its own namespace
             for i, node in enumerate(nodes, 1):
                 node.addr = f"{netns.node_ip(c.netns, i)}:{node.port}"
@@ -275,6 +280,17 @@ class Lab:
         node.pid = None
         self.save()
 
+    def _start_prometheus(self) -> None:
+        if self.config.netns:
+            raise LabError("--prometheus scrapes 127.0.0.1: it does not reach namespaced nodes (--netns)")
+        try:
+            proc = prometheus.start(self)
+        except prometheus.PrometheusUnavailable as exc:
+            raise LabError(str(exc)) from None
+        self._procs["prometheus"] = proc
+        self.config.prometheus_pid = proc.pid
+        self.save()
+
     def _forget(self, name: str) -> None:
         proc = self._procs.pop(name, None)
         if proc is not None:
@@ -298,6 +314,8 @@ class Lab:
         for node in stopped:
             self.start(node.name)
         self.run(self._wait_ready, timeout)
+        if self.config.prometheus and not (self.config.prometheus_pid and _alive(self.config.prometheus_pid)):
+            self._start_prometheus()
 
     @property
     def network(self) -> netns.Network:
@@ -399,6 +417,8 @@ class Lab:
         when the unmount failed."""
         self.umount(umount_timeout)
         alive = [n.pid for n in self.nodes if n.pid and _alive(n.pid)] + self._strays()
+        if self.config.prometheus_pid and _alive(self.config.prometheus_pid):
+            alive.append(self.config.prometheus_pid)
         for pid in alive:
             os.kill(pid, signal.SIGTERM)
         for pid in alive:
@@ -408,6 +428,8 @@ class Lab:
         for node in self.nodes:
             self._forget(node.name)
             node.pid = None
+        self._forget("prometheus")
+        self.config.prometheus_pid = None
         self.save()
         if self.config.netns:
             netns.destroy(self.root)

@@ -46,7 +46,7 @@ def free_lab_base(config: LabConfig) -> int:
     for base in candidates:
         lab = Lab(dataclasses.replace(config, base_port=base, nodes=[], netns=""))
         ports = [port for node in lab.nodes for port in (node.port, node.metrics_port)]
-        if _all_free([port for port in (*ports, lab.config.mount_metrics_port) if port]):
+        if _all_free([port for port in (*ports, lab.config.mount_metrics_port, lab.config.prometheus_port) if port]):
             return base
     raise RuntimeError("no base port in 20000-31000 has all of a lab's ports free")
 

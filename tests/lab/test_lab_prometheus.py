@@ -1,0 +1,80 @@
+"""``cachefs lab up --prometheus``: a real Prometheus scrapes every node and the
+mount; after a workload its HTTP API answers the hit-rate and op-latency queries."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+
+from cachefs.lab.cluster import Lab, LabConfig, _alive
+from cachefs.testing.ports import free_lab_base
+
+pytestmark = [pytest.mark.needs_fuse,
+              pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")]
+
+
+def query(port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body = json.load(resp)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for(port: int, expr: str, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not (result := query(port, expr)):
+        assert time.monotonic() < deadline, f"prometheus has no {expr}"
+        time.sleep(0.5)
+    return result
+
+
+def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: Path) -> None:
+    config = LabConfig(root=str(tmp_path / "lab"), metanodes=1, datanodes=3, cachenodes=2, zones=3,
+                       policy="ec:2+1", data_capacity="2G", cache_capacity="256M", cache_memory="16M",
+                       mount_cache="64M", prometheus=True)
+    config.base_port = free_lab_base(config)
+    lab = Lab(config)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.up(timeout=120)
+        state = json.loads((tmp_path / "lab" / "lab.json").read_text())
+        port = state["prometheus_port"]
+        assert state["prometheus_pid"] and state["mount_metrics_port"]
+        mnt = tmp_path / "mnt"
+        lab.mount(str(mnt), l2=False)
+        assert wait_for(port, 'count(up{job=~"cachefs-.*"} == 1) == ' + str(len(lab.nodes) + 1))
+        data = os.urandom(12 << 20)
+        (mnt / "f").write_bytes(data)
+
+        def read() -> None:
+            with open(mnt / "f", "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                assert f.read() == data
+
+        read()
+        reads = wait_for(port, 'cachefs_mount_op_latency_seconds_count{op="read"} > 0')
+        assert reads[0]["metric"]["zone"] == "z1"
+        read()  # after a first sample, so the series has a rate
+        p99 = wait_for(port, 'histogram_quantile(0.99, sum by (op, le) '
+                             '(rate(cachefs_mount_op_latency_seconds_bucket{op="read"}[5m]))) > 0')
+        assert p99[0]["metric"]["op"] == "read"
+        # The cache tier's series, per zone (this read hit the mount's L1, so they may be 0).
+        tier = wait_for(port, "sum by (zone) (cachefs_cache_hits_total) + sum by (zone) (cachefs_cache_misses_total)")
+        assert {r["metric"]["zone"] for r in tier} == {n.zone for n in lab.of_kind("cachenode")}
+        l1 = 'sum(rate(cachefs_mount_l1_events_total{event="%s"}[5m]))'
+        rate = wait_for(port, f"{l1 % 'hits'} / ({l1 % 'hits'} + {l1 % 'misses'})")
+        assert 0 <= float(rate[0]["value"][1]) <= 1
+        pid = state["prometheus_pid"]
+    finally:
+        lab.down()
+    assert not _alive(pid)
