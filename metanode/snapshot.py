@@ -49,38 +49,7 @@ VERSION = 6
 
 def dump(state: MetaState) -> bytes:
     """The whole replicated state, msgpack then zstd; deterministic bytes."""
-    volumes = []
-    for vol in state.volumes.values():
-        # one flat list, _NFIELDS values per inode: far cheaper to build and
-        # pack than a list per inode (this runs with the Raft loop waiting)
-        inodes: list[Any] = []
-        extend = inodes.extend
-        for i in vol.inodes.values():
-            fields = _FIELDS(i)
-            if fields[1] & _S_IFMT == _S_IFDIR:
-                d: Dir = i.data
-                flat: list[Any] = []
-                for name, packed in d.entries.items():
-                    flat.append(name)
-                    flat.append(packed)
-                fields = (
-                    *fields[:12],
-                    [flat, d.next_cookie, d.ubytes, d.uinodes, d.qbytes, d.qinodes],
-                )
-            extend(fields)
-        volumes.append(
-            [
-                vol.name,
-                vol.next_ino,
-                vol.used_bytes,
-                bytes(vol.trash),
-                sorted(vol.orphans),
-                vol.created_ns,
-                inodes,
-                vol.token_hash,
-                [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
-            ]
-        )
+    volumes = [volume_row(vol) for vol in state.volumes.values()]
     sessions = [[sid, s.client_id, s.volume, []] for sid, s in state.sessions.items()]
     dedup = []
     for client, seen in state.dedup.items():
@@ -129,55 +98,9 @@ def load(state: MetaState, data: bytes) -> None:
     state.repo_objects = dict(zip(objects[::2], objects[1::2], strict=True))
     state.cluster = ClusterMap.load(cluster)
     state.volumes = {}
-    for name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *later in volumes:
-        vol = Volume(name, created_ns)
-        vol.token_hash = later[0] if later else ""  # older snapshots: open
-        flat = later[1] if len(later) > 1 else []  # older snapshots: no repair queue
-        vol.repairs = {(flat[k], flat[k + 1]): flat[k + 2] for k in range(0, len(flat), 3)}
-        vol.inodes.clear()
-        vol.next_ino = next_ino
-        vol.used_bytes = used_bytes
-        vol.trash = bytearray(trash)
-        for k in range(0, len(inodes), _NFIELDS):
-            (
-                ino,
-                mode,
-                uid,
-                gid,
-                nlink,
-                size,
-                atime,
-                mtime,
-                ctime,
-                version,
-                parent,
-                xattrs,
-                payload,
-            ) = inodes[k : k + _NFIELDS]
-            if mode & _S_IFMT == _S_IFDIR:
-                pairs, next_cookie, ubytes, uinodes, qbytes, qinodes = payload
-                directory = Dir()
-                directory.entries = dict(zip(pairs[::2], pairs[1::2], strict=True))
-                directory.next_cookie = next_cookie
-                directory.ubytes, directory.uinodes = ubytes, uinodes
-                directory.qbytes, directory.qinodes = qbytes, qinodes
-                payload = directory
-            inode = Inode(ino, mode, uid, gid, ctime, payload)
-            inode.nlink = nlink
-            inode.size = size
-            # share one int object between equal stamps, as a fresh inode does
-            inode.mtime = ctime if mtime == ctime else mtime
-            inode.atime = inode.mtime if atime == mtime else atime
-            inode.version = version
-            inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
-            inode.xattrs = xattrs
-            inode.stored = stored_bytes(inode)
-            vol.inodes[ino] = inode
-            if nlink == 0 and mode & _S_IFMT == _S_IFREG:
-                vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
-        if version < 5:
-            _recount_usage(vol)
-        state.volumes[name] = vol
+    for row in volumes:
+        vol = load_volume(row, version)
+        state.volumes[vol.name] = vol
     state.sessions = {}
     state.session_counts = {}
     for sid, client_id, volume, _files in sessions:
@@ -193,6 +116,91 @@ def load(state: MetaState, data: bytes) -> None:
         }
         if floor:
             state.dedup_floor[client] = floor
+
+
+def volume_row(vol: Volume) -> list[Any]:
+    """One volume as the snapshot (and a backup, see ``backup.py``) keeps it."""
+    # one flat list, _NFIELDS values per inode: far cheaper to build and
+    # pack than a list per inode (this runs with the Raft loop waiting)
+    inodes: list[Any] = []
+    extend = inodes.extend
+    for i in vol.inodes.values():
+        fields = _FIELDS(i)
+        if fields[1] & _S_IFMT == _S_IFDIR:
+            d: Dir = i.data
+            flat: list[Any] = []
+            for name, packed in d.entries.items():
+                flat.append(name)
+                flat.append(packed)
+            fields = (
+                *fields[:12],
+                [flat, d.next_cookie, d.ubytes, d.uinodes, d.qbytes, d.qinodes],
+            )
+        extend(fields)
+    return [
+        vol.name,
+        vol.next_ino,
+        vol.used_bytes,
+        bytes(vol.trash),
+        sorted(vol.orphans),
+        vol.created_ns,
+        inodes,
+        vol.token_hash,
+        [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
+    ]
+
+
+def load_volume(row: list[Any], version: int = VERSION) -> Volume:
+    """The :class:`Volume` a :func:`volume_row` (of snapshot ``version``) holds."""
+    name, next_ino, used_bytes, trash, _opens, created_ns, inodes, *later = row
+    vol = Volume(name, created_ns)
+    vol.token_hash = later[0] if later else ""  # older snapshots: open
+    flat = later[1] if len(later) > 1 else []  # older snapshots: no repair queue
+    vol.repairs = {(flat[k], flat[k + 1]): flat[k + 2] for k in range(0, len(flat), 3)}
+    vol.inodes.clear()
+    vol.next_ino = next_ino
+    vol.used_bytes = used_bytes
+    vol.trash = bytearray(trash)
+    for k in range(0, len(inodes), _NFIELDS):
+        (
+            ino,
+            mode,
+            uid,
+            gid,
+            nlink,
+            size,
+            atime,
+            mtime,
+            ctime,
+            iversion,
+            parent,
+            xattrs,
+            payload,
+        ) = inodes[k : k + _NFIELDS]
+        if mode & _S_IFMT == _S_IFDIR:
+            pairs, next_cookie, ubytes, uinodes, qbytes, qinodes = payload
+            directory = Dir()
+            directory.entries = dict(zip(pairs[::2], pairs[1::2], strict=True))
+            directory.next_cookie = next_cookie
+            directory.ubytes, directory.uinodes = ubytes, uinodes
+            directory.qbytes, directory.qinodes = qbytes, qinodes
+            payload = directory
+        inode = Inode(ino, mode, uid, gid, ctime, payload)
+        inode.nlink = nlink
+        inode.size = size
+        # share one int object between equal stamps, as a fresh inode does
+        inode.mtime = ctime if mtime == ctime else mtime
+        inode.atime = inode.mtime if atime == mtime else atime
+        inode.version = iversion
+        inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
+        inode.xattrs = xattrs
+        inode.stored = stored_bytes(inode)
+        vol.inodes[ino] = inode
+        if nlink == 0 and mode & _S_IFMT == _S_IFREG:
+            vol.orphans.add(ino)  # version 3 kept open counts; 4 the list
+    if version < 5:
+        _recount_usage(vol)
+    return vol
 
 
 def _recount_usage(vol: Volume) -> None:
