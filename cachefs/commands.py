@@ -1107,3 +1107,17 @@ def check_addr(addr: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"address must be host:port, got {addr!r}")
     return addr
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreVolume(Command[dict[str, Any]]):
+    """Install a volume's metadata backup (``cachefs load``; the format is in
+    ``metanode/backup.py``) into a cluster with no volume. The apply decodes
+    and checks it: a bad or foreign file is EINVAL naming what is wrong, a
+    cluster that holds a volume EEXIST. Reply: ``{volume, inodes, used_bytes}``."""
+
+    # sent as ``MetaService.restore_volume`` (ADMINS), the backup as its payload
+    TAG: ClassVar[int] = 43
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    blob: bytes

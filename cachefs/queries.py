@@ -271,6 +271,19 @@ class Unreferenced(Query[M.Unreferenced]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DumpVolume(Query[bytes]):
+    """A metadata backup of ``volume`` (``cachefs dump``): the leader
+    serializes it in a forked child, a consistent view at one applied index
+    that stops no writer (see ``metanode/backup.py``). Reply: the file's
+    size; its bytes are the reply's payload (``MetaClient.call(full=True)``)."""
+
+    NAME: ClassVar[str] = "dump_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
+    volume: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ListVolumes(Query[dict[str, Any]]):
     """``{name: {policy, compression, block_size, pg_count, used_bytes,
     used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""

@@ -122,10 +122,17 @@ class MetaClient:
         return type(q).REPLY(await self.call(q.NAME, {"a": q.to_wire()}, deadline=deadline))
 
     async def call(
-        self, method: str, args: dict[str, Any], *, deadline: float | None = None
+        self,
+        method: str,
+        args: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        payload: bytes | None = None,
+        full: bool = False,
     ) -> Any:
         """Call ``method`` on the leader, retrying availability failures; the
-        raw result (:meth:`mutate` and :meth:`query` build the arguments).
+        raw result (:meth:`mutate` and :meth:`query` build the arguments), or
+        with ``full`` the whole :class:`~cachefs.rpc.Reply` (its payload too).
 
         One unreachable or frozen metanode costs a bounded share of the
         deadline, not all of it: an attempt on the known leader gets at most
@@ -162,13 +169,15 @@ class MetaClient:
             conn = self.pool.live(addr)
             try:
                 if conn is not None:  # nothing to connect: the call's own deadline bounds it
-                    reply = await conn.call(method, args, timeout=timeout)
+                    reply = await conn.call(method, args, payload=payload, timeout=timeout)
                 else:
                     with trio.fail_after(timeout + 0.05):  # connecting included
-                        reply = await self.pool.call(addr, method, args, timeout=timeout)
+                        reply = await self.pool.call(
+                            addr, method, args, payload=payload, timeout=timeout
+                        )
                 self.leader = addr
                 self._failed.pop(addr, None)
-                return reply.result
+                return reply if full else reply.result
             except trio.TooSlowError:
                 last = TimedOut(f"{method} to {addr}: connecting took over {timeout:.2f}s")
                 self._fail(addr)

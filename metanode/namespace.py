@@ -460,6 +460,7 @@ class MetaState:
             C.LinkRepo: self._link_repo,
             C.UnlinkRepo: self._unlink_repo,
             C.ImportObjects: self._import_objects,
+            C.RestoreVolume: self._restore_volume,
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -816,6 +817,11 @@ class MetaState:
         vol = self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
         vol.token_hash = cmd.token_hash
         return spec.to_dict()
+
+    def _restore_volume(self, cmd: C.RestoreVolume) -> dict[str, Any]:
+        from .backup import parse, restore  # backup.py builds on this module's types
+
+        return restore(self, parse(cmd.blob, "the dump"))
 
     def _set_volume_access(self, cmd: C.SetVolumeAccess) -> dict[str, Any]:
         self._vol(cmd.name).token_hash = cmd.token_hash

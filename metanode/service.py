@@ -39,8 +39,10 @@ see :class:`~.opentable.OpenTable`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,15 +52,24 @@ import trio
 from cachefs import commands as C
 from cachefs import messages as M
 from cachefs import queries as Q
-from cachefs.credentials import ANYONE, Identity
-from cachefs.errors import CacheFSError, InvalidArgument, NotFound, NotLeader, PermissionDenied
+from cachefs.credentials import ADMINS, ANYONE, Identity
+from cachefs.errors import (
+    CacheFSError,
+    InvalidArgument,
+    NotFound,
+    NotLeader,
+    PermissionDenied,
+    Unavailable,
+)
 from cachefs.ids import BlockKey
-from cachefs.rpc import rpc_method
+from cachefs.rpc import Reply, rpc_method
 
+from . import backup
 from .leases import DEFAULT_TERM, LeaseTable, Mutation
 from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
 from .raft.lease import ReadLease, lease_duration
+from .raft.snapshot_child import SnapshotChild, SnapshotChildFailed
 
 if TYPE_CHECKING:
     from .raft.driver import RaftNode
@@ -655,6 +666,27 @@ class MetaService:
         self._check_leadership()  # a new leader restarts the liveness clocks first
         return q.run(state)
 
+    async def _dump_volume(self, q: Q.DumpVolume) -> Reply:
+        """The backup rides as the reply's payload (the header is small)."""
+        state = await self._leader_read()
+        backup.check_dumpable(state, q.volume)  # the child's errors would come back as an exit code
+        if hasattr(os, "fork"):
+            # no await between the read and the fork: the child sees one applied index
+            child = SnapshotChild.fork(functools.partial(backup.dump_volume, state, q.volume))
+            try:
+                blob = await child.result()
+            except SnapshotChildFailed as exc:
+                raise Unavailable(f"dumping volume {q.volume!r} failed: {exc}") from None
+        else:
+            blob = backup.dump_volume(state, q.volume)
+        return Reply(len(blob), payload=blob)
+
+    @rpc_method(roles=ADMINS)
+    async def restore_volume(self, *, payload: memoryview) -> dict[str, Any]:
+        """``cachefs load``: the backup comes as the payload (a request
+        header is at most 1 MiB), the log entry is ``RestoreVolume``."""
+        return await self._propose(C.RestoreVolume(bytes(payload), now_ns=time.time_ns()))
+
     # -- queries that grant leases, and the lease poll -----------------------------------
 
     def _lease_lookup(self, q: Q.LeaseLookup) -> Any:
@@ -727,6 +759,7 @@ class MetaService:
         Q.SessionHeartbeat: _session_heartbeat,
         Q.NodeHeartbeat: _node_heartbeat,
         Q.ClusterMap: _cluster_map,
+        Q.DumpVolume: _dump_volume,
     }
 
     # -- status ---------------------------------------------------------------------

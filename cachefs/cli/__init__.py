@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, str] = {
     "datanode": "cachefs.datanode.daemon:command",
     "cachenode": "cachefs.cachenode.daemon:command",
     "volume": "cachefs.metanode.admin:volume",
+    "dump": "cachefs.metanode.admin:dump",
+    "load": "cachefs.metanode.admin:load",
     "mount": "cachefs.client.mount:mount_command",
     "umount": "cachefs.client.mount:umount_command",
     "warmup": "cachefs.cachenode.warmup:command",

@@ -18,6 +18,7 @@ from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.credentials import ADMINS, ANYONE, CLIENTS, SERVERS, Credential
 from cachefs.errors import CacheFSError
+from cachefs.metanode import backup
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.raft.driver import RaftNode
@@ -32,7 +33,7 @@ TOKEN = "mount-token-of-t"
 # author decides (the default is servers only).
 ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "purge_trash",
               "list_trash", "list_repairs", "unreferenced_slices", "remove_node",
-              "link_repo", "unlink_repo", "import_objects", "list_repo_links"}
+              "link_repo", "unlink_repo", "import_objects", "list_repo_links", "dump_volume", "restore_volume"}
 SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
 FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "symlink", "link", "unlink",
                "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
@@ -237,3 +238,17 @@ async def test_a_token_volume_needs_a_session_that_proved_the_token(meta: LocalM
     await job.mc.mutate(C.CloseSession(session))
     assert await job.code(Q.GetAttr("t", d.ino)) == "EACCES"
     meta.check()
+
+
+async def test_a_metadata_dump_and_load_need_an_admin_credential(meta: LocalMetanode, nursery) -> None:
+    job = await _open(meta, cred("client", "job", "a"), nursery)
+    admin = await _open(meta, cred("admin", "ops"), nursery)
+    dump = {"a": Q.DumpVolume("a").to_wire()}
+    assert await code(job.mc.call("dump_volume", dump)) == "EACCES"  # not even its own volume
+    assert await code(job.mc.call("restore_volume", {}, payload=b"x")) == "EACCES"
+    reply = await admin.mc.call("dump_volume", dump, full=True)
+    assert bytes(reply.payload).startswith(backup.MAGIC) and reply.result == len(reply.payload)
+    # An admin may send one, but this cluster holds volumes: refused, naming them.
+    with pytest.raises(CacheFSError, match=r"not empty \(volumes: a, b, t\)") as err:
+        await admin.mc.call("restore_volume", {}, payload=bytes(reply.payload))
+    assert err.value.code == "EEXIST"
