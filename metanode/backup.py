@@ -32,7 +32,7 @@ from .snapshot import load_volume, volume_row
 MAGIC = b"CACHEFS-META-DUMP\n"
 VERSION = 1
 _HEADER = struct.Struct(">H")
-MAX_BACKUP = 1 << 40  # decompressed bytes
+MAX_BACKUP = 8 << 30  # decompressed bytes
 # slice ids skipped at a load: more than a cluster allocates between a dump and a wipe
 SLICE_GAP = 1 << 40
 
@@ -70,7 +70,11 @@ def dump_volume(state: MetaState, name: str) -> bytes:
         volume_row(vol),
     ]
     raw = msgpack.packb(body, use_bin_type=True)
-    return MAGIC + _HEADER.pack(VERSION) + zstandard.ZstdCompressor(level=3).compress(raw)
+    return (
+        MAGIC
+        + _HEADER.pack(VERSION)
+        + zstandard.ZstdCompressor(level=3, write_checksum=True).compress(raw)
+    )
 
 
 def parse(data: bytes, what: str = "backup") -> Backup:
@@ -88,9 +92,7 @@ def parse(data: bytes, what: str = "backup") -> Backup:
             f"{what} is dump format version {version}; this cachefs reads version {VERSION}"
         )
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            data[len(MAGIC) + _HEADER.size :], max_output_size=MAX_BACKUP
-        )
+        raw = _decompress(data[len(MAGIC) + _HEADER.size :], what)
         spec, pgs, next_slice, slice_floor, row = msgpack.unpackb(
             raw, raw=False, strict_map_key=False
         )
@@ -124,6 +126,21 @@ def parse(data: bytes, what: str = "backup") -> Backup:
     if 1 not in backup.volume.inodes or not backup.volume.inodes[1].is_dir:
         raise InvalidArgument(f"{what} is corrupt: the volume has no root directory")
     return backup
+
+
+def _decompress(body: bytes, what: str) -> bytes:
+    """The zstd frame's content, fed in small pieces: a hostile frame makes
+    no allocation larger than what it really decodes to (the one-shot call
+    trusts the frame's content size), and one that stops short is refused."""
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    for k in range(0, len(body), 1024):  # 1 KiB in: at most ~32 MiB out per step
+        out += dobj.decompress(body[k : k + 1024])
+        if len(out) > MAX_BACKUP:
+            raise InvalidArgument(f"{what} decompresses to over {MAX_BACKUP} bytes")
+    if not dobj.eof:
+        raise InvalidArgument(f"{what} is truncated: its zstd frame does not end")
+    return bytes(out)
 
 
 def restore(state: MetaState, backup: Backup) -> dict[str, Any]:

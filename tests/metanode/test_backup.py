@@ -175,12 +175,12 @@ def test_a_dump_loads_into_an_empty_state_and_equals_the_original() -> None:
 @pytest.mark.parametrize(
     ("mangle", "message"),
     [
-        (lambda b: b[: len(b) - 7], "truncated or corrupt"),
+        (lambda b: b[: len(b) - 7], "is truncated: its zstd frame does not end"),
         (lambda b: b[: len(backup.MAGIC) + 1], "ends inside the header"),
         (lambda b: b"NOT-A-DUMP" + b[10:], "not a cachefs metadata dump"),
         (lambda b: b"", "not a cachefs metadata dump"),
         (lambda b: backup.MAGIC + b"\x00\x07" + b[len(backup.MAGIC) + 2 :], "format version 7; this cachefs reads version 1"),
-        (lambda b: backup.MAGIC + b"\x00\x01" + b"\x28\xb5\x2f\xfd" + os.urandom(64), "truncated or corrupt"),
+        (lambda b: backup.MAGIC + b"\x00\x01" + b"\x28\xb5\x2f\xfd" + os.urandom(64), "corrupt"),
         (lambda b: backup.MAGIC + b"\x00\x01" + zstandard.compress(msgpack.packb([1, 2])), "is corrupt"),
     ],
     ids=["truncated", "header-cut", "wrong-magic", "empty", "wrong-version", "garbage-body", "wrong-shape"],
