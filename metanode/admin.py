@@ -290,7 +290,10 @@ def dump(
         return bytes(reply.payload or b"")
 
     blob = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
-    summary = backup.parse(blob, "the leader's dump")  # never write a file load would refuse
+    try:
+        summary = backup.parse(blob, "the leader's dump")  # never write a file load would refuse
+    except CacheFSError as exc:
+        raise click.ClickException(exc.message) from None
     path = Path(file)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
