@@ -59,7 +59,7 @@ from cachefs.commands import Mkdir
 from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError
 from cachefs.lab import hostile, netns
-from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.lab.cluster import VOLUME, Lab, LabConfig
 from cachefs.metanode.raft.storage import WAL_NAME, record_spans
 from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
@@ -459,7 +459,11 @@ class Chaos:
                 self.lab.kill(node.name)
 
     def repair(self, *extra: str) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "cachefs.cli", "repair", "--meta", ",".join(self.lab.meta_addrs),
+        return self.admin_cli("repair", *extra)
+
+    def admin_cli(self, command: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        """Run ``cachefs COMMAND`` against the lab with its admin credential."""
+        argv = [sys.executable, "-m", "cachefs.cli", command, "--meta", ",".join(self.lab.meta_addrs),
                 "--secret-file", str(self.lab.credential_file("admin")), *extra]
         if self.lab.config.netns:  # the lab's addresses are reachable from the client namespace only
             argv = self.lab.network.wrap(netns.CLIENT, argv)
@@ -640,6 +644,48 @@ class Chaos:
         self.probe()
         recover = time.monotonic() - t0
         return self.record("kill -9 the FUSE client during writes, remount", len(pids), recover)
+
+    def two_writer_compaction(self) -> Row:
+        """Two mounts write one chunk (issue 14, item 1): the lab's mount makes
+        64 fsynced 100-byte writes, so its compactor is due; in that window a
+        second mount appends 4 KiB with O_APPEND and fsyncs, which the first
+        mount's cached size does not know. After the compaction and a GC with
+        no grace, every byte of both writers reads back."""
+        other = self.mnt.parent / f"{self.mnt.name}-second"
+        log = self.lab.root / "logs" / "mount.log"
+        seen = log.read_text(errors="replace").count("compacted chunk 0 ")
+        self.lab.mount(str(other), "--l1-size", "0", l2=False, name="second-mount")
+        rel = f"data/two-writers-{len(self.rows):02d}"
+        parts = [self.rng.randbytes(100) for _ in range(64)]
+        tail = self.rng.randbytes(4096)
+        t0 = time.monotonic()
+        try:
+            with open(self.mnt / rel, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with open(other / rel, "ab") as g:  # opened on the second mount: it sees the 6,400 bytes
+                    g.write(tail)
+                    g.flush()
+                    os.fsync(g.fileno())
+            deadline = time.monotonic() + 60
+            while log.read_text(errors="replace").count("compacted chunk 0 ") == seen:
+                if time.monotonic() > deadline:
+                    raise CacheFSError(f"the mount never compacted {rel} (see {log})")
+                time.sleep(0.2)
+        finally:
+            subprocess.run([sys.executable, "-m", "cachefs.cli", "umount", str(other)],
+                           capture_output=True, timeout=120, check=False)
+            if other.is_mount():
+                subprocess.run(["fusermount3", "-u", "-z", str(other)], capture_output=True, check=False)
+        self.work.files[rel] = hashlib.sha256(b"".join(parts) + tail).hexdigest()
+        self.work.acked += 2
+        gc = self.admin_cli("gc", "--volume", VOLUME, "--grace", "0")
+        if gc.returncode != 0:
+            raise CacheFSError(f"cachefs gc failed: {_summary(gc)}")
+        return self.record("two mounts on one chunk: compaction while the other appends, then GC", 1,
+                           time.monotonic() - t0)
 
     def fill_cache(self) -> Row:
         """Read more than the cache tier holds: caches full, evicting, reads still right."""
@@ -1114,7 +1160,7 @@ class Chaos:
     def scenarios(self) -> list[Callable[[], Row]]:
         return [self.kill_leader, self.kill_follower, self.kill_two_metanodes, self.restart_all_metanodes,
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
-                self.kill_client, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
+                self.kill_client, self.two_writer_compaction, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
                 self.corrupt_snapshot, self.corrupt_wal_middle, self.hostile_peer, self.corrupt_cache_files,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 

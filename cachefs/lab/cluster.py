@@ -367,27 +367,34 @@ class Lab:
 
     # ------------------------------------------------------------ mount
 
-    def mount(self, mountpoint: str, *extra: str, l2: bool = True) -> None:
+    def mount(self, mountpoint: str, *extra: str, l2: bool = True, name: str = "mount") -> None:
         """Mount the lab volume (zone z1) with an L2 of ``mount_cache`` bytes
         under the lab's root, unless ``l2`` is false (tests of the cache
-        tier itself, whose reads must reach it) or ``extra`` names one."""
+        tier itself, whose reads must reach it) or ``extra`` names one.
+
+        ``name`` other than "mount" starts another mount of the same volume
+        (two writers on one file): its own log ``logs/NAME.log`` and spill
+        directory, no metrics, and not recorded as the lab's mount (its
+        caller unmounts it)."""
         Path(mountpoint).mkdir(parents=True, exist_ok=True)
+        main = name == "mount"
         if l2 and "--cache-dir" not in extra:
-            extra = ("--cache-dir", str(self.root / "mount-l2"), "--cache-size", self.config.mount_cache, *extra)
+            extra = ("--cache-dir", str(self.root / f"{name}-l2"), "--cache-size", self.config.mount_cache, *extra)
+        logf = self.root / "logs" / f"{name}.log"
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.credential_file("client")),
-                "--log-file", str(self.root / "logs" / "mount.log"),
-                "--spill-dir", str(self.root / "spill"), *self.tls_args(), *self._mount_metrics(), *extra]
+                "--log-file", str(logf), "--spill-dir", str(self.root / ("spill" if main else f"{name}-spill")),
+                *self.tls_args(), *(self._mount_metrics() if main else ["--no-metrics"]), *extra]
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
-        logf = self.root / "logs" / "mount.log"
         with open(logf, "ab") as out:
             result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
         if result.returncode != 0:
             tail = logf.read_text(errors="replace").splitlines()[-10:]
             raise LabError(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
-        self.config.mountpoint = mountpoint
-        self.save()
+        if main:
+            self.config.mountpoint = mountpoint
+            self.save()
 
     def _mount_metrics(self) -> list[str]:
         port = self.config.mount_metrics_port

@@ -74,6 +74,10 @@ def test_kill_fuse_client_during_writes(chaos: Chaos) -> None:
     _ok(chaos.kill_client())
 
 
+def test_two_mounts_compaction_keeps_the_other_writers_bytes(chaos: Chaos) -> None:
+    _ok(chaos.two_writer_compaction())
+
+
 def test_full_cache_flash(chaos: Chaos) -> None:
     _ok(chaos.fill_cache())
 
