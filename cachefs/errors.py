@@ -70,6 +70,8 @@ NoData = _posix("NoData", "ENODATA", _errno.ENODATA, "No such extended attribute
 Range = _posix("Range", "ERANGE", _errno.ERANGE, "A value does not fit the given buffer.")
 TimedOut = _posix("TimedOut", "ETIMEDOUT", _errno.ETIMEDOUT, "A call passed its deadline.")
 Busy = _posix("Busy", "EBUSY", _errno.EBUSY, "The node is over a load limit; try another one.")
+Stale = _posix("Stale", "ESTALE", _errno.ESTALE,
+               "A conditional change was refused: what it was based on has changed (read again; not retried).")
 NoSuchMethod = _posix("NoSuchMethod", "ENOSYS", _errno.ENOSYS, "The peer has no such RPC method.")
 ConnectionLost = _posix("ConnectionLost", "ECONNRESET", _errno.ECONNRESET, "The connection to a peer broke.")
 Unreachable = _posix("Unreachable", "ECONNREFUSED", _errno.ECONNREFUSED, "A peer could not be reached.")

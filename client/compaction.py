@@ -12,12 +12,16 @@ reading the whole chunk), reads the chunk's slice list and, past
 2. stores them as the blocks of one new slice;
 3. asks the metanodes to swap the new slice in only if the chunk is still
    exactly the list it read (``CompactChunk``). If it changed, the answer is
-   EBUSY, the new slice goes to the trash and nothing is lost; the compactor
+   ESTALE (``Stale``, which the metadata client does not retry, unlike an
+   overloaded node's EBUSY), the new slice goes to the trash and nothing is lost; the compactor
    tries again on the new list, a few times, since a writer still committing
    would otherwise leave the chunk uncompacted once it stops.
 
-One compaction at a time per chunk. A failed one is logged and skipped: the
-next commit to the chunk schedules another.
+One compaction at a time per chunk. A commit that arrives while one runs is
+remembered, and the chunk is looked at again once it ends, so the writer's
+last commit is never swallowed by a compaction that lost its race to it. A
+failed one is logged and skipped: the next commit to the chunk schedules
+another.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import logging
 import trio
 
 from cachefs import commands as C
-from cachefs.errors import Busy, CacheFSError, SliceExpired
+from cachefs.errors import CacheFSError, SliceExpired, Stale
 from cachefs.ids import BlockKey
 from cachefs.layout import HOLE, Slice, resolve, slice_blocks
 from cachefs.tasks import Spawner, run_all
@@ -54,24 +58,33 @@ class Compactor:
         self.threshold = threshold
         self._nursery = nursery
         self._running: set[tuple[int, int]] = set()
+        self._again: set[tuple[int, int]] = set()  # committed to while a compaction of it ran
 
     def schedule(self, inode: Inode, chunk: int, version: int) -> None:
         """A commit to ``chunk`` of ``inode`` (the writer's ``on_commit``)."""
         key = (inode.ino, chunk)
-        if key not in self._running:
+        if key in self._running:
+            self._again.add(key)
+        else:
             self._running.add(key)
             self._nursery.start_soon(self._later, inode, chunk)
 
     async def _later(self, inode: Inode, chunk: int) -> None:
+        key = (inode.ino, chunk)
         try:
-            await trio.sleep(COMPACT_DELAY)
-            if inode.writer is not None and inode.writer.dirty:
-                return
-            await self.compact(inode, chunk)
+            while True:
+                self._again.discard(key)
+                await trio.sleep(COMPACT_DELAY)
+                if inode.writer is not None and inode.writer.dirty:
+                    return  # the dirty bytes' own commit schedules the next look
+                await self.compact(inode, chunk)
+                if key not in self._again:
+                    return
         except CacheFSError as exc:
             log.info("compaction of inode %d chunk %d skipped: %s", inode.ino, chunk, exc)
         finally:
-            self._running.discard((inode.ino, chunk))
+            self._running.discard(key)
+            self._again.discard(key)
 
     async def compact(self, inode: Inode, chunk: int) -> None:
         """Rewrite ``chunk`` as one slice if it has ``threshold`` slices or more.
@@ -111,7 +124,7 @@ class Compactor:
             swap = C.CompactChunk(session.volume, inode.ino, chunk, expect, slice_id, length,
                                   tuple(sorted(short)))
             await session.mutate(swap)
-        except Busy:
+        except Stale:  # the metadata client never retries it: the answer stands
             log.info("chunk %d of inode %d changed while compacting", chunk, inode.ino)
             return False
         except SliceExpired:  # held longer than the collector's grace; its blocks are garbage

@@ -95,7 +95,6 @@ from typing import Any, Protocol
 from cachefs import commands as C
 from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import (
-    Busy,
     CacheFSError,
     CrossDevice,
     Exists,
@@ -110,6 +109,7 @@ from cachefs.errors import (
     PermissionDenied,
     QuotaExceeded,
     SliceExpired,
+    Stale,
     error_from_wire,
 )
 from cachefs.ids import CHUNK_SIZE, REPO_SLICE_BIT, is_repo_slice
@@ -1281,7 +1281,7 @@ class MetaState:
         self._check_slice(cmd.slice_id)
         recs = _chunk_records(inode.data, cmd.chunk)
         if [r[:4] for r in recs] != cmd.records():
-            raise Busy("the chunk changed since it was read; compact again")
+            raise Stale("the chunk changed since it was read; compact again")
         end = max(r[1] + r[2] for r in recs)
         if cmd.length != end:
             raise InvalidArgument(f"a compaction of records ending at {end} must be {end} bytes, not {cmd.length}")

@@ -467,3 +467,64 @@ def test_compaction_keeps_bytes_its_cached_size_does_not_know() -> None:
             metanode.check()
 
     trio.run(main)
+
+
+def test_a_commit_during_a_lost_compaction_is_looked_at_again(monkeypatch) -> None:
+    """A writer that keeps committing while the compactor works makes every
+    attempt lose its race (ESTALE). The commits that came in meanwhile must
+    not be swallowed: once the writer stops, the chunk ends as one slice.
+    (The old compactor dropped them while it ran, so the writer's last burst
+    left the chunk uncompacted for good.)"""
+    from cachefs.client import compaction
+    from cachefs.client.compaction import Compactor
+    from cachefs.rpc import RpcPool
+    from cachefs.testing.metanode import local_metanode
+    from tests.client.localfs import VOLUME
+
+    monkeypatch.setattr(compaction, "COMPACT_DELAY", 0.01)
+
+    async def main() -> None:
+        async with local_metanode() as metanode, RpcPool(secret=None) as pool:
+            await metanode.create_volume(VOLUME, block_size=BLOCK)
+            session = await metanode.session(pool, VOLUME)
+            meta = session.meta
+            async with trio.open_nursery() as n:
+                a = Inode(await meta.mutate(C.Mknod(VOLUME, 1, b"f", 0o100644)))
+                writer = _writer(session, a, n)  # type: ignore[arg-type]
+                want = bytearray()
+                compactor: Compactor
+
+                async def commit_one() -> None:
+                    piece = random.randbytes(100)
+                    await writer.write(len(want), piece)
+                    await writer.flush()
+                    want.extend(piece)
+                    compactor.schedule(a, 0, 0)  # what the writer's on_commit does
+
+                class RacingReader(Reader):
+                    races = compaction.ATTEMPTS  # a commit lands inside each attempt
+
+                    async def read_slices(self, slices, length):  # type: ignore[no-untyped-def]
+                        data = await super().read_slices(slices, length)
+                        if RacingReader.races:
+                            RacingReader.races -= 1
+                            await commit_one()
+                        return data
+
+                reader = RacingReader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=0)
+                compactor = Compactor(session, reader, nursery=n, threshold=4)
+                for _ in range(5):
+                    await commit_one()
+                with trio.fail_after(10):
+                    while RacingReader.races or len(await session.read_chunk(a.ino, 0)) > 1:
+                        await trio.sleep(0.02)
+                fresh = Inode(await meta.query(Q.GetAttr(VOLUME, a.ino)))
+                got = await Reader(session, L1Cache(3 * BLOCK), nursery=n, readahead_max=0).read(
+                    fresh, 0, len(want), None
+                )
+                assert got == bytes(want)
+                n.cancel_scope.cancel()
+            await session.close()
+            metanode.check()
+
+    trio.run(main)

@@ -208,12 +208,12 @@ def test_compact_chunk(ns: Driver) -> None:
     ns.write(f, 0, 5, 10)
     new = ns.do(C.AllocSlices, 1)
     records = [1, 0, 10, 0, 2, 5, 10, 0]  # (slice id, pos, length, offset) each
-    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [2, 5, 10, 0, 1, 0, 10, 0], new, 15) == errno.EBUSY
+    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [2, 5, 10, 0, 1, 0, 10, 0], new, 15) == errno.ESTALE
     assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, [1, 2], new, 15) == errno.EINVAL  # not whole records
     # Where the records end, not a size the compactor may have cached.
     assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, records, new, 12) == errno.EINVAL
     ns.do(C.SetAttr, VOL, f, size=12)  # cuts slice 2: the same ids, other records
-    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, records, new, 15) == errno.EBUSY
+    assert errno_of(ns.do, C.CompactChunk, VOL, f, 0, records, new, 15) == errno.ESTALE
     ns.do(C.CompactChunk, VOL, f, 0, [1, 0, 10, 0, 2, 5, 7, 0], new, 12)
     assert ns.state.read_chunk(VOL, f, 0) == [(new, 0, 12, 0)]
     assert {r[0] for r in ns.state.trash(VOL, 10)} == {1, 2}
