@@ -417,7 +417,7 @@ class Session:
     ) -> Attr:
         """Commit a slice (the writer's ``BlockSink`` call)."""
         try:
-            return await self.mutate(
+            return await self.meta.mutate(
                 C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
             )
         except SliceExpired:
