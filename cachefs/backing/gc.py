@@ -1,4 +1,4 @@
-"""Garbage collection of trashed slices (the ``cachefs gc [--check]`` command is in cachefs/cli/gc.py).
+"""Garbage collection of trashed slices (the ``cachefs gc [--delete|--check]`` command is in cachefs/cli/gc.py).
 
 Theory of operation
 -------------------
@@ -45,6 +45,10 @@ a writer loses a slice id, and stores its data again, only if it held the id
 from allocation to commit longer than that (sessions take a fresh batch of
 ids once theirs is a minute old, ``client/session.py``).
 
+Both passes take ``delete=False`` to count what they would delete and change
+nothing: that is what ``cachefs gc`` does unless given ``--delete`` (the
+JuiceFS habit: an operator looks before anything is removed).
+
 ``--check`` walks the namespace (readdir + read_chunk), lists every datanode's
 shards, and reports *missing* blocks (referenced, with no shard anywhere),
 *unreferenced* ones (stored, yet neither referenced nor trashed: writes in
@@ -86,7 +90,10 @@ ROOT = 1
 
 @dataclass(slots=True)
 class GcReport:
+    """What one pass deleted or, with ``deleted`` false, would delete."""
+
     volume: str
+    deleted: bool = True
     slices_purged: int = 0
     blocks_deleted: int = 0
     bytes_freed: int = 0
@@ -146,12 +153,19 @@ class GarbageCollector:
             except NotFound:
                 pass  # deleted by an earlier, interrupted run
 
-    async def collect(self, volume: str, before_ns: int | None = None) -> GcReport:
+    async def collect(self, volume: str, before_ns: int | None = None, *, delete: bool = True) -> GcReport:
         """One pass over the trash of ``volume``: slices trashed before
-        ``before_ns`` (default: ``grace`` seconds ago)."""
-        report = GcReport(volume)
+        ``before_ns`` (default: ``grace`` seconds ago). With ``delete`` false,
+        count them (up to a page of ``MAX_TRASH_PAGE``) and change nothing."""
+        report = GcReport(volume, deleted=delete)
         block_size = await self._block_size(volume)
         before = time.time_ns() - int(self.grace * 1e9) if before_ns is None else before_ns
+        if not delete:
+            for slice_id, size, _deleted_ns in await self.meta.query(Q.ListTrash(volume, Q.MAX_TRASH_PAGE, before)):
+                report.slices_purged += 1
+                report.blocks_deleted += len(slice_block_keys(slice_id, size, block_size))
+                report.bytes_freed += size
+            return report
         while True:
             rows = await self.meta.query(Q.ListTrash(volume, TRASH_PAGE, before))
             if not rows:
@@ -223,13 +237,14 @@ class GarbageCollector:
     # ------------------------------------------------------------------ leaks
 
     async def sweep(self, volume: str, datanode_addrs: list[str], report: GcReport | None = None, *,
-                    since: int = 0) -> GcReport:
+                    since: int = 0, delete: bool = True) -> GcReport:
         """Delete the shards of every leaked slice of ``volume`` (see the module docstring)
         with an id of at least ``since``: the floor of the last clean sweep, whose
         leaks are gone and whose other slices can leave only through the trash (so
         each sweep asks the metanodes about new slices only; the leader sweeps
-        everything now and then, for puts that landed after a sweep)."""
-        report = report or GcReport(volume)
+        everything now and then, for puts that landed after a sweep). With
+        ``delete`` false, count the leaked shards and change nothing."""
+        report = report or GcReport(volume, deleted=delete)
         stored: dict[str, set[BlockKey]] = {}
         for addr in datanode_addrs:
             try:
@@ -239,7 +254,11 @@ class GarbageCollector:
         leaked = await self._unreferenced(
             volume, {k.slice_id for keys in stored.values() for k in keys if k.slice_id >= since})
 
-        async def delete(addr: str, key: BlockKey) -> None:
+        if not delete:
+            report.leaked_blocks_deleted += sum(k.slice_id in leaked for keys in stored.values() for k in keys)
+            return report
+
+        async def delete_shards(addr: str, key: BlockKey) -> None:
             async with self._limit:
                 try:
                     reply = await self.backing.pool.call(
@@ -250,7 +269,7 @@ class GarbageCollector:
                 if reply.result["removed"]:
                     report.leaked_blocks_deleted += 1
 
-        await run_all(functools.partial(delete, addr, key)
+        await run_all(functools.partial(delete_shards, addr, key)
                       for addr, keys in stored.items() for key in sorted(keys) if key.slice_id in leaked)
         if leaked:
             log.info("gc of %s: %d leaked slices, %d of their blocks deleted", volume, len(leaked),

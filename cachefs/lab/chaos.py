@@ -681,7 +681,7 @@ class Chaos:
                 subprocess.run(["fusermount3", "-u", "-z", str(other)], capture_output=True, check=False)
         self.work.files[rel] = hashlib.sha256(b"".join(parts) + tail).hexdigest()
         self.work.acked += 2
-        gc = self.admin_cli("gc", "--volume", VOLUME, "--grace", "0")
+        gc = self.admin_cli("gc", "--volume", VOLUME, "--grace", "0", "--delete")
         if gc.returncode != 0:
             raise CacheFSError(f"cachefs gc failed: {_summary(gc)}")
         return self.record("two mounts on one chunk: compaction while the other appends, then GC", 1,

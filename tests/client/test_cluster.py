@@ -244,10 +244,16 @@ def test_gc_deletes_trashed_blocks_and_check_finds_missing_ones(cluster, cluster
     (mnt / "keep").write_bytes(keep)  # O_TRUNC: the first 9 MiB go to the trash
     (mnt / "gone").write_bytes(os.urandom(5 << 20))
     os.unlink(mnt / "gone")
+    r = _gc(cluster, "--grace", "0")  # reports by default
+    assert r.returncode == 0, r.stderr
+    pending = int(r.stdout.split("would purge ")[1].split()[0])
+    assert pending >= 2 and "nothing deleted" in r.stdout, r.stdout
     r = _gc(cluster, "--grace", "0")
+    assert int(r.stdout.split("would purge ")[1].split()[0]) == pending, r.stdout  # nothing was purged
+    r = _gc(cluster, "--grace", "0", "--delete")
     assert r.returncode == 0, r.stderr
     purged = int(r.stdout.split("purged ")[1].split()[0])
-    assert purged >= 2, r.stdout
+    assert purged == pending, r.stdout
     r = _gc(cluster, "--check")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "missing: 0" in r.stdout
