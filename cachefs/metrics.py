@@ -53,6 +53,13 @@ def refused_connection(service: str, reason: str) -> None:
 DEFAULT_PORTS = {"metanode": 9560, "datanode": 9561, "cachenode": 9562, "mount": 9563, "repair": 9564}
 
 
+def default_ports_text() -> str:
+    """``9560 metanode, 9561 datanode, ...``: the defaults as every doc spells them
+    (docs/config.md is generated with it; tests/core/test_default_ports.py holds
+    the hand-written docs to it)."""
+    return ", ".join(f"{port} {kind.replace('cachenode', 'cache node')}" for kind, port in DEFAULT_PORTS.items())
+
+
 @dataclass(frozen=True)
 class MetricsAddr:
     """Where /metrics is served; ``explicit``: the operator chose it (a bind

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import click
 
 from cachefs.cli import NeedsExtra, main
+from cachefs.metrics import default_ports_text
 
 HEADER = """\
 # Configuration reference
@@ -37,8 +38,8 @@ Every option can be given three ways; the first one found wins:
 
 Besides the options: `CACHEFS_SECRET` holds the cluster secret itself (instead of a
 file), `CACHEFS_METRICS_HOST` the address `/metrics` is served on when `--metrics-addr`
-gives only a port (default 127.0.0.1; `/metrics` is on by default, at 9560 for a metanode,
-9561 a datanode, 9562 a cache node, 9563 a mount, 9564 repair), `CACHEFS_RUN_DIR` where mounts keep their pid files (default /run/cachefs).
+gives only a port (default 127.0.0.1; `/metrics` is on by default, at
+{ports}), `CACHEFS_RUN_DIR` where mounts keep their pid files (default /run/cachefs).
 Sizes take binary units (`4096`, `64M`, `1.5G`, `2TiB`). `mount.cachefs` (mount(8) and
 /etc/fstab) takes every `cachefs mount` option as `-o name=value`, a flag as `-o name`.
 """
@@ -95,7 +96,7 @@ def render_command(ctx: click.Context, command: click.Command) -> str:
 def render() -> str:
     root = click.Context(main, info_name="cachefs", auto_envvar_prefix="CACHEFS", terminal_width=10_000)
     sections = [render_command(ctx, command) for ctx, command in commands(main, root)]
-    return HEADER + "\n" + "\n".join(sections)
+    return HEADER.replace("{ports}", default_ports_text()) + "\n" + "\n".join(sections)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def test_every_command_line_parses_with_the_real_cli(services, monkeypatch):
                     parse_cachefs(argv, env, monkeypatch)
                 except click.ClickException as exc:
                     pytest.fail(f"service {name}: `{shlex.join(argv)}` does not parse: {exc.format_message()}")
-    assert programs <= {"cachefs", "fio", "grep"}, f"unexpected programs {programs}"
+    assert programs <= {"cachefs", "fio", "grep", "prometheus"}, f"unexpected programs {programs}"
 
 
 def test_the_validator_rejects_what_the_cli_rejects(services, monkeypatch):
@@ -194,6 +194,9 @@ def test_only_the_daemons_hold_the_secret_and_the_rest_a_least_credential(servic
             path = env["CACHEFS_SECRET_FILE"]
             role, volumes = issued[f"/credentials/{volume.split('-')[0]}/{path.rsplit('/', 1)[1]}"]
             assert (name, role, volumes) in {("volume-init", "admin", ()), ("client", "client", (VOLUME,))}
+            continue
+        if name == "prometheus":  # /metrics needs no credential
+            assert not env and "env_file" not in svc, "prometheus must not get the cluster secret"
             continue
         secret = env.get("CACHEFS_SECRET", "")
         assert re.fullmatch(r"[0-9a-f]{64}", secret), f"{name}: CACHEFS_SECRET missing or not 32 random bytes in hex"
@@ -269,7 +272,7 @@ def test_dependencies_and_restart_policies(services):
             assert cond["condition"] == want, f"{name} -> {dep}"
         kind = svc.get("labels", {}).get("cachefs.kind")
         restart = svc.get("restart")
-        if kind in DAEMON_KINDS:
+        if kind in (*DAEMON_KINDS, "monitoring"):
             assert restart in {"always", "unless-stopped"}, name
         elif kind == "job":
             assert restart == "on-failure", name
@@ -297,6 +300,9 @@ def test_named_volumes(compose, services, monkeypatch):
         for spec in svc.get("volumes", []):
             source, _, target = spec.partition(":")
             target = target.split(":")[0]
+            if name == "prometheus" and source == "./docs/prometheus":
+                assert spec.endswith(":ro"), "the monitoring config is mounted read-only"
+                continue  # config from the repository, not state
             assert not source.startswith(("/", ".")), f"{name}: bind mount {spec}; use a named volume"
             assert source in declared, f"{name}: volume {source} is not declared"
             if source.endswith("-credential"):
@@ -305,13 +311,16 @@ def test_named_volumes(compose, services, monkeypatch):
                 continue
             assert source not in used, f"volume {source} is shared by {used[source]} and {name}"
             used[source] = name
+            if name == "prometheus":
+                assert target == "/prometheus", "Prometheus keeps its TSDB in a named volume"
+                continue
             p = daemon(parsed, name)
             data_dir = p.params.get("data_dir") or p.params.get("cache_dir")
             assert str(data_dir) == target, f"{name}: data dir {data_dir} is not the volume {target}"
     assert set(used) | set(credentials) == declared, f"declared but unused: {declared - set(used)}"
     assert all(len(users) == 2 and "credentials" in users for users in credentials.values()), credentials
     daemons = [n for n, s in services.items() if s.get("labels", {}).get("cachefs.kind") in DAEMON_KINDS]
-    assert sorted(used.values()) == sorted(daemons), "every daemon keeps its state in a named volume"
+    assert sorted(used.values()) == sorted([*daemons, "prometheus"]), "every daemon keeps its state in a named volume"
 
 
 def test_metrics_ports(services, monkeypatch):
@@ -346,9 +355,11 @@ def test_dockerfile_copies_every_package_dir(services):
     package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert package_dirs | {"pyproject.toml", pyproject["project"]["readme"]} <= copied
     assert re.search(r"apt-get install .*\bfuse3\b", text) and "fio" in text
-    images = {svc.get("image") for svc in services.values()}
-    builds = {svc.get("build") for svc in services.values()}
+    ours = [svc for name, svc in services.items() if name != "prometheus"]
+    images = {svc.get("image") for svc in ours}
+    builds = {svc.get("build") for svc in ours}
     assert images == {"cachefs:lab"} and builds == {"."}
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 

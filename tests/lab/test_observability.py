@@ -68,3 +68,33 @@ def test_the_scrape_config_scrapes_every_compose_daemon_in_its_zone() -> None:
                for static in job["static_configs"] for target in static["targets"]}
     assert {t: z for t, z in scraped.items() if t.endswith(":9100")} == daemons
     assert "client:9563" in scraped  # the mount, at its default port
+
+
+def _compose_prometheus() -> tuple[dict, Path]:
+    """The compose file's prometheus service and the host file its --config.file names."""
+    svc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["prometheus"]
+    [config] = [a.split("=", 1)[1] for a in svc["command"] if a.startswith("--config.file=")]
+    mounts = {t.split(":")[0]: s for s, t in (v.split(":", 1) for v in svc["volumes"])}
+    directory, name = config.rsplit("/", 1)
+    assert directory in mounts, f"--config.file {config} is not inside a mounted directory"
+    return svc, (ROOT / mounts[directory] / name).resolve()
+
+
+@needs_promtool
+def test_the_compose_prometheus_loads_a_config_promtool_accepts() -> None:
+    """promtool resolves rule_files next to the config, so this checks the rules it loads too."""
+    svc, config = _compose_prometheus()
+    assert config == (PROMETHEUS / "prometheus.yml").resolve()
+    proc = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS: 1 rule files found" in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")
+def test_the_compose_prometheus_flags_are_real_flags() -> None:
+    svc, _ = _compose_prometheus()
+    assert svc["command"][0] == "prometheus"
+    usage = subprocess.run(["prometheus", "--help"], capture_output=True, text=True, timeout=60)
+    known = set(re.findall(r"--([\w.-]+)", usage.stdout + usage.stderr))
+    flags = {a[2:].split("=", 1)[0] for a in svc["command"][1:]}
+    assert flags and flags <= known, flags - known
