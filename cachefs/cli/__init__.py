@@ -40,6 +40,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "cachefs.benchcmd:bench",
     "credential": "cachefs.cli.credential:credential",
     "repo": "cachefs.cli.repo:repo",
+    "import": "cachefs.cli.ingest:command",
 }
 
 # Optional dependencies: the module a failed import names -> (the extra that installs it, a note).
