@@ -92,6 +92,7 @@ from .peers import PeerZones
 log = logging.getLogger(__name__)
 
 POLICIES = ("wait", "fast-fail", "peek")
+MAX_HOLDS = 10_000  # keys per holds call
 HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
@@ -596,6 +597,16 @@ class CacheService:
     async def prefetch(self, volume: str, keys: list, wait: bool = False) -> dict[str, int]:
         """Queue blocks for read-through (warm-up); ``wait`` answers when they are done."""
         return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait)
+
+    @rpc_method(roles=CLIENTS)
+    def holds(self, volume: str, keys: list) -> list[bool]:
+        """Which of ``keys`` are on this node's flash now: no read-through, no
+        LRU touch, no hit counted (``cachefs info``; a client could learn as
+        much from a ``fast-fail`` get of its own volume's blocks)."""
+        _check_volume(volume)
+        if not isinstance(keys, list) or len(keys) > MAX_HOLDS or not all(isinstance(k, bytes) for k in keys):
+            raise InvalidArgument(f"holds takes a list of at most {MAX_HOLDS} block keys (bytes)")
+        return [self.store.lookup(_key(k)) is not None for k in keys]
 
     @rpc_method(roles=CLIENTS)
     async def prefetch_status(self) -> dict[str, int]:

@@ -429,7 +429,8 @@ async def run_fs(
             REGISTRY.register(MountCollector(engine, front.op_stats))
             start_metrics(metrics)
         stopping = _Stopping(options.unmount_timeout)
-        engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background)
+        engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background,
+                                  session.meta.addrs)
         engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
         try:
             await pyfuse3.main()
@@ -466,6 +467,7 @@ async def _announce(
     mountpoint: str,
     ready: Callable[[str | None], None],
     max_background: int = MAX_BACKGROUND,
+    meta_addrs: list[str] | None = None,
 ) -> None:
     """Ready means: the kernel routes a stat of the mount point to us."""
     try:
@@ -478,7 +480,7 @@ async def _announce(
     # request: from this thread, with attr_timeout 0, it would wait on itself.
     await trio.to_thread.run_sync(raise_read_ahead, mountpoint)
     await trio.to_thread.run_sync(raise_max_background, mountpoint, max_background)
-    await trio.to_thread.run_sync(_write_pid, mountpoint)
+    await trio.to_thread.run_sync(_write_pid, mountpoint, meta_addrs or [])
     log.info("mounted at %s", mountpoint)
     ready(None)
     sdnotify.serving(nursery, f"mounted at {mountpoint}")
@@ -497,10 +499,12 @@ async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
             return
 
 
-def _write_pid(mountpoint: str) -> None:
+def _write_pid(mountpoint: str, meta_addrs: list[str]) -> None:
+    """``pid``, the mount point and the metanode addresses, a line each
+    (``cachefs umount`` reads the first two, ``cachefs info`` the third)."""
     try:
         RUN_DIR.mkdir(parents=True, exist_ok=True)
-        pid_file(mountpoint).write_text(f"{os.getpid()}\n{os.path.realpath(mountpoint)}\n")
+        pid_file(mountpoint).write_text(f"{os.getpid()}\n{os.path.realpath(mountpoint)}\n{','.join(meta_addrs)}\n")
     except OSError as exc:
         log.warning("could not write pid file under %s: %s", RUN_DIR, exc)
 
@@ -808,13 +812,24 @@ def umount_command(mountpoint: str, timeout: float) -> None:
 
 def _daemon_pid(mountpoint: str) -> int | None:
     try:
-        pid_text, _, where = pid_file(mountpoint).read_text().partition("\n")
+        pid_text, where, *_ = pid_file(mountpoint).read_text().split("\n")
         pid = int(pid_text)
     except (OSError, ValueError):
         return None
-    if where.strip() != os.path.realpath(mountpoint) or not _alive(pid):
+    if where != os.path.realpath(mountpoint) or not _alive(pid):
         return None
     return pid
+
+
+def mount_meta_addrs(mountpoint: str) -> list[str]:
+    """The metanode addresses the mount at ``mountpoint`` uses (from its pid file; [] if unknown)."""
+    try:
+        lines = pid_file(mountpoint).read_text().split("\n")
+    except OSError:
+        return []
+    if len(lines) < 3 or lines[1] != os.path.realpath(mountpoint) or not lines[2]:
+        return []
+    return lines[2].split(",")
 
 
 def _alive(pid: int) -> bool:

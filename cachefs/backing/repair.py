@@ -206,13 +206,13 @@ class Repairer:
         for key in keys:
             pg = self.view.placement(volume, key)
             n = self.view.policy(volume).n
-            held = await self._holdings(volume, key, pg, n, (hints or {}).get(key, ()))
+            held = await self.holdings(volume, key, pg, n, (hints or {}).get(key, ()))
             await self.repair_block(volume, key, pg, held, report)
             if all(pg[i] in held[i] for i in range(n)):
                 whole.append(key)
         return whole
 
-    async def _holdings(self, volume: str, key: BlockKey, pg: tuple[str, ...], n: int,
+    async def holdings(self, volume: str, key: BlockKey, pg: tuple[str, ...], n: int,
                         hints: Iterable[tuple[int, str]]) -> dict[int, set[str]]:
         """Who holds which shard of one block: its PG members, then for an empty
         slot the hinted holders and the handoff substitutes (all slots at once)."""
