@@ -28,7 +28,19 @@ unlinks its victims before writing. So the bytes on disk never exceed the
 capacity, also with many concurrent fills; a fill that cannot reserve (the
 rest is reserved by other fills) raises ``NoSpace`` and is served uncached.
 
-Crash safety. A block is written to ``<root>/tmp/`` in one ``writev`` and
+Writes without the page cache. A block of ``direct_min`` bytes or more
+(a whole 4 MiB block, not a small file's) is written with ``O_DIRECT``: a
+buffered write copies every byte into the page cache (measured 0.4-1.2 s of
+CPU per GiB here, the largest cost of a cache node's cold fill), O_DIRECT
+has the disk read the buffer itself (0.08 s/GiB), at the price of one copy
+into a reused page-aligned buffer (0.03-0.1 s/GiB). Such a file's header
+sets ``FLAG_ALIGNED`` and is padded to :data:`ALIGN` bytes, so the data
+starts (and is mapped and read) at a page boundary; the file is written
+rounded up to ``ALIGN`` and cut to its exact size. A filesystem that refuses
+O_DIRECT (tmpfs) gets buffered writes from then on. Reads are unchanged: a
+hit of a block written so comes from the disk once, then the page cache.
+
+Crash safety. A block is written to ``<root>/tmp/`` in one write and
 renamed into place, so a file under ``blocks/`` is complete unless the machine
 lost power (no fsync: it is a cache, and a torn file fails its checksums).
 ``open()`` rebuilds the index by scanning the headers (kill -9 included),
@@ -70,13 +82,14 @@ verified copy, served without re-checking (nothing else can write to it).
 Threads. The store has no trio in it: every method is plain blocking code,
 safe to call from several threads. The index is guarded by one lock that is
 never held across file IO; file IO is done in few, large steps (one pread or
-one leased, populated mmap per read, one writev per fill). The service
+one leased, populated mmap per read, one write per fill). The service
 decides what runs in a thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -106,6 +119,15 @@ _HEADER_PROBE = 4096
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)
 MMAP_MIN = 1 << 20
+FLAG_ALIGNED = 1  # the data starts at the header's length rounded up to ALIGN
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page size)
+DIRECT_MIN = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_SCRATCH_KEPT = 4  # page-aligned write buffers kept for reuse
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _shard(key: BlockKey) -> str:
@@ -117,10 +139,10 @@ def segment_sums(data: bytes | bytearray | memoryview, segment_size: int) -> lis
     return [checksum(view[i : i + segment_size]) for i in range(0, len(view), segment_size)]
 
 
-def encode_header(volume: str, size: int, segment_size: int, sums: list[int]) -> bytes:
+def encode_header(volume: str, size: int, segment_size: int, sums: list[int], flags: int = 0) -> bytes:
     vol = volume.encode()
     head = (
-        _FIXED.pack(MAGIC, VERSION, 0, len(vol), size, segment_size, len(sums))
+        _FIXED.pack(MAGIC, VERSION, flags, len(vol), size, segment_size, len(sums))
         + vol
         + struct.pack(f"<{len(sums)}Q", *sums)
     )
@@ -134,6 +156,7 @@ class _Header:
     segment_size: int
     sums: tuple[int, ...]
     length: int
+    data_offset: int  # where the data starts: ``length``, or rounded up to ALIGN (FLAG_ALIGNED)
 
 
 def decode_header(raw: bytes) -> _Header | int:
@@ -144,8 +167,8 @@ def decode_header(raw: bytes) -> _Header | int:
     """
     if len(raw) < _FIXED.size:
         return _FIXED.size
-    magic, version, _flags, vol_len, size, seg, nseg = _FIXED.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or seg <= 0:
+    magic, version, flags, vol_len, size, seg, nseg = _FIXED.unpack_from(raw)
+    if magic != MAGIC or version != VERSION or seg <= 0 or flags & ~FLAG_ALIGNED:
         raise Corrupt("bad block file header")
     if nseg != -(-size // seg):
         raise Corrupt("segment count does not match the data length")
@@ -157,7 +180,7 @@ def decode_header(raw: bytes) -> _Header | int:
         raise Corrupt("block file header fails its checksum")
     vol = raw[_FIXED.size : _FIXED.size + vol_len].decode()
     sums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size + vol_len)
-    return _Header(vol, size, seg, sums, length)
+    return _Header(vol, size, seg, sums, length, _align(length) if flags & FLAG_ALIGNED else length)
 
 
 @dataclass(slots=True)
@@ -227,6 +250,7 @@ class BlockStore:
         segment_size: int = SEGMENT_SIZE,
         promote_after: int = 2,
         mmap_min: int = MMAP_MIN,
+        direct_min: int = DIRECT_MIN,
         free_space_ratio: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -244,6 +268,8 @@ class BlockStore:
         self.segment_size = segment_size
         self.promote_after = promote_after
         self.mmap_min = mmap_min
+        self.direct_min = direct_min if _O_DIRECT else 0  # 0: never O_DIRECT
+        self._scratch: list[mmap.mmap] = []  # page-aligned buffers for O_DIRECT writes
         self.free_space_ratio = free_space_ratio
         self._clock = clock
         self._lock = threading.Lock()
@@ -323,14 +349,14 @@ class BlockStore:
             return None
         finally:
             os.close(fd)
-        if isinstance(header, int) or st.st_size != header.length + header.size:
+        if isinstance(header, int) or st.st_size != header.data_offset + header.size:
             return None
         return Entry(
             key,
             header.volume,
             header.size,
             st.st_size,
-            header.length,
+            header.data_offset,
             header.segment_size,
             header.sums,
             st.st_mtime,
@@ -555,8 +581,10 @@ class BlockStore:
             IOFailure: the file could not be written.
         """
         sums = segment_sums(data, self.segment_size)
-        header = encode_header(volume, len(data), self.segment_size, sums)
-        file_size = len(header) + len(data)
+        direct = 0 < self.direct_min <= len(data)
+        header = encode_header(volume, len(data), self.segment_size, sums, FLAG_ALIGNED if direct else 0)
+        data_offset = _align(len(header)) if direct else len(header)
+        file_size = data_offset + len(data)
         room = self._disk_room()  # statvfs outside the lock: it is a syscall
         with self._lock:
             if key in self._writing:
@@ -588,16 +616,8 @@ class BlockStore:
             )
         tmp = self._tmp_dir / f"{key.hex()}.{uuid.uuid4().hex[:8]}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                written = os.writev(fd, [header, view])
-                while written < file_size:  # short writes are rare but legal
-                    hv = header[written:] if written < len(header) else b""
-                    rest = view[max(0, written - len(header)) :]
-                    written += os.writev(fd, [hv, rest] if hv else [rest])
-            finally:
-                os.close(fd)
+            if not (direct and self._write_direct(tmp, header, data_offset, data)):
+                self._write_buffered(tmp, header, data_offset, data)
             os.rename(tmp, self._file(key))
         except OSError as exc:
             with contextlib.suppress(FileNotFoundError):
@@ -611,7 +631,7 @@ class BlockStore:
             volume,
             len(data),
             file_size,
-            len(header),
+            data_offset,
             self.segment_size,
             tuple(sums),
             self._clock(),
@@ -625,6 +645,67 @@ class BlockStore:
                 self._memory.drop(key)
             self._index[key] = entry
             self.used += file_size
+        return True
+
+    @staticmethod
+    def _write_buffered(path: Path, header: bytes, data_offset: int, data: bytes | bytearray | memoryview) -> None:
+        """The block file in one ``writev`` through the page cache."""
+        pieces = [header + bytes(data_offset - len(header)), memoryview(data)]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            written, total = os.writev(fd, pieces), data_offset + len(data)
+            while written < total:  # short writes are rare but legal
+                head = pieces[0]
+                rest = [head[written:]] if written < len(head) else []
+                written += os.writev(fd, [*rest, pieces[1][max(0, written - len(head)) :]])
+        finally:
+            os.close(fd)
+
+    def _write_direct(self, path: Path, header: bytes, data_offset: int, data: bytes | bytearray | memoryview) -> bool:
+        """The block file with O_DIRECT, from a reused page-aligned buffer (see
+        the module docstring); False when the filesystem refuses O_DIRECT,
+        which then turns it off for this store (the caller writes buffered)."""
+        size = data_offset + len(data)
+        total = _align(size)
+        with self._lock:
+            scratch = next((m for m in self._scratch if len(m) >= total), None)
+            if scratch is not None:
+                self._scratch.remove(scratch)
+        if scratch is None:
+            scratch = mmap.mmap(-1, max(total, _align(DIRECT_MIN + ALIGN)))  # anonymous: page-aligned
+        try:
+            buf = memoryview(scratch)
+            buf[: len(header)] = header
+            buf[len(header) : data_offset] = bytes(data_offset - len(header))
+            buf[data_offset:size] = data
+            buf[size:total] = bytes(total - size)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("cache store %s: the filesystem refuses O_DIRECT; writing through the page cache", self.root)
+                self.direct_min = 0
+                return False
+            try:
+                written = 0
+                while written < total:
+                    written += os.write(fd, buf[written:total])
+                os.ftruncate(fd, size)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("cache store %s: an O_DIRECT write was refused (%s); writing through the page cache",
+                         self.root, exc)
+                self.direct_min = 0
+                return False
+            finally:
+                os.close(fd)
+            del buf
+        finally:
+            with self._lock:
+                if len(self._scratch) < _SCRATCH_KEPT:
+                    self._scratch.append(scratch)
         return True
 
     # -- reporting -------------------------------------------------------------
