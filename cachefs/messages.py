@@ -345,6 +345,12 @@ def blobs(raw: Any) -> list[bytes]:
     return list(raw)
 
 
+def strings(raw: Any) -> list[str]:
+    if not isinstance(raw, list | tuple) or not all(type(v) is str for v in raw):
+        raise IOFailure(f"metanode sent {type(raw).__name__} for a list of strings")
+    return list(raw)
+
+
 def mapping(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise IOFailure(f"metanode sent {type(raw).__name__} for a map")

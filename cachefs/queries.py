@@ -284,6 +284,20 @@ class DumpVolume(Query[bytes]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CheckVolume(Query[list[str]]):
+    """The metadata invariants of ``volume`` (``metanode/invariants.py``)
+    checked on the leader's applied state (``cachefs fsck``): the problems
+    found, empty when the namespace agrees with itself. The check walks the
+    whole volume in one go on the leader, so it is for operators, not for
+    every client."""
+
+    NAME: ClassVar[str] = "check_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.strings
+    volume: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ListVolumes(Query[dict[str, Any]]):
     """``{name: {policy, compression, block_size, pg_count, used_bytes,
     used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""

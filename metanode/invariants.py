@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from collections import Counter
 
+from cachefs.errors import NotFound
 from cachefs.ids import CHUNK_SIZE, is_repo_slice
 from cachefs.layout import HOLE
 
@@ -63,6 +64,14 @@ def check(state: MetaState) -> None:
         problems.append(f"session counts {state.session_counts} do not match the sessions ({dict(counts)})")
     if problems:
         raise InvariantError("\n".join(problems))
+
+
+def volume_problems(state: MetaState, volume: str) -> list[str]:
+    """Every inconsistency of one volume (``cachefs fsck``; raises NotFound for no such volume)."""
+    vol = state.volumes.get(volume)
+    if vol is None:
+        raise NotFound(f"no volume {volume!r}")
+    return _check_volume(state, vol)
 
 
 def _check_volume(state: MetaState, vol: Volume) -> list[str]:

@@ -64,7 +64,7 @@ from cachefs.errors import (
 from cachefs.ids import BlockKey
 from cachefs.rpc import Reply, rpc_method
 
-from . import backup
+from . import backup, invariants
 from .leases import DEFAULT_TERM, LeaseTable, Mutation
 from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
@@ -681,6 +681,10 @@ class MetaService:
             blob = backup.dump_volume(state, q.volume)
         return Reply(len(blob), payload=blob)
 
+    async def _check_volume(self, q: Q.CheckVolume) -> list[str]:
+        state = await self._leader_read()
+        return invariants.volume_problems(state, q.volume)  # no await: one applied index
+
     @rpc_method(roles=ADMINS)
     async def restore_volume(self, *, payload: memoryview) -> dict[str, Any]:
         """``cachefs load``: the backup comes as the payload (a request
@@ -760,6 +764,7 @@ class MetaService:
         Q.NodeHeartbeat: _node_heartbeat,
         Q.ClusterMap: _cluster_map,
         Q.DumpVolume: _dump_volume,
+        Q.CheckVolume: _check_volume,
     }
 
     # -- status ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ Subcommands live next to the code they run and are imported only when used,
 so ``cachefs mount`` does not pay for importing the metanode. The table below
 is the one place that says which module provides which subcommand. A command
 whose wiring would make a shared-core module import a component (repair,
-gc and info build a metanode client; mount.cachefs drives the mount) lives in this
+gc, info and fsck build a metanode client; mount.cachefs drives the mount) lives in this
 package instead.
 
 A subcommand whose module needs an optional dependency that is not installed
@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, str] = {
     "repair": "cachefs.cli.repair:command",
     "gc": "cachefs.cli.gc:command",
     "info": "cachefs.cli.info:command",
+    "fsck": "cachefs.cli.fsck:command",
     "status": "cachefs.status:status",
     "health": "cachefs.status:health",
     "lab": "cachefs.lab.cli:lab",
