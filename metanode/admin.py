@@ -5,62 +5,23 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import click
-import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.commands import check_policy
-from cachefs.config import ADDRS, SIZE, load_secret, load_tls, tls_options
+from cachefs.config import SIZE, tls_options
 from cachefs.errors import CacheFSError
-from cachefs.rpc import RpcPool
 
 from . import backup
 from .client import MetaClient
-
-_meta = click.option(
-    "--meta",
-    type=ADDRS,
-    required=True,
-    envvar="CACHEFS_META",
-    help="Metanode addresses, comma-separated.",
-)
-_secret = click.option(
-    "--secret-file",
-    envvar="CACHEFS_SECRET_FILE",
-    type=click.Path(dir_okay=False),
-    help="An admin credential (cachefs credential issue; a client one for list and quota reads) or the cluster secret.",
-)
-_insecure = click.option(
-    "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
-)
-
-
-def _run(
-    meta: list[str],
-    secret_file: str | None,
-    insecure: bool,
-    fn: Callable[[MetaClient], Awaitable[Any]],
-    tls_files: tuple[str | None, str | None, str | None] = (None, None, None),
-) -> Any:
-    secret = load_secret(secret_file, insecure)
-    _, tls = load_tls(*tls_files)
-
-    async def go() -> tuple[Any, CacheFSError | None]:
-        async with RpcPool(secret=secret, tls=tls) as pool:
-            try:  # caught inside the pool's nursery, so it is not wrapped in a group
-                return await fn(MetaClient(pool, meta, deadline=15.0)), None
-            except CacheFSError as exc:
-                return None, exc
-
-    result, error = trio.run(go)
-    if error is not None:
-        raise click.ClickException(str(error))
-    return result
+from .cliopts import insecure_option as _insecure
+from .cliopts import meta_option as _meta
+from .cliopts import run_admin as _run
+from .cliopts import secret_option as _secret
 
 
 @click.group()
