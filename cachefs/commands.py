@@ -1015,9 +1015,20 @@ class ImportObjects(Command[dict[str, int]]):
     relative to the link's prefix. A new key becomes a file (its missing
     directories too); a known key with another ETag gets a new content
     version (new block keys); a name held by a local file or a directory is
-    left alone. ``cursor`` (the page's last key) is where a resumed import
-    starts; ``done`` marks the listing finished. Reply: ``{created, updated,
-    unchanged, skipped}``.
+    left alone. Reply: ``{created, updated, unchanged, skipped, deleted}``.
+
+    A page is of one directory's delimited listing: ``dir`` is its prefix
+    relative to the link's ("" for the link's own directory, else ending in
+    "/"), ``subdirs`` msgpack ``[prefix, ...]`` the page's common prefixes
+    (each becomes a directory; a new one is *pending*, listed later),
+    ``cursor`` the page's last key or prefix, where a resumed listing of
+    ``dir`` starts, and ``done`` marks ``dir`` listed to the end (no longer
+    pending). With ``prune``, the page speaks for every name of ``dir`` in
+    ``(after, cursor]`` (to the end if ``done``): an imported file of this
+    link there that the page does not list was deleted from the bucket and
+    goes (kept as an orphan: it may be open), and so does such a directory,
+    with every imported file under it (local files, and the directories
+    holding them, stay).
     """
 
     TAG: ClassVar[int] = 52
@@ -1029,19 +1040,24 @@ class ImportObjects(Command[dict[str, int]]):
     entries: bytes
     cursor: str = ""
     done: bool = False
+    dir: str = ""
+    subdirs: bytes = b""
+    after: str = ""
+    prune: bool = False
 
     def validate(self) -> None:
         check_int(self.link_id, "link_id", 1, U32)
+        if self.dir and (not self.dir.endswith("/") or len(self.dir.encode()) > MAX_OBJECT_KEY):
+            raise InvalidArgument(f"bad listed directory {self.dir!r}")
+        for text, what in ((self.cursor, "cursor"), (self.after, "after")):
+            if len(text.encode()) > MAX_OBJECT_KEY:
+                raise InvalidArgument(f"{what} is longer than {MAX_OBJECT_KEY} bytes")
         self.objects()
+        self.prefixes()
 
     def objects(self) -> list[tuple[str, int, int, str]]:
         """The decoded entries; InvalidArgument naming the first bad one."""
-        try:
-            rows = msgpack.unpackb(self.entries, raw=False, use_list=True)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise InvalidArgument(f"undecodable import entries: {exc}") from None
-        if not isinstance(rows, list) or len(rows) > MAX_IMPORT_BATCH:
-            raise InvalidArgument(f"import entries must be a list of at most {MAX_IMPORT_BATCH}")
+        rows = _unpack_list(self.entries, "import entries")
         out = []
         for row in rows:
             if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
@@ -1054,6 +1070,25 @@ class ImportObjects(Command[dict[str, int]]):
             check_int(mtime, f"mtime of {key!r}", 0, I64)
             out.append((key, size, mtime, etag))
         return out
+
+    def prefixes(self) -> list[str]:
+        """The decoded ``subdirs``: each a prefix of ``dir``'s, ending in "/"."""
+        rows = _unpack_list(self.subdirs, "import subdirs") if self.subdirs else []
+        for sub in rows:
+            if not (isinstance(sub, str) and sub.startswith(self.dir) and sub.endswith("/")
+                    and len(sub) > len(self.dir) + 1 and len(sub.encode()) <= MAX_OBJECT_KEY):  # fmt: skip
+                raise InvalidArgument(f"subdir must be a prefix in {self.dir!r} ending in '/', got {sub!r}")
+        return rows
+
+
+def _unpack_list(raw: bytes, what: str) -> list[Any]:
+    try:
+        rows = msgpack.unpackb(raw, raw=False, use_list=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise InvalidArgument(f"undecodable {what}: {exc}") from None
+    if not isinstance(rows, list) or len(rows) > MAX_IMPORT_BATCH:
+        raise InvalidArgument(f"{what} must be a list of at most {MAX_IMPORT_BATCH}")
+    return rows
 
 
 # -- cluster map --------------------------------------------------------------------

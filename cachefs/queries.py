@@ -335,6 +335,23 @@ class ListRepoLinks(Query[list[dict[str, Any]]]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RepoPending(Query[dict[str, Any]]):
+    """The directories of link ``link_id`` not listed to the end yet:
+    ``{prefix: cursor}`` (where an interrupted import of each goes on)."""
+
+    NAME: ClassVar[str] = "repo_pending"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    link_id: int
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+
+    def run(self, state: MetaState) -> dict[str, Any]:
+        return state.repo_pending(self.link_id)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RepoObject(Query[dict[str, Any]]):
     """Where the blocks of repo slice ``slice_id`` come from: ``{link, key,
     etag, size, block_size}`` (``link`` as ``ListRepoLinks`` shows it). What a

@@ -274,12 +274,15 @@ class Volume:
 
 class RepoLink:
     """A directory of a volume linked to an S3 prefix (a data repository
-    association). ``cursor``: the last object key imported, where an
-    interrupted listing goes on; ``imported_ns``: when the listing finished
-    (0 while it runs). No credentials: every reader has its own."""
+    association). ``pending``: the directories (prefixes relative to the
+    link's) not listed to the end yet, each with the key or prefix its
+    listing goes on after ("" to start), so an interrupted import resumes
+    per directory; ``imported_ns``: when the last directory was listed (0
+    while some are pending). ``empties``: files of empty objects (no repo
+    slice says they are imported). No credentials: every reader has its own."""
 
     __slots__ = ("id", "volume", "ino", "bucket", "prefix", "endpoint", "region", "import_mode",
-                 "cursor", "objects", "created_ns", "imported_ns")  # fmt: skip
+                 "objects", "created_ns", "imported_ns", "pending", "empties")  # fmt: skip
 
     def __init__(self, link_id: int, cmd: C.LinkRepo) -> None:
         self.id = link_id
@@ -290,23 +293,44 @@ class RepoLink:
         self.endpoint = cmd.endpoint
         self.region = cmd.region
         self.import_mode = cmd.import_mode
-        self.cursor = ""
         self.objects = 0
         self.created_ns = cmd.now_ns
         self.imported_ns = 0
+        self.pending: dict[str, str] = {"": ""}
+        self.empties: set[int] = set()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **{name: getattr(self, name) for name in self.__slots__},
-            "url": f"s3://{self.bucket}/{self.prefix}",
-        }
+        """As ``ListRepoLinks`` shows it: ``pending`` is a count here."""
+        out = {name: getattr(self, name) for name in self.__slots__[:11]}
+        return {**out, "pending": len(self.pending), "url": f"s3://{self.bucket}/{self.prefix}"}
+
+    def dump(self) -> dict[str, Any]:
+        """Everything, for snapshots."""
+        return {**self.to_dict(), "pending": self.pending, "empties": sorted(self.empties)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RepoLink:
         link = cls.__new__(cls)
-        for name in cls.__slots__:
+        for name in cls.__slots__[:11]:
             setattr(link, name, d[name])
+        # older snapshots kept one cursor of a flat listing: list again from the start
+        pending = d.get("pending", {} if d["imported_ns"] else {"": ""})
+        link.pending = dict(pending) if isinstance(pending, dict) else {}
+        link.empties = set(d.get("empties", ()))
         return link
+
+    def owns(self, state: MetaState, inode: Inode) -> bool:
+        """Whether ``inode`` is a file imported by this link and not written since."""
+        if _kind(inode.mode) != _S_IFREG:
+            return False
+        sids = {rec[1] for rec in _all_records(inode.data)}
+        if not sids:
+            return inode.size == 0 and inode.ino in self.empties
+        for sid in sids:
+            raw = state.repo_objects.get(sid) if is_repo_slice(sid) else None
+            if raw is None or unpack_repo_object(raw)[0] != self.id:
+                return False
+        return True
 
 
 # A repo slice's object: link id, size, ETag length, then the ETag and the key
@@ -529,7 +553,8 @@ class MetaState:
             return None
         inos = {link.ino}
         entries = set()
-        for key, *_ in cmd.objects():
+        walked = [key for key, *_ in cmd.objects()] + [sub[:-1] for sub in cmd.prefixes()]
+        for key in walked:
             parent = vol.inodes[link.ino]
             for part in key.split("/"):
                 name = part.encode()
@@ -541,6 +566,14 @@ class MetaState:
                 parent = vol.inodes[ino]
                 if not parent.is_dir:
                     break
+        if cmd.prune:  # what may go: every inode under the names the page speaks for
+            todo = [(d, name, child) for d, name, child, _ in self._pruned(vol, link, cmd)]
+            while todo:
+                d, name, child = todo.pop()
+                inos.update((d.ino, child.ino))
+                entries.add((d.ino, name))
+                if child.is_dir:
+                    todo += [(child, n, vol.inodes[p & INO_MASK]) for n, p in child.data.entries.items()]
         return link.volume, tuple(inos), tuple(entries)
 
     def _resolve(
@@ -1401,15 +1434,95 @@ class MetaState:
         if link.ino not in vol.inodes:
             raise NotFound(f"the directory of repository link {link.id} is gone")
         self._dir(vol, link.ino)
-        counts = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0}
+        counts = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0, "deleted": 0}
         for key, size, mtime, etag in cmd.objects():
             counts[self._import_one(vol, link, key, size, mtime, etag, cmd.now_ns)] += 1
-        link.objects += counts["created"]
-        if cmd.cursor:
-            link.cursor = cmd.cursor
-        if cmd.done:
+        for sub in cmd.prefixes():
+            self._import_dir(vol, link, sub, cmd.now_ns)
+        if cmd.prune:
+            for parent, name, child, path in self._pruned(vol, link, cmd):
+                counts["deleted"] += self._prune(vol, link, parent, name, child, path, cmd.now_ns)
+        link.objects += counts["created"] - counts["deleted"]
+        if cmd.dir in link.pending:
+            if cmd.done:
+                del link.pending[cmd.dir]
+            elif cmd.cursor:
+                link.pending[cmd.dir] = cmd.cursor
+        if cmd.done and not link.pending:
             link.imported_ns = cmd.now_ns
         return counts
+
+    def _walk(self, vol: Volume, link: RepoLink, path: str) -> Inode | None:
+        """Directory ``path`` (relative to the link's prefix, "" or ending in "/")."""
+        inode = vol.inodes[link.ino]
+        for part in path.split("/")[:-1]:
+            ino = self._lookup_ino(inode.data, part.encode())
+            if ino is None or not vol.inodes[ino].is_dir:
+                return None
+            inode = vol.inodes[ino]
+        return inode
+
+    def _import_dir(self, vol: Volume, link: RepoLink, path: str, now: int) -> None:
+        """A listing's common prefix: its directory (and missing parents); a new one is pending."""
+        try:
+            names = [C.check_name(part.encode()) for part in path.split("/")[:-1]]
+        except CacheFSError:
+            return  # "a//", "./": no directory can hold it
+        parent = vol.inodes[link.ino]
+        for depth, name in enumerate(names, 1):
+            ino = self._lookup_ino(parent.data, name)
+            if ino is None:
+                self._create(vol, parent.ino, name, _S_IFDIR | 0o755, 0, 0, now, Dir())
+                ino = self._lookup_ino(parent.data, name)
+                if depth == len(names):
+                    link.pending[path] = ""
+            parent = vol.inodes[ino]
+            if not parent.is_dir:
+                return
+
+    def _pruned(
+        self, vol: Volume, link: RepoLink, cmd: C.ImportObjects
+    ) -> list[tuple[Inode, bytes, Inode, str]]:
+        """The names of ``cmd.dir`` its page speaks for but does not list:
+        ``(directory, name, inode, path)``, each to go if it is (or holds) this link's."""
+        d = self._walk(vol, link, cmd.dir)
+        if d is None:
+            return []
+        listed = {key.encode() for key, *_ in cmd.objects()} | {p.encode() for p in cmd.prefixes()}
+        base, after, last = cmd.dir.encode(), cmd.after.encode(), cmd.cursor.encode()
+        out = []
+        for name, packed in d.data.entries.items():
+            child = vol.inodes[packed & INO_MASK]
+            pos = base + name + b"/" if child.is_dir else base + name
+            if pos > after and (cmd.done or pos <= last) and pos not in listed:
+                out.append((d, name, child, pos.decode(errors="replace")))
+        return out
+
+    def _prune(
+        self, vol: Volume, link: RepoLink, parent: Inode, name: bytes, child: Inode, path: str, now: int
+    ) -> int:
+        """Remove ``parent/name`` if this link imported it, or, for a directory,
+        what this link imported under it and then the directory if that left it
+        empty; files go as orphans (they may be open: the leader purges the
+        rest). Returns how many files went."""
+        gone = 0
+        if child.is_dir:
+            for sub, packed in list(child.data.entries.items()):
+                grand = vol.inodes[packed & INO_MASK]
+                subpath = path + sub.decode(errors="replace") + ("/" if grand.is_dir else "")
+                gone += self._prune(vol, link, child, sub, grand, subpath, now)
+            if child.data.entries:
+                return gone
+            link.pending.pop(path, None)
+        elif link.owns(self, child):
+            link.empties.discard(child.ino)
+            gone = 1
+        else:
+            return 0
+        self._remove_entry(vol, parent, name, child)
+        self._touch(parent, now)
+        self._drop_link(vol, child, now, keep=True)
+        return gone
 
     def _import_one(
         self, vol: Volume, link: RepoLink, key: str, size: int, mtime: int, etag: str, now: int
@@ -1437,6 +1550,8 @@ class MetaState:
             self._add_entry(vol, parent, names[-1], inode)
             self._touch(parent, now)
             self._set_repo_content(vol, link, inode, key, size, etag)
+            if not size:
+                link.empties.add(inode.ino)
             return "created"
         inode = vol.inodes[ino]
         if _kind(inode.mode) != _S_IFREG:
@@ -1458,6 +1573,10 @@ class MetaState:
         inode.ctime = now
         inode.version += 1
         self._set_repo_content(vol, link, inode, key, size, etag)
+        if size:
+            link.empties.discard(inode.ino)
+        else:
+            link.empties.add(inode.ino)
         return "updated"
 
     def _set_repo_content(
@@ -1579,6 +1698,12 @@ class MetaState:
 
     def repo_links(self) -> list[dict[str, Any]]:
         return [link.to_dict() for link in self.links.values()]
+
+    def repo_pending(self, link_id: int) -> dict[str, str]:
+        link = self.links.get(link_id)
+        if link is None:
+            raise NotFound(f"no repository link {link_id}")
+        return dict(link.pending)
 
     def repo_object(self, volume: str, slice_id: int) -> dict[str, Any]:
         """Where repo slice ``slice_id`` of ``volume`` reads from (``Q.RepoObject``)."""

@@ -585,6 +585,12 @@ class MetaService:
         else:
             await self._propose_drop(cmd, cmd.volume, cmd.new_parent, cmd.new_name)
 
+    async def _import_objects(self, cmd: C.ImportObjects, token: None) -> dict[str, int]:
+        counts = await self._propose(cmd)
+        if counts.get("deleted"):
+            self._wake.set()  # deleted objects' files are orphans: purge those nobody holds
+        return counts
+
     async def _register_node(self, cmd: C.RegisterNode, token: None) -> int:
         epoch = await self._propose(cmd)
         self.state.cluster.heartbeat(
@@ -608,6 +614,7 @@ class MetaService:
         C.Unlink: _unlink,
         C.Rename: _rename,
         C.RegisterNode: _register_node,
+        C.ImportObjects: _import_objects,
     }
 
     # -- queries the service answers: soft state and the cluster map -------------------

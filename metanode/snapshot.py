@@ -73,7 +73,7 @@ def dump(state: MetaState) -> bytes:
         state.dedup_swept_ns,
         state.slice_floor,
         [
-            [link.to_dict() for link in state.links.values()],
+            [link.dump() for link in state.links.values()],
             state.next_link,
             state.next_repo,
             [v for sid, raw in state.repo_objects.items() for v in (sid, raw)],

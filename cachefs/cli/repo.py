@@ -18,8 +18,8 @@ from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.config import tls_options
 from cachefs.errors import CacheFSError, Exists, NotADirectory, NotFound
-from cachefs.metanode.admin import _insecure, _meta, _run, _secret
 from cachefs.metanode.client import MetaClient
+from cachefs.metanode.cliopts import insecure_option, meta_option, run_admin, secret_option
 from cachefs.repo.importer import import_listing
 from cachefs.repo.s3 import S3Store
 from cachefs.repo.url import S3Url
@@ -52,8 +52,9 @@ async def link_at(meta: MetaClient, volume: str, ino: int) -> dict[str, Any]:
 
 
 def _progress(totals: dict[str, int]) -> None:
-    print(f"\rlisted {totals['listed']:,} objects: {totals['created']:,} new, "
-          f"{totals['updated']:,} changed, {totals['skipped']:,} skipped", end="", file=sys.stderr)  # fmt: skip
+    print(f"\rlisted {totals['listed']:,} objects in {totals['dirs']:,} directories: {totals['created']:,} new, "
+          f"{totals['updated']:,} changed, {totals['deleted']:,} deleted, {totals['skipped']:,} skipped",
+          end="", file=sys.stderr)  # fmt: skip
 
 
 @click.group()
@@ -70,9 +71,9 @@ def repo() -> None:
 @click.option("--import", "import_mode", type=click.Choice(["full"]), default="full", show_default=True,
               help="full: list the whole prefix now.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
-@_meta
-@_secret
-@_insecure
+@meta_option
+@secret_option
+@insecure_option
 @tls_options
 def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mode: str, as_json: bool,
          meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
@@ -98,12 +99,13 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
             C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode)
         )  # fmt: skip
         store.name = f"repository link {lk['id']} ({target})"
-        totals = await import_listing(mc.mutate, lk, store, progress=None if as_json else _progress)
+        pending = await mc.query(Q.RepoPending(lk["id"]))  # a new link: its own directory
+        totals = await import_listing(mc.mutate, lk, store, pending, progress=None if as_json else _progress)
         if not as_json:
             print(file=sys.stderr)
         return {**lk, "import": totals}
 
-    result = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    result = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -114,19 +116,19 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
 
 @repo.command("list")
 @click.option("--json", "as_json", is_flag=True)
-@_meta
-@_secret
-@_insecure
+@meta_option
+@secret_option
+@insecure_option
 @tls_options
 def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
           tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
     """List the repository links."""
-    links = _run(meta, secret_file, insecure, lambda mc: mc.query(Q.ListRepoLinks()), (tls_cert, tls_key, tls_ca))
+    links = run_admin(meta, secret_file, insecure, lambda mc: mc.query(Q.ListRepoLinks()), (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(links))
         return
     for lk in links:
-        state = "imported" if lk["imported_ns"] else f"importing (after {lk['cursor']!r})"
+        state = "imported" if lk["imported_ns"] else f"importing ({lk['pending']} directories to list)"
         click.echo(f"{lk['id']}\t{lk['volume']}\tino {lk['ino']}\t{lk['url']}\t{lk['endpoint'] or 'aws'}\t"
                    f"{lk['objects']} objects\t{state}")  # fmt: skip
 
@@ -135,9 +137,9 @@ def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: boo
 @click.argument("volume")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True)
-@_meta
-@_secret
-@_insecure
+@meta_option
+@secret_option
+@insecure_option
 @tls_options
 def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
@@ -146,7 +148,7 @@ def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: 
     async def go(mc: MetaClient) -> dict[str, Any]:
         return await link_at(mc, volume, await resolve(mc, volume, path))
 
-    lk = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    lk = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(lk))
     else:
@@ -158,35 +160,37 @@ def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: 
 @click.argument("volume")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True)
-@_meta
-@_secret
-@_insecure
+@meta_option
+@secret_option
+@insecure_option
 @tls_options
 def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
     """List the link of PATH again: new objects become files, changed ones get a new
-    content version. (Objects deleted from the bucket are not removed here yet.)"""
+    content version, and the files of objects deleted from the bucket go (one
+    that is open keeps reading what is cached; other blocks of it then fail
+    with EIO naming the object). Local files are never touched."""
 
     async def go(mc: MetaClient) -> dict[str, int]:
         lk = await link_at(mc, volume, await resolve(mc, volume, path))
         store = S3Store(lk["bucket"], name=f"repository link {lk['id']} ({lk['url']})",
                         endpoint=lk["endpoint"], region=lk["region"])  # fmt: skip
-        return await import_listing(mc.mutate, {**lk, "cursor": ""}, store)
+        return await import_listing(mc.mutate, lk, store, {"": ""})
 
-    totals = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    totals = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(totals))
     else:
         click.echo(f"synced {volume}:{path}: {totals['created']} new, {totals['updated']} changed, "
-                   f"{totals['unchanged']} unchanged, {totals['skipped']} skipped")  # fmt: skip
+                   f"{totals['deleted']} deleted, {totals['unchanged']} unchanged, {totals['skipped']} skipped")  # fmt: skip
 
 
 @repo.command("unlink")
 @click.argument("volume")
 @click.argument("path")
-@_meta
-@_secret
-@_insecure
+@meta_option
+@secret_option
+@insecure_option
 @tls_options
 def unlink(volume: str, path: str, meta: list[str], secret_file: str | None, insecure: bool,
            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
@@ -196,5 +200,5 @@ def unlink(volume: str, path: str, meta: list[str], secret_file: str | None, ins
         lk = await link_at(mc, volume, await resolve(mc, volume, path))
         return await mc.mutate(C.UnlinkRepo(lk["id"]))
 
-    lk = _run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    lk = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     click.echo(f"unlinked {volume}:{path} from {lk['url']} (link {lk['id']})")

@@ -1,53 +1,107 @@
-"""A link's listing into the namespace: one ``ImportObjects`` per listing page.
+"""A link's listing into the namespace, one directory at a time, directories in parallel.
 
-Each page is one log entry carrying its last key as the link's cursor, so an
-interrupted import (a killed CLI, a metanode failover) goes on after the
-last page that committed; a page committed twice changes nothing the
-second time (same keys, same ETags: ``unchanged``).
+Each directory is listed with the "/" delimiter, so its common prefixes
+(subdirectories) come back with its objects and are listed by the next free
+worker: a bucket of many prefixes is listed ``parallel`` calls at a time
+instead of one page after another. Each page is one ``ImportObjects`` log
+entry carrying the directory, the page's last name (where a resumed listing
+of that directory goes on: the link keeps it per pending directory) and the
+range of names it speaks for, so objects deleted from the bucket go too
+(``prune``). A page committed twice changes nothing the second time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
+import trio
 
 from cachefs import commands as C
 
 from .s3 import S3Store
 
 Progress = Callable[[dict[str, int]], None]
+COUNTS = ("created", "updated", "unchanged", "skipped", "deleted", "listed", "dirs")
 
 
 async def import_listing(
     mutate: Callable[[Any], Awaitable[Any]],
     link: dict[str, Any],
     store: S3Store,
+    dirs: dict[str, str],
     *,
+    descend: Callable[[str, dict[str, Any]], bool] | None = None,
     page: int = 1000,
+    parallel: int = 8,
     progress: Progress | None = None,
 ) -> dict[str, int]:
-    """List ``link``'s prefix after its cursor; returns the summed replies."""
-    prefix = link["prefix"]
-    totals = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0, "listed": 0}
-    cursor, token = link["cursor"], ""
-    while True:
-        objects, token = await store.list_page(prefix, start_after=cursor, token=token, limit=page)
-        rows = [
-            [o.key[len(prefix) :], o.size, o.mtime_ns, o.etag]
-            for o in objects
-            if not o.key.endswith("/")  # "directory" markers of S3 consoles
-        ]
-        if objects:
-            cursor = objects[-1].key
-        reply = await mutate(
-            C.ImportObjects(link["id"], msgpack.packb(rows), cursor=cursor, done=not token)
-        )
-        for name, n in reply.items():
-            totals[name] = totals.get(name, 0) + n
-        totals["listed"] += len(objects)
-        if progress is not None:
-            progress(totals)
-        if not token:
-            return totals
+    """List directories ``dirs`` (``{prefix relative to the link's: cursor}``)
+    of ``link`` and, recursively, the subdirectories they hold (those
+    ``descend(subdir, reply)`` accepts, every one without it); returns the
+    summed replies, with ``listed`` objects and ``dirs`` directories."""
+    totals = dict.fromkeys(COUNTS, 0)
+    if not dirs:
+        return totals
+    base = link["prefix"]
+    queued = set(dirs)
+    left = len(dirs)  # directories queued or being listed
+    send, receive = trio.open_memory_channel[tuple[str, str]](math.inf)
+    for item in dirs.items():
+        send.send_nowait(item)
+    failure: list[BaseException] = []
+
+    async def list_dir(path: str, cursor: str) -> None:
+        nonlocal left
+        after, token = cursor, ""
+        while True:
+            objects, prefixes, token = await store.list_page(
+                base + path, start_after=base + cursor if cursor else "", token=token, limit=page, delimiter="/"
+            )
+            rows = [
+                [o.key[len(base) :], o.size, o.mtime_ns, o.etag]
+                for o in objects
+                if not o.key.endswith("/")  # "directory" markers of S3 consoles
+            ]
+            subdirs = [p[len(base) :] for p in prefixes]
+            last = max([o.key[len(base) :] for o in objects[-1:]] + subdirs[-1:], default=after)
+            reply = await mutate(C.ImportObjects(
+                link["id"], msgpack.packb(rows), cursor=last, done=not token, dir=path,
+                subdirs=msgpack.packb(subdirs), after=after, prune=True,
+            ))  # fmt: skip
+            after = last
+            for name in COUNTS[:5]:
+                totals[name] += reply.get(name, 0)
+            totals["listed"] += len(objects)
+            for sub in subdirs:
+                if sub not in queued and (descend is None or descend(sub, reply)):
+                    queued.add(sub)
+                    left += 1
+                    send.send_nowait((sub, ""))
+            if progress is not None:
+                progress(totals)
+            if not token:
+                totals["dirs"] += 1
+                return
+
+    async def worker(cancel: trio.CancelScope) -> None:
+        nonlocal left
+        async for path, cursor in receive:
+            try:
+                await list_dir(path, cursor)
+            except Exception as exc:  # the first error is the answer; the rest stop
+                failure.append(exc)
+                cancel.cancel()
+                return
+            left -= 1
+            if not left:
+                send.close()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(max(1, parallel)):
+            nursery.start_soon(worker, nursery.cancel_scope)
+    if failure:
+        raise failure[0]
+    return totals

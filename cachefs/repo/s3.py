@@ -5,7 +5,10 @@ shared credentials file, profile) and its retry policy with back-off for
 throttling (``standard`` mode: 503 SlowDown is retried); this module only
 bounds how many calls run at once and turns botocore's errors into
 :class:`~cachefs.errors.CacheFSError`\\ s that name the link, so an operator
-reading a log line knows which association is misconfigured.
+reading a log line knows which association is misconfigured. Reading an
+object version that is no longer there (deleted, or changed: the GET is
+conditioned on the ETag) is ESTALE (:class:`~cachefs.errors.Stale`) naming
+the key: an open file of it reads what the cache tier holds, and no more.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import trio
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from cachefs.errors import CacheFSError, NotFound, PermissionDenied, Unavailable
+from cachefs.errors import CacheFSError, NotFound, PermissionDenied, Stale, Unavailable
 
 T = TypeVar("T")
 
@@ -80,10 +83,13 @@ class S3Store:
             return PermissionDenied(f"{text} (check the AWS credentials of this machine)")
         if code in _THROTTLED or status == 503:
             return Unavailable(f"{text} (throttled: still slowed down after retries)")
+        if what.startswith("reading") and (code in ("NoSuchKey", "404") or status == 404):
+            return Stale(f"{text}: the object was deleted from the bucket since it was imported (an open "
+                         "file reads only what the cache holds of it); run cachefs repo sync")  # fmt: skip
         if code in ("NoSuchKey", "404") or status == 404:
             return NotFound(text)
         if code == "PreconditionFailed" or status == 412:
-            return NotFound(f"{text}: the object changed since it was imported; run cachefs repo sync")
+            return Stale(f"{text}: the object changed since it was imported; run cachefs repo sync")
         return Unavailable(text)
 
     async def check(self) -> None:
@@ -91,11 +97,13 @@ class S3Store:
         await self._call("listing", self._client.list_objects_v2, Bucket=self.bucket, MaxKeys=1)
 
     async def list_page(
-        self, prefix: str, start_after: str = "", token: str = "", limit: int = 1000
-    ) -> tuple[list[ObjectInfo], str]:
-        """One page of the listing under ``prefix`` (keys in order) and the
-        continuation token ("" at the end)."""
+        self, prefix: str, start_after: str = "", token: str = "", limit: int = 1000, delimiter: str = ""
+    ) -> tuple[list[ObjectInfo], list[str], str]:
+        """One page of the listing under ``prefix`` (keys in order), its common
+        prefixes (with a ``delimiter``) and the continuation token ("" at the end)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": limit}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
         if token:
             kwargs["ContinuationToken"] = token
         elif start_after:
@@ -105,7 +113,9 @@ class S3Store:
             ObjectInfo(o["Key"], int(o["Size"]), _ns(o["LastModified"]), o.get("ETag", ""))
             for o in page.get("Contents", ())
         ]
-        return objects, page.get("NextContinuationToken", "") if page.get("IsTruncated") else ""
+        prefixes = [p["Prefix"] for p in page.get("CommonPrefixes", ())]
+        token = page.get("NextContinuationToken", "") if page.get("IsTruncated") else ""
+        return objects, prefixes, token
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``."""

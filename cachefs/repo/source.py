@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cachefs import queries as Q
+from cachefs.errors import NotFound, Stale
 from cachefs.ids import BlockKey, is_repo_slice
 from cachefs.singleflight import SingleFlight
 
@@ -59,7 +60,10 @@ class RepoBlocks:
             return known
 
         async def ask() -> dict[str, Any]:
-            obj = await self._query(Q.RepoObject(volume, slice_id))
+            try:
+                obj = await self._query(Q.RepoObject(volume, slice_id))
+            except NotFound as exc:  # the version an open file read was replaced or removed since
+                raise Stale(f"imported data of volume {volume!r}: {exc.message}") from None
             if len(self._objects) >= MAX_KEPT:
                 self._objects.clear()
             self._objects[(volume, slice_id)] = obj

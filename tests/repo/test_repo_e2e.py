@@ -8,6 +8,7 @@ from the bucket itself. A changed object is never served stale: after
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -168,10 +169,45 @@ def test_a_changed_object_is_never_served_stale(s3, objects, lab, mnt) -> None:
 
     out = repo_cli(lab, "sync", "lab", "/datasets/train", "--json")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"created": 0, "updated": 2, "unchanged": len(SIZES) - 1,
-                                      "skipped": 0, "listed": len(SIZES) + 2}  # with the folder marker
+    assert json.loads(out.stdout) == {"created": 0, "updated": 2, "unchanged": len(SIZES) - 1, "skipped": 0,
+                                      "deleted": 0, "listed": len(SIZES) + 2,  # with the folder marker
+                                      "dirs": 6}  # the link's, cls1, cls2, cls2/deep, cls3 and the marker's
     assert (root / cached).read_bytes() == new_cached
     assert (root / unread).read_bytes() == new_unread
+
+
+def test_a_deleted_object_goes_and_an_open_file_reads_what_is_cached(s3, objects, lab, mnt) -> None:
+    root = mnt / "datasets" / "train"
+    c = client(s3)
+    cached, uncached = "cls3/e.jpg", "cls2/deep/d.bin"  # read before, so cached; three blocks, one read now
+    assert (root / cached).read_bytes() == objects[cached]
+    c.put_object(Bucket=BUCKET, Key="imgs/cls4/big.bin", Body=os.urandom(9 * MiB))
+    c.put_object(Bucket=BUCKET, Key="imgs/cls4/small.bin", Body=b"x")
+    assert json.loads(repo_cli(lab, "sync", "lab", "/datasets/train", "--json").stdout)["created"] == 2
+    big = root / "cls4" / "big.bin"
+    held_cached = os.open(root / cached, os.O_RDONLY)
+    held_big = os.open(big, os.O_RDONLY)
+    try:
+        first = os.pread(held_big, 4096, 0)  # its first block is cached now; the other two are not
+        for key in (cached, "cls4/big.bin", "cls4/small.bin"):
+            c.delete_object(Bucket=BUCKET, Key="imgs/" + key)
+        out = repo_cli(lab, "sync", "lab", "/datasets/train", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["deleted"] == 3
+        assert not (root / cached).exists() and not big.exists()
+        # SeaweedFS still lists the emptied prefix (its filer keeps the folder): it stays a directory, empty
+        assert not (root / "cls4").exists() or os.listdir(root / "cls4") == []
+        assert (root / uncached).read_bytes() == objects[uncached]  # the rest stays
+        assert os.pread(held_cached, len(objects[cached]) + 1, 0) == objects[cached]  # open: as it was
+        assert os.pread(held_big, 4096, 0) == first
+        with pytest.raises(OSError) as info:
+            os.pread(held_big, 4096, 8 * MiB)  # not cached, and its object is gone
+        assert info.value.errno == errno.ESTALE
+    finally:
+        os.close(held_cached)
+        os.close(held_big)
+    log = (Path(lab.config.root) / "logs" / "mount.log").read_text(errors="replace")
+    assert "imgs/cls4/big.bin" in log  # the mount's error names the object
 
 
 def test_bad_links_fail_with_an_error_naming_them_and_record_nothing(s3, objects, lab) -> None:

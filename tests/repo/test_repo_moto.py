@@ -17,7 +17,7 @@ from moto.server import ThreadedMotoServer
 
 from cachefs import commands as C
 from cachefs import queries as Q
-from cachefs.errors import CacheFSError, NotFound
+from cachefs.errors import CacheFSError, Stale
 from cachefs.ids import BlockKey
 from cachefs.repo.importer import import_listing
 from cachefs.repo.s3 import S3Store
@@ -69,14 +69,17 @@ async def test_an_interrupted_import_resumes_and_reads_match_the_objects(moto: s
                 raise Interrupted
             return await mc.mutate(cmd)
 
-        with pytest.raises(Interrupted):
-            await import_listing(dies_after_two_pages, link, store, page=10)
+        with pytest.raises(Interrupted):  # the link's directory, then a page of set/c0/
+            await import_listing(dies_after_two_pages, link, store, {"": ""}, page=4, parallel=1)
         (link,) = await mc.query(Q.ListRepoLinks())
-        assert link["objects"] == 20 and link["cursor"] == sorted(objects)[19] and not link["imported_ns"]
-        totals = await import_listing(mc.mutate, link, store, page=10)
-        assert (totals["created"], totals["listed"]) == (5, 5)
+        c0 = sorted(k for k in objects if k.startswith("set/c0/"))
+        assert link["objects"] == 4 and link["pending"] == 3 and not link["imported_ns"]
+        pending = await mc.query(Q.RepoPending(link["id"]))
+        assert pending == {"c0/": c0[3].removeprefix("set/"), "c1/": "", "c2/": ""}
+        totals = await import_listing(mc.mutate, link, store, pending, page=4)
+        assert (totals["created"], totals["listed"], totals["dirs"]) == (21, 21, 3)
         (link,) = await mc.query(Q.ListRepoLinks())
-        assert link["objects"] == 25 and link["imported_ns"]
+        assert link["objects"] == 25 and link["imported_ns"] and link["pending"] == 0
 
         source = RepoBlocks(None, mc.query)
         for key, body in objects.items():
@@ -99,12 +102,50 @@ async def test_an_interrupted_import_resumes_and_reads_match_the_objects(moto: s
         part = await source.get_block("v", BlockKey(rec.id, 1), 100, 50)  # a range of a block
         assert part == objects[key][BS + 100 : BS + 150]
         s3.put_object(Bucket="data", Key=key, Body=b"changed")
-        with pytest.raises(NotFound, match=f"repository link {link['id']} .*changed since it was imported"):
+        with pytest.raises(Stale, match=f"repository link {link['id']} .*changed since it was imported"):
             await source.get_block("v", BlockKey(rec.id, 0))
 
         gone = S3Store("nope-bucket", name="repository link 9", endpoint=moto)
         with pytest.raises(CacheFSError, match="repository link 9: bucket 'nope-bucket' does not exist"):
             await gone.check()
+
+
+async def test_a_sync_lists_prefixes_in_parallel_and_drops_deleted_objects(moto: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="wide")
+    keys = [f"d{i:02d}/{j}/f{k}" for i in range(12) for j in "ab" for k in range(3)] + ["top", "d00/x"]
+    for key in keys:
+        s3.put_object(Bucket="wide", Key=key, Body=key.encode())
+    async with local_metanode() as meta, RpcPool(secret=None) as pool:
+        await meta.create_volume("v", block_size=BS)
+        mc = meta.client(pool)
+        d = await mc.mutate(C.Mkdir("v", 1, b"w", 0o755, 0, 0))
+        link = await mc.mutate(C.LinkRepo("v", d.ino, "wide", "", moto))
+        store = S3Store("wide", name=f"repository link {link['id']}", endpoint=moto)
+        totals = await import_listing(mc.mutate, link, store, {"": ""}, page=2, parallel=6)
+        assert (totals["created"], totals["dirs"]) == (len(keys), 1 + 12 + 24)
+
+        async def names(path: str) -> set[bytes]:
+            ino = d.ino
+            for part in path.split("/") if path else []:
+                ino = (await mc.query(Q.Lookup("v", ino, part.encode()))).ino
+            return {e.name for e in await mc.query(Q.ReadDir("v", ino, 0, 1000))}
+
+        assert await names("") == {b"top", *(f"d{i:02d}".encode() for i in range(12))}
+        assert await names("d00") == {b"a", b"b", b"x"}
+        local = await mc.mutate(C.Mknod("v", (await mc.query(Q.Lookup("v", d.ino, b"d03"))).ino, b"local",
+                                        0o100644, 0, 0, 0))  # fmt: skip
+        gone = [k for k in keys if k.startswith(("d03/", "d05/a/"))] + ["top", "d00/a/f1"]
+        s3.delete_objects(Bucket="wide", Delete={"Objects": [{"Key": k} for k in gone]})
+        s3.put_object(Bucket="wide", Key="d07/new", Body=b"new")
+        totals = await import_listing(mc.mutate, link, store, {"": ""}, page=2, parallel=6)
+        assert (totals["created"], totals["deleted"], totals["updated"]) == (1, len(gone), 0)
+        assert await names("") == {*(f"d{i:02d}".encode() for i in range(12))}  # d03 holds a local file
+        assert await names("d03") == {b"local"} and local.ino
+        assert await names("d05") == {b"b"} and await names("d00/a") == {b"f0", b"f2"}
+        assert b"new" in await names("d07")
+        (link,) = await mc.query(Q.ListRepoLinks())
+        assert link["objects"] == len(keys) - len(gone) + 1
 
 
 class Throttle:
