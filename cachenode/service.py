@@ -62,13 +62,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from cachefs.blockstore import BlockStore
 from cachefs.credentials import ADMINS, CLIENTS
@@ -97,7 +99,6 @@ HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segme
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
 MISSES = Counter("cachefs_cache_misses_total", "Cache gets that missed", ["node"])
-EVICTIONS = Counter("cachefs_cache_evictions_total", "Blocks evicted to make room", ["node"])
 BYTES_IN = Counter(
     "cachefs_cache_filled_bytes_total", "Bytes filled from backing storage or written through", ["node"]
 )
@@ -111,6 +112,52 @@ BACKING_LATENCY = Histogram(
     ["node"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
 )
+FILL_LATENCY = Histogram(
+    "cachefs_cache_fill_seconds",
+    "A miss's fill, from its start to the block on flash here or in the next zone (fetch + write)",
+    ["node"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
+)
+
+
+class _StoreCounters:
+    """Evictions by cause and admission decisions of every cache service in
+    this process, read from their own plain counters at scrape time (nothing
+    on the read path, no delta bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.services: weakref.WeakSet[CacheService] = weakref.WeakSet()
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        evictions = CounterMetricFamily(
+            "cachefs_cache_evictions",
+            "Blocks dropped from the store, by cause (capacity: least recently used, to make room; "
+            "expired: past the volume's TTL; corrupt: failed its checksum on read)",
+            labels=["node", "cause"],
+        )
+        admission = CounterMetricFamily(
+            "cachefs_cache_admissions",
+            "Read-through fills by admission decision (refused: a first miss, see admission.py)",
+            labels=["node", "decision"],
+        )
+        by_node: dict[str, list[int]] = {}  # one series per node name, as the labelled Counters
+        for service in list(self.services):
+            store, c = service.store.counters, service.counters
+            sums = by_node.setdefault(service.node, [0] * 5)
+            for i, value in enumerate((store.evictions, store.expired, store.corrupt, c.admitted, c.not_admitted)):
+                sums[i] += value
+        for node, (capacity, expired, corrupt, admitted, refused) in sorted(by_node.items()):
+            evictions.add_metric([node, "capacity"], capacity)
+            evictions.add_metric([node, "expired"], expired)
+            evictions.add_metric([node, "corrupt"], corrupt)
+            admission.add_metric([node, "admitted"], admitted)
+            admission.add_metric([node, "refused"], refused)
+        yield evictions
+        yield admission
+
+
+_COUNTERS = _StoreCounters()
+REGISTRY.register(_COUNTERS)
 
 
 Buffer = bytes | bytearray | memoryview
@@ -177,6 +224,7 @@ class ServiceCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     busy: int = 0
+    admitted: int = 0  # fills the admission rule let in (or that bypass it)
     not_admitted: int = 0
     not_stored: int = 0
     puts: int = 0
@@ -234,12 +282,13 @@ class CacheService:
             tuple[str, BlockKey, _Batch | None]
         ](limits.max_prefetch_queue)
         self._prefetch_queued = 0
-        self._evictions_seen = store.counters.evictions
         m = {"node": node}
         self._m_hits, self._m_misses = HITS.labels(**m), MISSES.labels(**m)
-        self._m_evictions, self._m_busy = EVICTIONS.labels(**m), BUSY.labels(**m)
+        self._m_busy = BUSY.labels(**m)
         self._m_in, self._m_out = BYTES_IN.labels(**m), BYTES_OUT.labels(**m)
         self._m_backing = BACKING_LATENCY.labels(**m)
+        self._m_fill = FILL_LATENCY.labels(**m)
+        _COUNTERS.services.add(self)
         USED.labels(**m).set_function(lambda: store.used)
         CAPACITY.labels(**m).set_function(lambda: store.capacity)
         for _ in range(limits.prefetch_workers):
@@ -360,7 +409,7 @@ class CacheService:
             key,
             functools.partial(self._fetch, volume, key),
             nursery=self._nursery,
-            then=functools.partial(self._keep, volume, key, bypass_admission),
+            then=functools.partial(self._keep, volume, key, bypass_admission, time.perf_counter()),
         )
 
     async def _fetch(self, volume: str, key: BlockKey) -> Buffer:
@@ -397,15 +446,19 @@ class CacheService:
             log.exception("%s: fill of %s failed unexpectedly", self.node, key.hex())
             raise IOFailure(f"internal error filling {key.hex()}") from None
 
-    async def _keep(self, volume: str, key: BlockKey, bypass_admission: bool, data: Buffer) -> None:
+    async def _keep(
+        self, volume: str, key: BlockKey, bypass_admission: bool, started: float, data: Buffer
+    ) -> None:
         """A fill's second step: the block goes to flash if the admission rule
         lets it in, and here only if it came from backing storage and fits
-        without evicting, or the next zone has no room for it."""
+        without evicting, or the next zone has no room for it. ``started``:
+        when the fill began (its fetch included, for the fill latency)."""
         try:
             if key in self._held_elsewhere:
                 self._held_elsewhere.discard(key)
                 self.counters.held_elsewhere += 1
             elif bypass_admission or self.admission is None or self.admission.admit(key):
+                self.counters.admitted += 1
                 need = len(data) + HEADER_ROOM
                 # Fills being written count too: they have not reserved their room yet.
                 full = self.store.used + self._keeping + need > self.store.capacity
@@ -413,8 +466,9 @@ class CacheService:
                 try:
                     if full and self.peers is not None and await self.peers.place(volume, key, data):
                         self.counters.placed_elsewhere += 1
-                    else:
-                        await self._store(volume, key, data)
+                        self._m_fill.observe(time.perf_counter() - started)
+                    elif await self._store(volume, key, data):
+                        self._m_fill.observe(time.perf_counter() - started)
                 finally:
                     self._keeping -= need
             else:
@@ -435,10 +489,6 @@ class CacheService:
             self.counters.not_stored += 1
             log.warning("%s: block %s not cached: %s", self.node, key.hex(), exc.message)
             return False
-        evictions = self.store.counters.evictions
-        if evictions > self._evictions_seen:
-            self._m_evictions.inc(evictions - self._evictions_seen)
-            self._evictions_seen = evictions
         return stored
 
     # -- prefetch -----------------------------------------------------------------

@@ -270,7 +270,11 @@ class MountCollector:
         yield errors
 
     def collect(self):  # type: ignore[no-untyped-def]
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         engine = self.engine
         yield _gauge("cachefs_mount_l1_used_bytes", "Bytes in the L1 block cache", engine.l1.used)
@@ -290,6 +294,21 @@ class MountCollector:
             fetches.add_metric([kind], reads[f"{kind}_fetches"])
         fetches.add_metric(["prefetch"], reads["prefetches"])
         yield fetches
+        yield _counter("cachefs_mount_readahead_used_blocks",
+                       "Prefetched blocks a read then found in L1 (readahead efficiency: over "
+                       "cachefs_mount_read_fetches{kind=\"prefetch\"})", reads["prefetches_used"])
+        writes = engine.write_stats
+        yield _counter("cachefs_mount_write_bytes", "Bytes written by applications", writes.written)
+        yield _counter("cachefs_mount_committed_bytes", "Bytes committed to the metanodes as slices",
+                       writes.bytes)
+        yield _counter("cachefs_mount_slices_committed", "Slices committed", writes.slices)
+        yield _counter("cachefs_mount_stored_blocks", "Blocks stored on backing storage", writes.blocks)
+        commit = HistogramMetricFamily("cachefs_mount_commit_latency_seconds",
+                                       "Latency of one slice commit (write_slice) at the metanodes")
+        if "commit" in writes.commits.counts:
+            buckets, total = writes.commits.histogram("commit")
+            commit.add_metric([], buckets, total)
+        yield commit
         if engine.l2 is not None:
             l2 = engine.l2.stats
             yield _gauge("cachefs_mount_l2_used_bytes", "Bytes in the L2 flash cache", engine.l2.store.used)

@@ -127,6 +127,9 @@ class Reader:
         self._lists: SingleFlight[tuple[int, int, tuple[int, int]], list[Slice]] = SingleFlight()
         self._touched: OrderedDict[BlockKey, None] = OrderedDict()
         self._prefetch_limit = trio.Semaphore(max_parallel)
+        # Blocks prefetched and not read yet, for readahead efficiency
+        # (prefetches_used / prefetches); bounded, oldest forgotten.
+        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
         # Whether a block is on local flash (L2; see _whole).
         self._local: Callable[[BlockKey], bool] = getattr(source, "holds", lambda key: False)
         self.stats = {
@@ -135,6 +138,7 @@ class Reader:
             "range_fetches": 0,
             "block_fetches": 0,
             "prefetches": 0,
+            "prefetches_used": 0,  # prefetched blocks a read then found in L1
             "slice_lists": 0,  # chunk slice lists asked of the metanodes
         }
 
@@ -225,6 +229,8 @@ class Reader:
         block = self.l1.get(part.key)
         if block is not None and len(block) >= hi:
             self.stats["l1_hit_bytes"] += part.length
+            if self._prefetched:
+                self._used(part.key)
             return memoryview(block)[lo:hi]
         if self._whole(part.key, sequential):
             return memoryview(await self.block(part.key))[lo:hi]
@@ -310,7 +316,14 @@ class Reader:
             return False
         dest[:] = memoryview(block)[part.block_off : part.block_off + part.length]
         self.stats["l1_hit_bytes"] += part.length
+        if self._prefetched:
+            self._used(part.key)
         return True
+
+    def _used(self, key: BlockKey) -> None:
+        if key in self._prefetched:
+            del self._prefetched[key]
+            self.stats["prefetches_used"] += 1
 
     def _job(
         self, part: BlockPart, dest: memoryview, *, whole: bool
@@ -384,3 +397,7 @@ class Reader:
             except CacheFSError as exc:
                 # The reader that needs it will fetch again and see the error.
                 log.debug("prefetch of %s failed: %s", key.hex(), exc)
+                return
+            self._prefetched[key] = None
+            if len(self._prefetched) > TOUCH_MEMORY:
+                self._prefetched.popitem(last=False)

@@ -51,7 +51,7 @@ from .l2 import CachedBlocks, L2Cache
 from .reader import Reader
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR, spill
-from .writer import FileWriter
+from .writer import FileWriter, WriteStats
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class Volume:
             session, self.reader, nursery=self.nursery, threshold=options.compact_after
         )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self.write_stats = WriteStats()
         self.spilled = 0  # files not committed at unmount, their data spilled
         session.on_block_stored = self._keep_written
         self.nursery.start_soon(session.run, restart=True)
@@ -221,6 +222,7 @@ class Volume:
                 upload_limit=self._upload_limit,
                 write_through=self.options.write_through,
                 on_commit=self.compactor.schedule,
+                stats=self.write_stats,
             )
         return inode.writer
 

@@ -60,6 +60,7 @@ from cachefs.messages import Attr
 from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
+from .opstats import OpStats
 
 log = logging.getLogger(__name__)
 SLICE_ATTEMPTS = 3  # stores of one run under fresh slice ids when a commit finds its slice sealed
@@ -97,6 +98,22 @@ class _Pending:
         self.committed = trio.Event()
 
 
+class WriteStats:
+    """Mount-wide write counters, shared by every :class:`FileWriter` (a file's
+    writer goes away after its last close; the mount's totals stay). Plain ints
+    and the trio thread only, as in :mod:`.opstats`; ``commits`` times each
+    ``write_slice`` call (one per slice, up to 64 MiB: nothing per byte)."""
+
+    __slots__ = ("written", "slices", "bytes", "blocks", "commits")
+
+    def __init__(self) -> None:
+        self.written = 0  # bytes applications wrote
+        self.slices = 0
+        self.bytes = 0  # bytes committed (rewrites of one range count each time)
+        self.blocks = 0  # blocks stored on backing storage
+        self.commits = OpStats()  # "commit": latency of the metanode commit
+
+
 class FileWriter:
     def __init__(
         self,
@@ -108,6 +125,7 @@ class FileWriter:
         upload_limit: trio.Semaphore,
         write_through: bool = False,
         on_commit: Callable[[Inode, int, int], None] | None = None,
+        stats: WriteStats | None = None,
     ) -> None:
         self.sink = sink
         self.inode = inode
@@ -131,7 +149,7 @@ class FileWriter:
         self.error: CacheFSError | None = None
         self.buffered = 0  # bytes written and not yet committed
         self.last_write = 0.0
-        self.stats = {"slices": 0, "bytes": 0, "blocks": 0}
+        self.stats = stats if stats is not None else WriteStats()
 
     @property
     def dirty(self) -> bool:
@@ -187,6 +205,7 @@ class FileWriter:
         sealed = self.plan.add(offset, data)
         grown = sum(len(r.data) for r in sealed) + self.plan.open_bytes - old_open
         self.buffered += grown
+        self.stats.written += len(data)
         self._submit(sealed)
 
     def _check(self) -> None:
@@ -241,6 +260,7 @@ class FileWriter:
                     await previous.committed.wait()
                 if self.error is not None:
                     break
+                started = time.monotonic()
                 try:
                     attr = await self.sink.write_slice(
                         self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, time.time_ns(),
@@ -252,6 +272,7 @@ class FileWriter:
                     log.info("slice %d of inode %d was sealed before its commit; storing it again",
                              slice_id, self.inode.ino)
                     continue
+                self.stats.commits.observe("commit", time.monotonic() - started)
                 self._committed(run, attr)
                 committed = True
                 break
@@ -290,7 +311,7 @@ class FileWriter:
         async with self._upload_limit:
             if await self.sink.store_block(key, data):
                 short.append(key.index)
-            self.stats["blocks"] += 1
+            self.stats.blocks += 1
             if self.write_through:
                 await self.sink.write_through(key, data)
 
@@ -305,7 +326,7 @@ class FileWriter:
         inode.layout += 1
         inode.set_attr(attr)
         inode.cached_version = attr.version if ours else None
-        self.stats["slices"] += 1
-        self.stats["bytes"] += len(run.data)
+        self.stats.slices += 1
+        self.stats.bytes += len(run.data)
         if self.on_commit is not None:
             self.on_commit(inode, run.chunk, attr.version)

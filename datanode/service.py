@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 import trio
-from prometheus_client import REGISTRY, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from cachefs.credentials import ADMINS, CLIENTS
@@ -35,6 +35,13 @@ SCRUB_PAGE = 256
 _CAPACITY = Gauge("cachefs_datanode_capacity_bytes", "Bytes this datanode may store")
 _USED = Gauge("cachefs_datanode_used_bytes", "Bytes of shards stored")
 _SHARDS = Gauge("cachefs_datanode_shards", "Shards stored")
+_SHARD_IO = Histogram("cachefs_datanode_shard_io_seconds",
+                      "Shard reads and writes (get: checksums verified; put: durable), I/O thread wait included",
+                      ["op"], buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                       0.25, 0.5, 1, 2.5, 10))
+_SHARD_GET, _SHARD_PUT = _SHARD_IO.labels("get"), _SHARD_IO.labels("put")
+_SCRUBBED = Counter("cachefs_datanode_scrubbed_shards_total", "Shards verified end to end by scrub")
+_SCRUBBED_BYTES = Counter("cachefs_datanode_scrubbed_bytes_total", "Bytes read by scrub")
 
 
 class _CorruptShards:
@@ -85,15 +92,17 @@ class DatanodeService:
                   payload: Any = None) -> dict:
         """Store shard ``index`` of ``key`` durably (replacing any older copy)."""
         data = payload if payload is not None else b""
-        await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
+        with _SHARD_PUT.time():
+            await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
         return {"size": len(data)}
 
     @rpc_method(roles=CLIENTS)
     async def get(self, volume: str, key: bytes, index: int, offset: int = 0,
                   length: int = -1) -> Reply:
         """Bytes of one shard (checksums verified); ``meta`` and total size ride along."""
-        meta, data, total = await self._run(self.store.get, volume, _key_hex(key), index,
-                                            offset, length)
+        with _SHARD_GET.time():
+            meta, data, total = await self._run(self.store.get, volume, _key_hex(key), index,
+                                                offset, length)
         return Reply({"meta": meta, "size": total}, payload=data)
 
     @rpc_method(roles=CLIENTS)
@@ -133,6 +142,8 @@ class DatanodeService:
                 corrupt.append([BlockKey.from_hex(info.key).to_bytes(), info.index])
             checked += 1
             read += info.size
+            _SCRUBBED.inc()
+            _SCRUBBED_BYTES.inc(info.size)
             if 0 < max_bytes <= read and checked < len(page):
                 cursor = self.store.cursor_after(info)
                 break

@@ -164,6 +164,10 @@ class LeaseTable:
         self.grace_until = 0.0
         self.leader_term = 0
         self._ids = itertools.count(1)
+        # Since start, across leaderships (metrics): leases granted (NONE ->
+        # HELD) and revocations begun (HELD -> REVOKING).
+        self.granted = 0
+        self.revoked = 0
 
     # -- the state machine ---------------------------------------------------------
 
@@ -180,8 +184,10 @@ class LeaseTable:
         holder.revoking.pop(ino, None)
         if new is State.HELD:
             holder.held.add(ino)
+            self.granted += 1
         elif new is State.REVOKING:
             holder.revoking[ino] = Revocation(rev, self.lapse(holder))
+            self.revoked += 1
         if new is State.NONE:
             sessions = self.by_inode.get(key)
             if sessions is not None:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import trio
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from cachefs.backing.client import BackingClient, MissingShard
 from cachefs.backing.placement import pg_of
@@ -51,6 +51,10 @@ MAX_REPORTED_KEYS = 100
 _REBUILT = Counter("cachefs_repair_shards_rebuilt_total", "Shards rebuilt by repair")
 _REBUILT_BYTES = Counter("cachefs_repair_written_bytes_total", "Bytes written by repair")
 _UNRECOVERABLE = Counter("cachefs_repair_unrecoverable_blocks_total", "Blocks repair found with too few shards")
+_CHECKED = Counter("cachefs_repair_checked_blocks_total", "Blocks repair checked (progress of a pass)")
+_PROGRESS = Gauge("cachefs_repair_progress_ratio",
+                  "Placement groups of a volume done in the current or last repair pass, over all of them",
+                  ["volume"])
 
 
 @dataclass
@@ -175,6 +179,7 @@ class Repairer:
             for key in sorted(by_pg.get(pg_index, ())):
                 await self.repair_block(volume, key, pgs[pg_index], holdings[key], report)
             report.pgs_done += 1
+            _PROGRESS.labels(volume).set(report.pgs_done / report.pgs_total)
             if self.progress is not None:
                 self.progress(report)
         log.info("repair of %s: %s", volume, {k: v for k, v in asdict(report).items() if v})
@@ -247,6 +252,7 @@ class Repairer:
         policy = self.view.policy(volume)
         up = await self._up_nodes()
         report.blocks_checked += 1
+        _CHECKED.inc()
         missing, skipped = [], 0
         for i in range(policy.n):
             if pg[i] in held.get(i, ()):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from prometheus_client import REGISTRY
 
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import ClusterView
@@ -95,10 +96,13 @@ async def test_scrub_finds_and_repairs_corrupt_shards(cluster: Datanodes, volume
             return total
 
         before = await corrupt_found()
+        checked = REGISTRY.get_sample_value("cachefs_repair_checked_blocks_total") or 0
         progress = []
         report = await Repairer(client, progress=lambda r: progress.append(r.pgs_done)).repair_volume(
             volume, scrub=True)
         assert report.shards_corrupt == damaged and report.shards_rebuilt == damaged
+        assert REGISTRY.get_sample_value("cachefs_repair_checked_blocks_total") == checked + report.blocks_checked
+        assert REGISTRY.get_sample_value("cachefs_repair_progress_ratio", {"volume": volume}) == 1.0
         assert await corrupt_found() == before + damaged
         assert report.healthy and progress == list(range(1, 9))
         await _assert_full_redundancy(client, view, volume, blocks)

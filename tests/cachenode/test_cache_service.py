@@ -92,6 +92,8 @@ async def test_hundred_concurrent_readers_one_backing_fetch(tmp_path: Path) -> N
         assert REGISTRY.get_sample_value("cachefs_cache_filled_bytes_total", labels) == SIZE
         assert REGISTRY.get_sample_value("cachefs_cache_served_bytes_total", labels) == 100 * 4096
         assert REGISTRY.get_sample_value("cachefs_cache_backing_fetch_seconds_count", labels) == 1
+        assert REGISTRY.get_sample_value("cachefs_cache_fill_seconds_count", labels) == 1
+        assert REGISTRY.get_sample_value("cachefs_cache_admissions_total", {**labels, "decision": "admitted"}) == 1
         assert REGISTRY.get_sample_value("cachefs_cache_used_bytes", labels) == c.store.used >= SIZE
         assert REGISTRY.get_sample_value("cachefs_cache_capacity_bytes", labels) == c.store.capacity > 0
         await c.get(key)
@@ -191,6 +193,9 @@ async def test_admission_caches_on_second_miss(tmp_path: Path) -> None:
         await _until_cached(c.store, key)
         assert (await c.get(key)).result["hit"]
         assert c.backing.fetches[key] == 2
+        labels = {"node": c.service.node}
+        for decision in ("admitted", "refused"):
+            assert REGISTRY.get_sample_value("cachefs_cache_admissions_total", {**labels, "decision": decision}) == 1
 
 
 async def test_prefetch_then_reads_hit_and_rerun_is_cached(tmp_path: Path) -> None:
@@ -236,6 +241,9 @@ async def test_eviction_under_small_capacity_over_rpc(tmp_path: Path) -> None:
             assert c.store.used <= c.store.capacity
         stats = (await c.pool.call(c.addr, "stats")).result
         assert stats["evictions"] > 0 and stats["blocks"] <= 5
+        labels = {"node": c.service.node}
+        for cause, want in (("capacity", stats["evictions"]), ("expired", 0), ("corrupt", 0)):
+            assert REGISTRY.get_sample_value("cachefs_cache_evictions_total", {**labels, "cause": cause}) == want
 
 
 class _BrokenSource:
@@ -284,4 +292,5 @@ async def test_ttl_blocks_expire_in_the_background(tmp_path: Path) -> None:
                 await trio.sleep(0.05)
         assert store.cached_keys() == [BlockKey(2, 0)]
         assert store.stats()["expired"] == 1
+        assert REGISTRY.get_sample_value("cachefs_cache_evictions_total", {"node": "ttl", "cause": "expired"}) == 1
         nursery.cancel_scope.cancel()

@@ -58,6 +58,13 @@ def test_a_mount_times_every_op_and_counts_errors_by_errno(needs_fuse, tmp_path:
                 _value(text, sample), op
         assert _value(text, 'cachefs_mount_op_errors_total{errno="ENOENT",op="lookup"}') >= 1
         assert _value(text, 'cachefs_mount_op_latency_seconds_sum{op="read"}') > 0
+        # The write path, mount-wide (the file's writer is gone after its close).
+        assert _value(text, "cachefs_mount_write_bytes_total") - _value(before, "cachefs_mount_write_bytes_total") \
+            == 100_000
+        assert _value(text, "cachefs_mount_committed_bytes_total") >= 100_000
+        commits = _value(text, "cachefs_mount_commit_latency_seconds_count")
+        assert commits >= 1 and commits == _value(text, "cachefs_mount_slices_committed_total")
+        assert _value(text, 'cachefs_mount_commit_latency_seconds_bucket{le="+Inf"}') == commits
     finally:
         assert m.stop() == 0
 

@@ -175,6 +175,8 @@ async def test_sequential_reader_prefetches_whole_blocks(nursery) -> None:
         assert await reader.read(inode, off, step, ra) == data[off : off + step]
     assert reader.stats["l1_hit_bytes"] > 0
     assert len(src.fetches) - before <= 4
+    # Readahead efficiency: the blocks read so far were prefetched, and used.
+    assert 4 <= reader.stats["prefetches_used"] <= reader.stats["prefetches"]
 
 
 async def test_random_reader_fetches_only_its_ranges(nursery) -> None:
@@ -189,7 +191,7 @@ async def test_random_reader_fetches_only_its_ranges(nursery) -> None:
     for off in (5 * BLOCK + 100, BLOCK + 7, 7 * BLOCK + 4000, 3 * BLOCK):
         assert await reader.read(inode, off, 4096, ra) == data[off : off + 4096]
     assert [length for _, _, length in src.fetches] == [4096] * 4
-    assert reader.stats["prefetches"] == 0 and len(reader.l1) == 0
+    assert reader.stats["prefetches"] == reader.stats["prefetches_used"] == 0 and len(reader.l1) == 0
 
 
 async def test_concurrent_readers_share_one_fetch(nursery) -> None:
@@ -223,6 +225,10 @@ async def test_write_buffer_applies_backpressure(nursery) -> None:
     assert peak <= limit
     await writer.flush()
     assert inode.attr.size == 20 * BLOCK and not writer.dirty
+    stats = writer.stats
+    assert stats.written == stats.bytes == 20 * BLOCK and stats.blocks >= 20
+    assert stats.slices >= 5 and sum(stats.commits.counts["commit"]) == stats.slices
+    assert stats.commits.sums["commit"] > 0
 
 
 async def test_small_random_writes_do_not_rewrite_blocks(nursery) -> None:

@@ -12,6 +12,7 @@ import trio
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
+from cachefs import commands as C
 from cachefs.client.mount import MountCollector
 from cachefs.client.opstats import OpStats
 from cachefs.client.volume import ClientOptions, Volume
@@ -42,6 +43,8 @@ async def all_families(tmp_path: Path) -> list[Metric]:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool, trio.open_nursery() as nursery:
         await metanode.create_volume("v")
         session = await metanode.session(pool, "v")
+        d = await session.mutate(C.Mkdir("v", 1, b"d", 0o755))
+        await session.mutate(C.Mkdir("v", d.ino, b"e", 0o755))
         engine = Volume(session, ClientOptions(cache_dir=str(tmp_path / "l2"), cache_size=64 << 20),
                         nursery=nursery)
         assert engine.l2 is not None
@@ -88,10 +91,17 @@ async def test_every_metric_of_every_kind_follows_the_naming_rules(tmp_path: Pat
                      "cachefs_mount_op_latency_seconds", "cachefs_mount_op_errors", "cachefs_cache_used_bytes",
                      "cachefs_cache_capacity_bytes", "cachefs_raft_role", "cachefs_datanode_used_bytes",
                      "cachefs_datanode_capacity_bytes", "cachefs_metanode_inodes", "cachefs_metanode_sessions",
-                     "cachefs_metanode_volume_used_bytes", "cachefs_metanode_open_files"):
+                     "cachefs_metanode_volume_used_bytes", "cachefs_metanode_open_files",
+                     "cachefs_metanode_dentries", "cachefs_metanode_leases", "cachefs_metanode_lease_events",
+                     "cachefs_mount_write_bytes", "cachefs_mount_commit_latency_seconds",
+                     "cachefs_mount_readahead_used_blocks", "cachefs_cache_evictions", "cachefs_cache_admissions",
+                     "cachefs_cache_fill_seconds", "cachefs_datanode_shard_io_seconds",
+                     "cachefs_datanode_scrubbed_shards", "cachefs_repair_progress_ratio",
+                     "cachefs_raft_wal_sync_seconds", "cachefs_raft_proposals_per_append"):
         assert expected in names, expected
     values = {(s.name, tuple(s.labels.values())): s.value for f in families for s in f.samples}
-    assert values[("cachefs_metanode_inodes", ("v",))] >= 1  # the root
+    assert values[("cachefs_metanode_inodes", ("v",))] == 3  # the root, d and d/e
+    assert values[("cachefs_metanode_dentries", ("v",))] == 2
     assert values[("cachefs_metanode_sessions", ())] == 1  # the mount's
     assert values[("cachefs_mount_op_errors_total", ("lookup", "ENOENT"))] == 1
     bad = {f.name: p for f in families if (p := problems(f))}

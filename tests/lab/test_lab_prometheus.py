@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.lab.cluster import Lab, LabConfig, _alive
+from cachefs.lab.cluster import VOLUME, Lab, LabConfig, _alive
 from cachefs.testing.ports import free_lab_base
 
 pytestmark = [pytest.mark.needs_fuse,
@@ -74,6 +74,13 @@ def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: P
         l1 = 'sum(rate(cachefs_mount_l1_events_total{event="%s"}[5m]))'
         rate = wait_for(port, f"{l1 % 'hits'} / ({l1 % 'hits'} + {l1 % 'misses'})")
         assert 0 <= float(rate[0]["value"][1]) <= 1
+        # The write path and the metanode's namespace on its real disk.
+        assert wait_for(port, f"cachefs_mount_write_bytes_total >= {len(data)}")
+        assert wait_for(port, "cachefs_mount_commit_latency_seconds_count > 0")
+        assert wait_for(port, 'cachefs_metanode_dentries{volume="' + VOLUME + '"} >= 1')
+        disk = wait_for(port, "cachefs_metanode_metadata_bytes > 0")
+        assert {r["metric"]["part"] for r in disk} >= {"wal"}
+        assert wait_for(port, 'cachefs_datanode_shard_io_seconds_count{op="put"} > 0')
         pid = state["prometheus_pid"]
     finally:
         lab.down()

@@ -62,6 +62,9 @@ def test_a_mutation_waits_for_the_ack_and_grants_wait_for_the_mutation() -> None
     t.applied(VOL, [5])
     t.end(m)
     assert t.grant("b", VOL, [5], 0.3) == (5,)
+    # What cachefs_metanode_lease_events counts: NONE -> HELD, HELD -> REVOKING.
+    assert t.grant("b", VOL, [5], 0.4) == (5,)  # held already: not a new grant
+    assert (t.granted, t.revoked) == (2, 1)
 
 
 def test_a_silent_holder_delays_a_mutation_by_at_most_the_term_and_counts_as_open() -> None:
