@@ -58,10 +58,12 @@ from cachefs import queries as Q
 from cachefs.errors import CacheFSError, FileTooLarge, NoData, NotFound
 from cachefs.layout import MAX_FILE_SIZE
 from cachefs.messages import Attr
+from cachefs.opstats import OpStats
 
+from . import control
+from .control import Control, ControlError, is_control
 from .inodes import Inode
 from .leases import Lease
-from .opstats import OpStats
 from .reader import Readahead
 from .volume import Volume
 
@@ -113,28 +115,35 @@ def _invalidate_all(lost: list[tuple[int, tuple[bytes, ...]]]) -> None:
 
 def _fuse(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Map every error of a handler to FUSEError (see module docstring), and
-    time it into the mount's :class:`OpStats` (errors counted by errno)."""
+    time it into the mount's :class:`OpStats` (errors counted by errno) and,
+    while someone reads it, the access log (:mod:`.control`)."""
     op = fn.__name__
 
     @functools.wraps(fn)
     async def handler(self: CacheFS, *args: Any, **kwargs: Any) -> T:
         started = perf_counter()
+        code = 0
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError as exc:
-            self.op_stats.error(op, exc.errno)
+            code = exc.errno
             raise
-        except CacheFSError as exc:
-            if exc.errno == errno.EIO:
+        except (CacheFSError, ControlError) as exc:
+            code = exc.errno
+            if code == errno.EIO:
                 log.error("%s failed: %s", op, exc)
-            self.op_stats.error(op, exc.errno)
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise pyfuse3.FUSEError(code) from None
         except Exception:
             log.exception("unexpected error in %s", op)
-            self.op_stats.error(op, errno.EIO)
+            code = errno.EIO
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
-            self.op_stats.observe(op, perf_counter() - started)
+            seconds = perf_counter() - started
+            self.op_stats.observe(op, seconds)
+            if code:
+                self.op_stats.error(op, code)
+            if self.control.access.readers:
+                self.control.access.record(op, args, seconds, code)
 
     return handler
 
@@ -175,6 +184,7 @@ class CacheFS(pyfuse3.Operations):
         self._next_fh = 1
         self.session.enable_leases(self.nursery, self._leases_lost)
         self.leases = self.session.leases
+        self.control = Control(render_stats=lambda: b"")  # the mount sets its collector's text
 
     # ------------------------------------------------------------------ helpers
 
@@ -196,6 +206,9 @@ class CacheFS(pyfuse3.Operations):
         if lease is None:
             return default
         return max(default, self.leases.remaining(lease, now))
+
+    def _control_entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        return entry_attributes(attr, self.options.attr_timeout, self.options.entry_timeout)
 
     def _learn(self, attr: Attr) -> pyfuse3.EntryAttributes:
         return self._entry(self.inodes.learn(attr))
@@ -225,6 +238,10 @@ class CacheFS(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        if parent_inode == pyfuse3.ROOT_INODE and name == control.NAME:
+            return self._control_entry(self.control.attr(control.DIR_INO))
+        if is_control(parent_inode):
+            return self._control_entry(self.control.lookup(parent_inode, name))
         leases = self.leases
         now = time.monotonic()
         parent = leases.get(parent_inode, now)
@@ -270,6 +287,8 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if is_control(inode):
+            return self._control_entry(self.control.attr(inode))
         known = self.inodes.get(inode)
         now = time.monotonic()
         lease = self.leases.get(inode, now)
@@ -332,6 +351,8 @@ class CacheFS(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         self._writable()
+        if is_control(inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
         changes: dict[str, int] = {}
         if fields.update_mode:
             changes["mode"] = attr.st_mode
@@ -455,6 +476,9 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if is_control(inode):
+            writable = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND))
+            return pyfuse3.FileInfo(fh=self.control.open(inode, writable), direct_io=True)
         if self.options.read_only and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
         known = self.inodes.get(inode)
@@ -499,6 +523,8 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        if is_control(fh):
+            return await self.control.read(fh, off, size)
         handle = self._handles[fh]
         return await self.reader.read_view(handle.inode, off, size, handle.readahead)  # type: ignore[return-value]
 
@@ -537,6 +563,9 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def release(self, fh: int) -> None:
+        if is_control(fh):
+            self.control.release(fh)
+            return
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
@@ -562,6 +591,11 @@ class CacheFS(pyfuse3.Operations):
         (later lookups and opens of them need no round trip), and chunk 0's
         slice list of each small file (nor does its first read)."""
         ino = self._dirs[fh]
+        if is_control(ino):
+            for name, attr, cookie in self.control.entries(start_id):
+                if not pyfuse3.readdir_reply(token, name, self._control_entry(attr), cookie):
+                    return
+            return
         cookie = start_id
         leases = self.leases
         while True:
@@ -653,6 +687,8 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if is_control(inode):
+            raise pyfuse3.FUSEError(errno.ENODATA)
         node = self.inodes.get(inode)
         now = time.monotonic()
         if node is not None:
@@ -676,6 +712,8 @@ class CacheFS(pyfuse3.Operations):
 
     @_fuse
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if is_control(inode):
+            return []
         return await self.meta.query(Q.ListXattr(self.vol, inode))
 
     @_fuse

@@ -48,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import pyfuse3
@@ -74,13 +75,13 @@ from cachefs.errors import (
     Unreachable,
 )
 from cachefs.metrics import MetricsAddr, start_metrics
+from cachefs.opstats import OpStats
 from cachefs.rpc import RpcPool
 from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
 from . import fallocate_hook
 from .fs import CacheFS
-from .opstats import OpStats
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR
 from .volume import MAX_BACKGROUND, ClientOptions, Volume
@@ -250,9 +251,21 @@ class MountCollector:
     plain ints, so a scrape sees each one whole (no lock needed).
     """
 
-    def __init__(self, engine: Volume, ops: OpStats) -> None:
+    def __init__(self, engine: Volume, ops: OpStats, calls: OpStats | None = None) -> None:
         self.engine = engine
         self.ops = ops
+        self.calls = calls  # the RPC pool's round trips by method
+        self._registry: Any = None  # a CollectorRegistry of this collector alone, made on first use
+
+    def text(self) -> bytes:
+        """This collector alone in the Prometheus text format: ``.cachefs/stats``
+        (the same numbers as /metrics, without the process-wide series)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        if self._registry is None:
+            self._registry = CollectorRegistry(auto_describe=False)
+            self._registry.register(self)
+        return generate_latest(self._registry)
 
     def _ops(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -268,6 +281,14 @@ class MountCollector:
         for (op, code), count in sorted(self.ops.errors.items()):
             errors.add_metric([op, errno.errorcode.get(code, str(code))], count)
         yield errors
+        if self.calls is not None:
+            rpc = HistogramMetricFamily("cachefs_mount_rpc_latency_seconds",
+                                        "Round trip of the RPCs this mount made, by method (errors included)",
+                                        labels=["method"])
+            for method in sorted(self.calls.counts):
+                buckets, total = self.calls.histogram(method)
+                rpc.add_metric([method], buckets, total)
+            yield rpc
 
     def collect(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import (
@@ -442,10 +463,12 @@ async def run_fs(
             await session.close()
             return 1
         fallocate_hook.install(front.fallocate, engine.nursery, pyfuse3.__file__)  # before any request
+        collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
+        front.control.render_stats = collector.text
         if metrics is not None:
             from prometheus_client import REGISTRY
 
-            REGISTRY.register(MountCollector(engine, front.op_stats))
+            REGISTRY.register(collector)
             start_metrics(metrics)
         stopping = _Stopping(options.unmount_timeout)
         engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background,

@@ -57,10 +57,10 @@ from cachefs.errors import (
 from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import MAX_FILE_SIZE, Run, WritePlan, runs_end, slice_blocks
 from cachefs.messages import Attr
+from cachefs.opstats import OpStats
 from cachefs.tasks import Spawner, run_all
 
 from .inodes import Inode
-from .opstats import OpStats
 
 log = logging.getLogger(__name__)
 SLICE_ATTEMPTS = 3  # stores of one run under fresh slice ids when a commit finds its slice sealed

@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, str] = {
     "gc": "cachefs.cli.gc:command",
     "info": "cachefs.cli.info:command",
     "fsck": "cachefs.cli.fsck:command",
+    "stats": "cachefs.cli.stats:command",
     "status": "cachefs.status:status",
     "health": "cachefs.status:health",
     "lab": "cachefs.lab.cli:lab",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.client.opstats import BUCKETS, OpStats
+from cachefs.opstats import BUCKETS, OpStats
 from cachefs.testing.ports import free_port
 
 from .conftest import LocalMount

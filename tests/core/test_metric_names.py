@@ -14,8 +14,8 @@ from prometheus_client.metrics_core import Metric
 
 from cachefs import commands as C
 from cachefs.client.mount import MountCollector
-from cachefs.client.opstats import OpStats
 from cachefs.client.volume import ClientOptions, Volume
+from cachefs.opstats import OpStats
 from cachefs.rpc import RpcPool
 from cachefs.testing.metanode import LocalMetanode, local_metanode
 

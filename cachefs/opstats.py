@@ -1,10 +1,11 @@
-"""Per-FUSE-op latency histograms and errors by errno, cheap enough for the read path.
+"""Latency histograms and errors by errno, keyed by op, cheap enough for the read path.
 
-Every handler is timed (client/fs.py's ``_fuse``), so an observation must cost
-next to nothing: plain lists and ints touched only by the trio thread (no
-lock, no label lookup), which the metrics thread reads for a scrape
-(client/mount.py's collector). A scrape may see an op's sum one observation
-ahead of its buckets; the buckets and the count always agree.
+Every FUSE handler is timed (client/fs.py's ``_fuse``), and so is every RPC a
+mount makes (``RpcPool.calls``), so an observation must cost next to nothing:
+plain lists and ints touched only by the trio thread (no lock, no label
+lookup), which the metrics thread reads for a scrape (client/mount.py's
+collector). A scrape may see an op's sum one observation ahead of its
+buckets; the buckets and the count always agree.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 
 
 class OpStats:
-    """Latency of each FUSE op, and the errors each returned, by errno."""
+    """Latency of each op (a FUSE request, an RPC method), and the errors each returned, by errno."""
 
     __slots__ = ("counts", "sums", "errors")
 
