@@ -518,8 +518,9 @@ class LoadDir(Query[M.DirLoad]):
 class LeasePoll(Query[M.LeaseNews]):
     """The session's lease channel: acknowledges revocations (``acks``, by
     id), gives leases up (``drops``), reports which of those inodes it has
-    open (``opens``), says the Raft term of the leases it still holds
-    (``held_term``, 0: none), and renews its leases. The leader answers at
+    open (``opens``), says the newest leader term it knows (``held_term``:
+    it holds no lease of an older one, and takes none; 0: it knows none),
+    and renews its leases. The leader answers at
     once when a revocation for the session is pending, else after at most
     ``wait_ms`` (and at most a quarter of the lease term)."""
 

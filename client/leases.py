@@ -46,9 +46,11 @@ or the mutation; a lease lost to time is covered by the leader, which
 counts an unacknowledged lapsed lease as possibly open.
 
 Failover. A reply of a newer Raft term means a new leader: every lease of an
-older term is dropped (and the kernel's caches with it); the next poll says
-this session holds nothing older (``held_term``), which lets the new leader
-stop waiting for old leases to lapse.
+older term is dropped (and the kernel's caches with it), and no grant of an
+older term is taken after that. The next poll names the newest term this
+session knows (``held_term``): it holds no lease older than that, now or
+while the poll is in flight and retried, which lets the new leader stop
+waiting for old leases to lapse.
 """
 
 from __future__ import annotations
@@ -139,7 +141,10 @@ class LeaseCache:
         return lease
 
     def held_term(self) -> int:
-        return self.term if self._held else 0
+        """The newest leader term known: no lease held, or taken from now
+        on, is older. (Not 0 when nothing is held: a poll built so may
+        reach a new leader after this session took leases of the old one.)"""
+        return self.term
 
     # -- answers --------------------------------------------------------------------
 

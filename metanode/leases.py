@@ -66,8 +66,13 @@ leadership, which is before this leader was elected, so a mutation waits
 until ``grace_until`` (``term`` after this table was reset) -- unless every
 session of the volume has polled this leader saying it holds no lease of an
 older term (it dropped them, invalidating its kernel caches first), which
-ends the wait for that volume early. Grants need no grace: read leases never
-conflict with each other.
+ends the wait for that volume early. A poll says so with ``held_term``: the
+newest leader term the session knew when it built the poll. That is a claim
+that stays true while the poll is in flight: the session never takes a
+lease of an older term than one it knows. "I hold no lease now" would not
+be: the old leader parks a poll for up to a quarter term, the session takes
+leases meanwhile, and the client retries the same poll on the new leader.
+Grants need no grace: read leases never conflict with each other.
 """
 
 from __future__ import annotations
@@ -284,13 +289,13 @@ class LeaseTable:
             self._step(session, holder, ino, Event.DROP)
         return done
 
-    def renew(self, session: str, volume: str, now: float, clean: bool) -> None:
+    def renew(self, session: str, volume: str, now: float, held_term: int) -> None:
         """A poll the leader confirmed it may answer, received at ``now``:
-        every HELD lease of the session lasts ``term`` from then. ``clean``:
-        the session holds no lease of an older leader."""
+        every HELD lease of the session lasts ``term`` from then. ``held_term``:
+        the poll's, see Failover."""
         holder = self._holder(session, volume, now)
         holder.renewed = max(holder.renewed, now)
-        if clean:
+        if held_term == self.leader_term:
             holder.clean = True
 
     def revocations(self, session: str) -> list[tuple[int, int]]:

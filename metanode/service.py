@@ -748,7 +748,7 @@ class MetaService:
     async def _poll_news(self, q: Q.LeasePoll, volume: str, received: float) -> M.LeaseNews:
         await self._leader_read()  # a renewal is a promise only the leader may make
         term = self.leases.leader_term
-        self.leases.renew(q.session, volume, received, clean=q.held_term in (0, term))
+        self.leases.renew(q.session, volume, received, q.held_term)
         with trio.move_on_after(min(q.wait_ms / 1000, self.leases.term / 4)):
             while not self.leases.revocations(q.session) and self.leases.leader_term == term:
                 event = self._polls.get(q.session)

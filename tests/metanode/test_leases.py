@@ -87,7 +87,7 @@ def test_a_silent_holder_delays_a_mutation_by_at_most_the_term_and_counts_as_ope
 def test_a_renewed_lease_lasts_a_term_from_the_renewal() -> None:
     t = table()
     t.grant("a", VOL, [5], 0.0)
-    t.renew("a", VOL, 0.9, clean=True)
+    t.renew("a", VOL, 0.9, held_term=1)
     m, _ = t.begin(VOL, [5], 1.2)
     assert t.blocked(m, 1.5, ["a"]) is not None
     assert t.blocked(m, 1.9, ["a"]) is None
@@ -114,14 +114,41 @@ def test_a_new_leader_waits_out_the_old_leases_unless_every_session_is_clean() -
     t.reset(10.0, 2)
     m, _ = t.begin(VOL, [5], 10.1)
     assert t.blocked(m, 10.1, ["a", "b"]) is not None
-    t.renew("a", VOL, 10.2, clean=True)
+    t.renew("a", VOL, 10.2, held_term=2)
     assert t.blocked(m, 10.2, ["a", "b"]) is not None
-    t.renew("b", VOL, 10.3, clean=False)  # still holds leases of an older leader
+    t.renew("b", VOL, 10.3, held_term=1)  # may still hold leases of an older leader
     assert t.blocked(m, 10.3, ["a", "b"]) is not None
-    t.renew("b", VOL, 10.4, clean=True)
+    t.renew("b", VOL, 10.35, held_term=0)  # knows no leader's term yet: may hold anything
+    assert t.blocked(m, 10.35, ["a", "b"]) is not None
+    t.renew("b", VOL, 10.4, held_term=2)
     assert t.blocked(m, 10.4, ["a", "b"]) is None
     m2, _ = t.begin(VOL, [6], 10.5)
     assert t.blocked(m2, 11.0, ["a", "b", "c"]) is None  # the grace is over for everyone
+
+
+def test_a_poll_built_before_a_grant_and_retried_on_a_new_leader_does_not_end_its_grace() -> None:
+    """A poll says which leader's leases the session may hold when it is
+    built; the old leader parks it (up to a quarter term), the session takes
+    a lease meanwhile, and MetaClient retries the same poll on the new
+    leader. It must not count as clean: the lease it took is still valid
+    here, and a mutation applied now would be hidden by it."""
+    c = LeaseCache()
+    old = table()
+    parked = c.outgoing()  # built while holding nothing
+    ticket = c.ticket(0.0)
+    [lease] = c.accept(ticket, Grant(1, int(TERM * 1000), old.grant("a", VOL, [5], 0.0)), 0.01).values()
+    c.done(ticket)
+    lease.attr = attr(5, 0)
+    new = LeaseTable(TERM)
+    new.reset(0.2, 2)  # the old leader dies with the poll parked; the retry arrives here
+    new.renew("a", VOL, 0.3, parked.held_term)
+    m, _ = new.begin(VOL, [5], 0.3)
+    assert c.get(5, 0.3) is not None
+    assert new.blocked(m, 0.3, ["a"]) is not None  # "a" may still answer from its lease
+    c.news(LeaseNews(2, int(TERM * 1000), []), 0.3)  # the retried poll's answer: a new term
+    assert c.get(5, 0.3) is None
+    new.renew("a", VOL, 0.4, c.outgoing().held_term)  # the next poll is built after the drop
+    assert new.blocked(m, 0.4, ["a"]) is None
 
 
 def test_a_name_that_moves_under_an_inflight_mutation_is_not_granted_before_it_ends() -> None:
@@ -242,7 +269,9 @@ class LeaseProtocol(RuleBasedStateMachine):
     @precondition(lambda self: self.term < 3)
     @rule()
     def new_leader(self) -> None:
-        """A failover: the new leader knows no lease; old replies still arrive."""
+        """A failover: the new leader knows no lease; old replies still
+        arrive, and requests sent to the old leader reach the new one (the
+        client retries the same message, built before the failover)."""
         self.term += 1
         self.leader = LeaseTable(TERM)
         self.leader.reset(self.now, self.term)
@@ -268,10 +297,7 @@ class LeaseProtocol(RuleBasedStateMachine):
     def _deliver(self, msg: tuple) -> None:
         client, kind = msg[0], msg[1]
         if kind == "read":
-            _, _, ticket, ino, term = msg
-            if term != self.leader.leader_term:
-                client.cache.done(ticket)  # a deposed leader does not answer
-                return
+            _, _, ticket, ino = msg  # to whichever node leads now (MetaClient retries)
             granted = self.leader.grant(client.name, VOL, [ino], self.now)
             grant = Grant(self.leader.leader_term, int(TERM * 1000), granted)
             self.net.append((client, "read-reply", ticket, ino, grant, self.version[ino]))
@@ -281,13 +307,9 @@ class LeaseProtocol(RuleBasedStateMachine):
                 lease.attr = attr(ino, version)
             client.cache.done(ticket)
         elif kind == "poll":
-            _, _, state, sent, term = msg
-            if term != self.leader.leader_term:
-                client.cache.resend(state)
-                return
+            _, _, state, sent = msg  # the same poll, retried on whichever node leads now
             self.leader.acknowledge(client.name, state.acks, state.drops)
-            clean = state.held_term in (0, self.leader.leader_term)
-            self.leader.renew(client.name, VOL, self.now, clean)
+            self.leader.renew(client.name, VOL, self.now, state.held_term)
             news = LeaseNews(
                 self.leader.leader_term, int(TERM * 1000), self.leader.revocations(client.name)
             )
@@ -312,13 +334,13 @@ class LeaseProtocol(RuleBasedStateMachine):
         if client.cache.get(ino, self.now) is not None:
             return  # answered from memory (checked by the invariant)
         ticket = client.cache.ticket(self.now)
-        self._send((client, "read", ticket, ino, self.leader.leader_term), now)
+        self._send((client, "read", ticket, ino), now)
 
     @rule(data=st.data(), now=st.booleans())
     def poll(self, data: st.DataObject, now: bool) -> None:
         client = data.draw(st.sampled_from(self.clients))
         state = client.cache.outgoing()  # (the front end invalidates state.lost here)
-        self._send((client, "poll", state, self.now, self.leader.leader_term), now)
+        self._send((client, "poll", state, self.now), now)
 
     @rule(data=st.data(), ino=st.sampled_from(INOS))
     def mutate(self, data: st.DataObject, ino: int) -> None:
