@@ -417,7 +417,7 @@ class Session:
     ) -> Attr:
         """Commit a slice (the writer's ``BlockSink`` call)."""
         try:
-            return await self.meta.mutate(
+            return await self.mutate(
                 C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
             )
         except SliceExpired:
