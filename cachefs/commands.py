@@ -949,7 +949,7 @@ class SealSlices(Command[int]):
 
 # -- data repositories (linked S3 prefixes, see cachefs.repo) -----------------------
 
-IMPORT_MODES = ("full",)  # "lazy" (list a directory on first lookup) is not built yet
+IMPORT_MODES = ("full", "lazy")  # lazy: the leader lists a directory when it is first read
 MAX_IMPORT_BATCH = 10_000
 MAX_OBJECT_KEY = 1024  # S3's limit, in UTF-8 bytes
 

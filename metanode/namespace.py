@@ -452,6 +452,9 @@ class MetaState:
         self.next_link = 1
         self.next_repo = 1  # repo slice ids are REPO_SLICE_BIT | next_repo
         self.repo_objects: dict[int, bytes] = {}  # repo slice id -> pack_repo_object
+        # (volume, ino) -> (link id, path): pending directories of lazy links, which
+        # the leader lists when first read; derived from the links (see index_lazy)
+        self.lazy_dirs: dict[tuple[str, int], tuple[int, str]] = {}
         self.applied_index = 0
         self.watcher: ApplyWatcher | None = None  # set by the leader's service
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
@@ -1418,15 +1421,30 @@ class MetaState:
         link = RepoLink(self.next_link, cmd)
         self.next_link += 1
         self.links[link.id] = link
+        if link.import_mode == "lazy":
+            self.lazy_dirs[(link.volume, link.ino)] = (link.id, "")
         return link.to_dict()
 
     def _unlink_repo(self, cmd: C.UnlinkRepo) -> dict[str, Any]:
         link = self.links.pop(cmd.link_id, None)
         if link is None:
             raise NotFound(f"no repository link {cmd.link_id}")
+        self.lazy_dirs = {k: v for k, v in self.lazy_dirs.items() if v[0] != link.id}
         return link.to_dict()
 
-    def _import_objects(self, cmd: C.ImportObjects) -> dict[str, int]:
+    def index_lazy(self) -> None:
+        """Rebuild ``lazy_dirs`` from the links (after loading a snapshot)."""
+        self.lazy_dirs = {}
+        for link in self.links.values():
+            vol = self.volumes.get(link.volume)
+            if link.import_mode != "lazy" or vol is None or link.ino not in vol.inodes:
+                continue
+            for path in link.pending:
+                d = self._walk(vol, link, path)
+                if d is not None:
+                    self.lazy_dirs[(link.volume, d.ino)] = (link.id, path)
+
+    def _import_objects(self, cmd: C.ImportObjects) -> dict[str, Any]:
         link = self.links.get(cmd.link_id)
         if link is None:
             raise NotFound(f"no repository link {cmd.link_id}")
@@ -1437,7 +1455,8 @@ class MetaState:
         counts = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0, "deleted": 0}
         for key, size, mtime, etag in cmd.objects():
             counts[self._import_one(vol, link, key, size, mtime, etag, cmd.now_ns)] += 1
-        for sub in cmd.prefixes():
+        subdirs = cmd.prefixes()
+        for sub in subdirs:
             self._import_dir(vol, link, sub, cmd.now_ns)
         if cmd.prune:
             for parent, name, child, path in self._pruned(vol, link, cmd):
@@ -1446,10 +1465,15 @@ class MetaState:
         if cmd.dir in link.pending:
             if cmd.done:
                 del link.pending[cmd.dir]
+                d = self._walk(vol, link, cmd.dir)
+                if d is not None:
+                    self.lazy_dirs.pop((link.volume, d.ino), None)
             elif cmd.cursor:
                 link.pending[cmd.dir] = cmd.cursor
         if cmd.done and not link.pending:
             link.imported_ns = cmd.now_ns
+        if subdirs:  # which of them are still to list (what a sync of a lazy link skips)
+            return {**counts, "unlisted": [sub for sub in subdirs if sub in link.pending]}
         return counts
 
     def _walk(self, vol: Volume, link: RepoLink, path: str) -> Inode | None:
@@ -1476,6 +1500,8 @@ class MetaState:
                 ino = self._lookup_ino(parent.data, name)
                 if depth == len(names):
                     link.pending[path] = ""
+                    if link.import_mode == "lazy":
+                        self.lazy_dirs[(link.volume, ino)] = (link.id, path)
             parent = vol.inodes[ino]
             if not parent.is_dir:
                 return
@@ -1514,6 +1540,7 @@ class MetaState:
             if child.data.entries:
                 return gone
             link.pending.pop(path, None)
+            self.lazy_dirs.pop((link.volume, child.ino), None)
         elif link.owns(self, child):
             link.empties.discard(child.ino)
             gone = 1

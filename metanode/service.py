@@ -70,6 +70,7 @@ from .namespace import Failure, MetaState, hash_token
 from .opentable import OpenTable
 from .raft.lease import ReadLease, lease_duration
 from .raft.snapshot_child import SnapshotChild, SnapshotChildFailed
+from .repos import LeaderRepos
 
 if TYPE_CHECKING:
     from .raft.driver import RaftNode
@@ -183,6 +184,19 @@ async def _confined_later(q: Q.Query[Any], answer: Awaitable[Any], volumes: froz
     return q.confine(await answer, volumes)
 
 
+def _listing_first(read: Callable[[MetaService, Any], Any], field: str) -> Callable[[MetaService, Any], Any]:
+    """A directory read (``field`` names the directory) that first lists a
+    pending directory of a lazy repository link (``metanode/repos.py``)."""
+
+    def hook(self: MetaService, q: Any) -> Any:
+        lazy = self.state.lazy_dirs
+        if lazy and (q.volume, getattr(q, field)) in lazy:
+            return self._after_listing(q.volume, getattr(q, field), read, q)
+        return read(self, q)
+
+    return hook
+
+
 @_serves_interface
 class MetaService:
     """Register with ``RpcServer(MetaService(state, node), ...)``."""
@@ -216,6 +230,7 @@ class MetaService:
             state.watcher = self.leases
         self._lease_changed = trio.Event()  # set (and replaced) when revocations were acked
         self._polls: dict[str, trio.Event] = {}  # session -> its waiting lease poll
+        self.repos = LeaderRepos(state, self.mutate)  # lazily linked directories, listed on first read
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -585,7 +600,13 @@ class MetaService:
         else:
             await self._propose_drop(cmd, cmd.volume, cmd.new_parent, cmd.new_name)
 
-    async def _import_objects(self, cmd: C.ImportObjects, token: None) -> dict[str, int]:
+    async def _after_listing(self, volume: str, ino: int, read: Callable[[MetaService, Any], Any], q: Any) -> Any:
+        await self._read()  # a follower says NotLeader here, before touching S3
+        await self.repos.list_dir(volume, ino)
+        answer = read(self, q)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    async def _import_objects(self, cmd: C.ImportObjects, token: None) -> dict[str, Any]:
         counts = await self._propose(cmd)
         if counts.get("deleted"):
             self._wake.set()  # deleted objects' files are orphans: purge those nobody holds
@@ -760,9 +781,11 @@ class MetaService:
         )
 
     _QUERY_HOOKS: dict[type, Callable[..., Awaitable[Any]]] = {
-        Q.LeaseLookup: _lease_lookup,
+        Q.LeaseLookup: _listing_first(_lease_lookup, "parent"),
         Q.LeaseGetAttr: _lease_getattr,
-        Q.LoadDir: _load_dir,
+        Q.LoadDir: _listing_first(_load_dir, "ino"),
+        Q.Lookup: _listing_first(_state_read, "parent"),
+        Q.ReadDir: _listing_first(_state_read, "ino"),
         Q.LeaseOpen: _lease_open,
         Q.LeasePoll: _lease_poll,
         Q.Open: _open,

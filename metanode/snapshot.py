@@ -116,6 +116,7 @@ def load(state: MetaState, data: bytes) -> None:
         }
         if floor:
             state.dedup_floor[client] = floor
+    state.index_lazy()
 
 
 def volume_row(vol: Volume) -> list[Any]:

@@ -20,7 +20,7 @@ from cachefs.config import tls_options
 from cachefs.errors import CacheFSError, Exists, NotADirectory, NotFound
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.cliopts import insecure_option, meta_option, run_admin, secret_option
-from cachefs.repo.importer import import_listing
+from cachefs.repo.importer import COUNTS, import_listing
 from cachefs.repo.s3 import S3Store
 from cachefs.repo.url import S3Url
 
@@ -68,8 +68,9 @@ def repo() -> None:
 @click.argument("url")
 @click.option("--endpoint", default="", help="Endpoint URL of an S3-compatible store (default: AWS).")
 @click.option("--region", default="", help="The bucket's region (default: the AWS configuration's).")
-@click.option("--import", "import_mode", type=click.Choice(["full"]), default="full", show_default=True,
-              help="full: list the whole prefix now.")  # fmt: skip
+@click.option("--import", "import_mode", type=click.Choice(["full", "lazy"]), default="full", show_default=True,
+              help="full: list the whole prefix now; lazy: the metanode leader lists each directory when "
+                   "it is first looked up or read (with its own AWS credentials).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 @meta_option
 @secret_option
@@ -100,6 +101,8 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
         )  # fmt: skip
         store.name = f"repository link {lk['id']} ({target})"
         pending = await mc.query(Q.RepoPending(lk["id"]))  # a new link: its own directory
+        if lk["import_mode"] == "lazy":
+            return {**lk, "import": dict.fromkeys(COUNTS, 0)}  # listed when read
         totals = await import_listing(mc.mutate, lk, store, pending, progress=None if as_json else _progress)
         if not as_json:
             print(file=sys.stderr)
@@ -110,6 +113,10 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
         click.echo(json.dumps(result))
     else:
         t = result["import"]
+        if result["import_mode"] == "lazy":
+            click.echo(f"linked {volume}:{path} to {result['url']} (link {result['id']}): "
+                       "each directory is listed when it is first read")  # fmt: skip
+            return
         click.echo(f"linked {volume}:{path} to {result['url']} (link {result['id']}): "
                    f"{t['created']} files imported, {t['updated']} changed, {t['skipped']} skipped")  # fmt: skip
 
@@ -166,7 +173,8 @@ def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: 
 @tls_options
 def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
          tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
-    """List the link of PATH again: new objects become files, changed ones get a new
+    """List the link of PATH again (for a lazy link, the directories listed so far):
+    new objects become files, changed ones get a new
     content version, and the files of objects deleted from the bucket go (one
     that is open keeps reading what is cached; other blocks of it then fail
     with EIO naming the object). Local files are never touched."""
@@ -175,7 +183,12 @@ def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: st
         lk = await link_at(mc, volume, await resolve(mc, volume, path))
         store = S3Store(lk["bucket"], name=f"repository link {lk['id']} ({lk['url']})",
                         endpoint=lk["endpoint"], region=lk["region"])  # fmt: skip
-        return await import_listing(mc.mutate, lk, store, {"": ""})
+        if lk["import_mode"] == "full":
+            return await import_listing(mc.mutate, lk, store, {"": ""})
+        # lazy: what was listed is listed again; what is still to list stays so
+        pending = await mc.query(Q.RepoPending(lk["id"]))
+        return await import_listing(mc.mutate, lk, store, {} if "" in pending else {"": ""},
+                                    descend=lambda sub, reply: sub not in reply.get("unlisted", ()))  # fmt: skip
 
     totals = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:

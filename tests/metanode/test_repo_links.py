@@ -232,3 +232,24 @@ def test_a_pruning_page_names_what_it_removes_for_the_leases(ns: Driver) -> None
     s, x = path(ns, d, b"s"), path(ns, d, b"s", b"x")
     _, inos = ns.state.touched(C.ImportObjects(link, rows(), done=True, prune=True))
     assert inos == {d, path(ns, d, b"a").ino, s.ino, x.ino}
+
+
+def test_pending_directories_of_a_lazy_link_are_indexed_and_survive_a_snapshot(ns: Driver) -> None:
+    d = ns.mkdir(1, b"lazy")
+    link = ns.do(C.LinkRepo, VOL, d.ino, "bkt", "", "", "", "lazy")["id"]
+    assert ns.state.lazy_dirs == {(VOL, d.ino): (link, "")}
+    page(ns, link, ("a", 1, '"1"'), subdirs=("s/", "t/"))
+    s, t = path(ns, d.ino, b"s"), path(ns, d.ino, b"t")
+    assert ns.state.lazy_dirs == {(VOL, s.ino): (link, "s/"), (VOL, t.ino): (link, "t/")}
+    page(ns, link, ("s/x", 1, '"2"'), dir="s/", subdirs=("s/u/",))
+    u = path(ns, s.ino, b"u")
+    other = MetaState()
+    other.restore(ns.state.snapshot())
+    assert other.lazy_dirs == ns.state.lazy_dirs == {(VOL, t.ino): (link, "t/"), (VOL, u.ino): (link, "s/u/")}
+    page(ns, link, ("a", 1, '"1"'), subdirs=("s/",))  # t/ went from the bucket
+    assert ns.state.lazy_dirs == {(VOL, u.ino): (link, "s/u/")}
+    full = ns.mkdir(1, b"full")
+    ns.do(C.LinkRepo, VOL, full.ino, "bkt", "")
+    assert len(ns.state.lazy_dirs) == 1  # a full link's pending directories are its importer's
+    ns.do(C.UnlinkRepo, link)
+    assert ns.state.lazy_dirs == {}

@@ -210,6 +210,36 @@ def test_a_deleted_object_goes_and_an_open_file_reads_what_is_cached(s3, objects
     assert "imgs/cls4/big.bin" in log  # the mount's error names the object
 
 
+def test_a_lazy_link_lists_directories_as_the_mount_reads_them(s3, objects, lab, mnt) -> None:
+    c = client(s3)
+    rng = random.Random(2)
+    lazy = {f"k{i % 4}/{j}/img{i}.jpg": rng.randbytes(rng.randrange(1, 50_000)) for i in range(40) for j in "ab"}
+    for key, body in lazy.items():
+        c.put_object(Bucket=BUCKET, Key="lazy/" + key, Body=body)
+    out = repo_cli(lab, "link", "lab", "/lazy", f"s3://{BUCKET}/lazy", "--endpoint", s3.endpoint, "--import",
+                   "lazy", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    link = json.loads(out.stdout)
+    assert (link["import_mode"], link["objects"], link["pending"]) == ("lazy", 0, 1)
+    root = mnt / "lazy"
+    assert sorted(os.listdir(root)) == ["k0", "k1", "k2", "k3"]  # the first readdir listed the link's directory
+    status = json.loads(repo_cli(lab, "status", "lab", "/lazy", "--json").stdout)
+    assert (status["objects"], status["pending"]) == (0, 4)
+    assert (root / "k2" / "b" / "img2.jpg").read_bytes() == lazy["k2/b/img2.jpg"]  # lookups list on the way
+    status = json.loads(repo_cli(lab, "status", "lab", "/lazy", "--json").stdout)
+    assert (status["objects"], status["pending"]) == (10, 4)  # k2/b listed; k2/a, k0, k1, k3 not yet
+    c.put_object(Bucket=BUCKET, Key="lazy/k2/b/late.jpg", Body=b"late")
+    c.delete_object(Bucket=BUCKET, Key="lazy/k2/b/img6.jpg")
+    synced = json.loads(repo_cli(lab, "sync", "lab", "/lazy", "--json").stdout)
+    assert (synced["created"], synced["deleted"], synced["dirs"]) == (1, 1, 3)  # the listed ones: /, k2, k2/b
+    del lazy["k2/b/img6.jpg"]
+    lazy["k2/b/late.jpg"] = b"late"
+    assert files_under(root) == lazy  # the rest listed as the walk reads it
+    status = json.loads(repo_cli(lab, "status", "lab", "/lazy", "--json").stdout)
+    assert (status["objects"], status["pending"]) == (len(lazy), 0) and status["imported_ns"] > 0
+    assert repo_cli(lab, "unlink", "lab", "/lazy").returncode == 0
+
+
 def test_bad_links_fail_with_an_error_naming_them_and_record_nothing(s3, objects, lab) -> None:
     url = f"s3://{BUCKET}/imgs"
     wrong = repo_cli(lab, "link", "lab", "/bad1", url, "--endpoint", s3.endpoint,

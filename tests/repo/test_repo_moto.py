@@ -8,11 +8,13 @@ errors of a changed object and a missing bucket, naming the link.
 
 from __future__ import annotations
 
+import errno
 import random
 from collections.abc import Iterator
 
 import boto3
 import pytest
+import trio
 from moto.server import ThreadedMotoServer
 
 from cachefs import commands as C
@@ -220,3 +222,61 @@ async def test_throttling_is_retried_and_then_fails_naming_the_link(moto: str) -
         assert front.refused >= 2 + 4  # every attempt boto was allowed (it may add one of its own)
     finally:
         front.close()
+
+
+async def test_a_lazy_link_lists_each_directory_once_when_it_is_first_read(moto: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="lazy")
+    keys = ["top.bin", "c0/a.bin", "c0/b.bin", "c1/x/y.bin"] + [f"c2/f{i}" for i in range(20)]
+    for key in keys:
+        s3.put_object(Bucket="lazy", Key=key, Body=key.encode())
+    async with local_metanode() as meta, RpcPool(secret=None) as pool:
+        await meta.create_volume("v", block_size=BS)
+        mc = meta.client(pool)
+        d = await mc.mutate(C.Mkdir("v", 1, b"l", 0o755, 0, 0))
+        link = await mc.mutate(C.LinkRepo("v", d.ino, "lazy", "", moto, "", "lazy"))
+        assert (link["objects"], link["pending"]) == (0, 1)
+        pages: list[str] = []
+        propose = meta.service.repos._mutate
+
+        async def counted(cmd: C.Command) -> object:
+            pages.append(cmd.dir)
+            return await propose(cmd)
+
+        meta.service.repos._mutate = counted
+
+        async def names(ino: int) -> set[bytes]:
+            return {e.name for e in await mc.query(Q.ReadDir("v", ino, 0, 1000))}
+
+        top = await mc.query(Q.Lookup("v", d.ino, b"top.bin"))  # the first lookup lists the link's directory
+        assert top.size == len(b"top.bin") and pages == [""]
+        assert await mc.query(Q.RepoPending(link["id"])) == {"c0/": "", "c1/": "", "c2/": ""}
+        c0 = await mc.query(Q.Lookup("v", d.ino, b"c0"))
+        assert await names(c0.ino) == {b"a.bin", b"b.bin"} and pages == ["", "c0/"]
+        assert await names(c0.ino) == {b"a.bin", b"b.bin"} and pages == ["", "c0/"]  # listed once
+        c2 = await mc.query(Q.Lookup("v", d.ino, b"c2"))
+        found: list[int] = []
+
+        async def look(i: int) -> None:
+            found.append((await mc.query(Q.Lookup("v", c2.ino, f"f{i}".encode()))).size)
+
+        async with trio.open_nursery() as nursery:  # readers at once: one listing
+            for i in range(8):
+                nursery.start_soon(look, i)
+        assert sorted(found) == [len(f"c2/f{i}") for i in range(8)] and pages == ["", "c0/", "c2/"]
+        with pytest.raises(CacheFSError) as missing:
+            await mc.query(Q.Lookup("v", c2.ino, b"nope"))
+        assert missing.value.errno == errno.ENOENT
+        (link,) = await mc.query(Q.ListRepoLinks())
+        assert (link["objects"], link["pending"], link["imported_ns"]) == (23, 1, 0)  # c1/ still to list
+        c1 = await mc.query(Q.Lookup("v", d.ino, b"c1"))
+        x = await mc.query(Q.LeaseLookup("v", c1.ino, b"x", ""))  # the client's lookup path lists too
+        assert x.attr.mode & 0o040000 and pages[-1] == "c1/"
+        assert await names(x.attr.ino) == {b"y.bin"}
+        (link,) = await mc.query(Q.ListRepoLinks())
+        assert link["objects"] == len(keys) and link["pending"] == 0 and link["imported_ns"]
+
+        e = await mc.mutate(C.Mkdir("v", 1, b"e", 0o755, 0, 0))
+        gone = await mc.mutate(C.LinkRepo("v", e.ino, "no-such-bucket", "", moto, "", "lazy"))
+        with pytest.raises(CacheFSError, match=f"repository link {gone['id']} .*bucket 'no-such-bucket' does not"):
+            await mc.query(Q.ReadDir("v", e.ino, 0, 100))
