@@ -1,20 +1,32 @@
 """mdtest-like metadata benchmark through the filesystem: cachefs vs JuiceFS vs passthrough vs local.
 
-    python -m bench.meta_fs_bench [--files 2000] [--dirs 20] [--procs 1,4] [--repeat 1] [--quick] [--json]
+    python -m bench.meta_fs_bench [--meta-files 2000] [--meta-dirs 20] [--meta-procs 1,4] [--repeat 1]
+                                  [--meta-mixed-clients 4] [--meta-mixed-seconds 20] [--quick] [--json]
 
 Phases, each timed over all processes (files/s):
 
 - ``create``: create and write a small file (110 KiB by default), close it;
 - ``stat``: ``os.stat`` every file (kernel caches as they are after create);
 - ``read_cold``: page cache dropped, read every file whole;
+- ``read2``: read every file again, page cache kept (what the kernel serves);
+- ``read_warm``: page cache (and the kernel's dentries and inodes) dropped
+  again, every file read: the warm epoch, served by the filesystem's own
+  caches. On cachefs the metanodes' RPCs (their ``cachefs_rpc_calls_total``)
+  are counted over it: ``meta_rpcs_per_file_warm_epoch``;
 - ``unlink``: remove every file.
 
-The files are spread over ``--dirs`` directories; with P processes each takes
-every P-th directory. Targets: local disk, the pyfuse3 passthrough
+Then ``mixed``, a dbench-style run: N clients, each in its own directory for a
+bounded time, create files in a few writes, fsync every fourth, stat, read
+back, rename, list the directory and unlink the oldest (MB/s moved and ops/s).
+
+The files are spread over ``--meta-dirs`` directories; with P processes each
+takes every P-th directory. Targets: local disk, the pyfuse3 passthrough
 (``bench.passthroughfs`` over local disk: the ceiling for a Python FUSE
-daemon), JuiceFS (SQLite metadata, disk cache on, S3 behind the emulated link)
-and cachefs (3 Raft metanodes with fsync, datanodes behind the same link).
-The link is the anchor's 2 ms RTT profile of ``bench.wan``.
+daemon), JuiceFS (SQLite metadata, disk cache on, S3 behind the emulated
+link) with its defaults and tuned for read-mostly data (``JUICEFS_TUNED``;
+ratios take the better of the two), and cachefs (3 Raft metanodes with
+fsync, datanodes behind the same link). The link is the anchor's 2 ms RTT
+profile of ``bench.wan``.
 """
 
 from __future__ import annotations
@@ -22,11 +34,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,8 +48,12 @@ from bench.common import emit, median, print_table, ratio
 from bench.fio_compare import parse_size, passthrough
 from bench.wan import RTT2, Testbed, drop_page_cache, juicefs_binary
 
-PHASES = ("create", "stat", "read_cold", "unlink")
-TARGETS = ("local", "passthrough", "juicefs", "cachefs")
+PHASES = ("create", "stat", "read_cold", "read2", "read_warm", "unlink")
+TARGETS = ("local", "passthrough", "juicefs", "juicefs_tuned", "cachefs")
+JUICEFS = ("juicefs", "juicefs_tuned")  # ratios against JuiceFS take the better of these
+MIXED_SIZES = (4 << 10, 16 << 10, 64 << 10)  # the sizes of the mixed run's writes
+MIXED_WINDOW = 8  # files a mixed client keeps before it unlinks the oldest
+PEER = ("raft_",)  # metanode methods that are not a client's request: Raft among the replicas
 
 
 def _phase(phase: str, root: str, dirs: list[int], per_dir: int, size: int) -> int:
@@ -52,7 +69,7 @@ def _phase(phase: str, root: str, dirs: list[int], per_dir: int, size: int) -> i
                     f.write(payload)
             elif phase == "stat":
                 os.stat(path)
-            elif phase == "read_cold":
+            elif phase.startswith("read"):
                 with open(path, "rb") as f:
                     while f.read(1 << 20):
                         pass
@@ -62,8 +79,12 @@ def _phase(phase: str, root: str, dirs: list[int], per_dir: int, size: int) -> i
     return done
 
 
-def run_target(root: Path, procs: int, files: int, ndirs: int, size: int) -> dict[str, float]:
-    """files/s of every phase on one directory tree with ``procs`` processes."""
+def run_target(root: Path, procs: int, files: int, ndirs: int, size: int,
+               count_rpcs: Callable[[], dict[str, float]] | None = None,
+               rpcs: dict[str, float] | None = None) -> dict[str, float]:
+    """files/s of every phase on one directory tree with ``procs`` processes. With
+    ``count_rpcs`` (calls so far by method) also ``rpcs_per_file_warm``, the client
+    calls of the warm read per file; ``rpcs`` gets them by method."""
     per_dir = max(1, files // ndirs)
     for d in range(ndirs):
         (root / f"d{d:04d}").mkdir(parents=True, exist_ok=True)
@@ -72,14 +93,73 @@ def run_target(root: Path, procs: int, files: int, ndirs: int, size: int) -> dic
     with ProcessPoolExecutor(procs) as pool:
         list(pool.map(int, range(procs)))  # the workers exist before the clock starts
         for phase in PHASES:
-            if phase == "read_cold":
+            if phase in ("read_cold", "read_warm"):
                 drop_page_cache()
+            before = count_rpcs() if count_rpcs is not None and phase == "read_warm" else {}
             started = time.perf_counter()
             done = sum(pool.map(_phase, [phase] * procs, [str(root)] * procs, shares,
                                 [per_dir] * procs, [size] * procs))
             out[phase] = done / (time.perf_counter() - started)
+            if count_rpcs is not None and phase == "read_warm":
+                grown = {m: v - before.get(m, 0.0) for m, v in count_rpcs().items() if not m.startswith(PEER)}
+                grown = {m: v for m, v in grown.items() if v}
+                out["rpcs_per_file_warm"] = sum(grown.values()) / done
+                if rpcs is not None:
+                    rpcs.update(grown)
     shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def _mixed_client(root: str, client: int, seconds: float) -> tuple[int, int]:
+    """One dbench-style client for ``seconds``: (operations, bytes written and read)."""
+    rng = random.Random(client)
+    base = os.path.join(root, f"client{client:02d}")
+    os.makedirs(base, exist_ok=True)
+    chunks = {n: os.urandom(n) for n in MIXED_SIZES}
+    kept: list[str] = []
+    ops = moved = i = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        path = os.path.join(base, f"new{i:06d}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for _ in range(rng.randint(1, 4)):
+            moved += os.write(fd, chunks[rng.choice(MIXED_SIZES)])
+            ops += 1
+        if i % 4 == 0:
+            os.fsync(fd)
+            ops += 1
+        os.close(fd)
+        os.stat(path)
+        with open(path, "rb") as f:
+            moved += len(f.read())
+        final = os.path.join(base, f"file{i:06d}")
+        os.rename(path, final)
+        os.stat(final)
+        ops += 5  # create, stat, read, rename, stat
+        kept.append(final)
+        if len(kept) > MIXED_WINDOW:
+            os.unlink(kept.pop(0))
+            ops += 1
+        if i % 16 == 0:
+            os.listdir(base)
+            ops += 1
+        i += 1
+    for path in kept:
+        os.unlink(path)
+    return ops, moved
+
+
+def run_mixed(root: Path, clients: int, seconds: float) -> dict[str, float]:
+    """The mixed run with ``clients`` processes: MB/s (10^6 bytes written and read) and ops/s."""
+    root.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(clients) as pool:
+        list(pool.map(int, range(clients)))
+        started = time.perf_counter()
+        results = list(pool.map(_mixed_client, [str(root)] * clients, range(clients), [seconds] * clients))
+        elapsed = time.perf_counter() - started
+    shutil.rmtree(root, ignore_errors=True)
+    return {"mixed_mb_s": sum(b for _, b in results) / elapsed / 1e6,
+            "mixed_ops_s": sum(o for o, _ in results) / elapsed}
 
 
 def _progress(msg: str) -> None:
@@ -99,6 +179,10 @@ def targets(bed: Testbed, work: Path, names: list[str]) -> Iterator[dict[str, Pa
             out["passthrough"] = stack.enter_context(passthrough(local, work / "meta-pt", keep_cache=False))
         if "juicefs" in names and bed.juicefs is not None:
             out["juicefs"] = bed.juicefs.mountpoint
+        if "juicefs_tuned" in names:
+            tuned = bed.start_juicefs_tuned()
+            if tuned is not None:
+                out["juicefs_tuned"] = tuned.mountpoint
         if "cachefs" in names:
             mnt = bed.mount_cachefs(work / "meta-cfs")
             stack.callback(bed.umount_cachefs, mnt)
@@ -110,30 +194,59 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
     size = parse_size(args.meta_size)
     bed.set_link(RTT2)
     runs: dict[str, dict[str, dict[str, list[float]]]] = {}
+    warm_rpcs: dict[str, float] = {}  # the last 1-process warm epoch on cachefs, by method
+
+    def record(name: str, procs: int, rates: dict[str, float]) -> None:
+        for phase, value in rates.items():
+            runs.setdefault(name, {}).setdefault(f"p{procs}", {}).setdefault(phase, []).append(value)
+
     with targets(bed, work, args.meta_targets) as dirs:
         for procs in args.meta_procs:
             for rep in range(args.repeat):
                 for name, base in dirs.items():
                     _progress(f"{name}: {args.meta_files} files of {size} B in {args.meta_dirs} dirs, {procs} processes")
-                    rates = run_target(base / f"mdtest-p{procs}-r{rep}-{os.getpid()}", procs, args.meta_files,
-                                       args.meta_dirs, size)
-                    for phase, value in rates.items():
-                        runs.setdefault(name, {}).setdefault(f"p{procs}", {}).setdefault(phase, []).append(value)
-    table = {t: {p: {ph: {"median": round(median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
+                    counter = bed.metanode_rpc_calls if name == "cachefs" else None
+                    record(name, procs, run_target(base / f"mdtest-p{procs}-r{rep}-{os.getpid()}", procs,
+                                                   args.meta_files, args.meta_dirs, size, counter,
+                                                   warm_rpcs if procs == 1 else None))
+        if args.meta_mixed_seconds > 0:
+            for rep in range(args.repeat):
+                for name, base in dirs.items():
+                    _progress(f"{name}: mixed, {args.meta_mixed_clients} clients for {args.meta_mixed_seconds} s")
+                    record(name, args.meta_mixed_clients,
+                           run_mixed(base / f"mixed-r{rep}-{os.getpid()}", args.meta_mixed_clients,
+                                     args.meta_mixed_seconds))
+    table = {t: {p: {ph: {"median": round(median(v), 3 if ph.startswith("rpcs") else 1),
+                          "min": round(min(v), 3), "max": round(max(v), 3)}
                      for ph, v in phases.items()} for p, phases in by_p.items()} for t, by_p in runs.items()}
 
     def med(target: str, phase: str, procs: int = 1) -> float:
         return table.get(target, {}).get(f"p{procs}", {}).get(phase, {}).get("median", float("nan"))
 
+    def jfs(phase: str, procs: int = 1) -> float:
+        """The better JuiceFS (default or tuned) in this phase."""
+        values = [v for v in (med(t, phase, procs) for t in JUICEFS) if v == v]
+        return max(values) if values else float("nan")
+
     result: dict[str, Any] = {
         "files": args.meta_files, "dirs": args.meta_dirs, "file_bytes": size, "procs": args.meta_procs,
         "repeat": args.repeat, "link": RTT2.describe(), "files_per_s": table,
+        "mixed_clients": args.meta_mixed_clients, "mixed_seconds": args.meta_mixed_seconds,
     }
     for phase in PHASES:
-        result[f"meta_{phase}_vs_juicefs"] = ratio(med("cachefs", phase), med("juicefs", phase))
+        result[f"meta_{phase}_vs_juicefs"] = ratio(med("cachefs", phase), jfs(phase))
         result[f"meta_{phase}_vs_passthrough"] = ratio(med("cachefs", phase), med("passthrough", phase))
+        result[f"meta_{phase}_vs_local"] = ratio(med("cachefs", phase), med("local", phase))
         if 4 in args.meta_procs:
-            result[f"meta_{phase}_vs_juicefs_p4"] = ratio(med("cachefs", phase, 4), med("juicefs", phase, 4))
+            result[f"meta_{phase}_p4_vs_juicefs"] = ratio(med("cachefs", phase, 4), jfs(phase, 4))
+            result[f"meta_{phase}_p4_vs_local"] = ratio(med("cachefs", phase, 4), med("local", phase, 4))
+    result["meta_rpcs_per_file_warm_epoch"] = med("cachefs", "rpcs_per_file_warm", 1)
+    result["warm_epoch_rpcs_by_method"] = warm_rpcs
+    if args.meta_mixed_seconds > 0:
+        n = args.meta_mixed_clients
+        result["meta_mixed_vs_juicefs"] = ratio(med("cachefs", "mixed_mb_s", n), jfs("mixed_mb_s", n))
+        result["meta_mixed_ops_vs_juicefs"] = ratio(med("cachefs", "mixed_ops_s", n), jfs("mixed_ops_s", n))
+        result["meta_mixed_vs_local"] = ratio(med("cachefs", "mixed_mb_s", n), med("local", "mixed_mb_s", n))
     return result
 
 
@@ -144,9 +257,18 @@ def show(result: dict[str, Any]) -> None:
             cells = by_p.get(f"p{procs}", {})
             rows.append([target, *[cells.get(ph, {}).get("median", float("nan")) for ph in PHASES]])
         print_table(f"metadata, files/s, {procs} process(es) (median)", ["target", *PHASES], rows)
+    if result.get("mixed_seconds"):
+        n = result["mixed_clients"]
+        rows = [[t, by_p.get(f"p{n}", {}).get("mixed_mb_s", {}).get("median", float("nan")),
+                 by_p.get(f"p{n}", {}).get("mixed_ops_s", {}).get("median", float("nan"))]
+                for t, by_p in result["files_per_s"].items()]
+        print_table(f"mixed (dbench-style), {n} clients, {result['mixed_seconds']} s (median)",
+                    ["target", "MB/s", "ops/s"], rows)
     ratios = [[k, v] for k, v in sorted(result.items()) if k.startswith("meta_")]
-    print_table("cachefs ratios (files/s)", ["ratio", "value"], ratios,
-                note="aim: ahead of JuiceFS in every phase, >= 0.5 of the passthrough; shared machine: noisy")
+    print_table("cachefs ratios (files/s; JuiceFS: the better of default and tuned)", ["ratio", "value"], ratios,
+                note="aims (issue 13): stat >= 1.0 passthrough, cold read >= 1.5 JuiceFS, read2 >= 0.8 local, "
+                     "create >= 2 JuiceFS, unlink >= 1.5 JuiceFS, <= 0.05 RPCs/file warm, mixed >= 1.5 JuiceFS; "
+                     "shared machine: noisy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta-size", dest="meta_size", default="110K", help="bytes per file")
     parser.add_argument("--meta-procs", dest="meta_procs", default="1,4", help="process counts, comma separated")
     parser.add_argument("--meta-targets", dest="meta_targets", default=",".join(TARGETS))
+    parser.add_argument("--meta-mixed-clients", dest="meta_mixed_clients", type=int, default=4,
+                        help="clients (processes) of the mixed run")
+    parser.add_argument("--meta-mixed-seconds", dest="meta_mixed_seconds", type=float, default=20.0,
+                        help="seconds of the mixed run per target (0: no mixed run)")
 
 
 def finish_args(args: argparse.Namespace) -> None:
@@ -162,13 +288,14 @@ def finish_args(args: argparse.Namespace) -> None:
     args.meta_targets = [t for t in str(args.meta_targets).split(",") if t]
     if args.quick:
         args.meta_files, args.meta_dirs = min(args.meta_files, 40), min(args.meta_dirs, 4)
+        args.meta_mixed_seconds = min(args.meta_mixed_seconds, 2.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="40 files in 4 directories (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="40 files in 4 directories, 2 s mixed (smoke test)")
     parser.add_argument("--base-port", type=int, default=27000)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")

