@@ -137,14 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def finish_args(args: argparse.Namespace) -> None:
     if args.quick:
-        args.ingest_files, args.ingest_dirs = min(args.ingest_files, 60), min(args.ingest_dirs, 3)
+        args.ingest_files, args.ingest_dirs = min(args.ingest_files, 30), min(args.ingest_dirs, 3)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="60 files in 3 folders (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="30 files in 3 folders (smoke test)")
     parser.add_argument("--base-port", type=int, default=27000)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")

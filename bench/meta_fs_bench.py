@@ -288,14 +288,14 @@ def finish_args(args: argparse.Namespace) -> None:
     args.meta_targets = [t for t in str(args.meta_targets).split(",") if t]
     if args.quick:
         args.meta_files, args.meta_dirs = min(args.meta_files, 40), min(args.meta_dirs, 4)
-        args.meta_mixed_seconds = min(args.meta_mixed_seconds, 2.0)
+        args.meta_mixed_seconds = min(args.meta_mixed_seconds, 1.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="40 files in 4 directories, 2 s mixed (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="40 files in 4 directories, 1 s mixed (smoke test)")
     parser.add_argument("--base-port", type=int, default=27000)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")
