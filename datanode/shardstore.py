@@ -43,7 +43,7 @@ import re
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -65,6 +65,8 @@ _PREFIX = _HEAD.size + _CSUM.size
 _VOLUME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 _NAME = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d{1,3})")
 _KEY_HEX = re.compile(r"[0-9a-f]{16}-[0-9a-f]{8}")
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+NOWAIT_READS = bool(_RWF_NOWAIT) and hasattr(os, "preadv")  # get(nowait=True) is possible here
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,34 @@ class ShardInfo:
     key: str  # BlockKey.hex()
     index: int
     size: int  # bytes on disk, headers included
+
+
+class WouldBlock(Exception):
+    """A ``nowait`` read found bytes that are not in the page cache."""
+
+
+def _pread_nowait(fd: int, size: int, offset: int) -> bytearray:
+    """``os.pread`` that never waits for the disk (``RWF_NOWAIT``).
+
+    The kernel answers EAGAIN, or a short count, for bytes it would have to
+    read from the disk; either is :class:`WouldBlock`. Callers ask only for
+    bytes within the file, so a short count is never the end of the file.
+
+    Raises:
+        WouldBlock: some of the bytes are not in the page cache.
+    """
+    buf = bytearray(size)
+    try:
+        n = os.preadv(fd, [buf], offset, _RWF_NOWAIT)
+    except BlockingIOError:
+        raise WouldBlock from None
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:  # a filesystem without RWF_NOWAIT
+            raise WouldBlock from None
+        raise
+    if n != size:
+        raise WouldBlock
+    return buf
 
 
 def _fan(key: str) -> str:
@@ -258,15 +288,19 @@ class ShardStore:
             os.close(fd)
 
     def get(self, volume: str, key: str, index: int, offset: int = 0,
-            length: int = -1) -> tuple[bytes, bytes | memoryview, int]:
+            length: int = -1, *, nowait: bool = False) -> tuple[bytes, bytes | bytearray | memoryview, int]:
         """Read ``[offset, offset+length)`` of a shard's data (length -1: to the end).
 
         Returns ``(meta, data, total data length)``; a range inside the chunks
-        read is a view of them, not a copy.
+        read is a view of them, not a copy. With ``nowait`` every read is a
+        ``preadv(RWF_NOWAIT)``: bytes not all in the page cache raise
+        :class:`WouldBlock` instead of waiting for the disk (the service then
+        reads in a worker thread), so the caller's thread may be an event loop.
 
         Raises:
             NotFound: no such shard.
             Corrupt: a checksum failed (the shard is removed, so it reads as missing next time).
+            WouldBlock: ``nowait`` and the bytes are not all in the page cache.
         """
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range offset={offset} length={length}")
@@ -275,8 +309,9 @@ class ShardStore:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self._missing(path, volume, key, index)
+        pread = _pread_nowait if nowait else os.pread
         try:
-            meta, table, data_start, data_len, file_size = self._read_head(fd, path)
+            meta, table, data_start, data_len, file_size = self._read_head(fd, path, pread)
             end = data_len if length == -1 else min(data_len, offset + length)
             start = min(offset, data_len)
             if end <= start:
@@ -284,7 +319,7 @@ class ShardStore:
             first, last = start // CHUNK_SIZE, (end - 1) // CHUNK_SIZE
             chunk_start = first * CHUNK_SIZE
             chunk_end = min(data_len, (last + 1) * CHUNK_SIZE)
-            raw = os.pread(fd, chunk_end - chunk_start, data_start + chunk_start)
+            raw = pread(fd, chunk_end - chunk_start, data_start + chunk_start)
             if len(raw) != chunk_end - chunk_start:
                 self._corrupt(fd, path, "truncated data")
             view = memoryview(raw)
@@ -300,9 +335,11 @@ class ShardStore:
         finally:
             os.close(fd)
 
-    def _read_head(self, fd: int, path: Path) -> tuple[bytes, list[int], int, int, int]:
+    def _read_head(self, fd: int, path: Path,
+                   pread: Callable[[int, int, int], bytes | bytearray] = os.pread,
+                   ) -> tuple[bytes, list[int], int, int, int]:
         file_size = os.fstat(fd).st_size
-        prefix = os.pread(fd, _PREFIX + MAX_META + 256, 0)
+        prefix = pread(fd, min(_PREFIX + MAX_META + 256, file_size), 0)
         if len(prefix) < _PREFIX:
             self._corrupt(fd, path, "truncated header")
         magic, version, meta_len, data_len, chunk_size, count = _HEAD.unpack_from(prefix)
@@ -312,7 +349,7 @@ class ShardStore:
             self._corrupt(fd, path, "bad chunk count")
         rest = meta_len + 8 * count
         if len(prefix) < _PREFIX + rest:
-            prefix = os.pread(fd, _PREFIX + rest, 0)
+            prefix = pread(fd, min(_PREFIX + rest, file_size), 0)
         body = prefix[_PREFIX : _PREFIX + rest]
         (csum,) = _CSUM.unpack_from(prefix, _HEAD.size)
         if len(body) != rest or xxhash.xxh3_64_intdigest(prefix[: _HEAD.size] + body) != csum:

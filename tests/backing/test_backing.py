@@ -17,6 +17,7 @@ from cachefs.errors import NotFound, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
 from cachefs.testing.datanodes import SECRET, Datanodes
+from cachefs.testing.pagecache import evict_from_page_cache
 
 MiB = 1 << 20
 _slices = iter(range(1, 1 << 40))
@@ -58,6 +59,26 @@ async def test_round_trips_and_ranges(cluster: Datanodes, volume: str, policy: s
             assert client.stats["range_reads"] > 0
         with pytest.raises(NotFound):
             await client.get_block(volume, new_key())
+
+
+async def test_shards_not_in_the_page_cache_are_read_from_the_disk(cluster: Datanodes, volume: str) -> None:
+    """A datanode answers shards in the page cache in its event loop and
+    reads the others in a worker thread: both give the block back."""
+    pol = VolumePolicy.parse("ec:4+2", block_size=4 * MiB)
+    view = cluster.view({volume: pol})
+    data = random.Random(5).randbytes(4 * MiB - 1000)
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        key = new_key()
+        await client.put_block(volume, key, data)
+        assert await client.get_block(volume, key) == data  # from the page cache
+        files = [p for i in range(len(cluster.zones)) for p in cluster.shard_files(i, volume)]
+        assert len(files) == 6
+        if not all(evict_from_page_cache(p) for p in files):
+            pytest.skip("this filesystem keeps shard files in the page cache")
+        assert await client.get_block(volume, key) == data
+        assert await client.get_block(volume, key, 5, 3 * MiB) == data[5 : 3 * MiB + 5]
+        assert client.stats["degraded_reads"] == 0
 
 
 async def test_range_read_touches_only_covering_data_shards(cluster: Datanodes, volume: str) -> None:

@@ -14,9 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore, encode_shard_file
+from cachefs.datanode.shardstore import (
+    CHUNK_SIZE,
+    NOWAIT_READS,
+    ShardStore,
+    WouldBlock,
+    encode_shard_file,
+)
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace, NotFound
 from cachefs.ids import BlockKey
+from cachefs.testing.pagecache import evict_from_page_cache
 from cachefs.testing.powercut import PowerCutDisk
 
 KEY = BlockKey(42, 7).hex()
@@ -37,6 +44,24 @@ def test_put_get_stat_delete(tmp_path: Path) -> None:
     assert store.usage() == {"capacity": 1 << 30, "used": 0, "shards": 0}
     with pytest.raises(NotFound):
         store.stat("vol", KEY, 2)
+
+
+@pytest.mark.skipif(not NOWAIT_READS, reason="no RWF_NOWAIT reads on this platform")
+def test_nowait_reads_answer_from_the_page_cache_or_say_they_would_block(tmp_path: Path) -> None:
+    store = ShardStore(tmp_path, 1 << 30)
+    data = os.urandom(3 * CHUNK_SIZE + 123)
+    store.put("vol", KEY, 1, b"meta", data)
+    assert store.get("vol", KEY, 1, nowait=True) == (b"meta", data, len(data))
+    meta, got, _ = store.get("vol", KEY, 1, CHUNK_SIZE + 5, 100, nowait=True)
+    assert bytes(got) == data[CHUNK_SIZE + 5 : CHUNK_SIZE + 105]
+    (path,) = [p for p in (tmp_path / "shards" / "vol").rglob(f"{KEY}.1")]
+    if not evict_from_page_cache(path):
+        pytest.skip("this filesystem keeps the file in the page cache")
+    with pytest.raises(WouldBlock):
+        store.get("vol", KEY, 1, nowait=True)
+    assert store.get("vol", KEY, 1) == (b"meta", data, len(data))  # read from the disk
+    with pytest.raises(NotFound):
+        store.get("vol", KEY, 2, nowait=True)
 
 
 @settings(max_examples=40, deadline=None)
