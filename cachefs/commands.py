@@ -421,6 +421,38 @@ def _check_token_hash(value: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DeleteVolume(Command[dict[str, Any]]):
+    """``cachefs volume delete``: empty the volume in one entry and leave a
+    tombstone. Every slice of every file goes to the volume's trash (the
+    garbage collector deletes their blocks after the grace, and the leaks'
+    with its sweeps), the namespace becomes an empty root, and the volume
+    refuses mounts and every client call. EBUSY while sessions are open
+    (mounted) unless ``force``, which closes them; EBUSY while a directory
+    is linked to S3. ``DropVolume`` removes the tombstone once the trash is
+    empty. Reply: ``{name, sessions_closed, slices_trashed}``."""
+
+    TAG: ClassVar[int] = 53
+    NAME: ClassVar[str] = "delete_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    name: str
+    force: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropVolume(Command[None]):
+    """Forget a deleted volume whose trash is empty (its name is free again);
+    the garbage collector sends it once a sweep finds none of its shards
+    left on the datanodes. EBUSY while the trash holds slices."""
+
+    TAG: ClassVar[int] = 54
+    NAME: ClassVar[str] = "drop_volume"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    volume: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SetVolumeAccess(Command[dict[str, Any]]):
     """Set who may mount a volume: the request's token (leader-stamped as its
     sha256 hex), or none for open. Reply: ``{name, open}``."""

@@ -300,7 +300,9 @@ class CheckVolume(Query[list[str]]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ListVolumes(Query[dict[str, Any]]):
     """``{name: {policy, compression, block_size, pg_count, used_bytes,
-    used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints)."""
+    used_inodes, open}}`` (the keys ``cachefs volume list --json`` prints);
+    a deleted volume whose blocks are still being collected shows as
+    ``{..., deleted: true}`` with no usage."""
 
     NAME: ClassVar[str] = "list_volumes"
     ROLES: ClassVar[frozenset[str]] = CLIENTS
@@ -309,6 +311,9 @@ class ListVolumes(Query[dict[str, Any]]):
     def run(self, state: MetaState) -> dict[str, Any]:
         out = {}
         for name, spec in state.cluster.volumes.items():
+            if state.is_deleted(name):
+                out[name] = {**spec.to_dict(), "deleted": True}
+                continue
             stats = state.statfs(name)
             out[name] = {
                 **spec.to_dict(),

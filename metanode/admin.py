@@ -1,4 +1,4 @@
-"""``cachefs volume ...``: create and list volumes, set and show directory quotas;
+"""``cachefs volume ...``: create, list and delete volumes, set and show directory quotas;
 ``cachefs dump`` / ``cachefs load``: a volume's metadata backup (``backup.py``)."""
 
 from __future__ import annotations
@@ -181,10 +181,31 @@ def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: boo
             v["compression"],
             str(v["block_size"]),
             str(v["pg_count"]),
-            str(v["used_bytes"]),
-            str(v["used_inodes"]),
+            "deleted: blocks being collected" if v.get("deleted") else str(v["used_bytes"]),
+            "" if v.get("deleted") else str(v["used_inodes"]),
         )
     Console().print(table)
+
+
+@volume.command("delete")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Delete it even while mounted (the mounts' sessions are closed).")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def delete(name: str, force: bool, meta: list[str], secret_file: str | None, insecure: bool,
+           tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Delete volume NAME: its files at once, its blocks by the garbage collector.
+
+    Refused while the volume is mounted (sessions open) unless --force. The
+    name stays taken until the collector has deleted every block (after the
+    grace period; cachefs gc --delete --grace 0 does it now).
+    """
+    done = _run(meta, secret_file, insecure, lambda mc: mc.mutate(C.DeleteVolume(name, force)),
+                (tls_cert, tls_key, tls_ca))  # fmt: skip
+    click.echo(f"volume {name} deleted: {done['slices_trashed']} slices to the garbage collector, "
+               f"{done['sessions_closed']} sessions closed")
 
 
 @volume.command("quota")

@@ -137,6 +137,11 @@ class ClusterMap:
         self.epoch += 1
         self._place(name)
 
+    def remove_volume(self, name: str) -> None:
+        self.volumes.pop(name, None)
+        self.pgs.pop(name, None)
+        self.epoch += 1
+
     def set_compression(self, name: str, compression: str) -> dict[str, Any]:
         spec = self.volumes.get(name)
         if spec is None:

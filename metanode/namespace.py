@@ -95,6 +95,7 @@ from typing import Any, Protocol
 from cachefs import commands as C
 from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import (
+    Busy,
     CacheFSError,
     CrossDevice,
     Exists,
@@ -255,6 +256,7 @@ class Volume:
         "created_ns",
         "token_hash",
         "repairs",
+        "deleted_ns",
     )
 
     def __init__(self, name: str, now: int) -> None:
@@ -267,6 +269,7 @@ class Volume:
         self.created_ns = now
         self.token_hash = ""  # sha256 hex of the mount token; "" = open volume
         self.repairs: dict[tuple[int, int], int] = {}  # (slice_id, block) stored short -> when queued
+        self.deleted_ns = 0  # deleted (C.DeleteVolume): a tombstone until the trash is empty
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
         self.inodes[ROOT] = root
@@ -488,6 +491,8 @@ class MetaState:
             C.UnlinkRepo: self._unlink_repo,
             C.ImportObjects: self._import_objects,
             C.RestoreVolume: self._restore_volume,
+            C.DeleteVolume: self._delete_volume,
+            C.DropVolume: self._drop_volume,
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -619,7 +624,20 @@ class MetaState:
         vol = self.volumes.get(name)
         if vol is None:
             raise NotFound(f"no volume {name!r}")
+        if vol.deleted_ns:
+            raise NotFound(f"volume {name!r} is deleted (its blocks are being collected)")
         return vol
+
+    def _gc_vol(self, name: str) -> Volume:
+        """A volume for the garbage collector and repair: a deleted one too."""
+        vol = self.volumes.get(name)
+        if vol is None:
+            raise NotFound(f"no volume {name!r}")
+        return vol
+
+    def is_deleted(self, name: str) -> bool:
+        vol = self.volumes.get(name)
+        return vol is not None and bool(vol.deleted_ns)
 
     @staticmethod
     def _inode(vol: Volume, ino: int) -> Inode:
@@ -846,6 +864,8 @@ class MetaState:
     # -- volumes and sessions ------------------------------------------------------
 
     def _create_volume(self, cmd: C.CreateVolume) -> dict[str, Any]:
+        if self.is_deleted(cmd.name):
+            raise Exists(f"volume {cmd.name!r} is deleted but its blocks are still being collected (see cachefs gc)")
         if cmd.name in self.volumes:
             raise Exists(f"volume {cmd.name!r} exists")
         spec = VolumeSpec(cmd.policy, cmd.compression, cmd.block_size, cmd.pg_count)
@@ -853,6 +873,39 @@ class MetaState:
         vol = self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
         vol.token_hash = cmd.token_hash
         return spec.to_dict()
+
+    def _delete_volume(self, cmd: C.DeleteVolume) -> dict[str, Any]:
+        """See :class:`~cachefs.commands.DeleteVolume`."""
+        vol = self._vol(cmd.name)
+        open_sessions = sorted(sid for sid, s in self.sessions.items() if s.volume == cmd.name)
+        if open_sessions and not cmd.force:
+            raise Busy(f"volume {cmd.name!r} is mounted: {len(open_sessions)} session(s) open "
+                       f"(unmount it, or delete with --force)")  # fmt: skip
+        linked = sorted(link.id for link in self.links.values() if link.volume == cmd.name)
+        if linked:
+            raise Busy(f"volume {cmd.name!r} has directories linked to S3 (links {linked}): unlink them first")
+        for sid in open_sessions:
+            self._close_session(C.CloseSession(sid, now_ns=cmd.now_ns))
+        before = len(vol.trash)
+        for inode in list(vol.inodes.values()):
+            if _kind(inode.mode) == _S_IFREG:
+                self._free(vol, inode, cmd.now_ns)
+        tomb = Volume(cmd.name, vol.created_ns)
+        tomb.trash = vol.trash
+        tomb.next_ino = vol.next_ino
+        tomb.deleted_ns = cmd.now_ns
+        self.volumes[cmd.name] = tomb
+        trashed = (len(vol.trash) - before) // _TRASH.size
+        return {"name": cmd.name, "sessions_closed": len(open_sessions), "slices_trashed": trashed}
+
+    def _drop_volume(self, cmd: C.DropVolume) -> None:
+        vol = self._gc_vol(cmd.volume)
+        if not vol.deleted_ns:
+            raise InvalidArgument(f"volume {cmd.volume!r} is not deleted (cachefs volume delete)")
+        if vol.trash:
+            raise Busy(f"volume {cmd.volume!r} still has {len(vol.trash) // _TRASH.size} trashed slices")
+        del self.volumes[cmd.volume]
+        self.cluster.remove_volume(cmd.volume)
 
     def _restore_volume(self, cmd: C.RestoreVolume) -> dict[str, Any]:
         from .backup import parse, restore  # backup.py builds on this module's types
@@ -1379,7 +1432,7 @@ class MetaState:
             self._store(vol, inode, -freed)
 
     def _purge_trash(self, cmd: C.PurgeTrash) -> int:
-        vol = self._vol(cmd.volume)
+        vol = self._gc_vol(cmd.volume)
         drop = set(cmd.slice_ids)
         kept = bytearray()
         purged = 0
@@ -1394,7 +1447,7 @@ class MetaState:
         return purged
 
     def _repairs_done(self, cmd: C.RepairsDone) -> int:
-        vol = self._vol(cmd.volume)
+        vol = self._gc_vol(cmd.volume)
         return sum(vol.repairs.pop(block, None) is not None for block in cmd.pairs())
 
     # -- cluster map -----------------------------------------------------------------
@@ -1781,7 +1834,7 @@ class MetaState:
 
     def trash(self, volume: str, limit: int, before_ns: int | None = None) -> list[TrashEntry]:
         """Unreferenced slices, oldest first."""
-        vol = self._vol(volume)
+        vol = self._gc_vol(volume)
         out: list[TrashEntry] = []
         for rec in _TRASH.iter_unpack(vol.trash):
             if before_ns is not None and rec[2] >= before_ns:
@@ -1793,7 +1846,7 @@ class MetaState:
 
     def unreferenced(self, volume: str, slice_ids: tuple[int, ...]) -> Unreferenced:
         """Of ``slice_ids``, those below the floor that no file or trash entry holds."""
-        vol = self._vol(volume)
+        vol = self._gc_vol(volume)
         floor = self.slice_floor
         left = {s for s in slice_ids if s < floor}
         if left:
@@ -1807,7 +1860,7 @@ class MetaState:
 
     def repair_queue(self, volume: str, limit: int) -> list[RepairEntry]:
         """Blocks stored short, oldest first."""
-        queue = self._vol(volume).repairs
+        queue = self._gc_vol(volume).repairs
         return [RepairEntry(s, i, t) for (s, i), t in itertools.islice(queue.items(), limit)]
 
     # -- snapshots (the format lives in snapshot.py) ---------------------------------

@@ -591,6 +591,11 @@ class MetaService:
             log.info("could not purge orphans: %s", exc)
             self._wake.set()
 
+    async def _delete_volume(self, cmd: C.DeleteVolume, token: None) -> dict[str, Any]:
+        result = await self._propose(cmd)
+        self._wake.set()  # housekeeping ends the opens and leases of sessions it closed (--force)
+        return result
+
     async def _unlink(self, cmd: C.Unlink, token: None) -> None:
         await self._propose_drop(cmd, cmd.volume, cmd.parent, cmd.name)
 
@@ -632,6 +637,7 @@ class MetaService:
         C.SetVolumeAccess: _with_token_hash,
         C.MountVolume: _mount_volume,
         C.CloseSession: _close_session,
+        C.DeleteVolume: _delete_volume,
         C.Unlink: _unlink,
         C.Rename: _rename,
         C.RegisterNode: _register_node,

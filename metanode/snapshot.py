@@ -148,6 +148,7 @@ def volume_row(vol: Volume) -> list[Any]:
         inodes,
         vol.token_hash,
         [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
+        vol.deleted_ns,
     ]
 
 
@@ -158,6 +159,7 @@ def load_volume(row: list[Any], version: int = VERSION) -> Volume:
     vol.token_hash = later[0] if later else ""  # older snapshots: open
     flat = later[1] if len(later) > 1 else []  # older snapshots: no repair queue
     vol.repairs = {(flat[k], flat[k + 1]): flat[k + 2] for k in range(0, len(flat), 3)}
+    vol.deleted_ns = later[2] if len(later) > 2 else 0  # older snapshots: no tombstones
     vol.inodes.clear()
     vol.next_ino = next_ino
     vol.used_bytes = used_bytes

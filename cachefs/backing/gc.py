@@ -55,6 +55,14 @@ shards, and reports *missing* blocks (referenced, with no shard anywhere),
 flight, files open but unlinked, or leaks), and of those the *leaked* ones
 (below the floor: the next sweep deletes them). It changes nothing.
 
+A deleted volume (``cachefs volume delete``, ``C.DeleteVolume``) is a
+tombstone whose trash holds every slice it had: collection and sweeps treat
+it as any volume, and the first sweep that finds none of its shards on the
+datanodes (and its trash empty) drops the tombstone (``C.DropVolume``).
+Shards on a datanode that was down then stay behind; a sweep of a volume
+created later under the same name deletes them (they are below the floor
+and no file holds them).
+
 The metanode leader runs it in the background (``cachefs metanode
 --gc-interval/--gc-grace``, see ``metanode/daemon.py``), with a cutoff that
 is also before the oldest file open it knows of, and none at all while it
@@ -98,6 +106,7 @@ class GcReport:
     blocks_deleted: int = 0
     bytes_freed: int = 0
     leaked_blocks_deleted: int = 0
+    volume_dropped: bool = False  # a deleted volume with nothing left: its tombstone is gone
     errors: list[str] = field(default_factory=list)
 
 
@@ -257,6 +266,8 @@ class GarbageCollector:
         if not delete:
             report.leaked_blocks_deleted += sum(k.slice_id in leaked for keys in stored.values() for k in keys)
             return report
+        if not report.errors and not any(stored.values()):
+            report.volume_dropped = await self._drop_if_deleted(volume)
 
         async def delete_shards(addr: str, key: BlockKey) -> None:
             async with self._limit:
@@ -275,6 +286,16 @@ class GarbageCollector:
             log.info("gc of %s: %d leaked slices, %d of their blocks deleted", volume, len(leaked),
                      report.leaked_blocks_deleted)
         return report
+
+    async def _drop_if_deleted(self, volume: str) -> bool:
+        """A deleted volume (``cachefs volume delete``) whose trash is empty and
+        of which no datanode that answered holds a shard leaves the cluster."""
+        info = (await self.meta.query(Q.ListVolumes())).get(volume, {})
+        if not info.get("deleted") or await self.meta.query(Q.ListTrash(volume, 1)):
+            return False
+        await self.meta.mutate(C.DropVolume(volume))
+        log.info("gc: deleted volume %s has no blocks left; it is gone", volume)
+        return True
 
     async def _unreferenced(self, volume: str, slice_ids: set[int]) -> set[int]:
         """Which of ``slice_ids`` the metanodes call leaked, asking a page at a time."""

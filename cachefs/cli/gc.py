@@ -84,6 +84,8 @@ def command(meta: list[str], volumes: tuple[str, ...], grace: float, delete: boo
         elif r.deleted:
             click.echo(f"{r.volume}: purged {r.slices_purged} slices, deleted {r.blocks_deleted} blocks, "
                        f"freed {r.bytes_freed} bytes, deleted {r.leaked_blocks_deleted} leaked blocks")  # fmt: skip
+            if r.volume_dropped:
+                click.echo(f"  {r.volume} was deleted and has no blocks left: it is gone")
         else:
             click.echo(f"{r.volume}: would purge {r.slices_purged} slices, delete {r.blocks_deleted} blocks, "
                        f"free {r.bytes_freed} bytes, delete {r.leaked_blocks_deleted} leaked blocks "

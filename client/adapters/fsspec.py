@@ -238,7 +238,7 @@ class CacheFSFileSystem(AbstractFileSystem):
                 return await MetaClient(pool, self.meta, deadline=10.0).query(ListVolumes())
 
         try:
-            return sorted(trio.run(ask))
+            return sorted(name for name, v in trio.run(ask).items() if not v.get("deleted"))
         except CacheFSError as exc:
             raise OSError(exc.errno, exc.message) from exc
 
