@@ -203,3 +203,31 @@ def test_the_native_client_imports_without_a_mount(small_lab, small_mnt: Path, t
     rc, again, err = cachefs_import(str(src), f"/{name}", *args)
     assert rc == 0, err
     assert again["copied"] == 0 and again["skipped"] == summary["copied"]
+
+
+def test_on_a_terminal_a_progress_bar_counts_files_bytes_rate_and_eta(tmp_path: Path) -> None:
+    """The bar is drawn only on a terminal (here a pseudo-terminal); the destination is any directory."""
+    import pty
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    many_files(src, 120, 1000)
+    dst.mkdir()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdout and stderr are the terminal
+        os.chdir(REPO)
+        os.environ["COLUMNS"] = "160"
+        os.execv(sys.executable, [sys.executable, "-m", "cachefs.cli", "import", str(src), str(dst)])
+    screen = bytearray()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen.extend(chunk)
+    _, status = os.waitpid(pid, 0)
+    text = screen.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "120/120 files" in text and "120.0/120.0 kB" in text and "files/s" in text and "ETA" in text, text
+    assert "import done: 120 files copied" in text, text
