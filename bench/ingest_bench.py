@@ -14,7 +14,11 @@ also through the native client (``cachefs import --volume``, no FUSE).
 ``--json`` headline: ``ingest_files_per_s`` (cachefs import, the faster of
 the mount and the native client; ``ingest_mode`` says which), and ratios to
 ``cp -a`` on the same target and to JuiceFS. The aim (issue 13) is at least
-1,000 files/s for 110 KiB files with 8 jobs.
+1,000 files/s for 110 KiB files with 8 jobs. ``profile`` says where the time
+of each cachefs copy goes: CPU milliseconds per file of the metanodes,
+datanodes, cache nodes, the mount and the copying command (on two cores,
+1,000 files/s needs under 2 ms in all), and the metanodes' RPCs per file by
+method (``raft_step``: replication among them).
 """
 
 from __future__ import annotations
@@ -49,19 +53,22 @@ def _progress(msg: str) -> None:
     print(f"[ingest {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def copy_once(method: str, src: Path, dst: str, jobs: int, native: list[str] | None = None) -> float:
-    """Seconds of one whole copy of ``src`` to ``dst`` (which cp makes; import copies into it)."""
+def copy_once(method: str, src: Path, dst: str, jobs: int, native: list[str] | None = None) -> tuple[float, float]:
+    """Seconds of one whole copy of ``src`` to ``dst`` (which cp makes; import copies into it),
+    and the CPU seconds of the copying command."""
     if method == "cp":
         argv = ["cp", "-a", str(src), dst]
     else:
         argv = [sys.executable, "-m", "cachefs.cli", "import", str(src), dst, "--jobs", str(jobs), "--quiet",
                 "--json", *(native or [])]
+    cpu = os.times()
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=7200)
     seconds = time.perf_counter() - started
+    after = os.times()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
-    return seconds
+    return seconds, after.children_user + after.children_system - cpu.children_user - cpu.children_system
 
 
 def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -71,6 +78,7 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
     _progress(f"generating {args.ingest_files} files of {size} B in {args.ingest_dirs} folders")
     make_tree(src, args.ingest_files, args.ingest_dirs, size)
     runs: dict[str, list[float]] = {}
+    profile: dict[str, dict[str, dict[str, float]]] = {}  # the last repeat's
     mnt = bed.mount_cachefs(work / "ingest-cfs")
     native = ["--volume", "lab", "--meta", ",".join(bed.lab.meta_addrs), "--zone", "z1",
               "--secret-file", str(bed.lab.credential_file("client"))]
@@ -90,8 +98,18 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
                 if method == "import":
                     (base / name).mkdir()
                 _progress(f"{target}: {method} of {args.ingest_files} files ({args.ingest_jobs} jobs)")
-                seconds = copy_once(method, src, dst, args.ingest_jobs, nat)
+                cpu0, rpc0 = (bed.cpu_seconds([mnt]), bed.metanode_rpc_calls()) if target.startswith("cachefs") \
+                    else ({}, {})
+                seconds, own_cpu = copy_once(method, src, dst, args.ingest_jobs, nat)
                 runs.setdefault(f"{target}_{method}", []).append(args.ingest_files / seconds)
+                if target.startswith("cachefs"):  # where the time goes: CPU and metanode RPCs per file
+                    cpu = {k: v - cpu0.get(k, 0.0) for k, v in bed.cpu_seconds([mnt]).items()}
+                    cpu[method] = own_cpu
+                    profile[f"{target}_{method}"] = {
+                        "cpu_ms_per_file": {k: round(1000 * v / args.ingest_files, 2) for k, v in cpu.items()},
+                        "metanode_rpcs_per_file": {m: round((v - rpc0.get(m, 0.0)) / args.ingest_files, 2)
+                                                   for m, v in bed.metanode_rpc_calls().items()
+                                                   if v > rpc0.get(m, 0.0)}}
                 shutil.rmtree(base / name, ignore_errors=True)  # untimed
     finally:
         bed.umount_cachefs(mnt)
@@ -107,7 +125,7 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
     best = med("cachefs_native_import" if mode == "native" else "cachefs_import")
     return {
         "files": args.ingest_files, "file_bytes": size, "dirs": args.ingest_dirs, "jobs": args.ingest_jobs,
-        "repeat": args.repeat, "link": RTT2.describe(), "files_per_s": table,
+        "repeat": args.repeat, "link": RTT2.describe(), "files_per_s": table, "profile": profile,
         "ingest_files_per_s": best, "ingest_mode": mode,
         "ingest_mount_files_per_s": med("cachefs_import"), "ingest_native_files_per_s": med("cachefs_native_import"),
         "ingest_vs_cp": ratio(best, med("cachefs_cp")),
@@ -126,6 +144,11 @@ def show(result: dict[str, Any]) -> None:
     print_table("cachefs import ratios", ["ratio", "value"],
                 [[k, v] for k, v in sorted(result.items()) if k.startswith("ingest_")],
                 note="aim (issue 13): ingest_files_per_s >= 1,000 for 110 KiB files; shared machine: noisy")
+    for case, prof in result["profile"].items():
+        cpu = prof["cpu_ms_per_file"]
+        print_table(f"{case}: CPU ms per file (total {sum(cpu.values()):.1f}) and metanode RPCs per file",
+                    ["what", "per file"], [[f"cpu {k}", v] for k, v in sorted(cpu.items())]
+                    + [[f"rpc {k}", v] for k, v in sorted(prof["metanode_rpcs_per_file"].items())])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

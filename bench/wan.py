@@ -391,6 +391,24 @@ class Testbed:
                     out[method] = out.get(method, 0.0) + float(value)
         return out
 
+    def cpu_seconds(self, mountpoints: list[Path]) -> dict[str, float]:
+        """CPU seconds so far of the lab's processes by kind, and of the cachefs mounts at ``mountpoints``."""
+        tick = os.sysconf("SC_CLK_TCK")
+        pids = [(n.kind, n.pid) for n in self.lab.nodes if n.pid]
+        wanted = {os.fsencode(str(m)) for m in mountpoints}
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                with contextlib.suppress(OSError):
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    if b"cachefs.cli" in argv and b"mount" in argv and wanted & set(argv):
+                        pids.append(("mount", int(proc.name)))
+        out: dict[str, float] = {}
+        for kind, pid in pids:
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return out
+
     def down(self) -> None:
         for mp in self.mounts:
             _umount_cachefs(mp)
