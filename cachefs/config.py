@@ -11,11 +11,8 @@ errors name the file, the table, the key and the value.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import sys
-import time
 import tomllib
 from typing import Any
 
@@ -23,6 +20,7 @@ import click
 
 from cachefs.credentials import Credential, Secret, read_secret
 from cachefs.errors import InvalidArgument
+from cachefs.logs import FORMATS, setup_logging  # noqa: F401 - setup_logging: every command's, imported from here
 
 # ---------------------------------------------------------------- types
 
@@ -123,35 +121,12 @@ def load_secret(secret_file: str | None, insecure: bool, *, cluster: bool = Fals
         "or --insecure to run without authentication")
 
 
-# ---------------------------------------------------------------- logging
-
-class _Formatter(logging.Formatter):
-    """One line per record: ``time level component[pid] logger: message``."""
-
-    def __init__(self, component: str) -> None:
-        super().__init__()
-        self.component = component
-
-    def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = (f"{ts}.{int(record.msecs):03d}Z {record.levelname:<7} "
-                f"{self.component}[{record.process}] {record.name}: {record.getMessage()}")
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
-def setup_logging(component: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(component))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
 # ---------------------------------------------------------------- options
 
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
+log_format_option = click.option(
+    "--log-format", envvar="CACHEFS_LOG_FORMAT", type=click.Choice(FORMATS), default="text", show_default=True,
+    help="Log lines as text, or as one JSON object each (for a log shipper).")
 
 
 def metrics_options(kind: str, envvar: str | None = "CACHEFS_METRICS_ADDR") -> Any:
@@ -194,7 +169,8 @@ def daemon_options(kind: str) -> Any:
         click.option("--insecure", is_flag=True, envvar="CACHEFS_INSECURE",
                      help="Run without authentication (lab use only)."),
         click.option("--log-level", envvar="CACHEFS_LOG_LEVEL", type=LOG_LEVELS, default="INFO",
-                     show_default=True, help="Log level."),
+                     show_default=True, help="Log level (SIGHUP reads it again from the --config file)."),
+        log_format_option,
     ]
     return lambda fn: _apply(options)(metrics_options(kind)(fn))
 

@@ -44,6 +44,7 @@ from cachefs.config import (
 from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError, Unavailable
 from cachefs.ids import BlockKey
+from cachefs.logs import with_reload
 from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.queries import ClusterMap
@@ -305,13 +306,14 @@ def command(
     secret_file: str | None,
     insecure: bool,
     log_level: str,
+    log_format: str,
     metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
     """Run a cache node: blocks on local flash, read through from backing storage."""
-    setup_logging("cachenode", log_level)
+    setup_logging("cachenode", log_level, log_format)
     keep_large_buffers()  # block-sized read and fill buffers: reuse heap memory, no fresh mmaps
     # A read lease broken in the instant between F_SETLEASE and F_SETOWN 0
     # (cachefs/blockstore.py) would raise SIGIO at us, and its default is to die.
@@ -346,6 +348,7 @@ def command(
     start_metrics(None if no_metrics else metrics_addr)
     try:
         trio.run(
+            with_reload,
             lambda: serve(
                 store,
                 node_id=ident,

@@ -54,13 +54,14 @@ import click
 import pyfuse3
 import trio
 
-from cachefs import sdnotify
+from cachefs import logs, sdnotify
 from cachefs.config import (
     ADDRS,
     LOG_LEVELS,
     SIZE,
     load_secret,
     load_tls,
+    log_format_option,
     metrics_options,
     setup_logging,
     tls_options,
@@ -529,11 +530,16 @@ async def _announce(
 
 
 async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
-    stop = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    with trio.open_signal_receiver(*stop, signal.SIGUSR1) as signals:
+    """SIGTERM and SIGINT unmount (after committing); SIGHUP reloads the log
+    level and reopens the log file (cachefs/logs.py); SIGUSR1 logs the tasks."""
+    stop = (signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*stop, signal.SIGHUP, signal.SIGUSR1) as signals:
         async for signum in signals:
             if signum == signal.SIGUSR1:
                 log.info("tasks of this mount (SIGUSR1):\n%s", task_tree())
+                continue
+            if signum == signal.SIGHUP:
+                logs.reload()
                 continue
             log.info("signal %d: committing dirty data and unmounting", signum)
             await engine.flush_all(stopping.deadline())
@@ -660,7 +666,9 @@ def _remove_pid(mountpoint: str) -> None:
 @click.option(
     "--insecure", is_flag=True, envvar="CACHEFS_INSECURE", help="Talk to an insecure (lab) cluster."
 )
-@click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
+@click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True,
+              help="Log level (SIGHUP reads it again from the --config file).")
+@log_format_option
 @metrics_options("mount", envvar=None)
 @click.option(
     "--log-file",
@@ -699,6 +707,7 @@ def mount_command(
     secret_file: str | None,
     insecure: bool,
     log_level: str,
+    log_format: str,
     log_file: str | None,
     metrics_addr: MetricsAddr,
     no_metrics: bool,
@@ -742,29 +751,21 @@ def mount_command(
             _remove_pid(mountpoint)
 
     if not background:
-        setup_logging("mount", log_level)
-        if log_file:
-            _log_to(log_file)
+        setup_logging("mount", log_level, log_format, log_file)
 
         def say(error: str | None) -> None:
             if error is not None:
                 click.echo(f"Error: {error}", err=True)
 
         sys.exit(run(say))
-    _daemonize(run, volume, log_level, log_file)
-
-
-def _log_to(path: str) -> None:
-    handler = logging.FileHandler(path)
-    root = logging.getLogger()
-    handler.setFormatter(root.handlers[0].formatter)
-    root.handlers[:] = [handler]
+    _daemonize(run, volume, log_level, log_format, log_file)
 
 
 def _daemonize(
     run: Callable[[Callable[[str | None], None]], int],
     volume: str,
     level: str,
+    log_format: str,
     log_file: str | None,
 ) -> None:
     """Fork; the parent waits for the child's verdict on a pipe."""
@@ -795,7 +796,9 @@ def _daemonize(
     out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640) if log_file else null
     os.dup2(out, 1)
     os.dup2(out, 2)
-    setup_logging("mount", level)
+    if log_file:
+        os.close(out)
+    setup_logging("mount", level, log_format, log_file, stderr_too=True)
     told = False
 
     def ready(error: str | None) -> None:

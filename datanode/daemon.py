@@ -30,6 +30,7 @@ from cachefs.config import (
 )
 from cachefs.credentials import as_credential
 from cachefs.errors import InvalidArgument
+from cachefs.logs import with_reload
 from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
@@ -98,10 +99,10 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
 @tls_options
 def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
             meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
-            secret_file: str | None, insecure: bool, log_level: str, metrics_addr: MetricsAddr, no_metrics: bool,
-            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
+            secret_file: str | None, insecure: bool, log_level: str, log_format: str, metrics_addr: MetricsAddr,
+            no_metrics: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
-    setup_logging("datanode", log_level)
+    setup_logging("datanode", log_level, log_format)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
@@ -117,5 +118,5 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
     except OSError as exc:
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
     start_metrics(None if no_metrics else metrics_addr)
-    trio.run(lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
-                           secret=secret, meta=meta, heartbeat=heartbeat, tls=tls))
+    trio.run(with_reload, lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
+                                        secret=secret, meta=meta, heartbeat=heartbeat, tls=tls))

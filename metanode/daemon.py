@@ -23,6 +23,7 @@ writes stored short every ``--repair-interval`` seconds, writing at most
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import signal
 import ssl
@@ -44,6 +45,7 @@ from cachefs.config import (
 )
 from cachefs.credentials import as_credential, metanode_name
 from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.logs import with_reload
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
@@ -298,13 +300,14 @@ def command(
     secret_file: str | None,
     insecure: bool,
     log_level: str,
+    log_format: str,
     metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
     """Run a metanode: one replica of the namespace and cluster map."""
-    setup_logging("metanode", log_level)
+    setup_logging("metanode", log_level, log_format)
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     try:
@@ -323,7 +326,7 @@ def command(
     except OSError as exc:
         raise click.UsageError(f"--data-dir {data_dir}: {exc.strerror}") from None
     start_metrics(None if no_metrics else metrics_addr)
-    trio.run(
+    trio.run(with_reload, functools.partial(
         serve,
         node_id,
         peer_map,
@@ -339,4 +342,4 @@ def command(
         repair_interval,
         repair_rate,
         tls,
-    )
+    ))

@@ -29,6 +29,7 @@ from cachefs.config import (
     tls_options,
 )
 from cachefs.errors import CacheFSError
+from cachefs.logs import with_reload
 from cachefs.metanode.client import MetaClient
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import RpcPool
@@ -82,13 +83,13 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
 @tls_options
 def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
             rate: int, max_rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
-            log_level: str, metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None, tls_key: str | None,
-            tls_ca: str | None) -> None:
+            log_level: str, log_format: str, metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None,
+            tls_key: str | None, tls_ca: str | None) -> None:
     """Find missing, corrupt or misplaced shards and rebuild them.
 
     Exits 0 when every block is back at full redundancy, 1 otherwise.
     """
-    setup_logging("repair", log_level)
+    setup_logging("repair", log_level, log_format)
     if bool(meta) == bool(cluster_file):
         raise click.UsageError("give exactly one of --meta or --cluster-file")
     secret = load_secret(secret_file, insecure)
@@ -101,7 +102,7 @@ def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str
             raise click.UsageError(f"--cluster-file {cluster_file}: {exc}") from None
     start_metrics(None if no_metrics else metrics_addr)
     try:
-        reports = trio.run(lambda: run_repair(
+        reports = trio.run(with_reload, lambda: run_repair(
             secret=secret, meta=meta, cluster_map=cluster_map, volumes=list(volumes), scrub=scrub,
             rate=rate or None, interval=interval, quiet=as_json, tls=tls, scrub_rate=max_rate or None))
     except CacheFSError as exc:

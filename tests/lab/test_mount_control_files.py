@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -145,3 +146,21 @@ def test_the_access_log_streams_one_line_per_op_while_read(needs_fuse, lab_mount
         assert 0.5 < time.monotonic() - started < 5
     finally:
         os.close(fd)
+
+
+def test_sighup_reopens_the_mount_log_that_logrotate_moved(needs_fuse, lab_mount: Path) -> None:
+    """The mount keeps serving (SIGHUP no longer unmounts) and logs to a new file at the old path."""
+    from cachefs.client.mount import pid_file
+
+    pid = int(pid_file(str(lab_mount)).read_text().split()[0])
+    log = lab_mount.parent / "lab" / "logs" / "mount.log"
+    rotated = log.with_name("mount.log.1")
+    log.rename(rotated)
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while not (log.exists() and "SIGHUP: log level INFO" in log.read_text()):
+        assert time.monotonic() < deadline, rotated.read_text()[-2000:]
+        time.sleep(0.1)
+    (lab_mount / "after-hup").write_bytes(b"still here")
+    assert (lab_mount / "after-hup").read_bytes() == b"still here" and os.path.ismount(lab_mount)
+    assert "SIGHUP" not in rotated.read_text()
