@@ -220,6 +220,21 @@ class GetUsage(Query[M.Usage]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ListQuotas(Query[list[dict[str, Any]]]):
+    """Every directory of ``volume`` with a quota (``cachefs quota list``), as
+    ``{inode, path (bytes), used_bytes, used_inodes, limit_bytes,
+    limit_inodes}`` (a limit None: unlimited), in path order."""
+
+    NAME: ClassVar[str] = "list_quotas"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping_list
+    volume: str
+
+    def run(self, state: MetaState) -> list[dict[str, Any]]:
+        return state.quotas(self.volume)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ListTrash(Query[list[M.TrashEntry]]):
     """Unreferenced slices for the garbage collector, oldest first."""
 

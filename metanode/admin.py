@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from cachefs import commands as C
+from cachefs import messages as M
 from cachefs import queries as Q
 from cachefs.commands import check_policy
 from cachefs.config import SIZE, tls_options
@@ -241,6 +242,139 @@ def quota(
         return usage._asdict()
 
     click.echo(json.dumps(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))))
+
+
+# -- quotas by path -----------------------------------------------------------------
+
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+class CountType(click.ParamType):
+    """An inode count: ``1000000`` or ``1M`` (decimal suffixes K, M, G, T)."""
+
+    name = "COUNT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper()
+        digits, suffix = (text[:-1], text[-1]) if text[-1:] in _COUNT_SUFFIX else (text, "")
+        try:
+            count = int(digits) * _COUNT_SUFFIX[suffix]
+        except ValueError:
+            self.fail(f"{value!r} is not a count (e.g. 1000000 or 1M)", param, ctx)
+        if count < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return count
+
+
+def _scope(volume_name: str, path: str, attr: Any, usage: M.Usage) -> dict[str, Any]:
+    """A quota scope's usage, in Backend.AI's terms (``QuotaUsage``: used and limit bytes)."""
+    return {"volume": volume_name, "path": path, "inode": attr.ino, "used_bytes": usage.bytes,
+            "limit_bytes": usage.max_bytes, "used_inodes": usage.inodes, "limit_inodes": usage.max_inodes}
+
+
+def _show(scope: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(scope))
+        return
+    limit_b = "unlimited" if scope["limit_bytes"] is None else scope["limit_bytes"]
+    limit_i = "unlimited" if scope["limit_inodes"] is None else scope["limit_inodes"]
+    click.echo(f"{scope['volume']}:{scope['path']} (inode {scope['inode']}): bytes {scope['used_bytes']} / "
+               f"{limit_b}, inodes {scope['used_inodes']} / {limit_i}")
+
+
+@click.group("quota")
+def quota_group() -> None:
+    """Quotas by directory: limits on the bytes and inodes of a subtree (EDQUOT past them).
+
+    Every link of a file counts in each directory above it; usage is kept per
+    directory by the metanodes as files change, so reading it is O(1).
+    """
+
+
+@quota_group.command("set")
+@click.argument("volume_name", metavar="VOLUME")
+@click.argument("path")
+@click.option("--capacity", type=SIZE, default=None, help="Byte limit of the subtree (e.g. 10T).")
+@click.option("--inodes", type=CountType(), default=None, help="Inode limit of the subtree (e.g. 1M).")
+@click.option("--json", "as_json", is_flag=True, help="Print the scope as one JSON object.")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def quota_set(volume_name: str, path: str, capacity: int | None, inodes: int | None, as_json: bool, meta: list[str],
+              secret_file: str | None, insecure: bool, tls_cert: str | None, tls_key: str | None,
+              tls_ca: str | None) -> None:  # fmt: skip
+    """Limit directory PATH of VOLUME (a limit not given stays as it was)."""
+    if capacity is None and inodes is None:
+        raise click.UsageError("nothing to set: give --capacity, --inodes or both")
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        attr = await mc.resolve(volume_name, path)
+        old = await mc.query(Q.GetUsage(volume_name, attr.ino))
+        new = C.SetQuota(volume_name, attr.ino, old.max_bytes if capacity is None else capacity,
+                         old.max_inodes if inodes is None else inodes)  # fmt: skip
+        return _scope(volume_name, path, attr, await mc.mutate(new))
+
+    _show(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca)), as_json)
+
+
+@quota_group.command("get")
+@click.argument("volume_name", metavar="VOLUME")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print the scope as one JSON object.")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def quota_get(volume_name: str, path: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
+              tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Show the usage and limits of directory PATH of VOLUME (a client credential will do)."""
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        attr = await mc.resolve(volume_name, path)
+        return _scope(volume_name, path, attr, await mc.query(Q.GetUsage(volume_name, attr.ino)))
+
+    _show(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca)), as_json)
+
+
+@quota_group.command("list")
+@click.argument("volume_name", metavar="VOLUME")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def quota_list(volume_name: str, as_json: bool, meta: list[str], secret_file: str | None, insecure: bool,
+               tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """List every directory of VOLUME with a quota, with its usage."""
+    rows = _run(meta, secret_file, insecure, lambda mc: mc.query(Q.ListQuotas(volume_name)),
+                (tls_cert, tls_key, tls_ca))  # fmt: skip
+    scopes = [{"volume": volume_name, **row, "path": os.fsdecode(row["path"])} for row in rows]
+    if as_json:
+        click.echo(json.dumps(scopes))
+        return
+    for scope in scopes:
+        _show(scope, False)
+
+
+@quota_group.command("delete")
+@click.argument("volume_name", metavar="VOLUME")
+@click.argument("path")
+@_meta
+@_secret
+@_insecure
+@tls_options
+def quota_delete(volume_name: str, path: str, meta: list[str], secret_file: str | None, insecure: bool,
+                 tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Remove both limits of directory PATH of VOLUME (its usage is still counted)."""
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        attr = await mc.resolve(volume_name, path)
+        return _scope(volume_name, path, attr, await mc.mutate(C.SetQuota(volume_name, attr.ino, None, None)))
+
+    _show(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca)), False)
 
 
 @click.command("dump")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import uuid
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ from cachefs.errors import (
     Busy,
     CacheFSError,
     ConnectionLost,
+    NotADirectory,
     NotLeader,
     TimedOut,
     Unavailable,
@@ -46,6 +48,7 @@ from cachefs.errors import (
 from cachefs.messages import MountInfo
 from cachefs.rpc import RpcPool
 
+ROOT = 1  # every volume's root inode
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
@@ -120,6 +123,16 @@ class MetaClient:
     async def query(self, q: Q.Query[R], *, deadline: float | None = None) -> R:
         """Ask the leader ``q``; its decoded reply (raises as :meth:`mutate`)."""
         return type(q).REPLY(await self.call(q.NAME, {"a": q.to_wire()}, deadline=deadline))
+
+    async def resolve(self, volume: str, path: str) -> Any:
+        """The attributes of ``path`` (``/a/b``) in ``volume``, looked up name by
+        name from the root (the admin tools' paths; a mount resolves through the kernel)."""
+        attr = await self.query(Q.GetAttr(volume, ROOT))
+        for name in [p for p in path.split("/") if p]:
+            if not attr.is_dir:
+                raise NotADirectory(f"{path}: a component before {name!r} is not a directory")
+            attr = await self.query(Q.Lookup(volume, attr.ino, os.fsencode(name)))
+        return attr
 
     async def call(
         self,

@@ -1768,6 +1768,27 @@ class MetaState:
             raise InvalidArgument(f"inode {ino} is not a regular file")
         return [(s, p, n, o) for s, p, n, o, _ in _chunk_records(inode.data, chunk)]
 
+    def quotas(self, volume: str) -> list[dict[str, Any]]:
+        """Directories with a quota and their usage (see ``Q.ListQuotas``); one
+        pass over the inodes, and a scan of each such directory's parent for its name."""
+        vol = self._vol(volume)
+        out = []
+        for inode in vol.inodes.values():
+            if inode.is_dir and (inode.data.qbytes is not None or inode.data.qinodes is not None):
+                d: Dir = inode.data
+                out.append({"inode": inode.ino, "path": self._dir_path(vol, inode), "used_bytes": d.ubytes,
+                            "used_inodes": d.uinodes, "limit_bytes": d.qbytes, "limit_inodes": d.qinodes})  # fmt: skip
+        return sorted(out, key=lambda q: q["path"])
+
+    @staticmethod
+    def _dir_path(vol: Volume, inode: Inode) -> bytes:
+        names = []
+        while inode.ino != ROOT:
+            parent = vol.inodes[inode.parent]  # a directory has one parent
+            names.append(next(n for n, packed in parent.data.entries.items() if packed & INO_MASK == inode.ino))
+            inode = parent
+        return b"/" + b"/".join(reversed(names))
+
     def usage(self, volume: str, ino: int) -> Usage:
         vol = self._vol(volume)
         inode = self._inode(vol, ino)

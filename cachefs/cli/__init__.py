@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "datanode": "cachefs.datanode.daemon:command",
     "cachenode": "cachefs.cachenode.daemon:command",
     "volume": "cachefs.metanode.admin:volume",
+    "quota": "cachefs.metanode.admin:quota_group",
     "dump": "cachefs.metanode.admin:dump",
     "load": "cachefs.metanode.admin:load",
     "mount": "cachefs.client.mount:mount_command",

@@ -34,14 +34,13 @@ from cachefs.backing.cluster import MetaClusterView
 from cachefs.backing.gc import record_block_keys
 from cachefs.backing.repair import Repairer
 from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
-from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE, BlockKey, is_repo_slice
 from cachefs.metanode.client import MetaClient
 from cachefs.ring import CacheNodeInfo, CacheRouter
 from cachefs.rpc import RpcPool
 from cachefs.tasks import run_all
 
-ROOT = 1
 HOLDS_PAGE = 10_000  # cachenode.service.MAX_HOLDS
 FSNAME = "cachefs:"  # the mount's fsname is cachefs:VOLUME (client/mount.py fuse_options)
 
@@ -83,16 +82,6 @@ def locate_in_mount(path: str) -> tuple[str, str, list[str]]:
     return volume, "/" + os.path.relpath(real, point).removeprefix("."), meta
 
 
-async def resolve(meta: MetaClient, volume: str, path: str) -> Any:
-    """The attributes of ``path`` in ``volume``, looked up name by name from the root."""
-    attr = await meta.query(Q.GetAttr(volume, ROOT))
-    for name in [p for p in path.split("/") if p]:
-        if not attr.is_dir:
-            raise InvalidArgument(f"{path}: a component before {name!r} is not a directory")
-        attr = await meta.query(Q.Lookup(volume, attr.ino, os.fsencode(name)))
-    return attr
-
-
 async def _cache_holders(pool: RpcPool, cachenodes: list[CacheNodeInfo], volume: str,
                          keys: list[BlockKey]) -> tuple[dict[BlockKey, list[str]], list[str]]:  # fmt: skip
     """Which up cache nodes hold each key, and the errors of those that did not answer."""
@@ -121,7 +110,7 @@ async def _cache_holders(pool: RpcPool, cachenodes: list[CacheNodeInfo], volume:
 async def describe(pool: RpcPool, meta_addrs: list[str], volume: str, path: str) -> dict[str, Any]:
     """Everything ``cachefs info`` prints, as its ``--json`` object."""
     meta = MetaClient(pool, meta_addrs, deadline=15.0)
-    attr = await resolve(meta, volume, path)
+    attr = await meta.resolve(volume, path)
     out: dict[str, Any] = {"volume": volume, "path": path, "inode": attr.ino, "type": _kind(attr.mode),
                            "size": attr.size, "mode": f"{stat.S_IMODE(attr.mode):04o}", "nlink": attr.nlink,
                            "uid": attr.uid, "gid": attr.gid, "version": attr.version, "errors": []}  # fmt: skip
