@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 
 import click
 import trio
-from pythonjsonlogger.json import JsonFormatter
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,10 @@ class TextFormatter(logging.Formatter):
 
 def json_formatter(component: str) -> logging.Formatter:
     """``{"time": ISO 8601 UTC, "level", "pid", "logger", "message", "component"}``
-    (and ``exc_info``, and whatever a record's ``extra`` adds)."""
+    (and ``exc_info``, and whatever a record's ``extra`` adds). Imported only
+    when asked for: a venv made before this dependency still logs text."""
+    from pythonjsonlogger.json import JsonFormatter
+
     return JsonFormatter(
         "{levelname}{process}{name}{message}", style="{", timestamp="time",
         rename_fields={"levelname": "level", "process": "pid", "name": "logger"},
