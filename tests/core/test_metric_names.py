@@ -42,6 +42,7 @@ def daemon_families(metanode: LocalMetanode) -> list[Metric]:
 async def all_families(tmp_path: Path) -> list[Metric]:
     async with local_metanode() as metanode, RpcPool(secret=None) as pool, trio.open_nursery() as nursery:
         await metanode.create_volume("v")
+        calls = pool.time_calls()
         session = await metanode.session(pool, "v")
         d = await session.mutate(C.Mkdir("v", 1, b"d", 0o755))
         await session.mutate(C.Mkdir("v", d.ino, b"e", 0o755))
@@ -51,7 +52,7 @@ async def all_families(tmp_path: Path) -> list[Metric]:
         ops = OpStats()
         ops.observe("read", 0.001)
         ops.error("lookup", errno.ENOENT)
-        families = list(MountCollector(engine, ops).collect()) + daemon_families(metanode)
+        families = list(MountCollector(engine, ops, calls).collect()) + daemon_families(metanode)
         nursery.cancel_scope.cancel()
         await session.close()
     return families
@@ -97,11 +98,13 @@ async def test_every_metric_of_every_kind_follows_the_naming_rules(tmp_path: Pat
                      "cachefs_mount_readahead_used_blocks", "cachefs_cache_evictions", "cachefs_cache_admissions",
                      "cachefs_cache_fill_seconds", "cachefs_datanode_shard_io_seconds",
                      "cachefs_datanode_scrubbed_shards", "cachefs_repair_progress_ratio",
-                     "cachefs_raft_wal_sync_seconds", "cachefs_raft_proposals_per_append"):
+                     "cachefs_raft_wal_sync_seconds", "cachefs_raft_proposals_per_append",
+                     "cachefs_mount_rpc_latency_seconds"):
         assert expected in names, expected
     values = {(s.name, tuple(s.labels.values())): s.value for f in families for s in f.samples}
     assert values[("cachefs_metanode_inodes", ("v",))] == 3  # the root, d and d/e
     assert values[("cachefs_metanode_dentries", ("v",))] == 2
+    assert any(n == "cachefs_mount_rpc_latency_seconds_count" and v > 0 for (n, _), v in values.items())
     assert values[("cachefs_metanode_sessions", ())] == 1  # the mount's
     assert values[("cachefs_mount_op_errors_total", ("lookup", "ENOENT"))] == 1
     bad = {f.name: p for f in families if (p := problems(f))}

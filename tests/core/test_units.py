@@ -128,6 +128,7 @@ def unit_environment(unit, instance: str, host: Path) -> dict[str, str]:
 def command_lines(unit, instance: str, env: dict[str, str]) -> list[list[str]]:
     """Every Exec*= line as systemd runs it: prefixes dropped, specifiers and ${VAR} expanded."""
     lines = []
+    env = {**env, "MAINPID": "1"}  # systemd's own, in ExecReload
     for key in ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecReload", "ExecStop", "ExecStopPost"):
         for value in values(unit, key):
             words = shlex.split(expand_specifiers(value.lstrip("-@+!:"), instance))
@@ -223,6 +224,7 @@ def test_the_daemons_are_hardened(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", INSTANCES)
 def test_units_are_notify_watched_restarted_and_confined(kind) -> None:
     unit = parse_unit(unit_path(kind))
+    assert values(unit, "ExecReload") == ["/bin/kill -HUP ${MAINPID}"]  # cachefs/logs.py: reload, not stop
     assert values(unit, "Type") == ["notify"] and values(unit, "NotifyAccess") == ["main"]
     assert values(unit, "WatchdogSec") and values(unit, "Restart") == ["on-failure"]
     assert values(unit, "NoNewPrivileges") == ["yes"]
