@@ -101,7 +101,7 @@ class _Pending:
 class WriteStats:
     """Mount-wide write counters, shared by every :class:`FileWriter` (a file's
     writer goes away after its last close; the mount's totals stay). Plain ints
-    and the trio thread only, as in :mod:`.opstats`; ``commits`` times each
+    and the trio thread only, as in :mod:`cachefs.opstats`; ``commits`` times each
     ``write_slice`` call (one per slice, up to 64 MiB: nothing per byte)."""
 
     __slots__ = ("written", "slices", "bytes", "blocks", "commits")
