@@ -32,7 +32,14 @@ Own mutations. The session keeps its leases on what it changes itself
 (:meth:`begin_mutation`): it tells the leader which ones (``kept``), so the
 leader revokes them from everyone else but not from us, and after the reply
 it forgets what the change made stale (:meth:`end_mutation`): the
-attributes of every inode involved and the names it changed. The kernel
+attributes of every inode involved and the names it changed. A reply that
+is the changed inode's attributes (a slice commit, a setattr) is kept
+instead, under the lease, when no other own change of that inode overlapped
+this one (which of two concurrent changes applied last is unknown): the
+lease was held throughout (no grant is taken while the change is in
+flight, and a drop ends the lease), so no one else's change came after it.
+So is the name a create or link made in a leased directory: a stat of a
+file this mount just wrote is answered from memory. The kernel
 updates its own caches after its own changes. The names stay in the
 directory's ``kernel_names``: the kernel may still cache them (a rename
 moves a dentry with its timeout), so they are invalidated when the
@@ -87,6 +94,14 @@ class Ticket(NamedTuple):
     sent: float
 
 
+class OwnChange(NamedTuple):
+    """An own mutation in flight (:meth:`LeaseCache.begin_mutation`)."""
+
+    kept: tuple[int, ...]  # the inodes whose leases we keep
+    opens: tuple[int, ...]  # which of them we have open unannounced
+    began: tuple[int, ...]  # each one's count of own changes begun or ended, after ours began
+
+
 class PollState(NamedTuple):
     """What the next poll tells the leader (see :meth:`LeaseCache.outgoing`)."""
 
@@ -109,6 +124,7 @@ class LeaseCache:
         self._changed: dict[int, int] = {}  # ino -> stamp of its last change here
         self._all_changed = 0  # stamp of the last drop of everything
         self._busy: dict[int, int] = {}  # ino -> own mutations in flight
+        self._own: dict[int, int] = {}  # ino -> own mutations begun or ended (while any is in flight)
         self._tickets: dict[int, int] = {}  # stamps of requests in flight -> how many
         self.renewed = float("-inf")  # when the last answered poll was sent
         self.unannounced: set[int] = set()  # opened under a lease, the leader not told
@@ -279,7 +295,7 @@ class LeaseCache:
 
     # -- own mutations ---------------------------------------------------------------
 
-    def begin_mutation(self, inos: Iterable[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def begin_mutation(self, inos: Iterable[int]) -> OwnChange:
         """Our own change of ``inos`` is about to be sent: answers about them
         in flight are refused from now on. Returns the inodes whose leases we
         keep (all of them: the leader keeps ours and revokes everyone
@@ -288,32 +304,48 @@ class LeaseCache:
         kept = tuple(inos)
         for ino in kept:
             self._busy[ino] = self._busy.get(ino, 0) + 1
+            self._own[ino] = self._own.get(ino, 0) + 1
             self._bump(ino)
         opens = tuple(i for i in kept if i in self.unannounced)
         self.unannounced.difference_update(opens)
-        return kept, opens
+        return OwnChange(kept, opens, tuple(self._own[i] for i in kept))
 
-    def end_mutation(self, inos: Iterable[int], names: Iterable[tuple[int, bytes]]) -> None:
-        """Our change was answered (or failed): the attributes of ``inos``
-        are stale, and so are the ``(directory, name)``
-        entries it changed (the kernel may know them still, moved by its own
-        rename: they are invalidated with the directory's lease)."""
-        for ino in inos:
+    def end_mutation(
+        self, change: OwnChange, names: Iterable[tuple[int, bytes]], attr: Attr | None = None
+    ) -> None:
+        """Our change was answered (or failed): the attributes of its inodes
+        are stale, unless ``attr`` (its answer) is one's and no other own
+        change of it overlapped (see the module docstring); and so are the
+        ``(directory, name)`` entries it changed (the kernel may know them
+        still, moved by its own rename: they are invalidated with the
+        directory's lease), unless the answer is an inode's attributes (a
+        create or link: the name is that inode's now) and no other own
+        change of the directory overlapped."""
+        alone: set[int] = set()
+        for ino, began in zip(change.kept, change.began, strict=True):
+            if self._busy[ino] == 1 and self._own[ino] == began:
+                alone.add(ino)
             left = self._busy[ino] - 1
             if left:
                 self._busy[ino] = left
+                self._own[ino] += 1
             else:
                 del self._busy[ino]
+                del self._own[ino]
             self._bump(ino)
             lease = self._held.get(ino)
             if lease is not None:
-                lease.attr = None
+                lease.attr = attr if ino in alone and attr is not None and attr.ino == ino else None
         for parent, name in names:
             lease = self._held.get(parent)
-            if lease is not None:
+            if lease is None:
+                continue
+            lease.kernel_names.add(name)
+            if parent in alone and attr is not None:
+                lease.entries[name] = attr.ino  # a create or link: the name is that inode now
+            else:
                 lease.entries.pop(name, None)
                 lease.complete = False
-                lease.kernel_names.add(name)
 
     def closed(self, ino: int) -> bool:
         """The last open of ``ino`` here ended: whether the leader must hear

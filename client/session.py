@@ -363,16 +363,18 @@ class Session:
             lease = leases.held(parent)
             if lease is not None and name in lease.entries:
                 named.add(lease.entries[name])
-        kept, opens = leases.begin_mutation(named)
+        change = leases.begin_mutation(named)
+        result = None
         try:
-            return await self.meta.mutate(cmd, lease=(self.session_id, kept, opens))
+            result = await self.meta.mutate(cmd, lease=(self.session_id, change.kept, change.opens))
+            return result
         except CacheFSError as exc:
             if not exc.remote:  # the outcome is unknown: the kernel may not know it
-                for ino in kept:
+                for ino in change.kept:
                     leases.lose(ino)
             raise
         finally:
-            leases.end_mutation(kept, entries)
+            leases.end_mutation(change, entries, result if isinstance(result, Attr) else None)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         """A chunk's slice list (the reader's ``BlockSource`` call)."""

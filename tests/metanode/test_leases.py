@@ -176,6 +176,45 @@ def test_the_client_drops_revoked_leases_and_acks_after_listing_kernel_names() -
     assert c.get(5, 1.31) is None
 
 
+def test_an_own_change_answered_with_the_attributes_keeps_them_unless_another_overlapped() -> None:
+    c = LeaseCache()
+    ticket = c.ticket(0.0)
+    [lease] = c.accept(ticket, Grant(1, 1000, (5,)), 0.01).values()
+    c.done(ticket)
+    lease.attr = attr(5, 0)
+    change = c.begin_mutation([5])
+    c.end_mutation(change, (), attr(5, 1))  # a slice commit's answer
+    assert c.get(5, 0.1).attr == attr(5, 1)
+    first, second = c.begin_mutation([5]), c.begin_mutation([5])
+    c.end_mutation(second, (), attr(5, 3))  # which applied last is unknown
+    c.end_mutation(first, (), attr(5, 2))
+    assert c.get(5, 0.1).attr is None
+    change = c.begin_mutation([5])
+    c.news(LeaseNews(1, 1000, [(9, 5)]), 0.1)  # revoked meanwhile: the lease is gone
+    c.end_mutation(change, (), attr(5, 4))
+    assert c.get(5, 0.1) is None
+
+
+def test_an_own_create_in_a_leased_directory_is_remembered_unless_another_overlapped() -> None:
+    c = LeaseCache()
+    ticket = c.ticket(0.0)
+    [lease] = c.accept(ticket, Grant(1, 1000, (1,)), 0.01).values()
+    c.done(ticket)
+    lease.entries[b"old"], lease.complete = 4, True
+    create = c.begin_mutation([1])
+    c.end_mutation(create, [(1, b"new")], attr(7, 0))  # Mknod's answer: the new inode
+    assert lease.entries == {b"old": 4, b"new": 7} and lease.complete
+    assert lease.attr is None  # the directory's own attributes changed
+    unlink = c.begin_mutation([1])
+    c.end_mutation(unlink, [(1, b"old")], None)
+    assert lease.entries == {b"new": 7} and not lease.complete
+    first, second = c.begin_mutation([1]), c.begin_mutation([1])
+    c.end_mutation(second, [(1, b"a")], attr(8, 0))
+    c.end_mutation(first, [(1, b"b")], attr(9, 0))
+    assert lease.entries == {b"new": 7}  # overlapped: neither name is known
+    assert {b"old", b"a", b"b"} <= lease.kernel_names
+
+
 def test_an_answer_sent_before_a_revocation_is_not_installed() -> None:
     c = LeaseCache()
     ticket = c.ticket(0.0)
@@ -288,6 +327,10 @@ class LeaseProtocol(RuleBasedStateMachine):
             client.cache.done(msg[2])
         elif kind in ("poll", "poll-reply"):
             client.cache.resend(msg[2])
+        elif kind == "mutate-reply":  # the outcome is unknown to the client
+            for ino in msg[2].kept:
+                client.cache.lose(ino)
+            client.cache.end_mutation(msg[2], ())
 
     @precondition(lambda self: self.net)
     @rule(data=st.data())
@@ -317,6 +360,9 @@ class LeaseProtocol(RuleBasedStateMachine):
         elif kind == "poll-reply":
             _, _, _state, sent, news = msg
             client.cache.news(news, sent)
+        elif kind == "mutate-reply":
+            _, _, change, answer = msg
+            client.cache.end_mutation(change, (), answer)
 
     def _send(self, msg: tuple, now: bool) -> None:
         """Into the network, or (``now``) there and back at once."""
@@ -350,15 +396,15 @@ class LeaseProtocol(RuleBasedStateMachine):
             m, _ = self.leader.begin(VOL, [ino], self.now)
             self.muts.append([m, self.now, None, ()])
             return
-        kept, _opens = mutator.cache.begin_mutation([ino])
-        m, _ = self.leader.begin(VOL, [ino], self.now, mutator.name, kept)
-        self.muts.append([m, self.now, mutator, kept])
+        change = mutator.cache.begin_mutation([ino])
+        m, _ = self.leader.begin(VOL, [ino], self.now, mutator.name, change.kept)
+        self.muts.append([m, self.now, mutator, change])
 
     @precondition(lambda self: self.muts)
     @rule(data=st.data())
     def apply(self, data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(self.muts) - 1))
-        m, _begun, mutator, kept = self.muts[i]
+        m, _begun, mutator, change = self.muts[i]
         sessions = [c.name for c in self.clients]
         if self.leader.blocked(m, self.now, sessions) is not None:
             return
@@ -367,8 +413,9 @@ class LeaseProtocol(RuleBasedStateMachine):
             self.version[ino] += 1
         self.leader.applied(VOL, m.inos)
         self.leader.end(m)
-        if mutator is not None:
-            mutator.cache.end_mutation(kept, ())
+        if mutator is not None:  # answered with the inode's attributes as applied
+            [ino] = m.inos
+            self.net.append((mutator, "mutate-reply", change, attr(ino, self.version[ino])))
 
     # -- what must hold -------------------------------------------------------------------
 
@@ -376,6 +423,8 @@ class LeaseProtocol(RuleBasedStateMachine):
     def no_client_answers_with_a_stale_version(self) -> None:
         for c in self.clients:
             for ino in INOS:
+                if c.cache.busy(ino):
+                    continue  # its own change is in flight: an answer of either version is right
                 lease = c.cache.get(ino, self.now)
                 if lease is not None and lease.attr is not None:
                     assert lease.attr.version == self.version[ino], (c.name, ino)
