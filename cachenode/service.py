@@ -94,7 +94,7 @@ from .peers import PeerZones
 log = logging.getLogger(__name__)
 
 POLICIES = ("wait", "fast-fail", "peek")
-MAX_HOLDS = 10_000  # keys per holds call
+MAX_HOLDS = 10_000  # keys per holds or evict call
 HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
@@ -657,6 +657,19 @@ class CacheService:
         if not isinstance(keys, list) or len(keys) > MAX_HOLDS or not all(isinstance(k, bytes) for k in keys):
             raise InvalidArgument(f"holds takes a list of at most {MAX_HOLDS} block keys (bytes)")
         return [self.store.lookup(_key(k)) is not None for k in keys]
+
+    @rpc_method(roles=CLIENTS)
+    async def evict(self, volume: str, keys: list) -> dict[str, int]:
+        """Drop ``keys`` from this node's flash (``cachefs warmup --evict``): a
+        client may make its own volume's blocks cold, which costs it reads only
+        (blocks are immutable: nothing can go stale or be lost)."""
+        _check_volume(volume)
+        if not isinstance(keys, list) or len(keys) > MAX_HOLDS or not all(isinstance(k, bytes) for k in keys):
+            raise InvalidArgument(f"evict takes a list of at most {MAX_HOLDS} block keys (bytes)")
+        wanted = [_key(k) for k in keys]
+        evicted = await trio.to_thread.run_sync(lambda: sum(self.store.discard(k) for k in wanted),
+                                                limiter=self._io_threads)  # fmt: skip
+        return {"evicted": evicted}
 
     @rpc_method(roles=CLIENTS)
     async def prefetch_status(self) -> dict[str, int]:

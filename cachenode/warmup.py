@@ -20,6 +20,11 @@ Theory of operation
 4. Report. A rich progress bar shows files, bytes and rate; the summary says
    how much was fetched and how much was already cached, so re-running on a
    warm tree finishes fast and says so.
+
+``--check`` resolves and routes the same way, then asks each owner which of
+its blocks it ``holds`` (from its index: nothing is fetched) and reports the
+cached fraction per zone; ``--evict`` asks the owners to drop the blocks
+instead. ``-f LIST`` reads the paths from a file, one a line.
 """
 
 from __future__ import annotations
@@ -200,6 +205,68 @@ class _FileState:
     pending: int
 
 
+def _by_owner(router: CacheRouter, files: Sequence[WarmFile],
+              targets: Sequence[str]) -> dict[tuple[str, str], dict[BlockKey, int]]:  # fmt: skip
+    """``(zone, node address) -> {key: bytes of the files in it}``: where each block belongs."""
+    out: dict[tuple[str, str], dict[BlockKey, int]] = {}
+    for warm in files:
+        for key, nbytes in warm.blocks.items():
+            for node in router.owners(key):
+                if node.zone in targets:  # a key named twice (a path given twice, hard links) counts once
+                    out.setdefault((node.zone, node.addr), {})[key] = nbytes
+    return out
+
+
+@dataclass(slots=True)
+class ZoneCache:
+    """How much of the files one zone's cache nodes hold (``--check``), or dropped (``--evict``)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    cached_blocks: int = 0
+    cached_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        return self.cached_bytes / self.bytes if self.bytes else 1.0
+
+
+async def check_files(pool: RpcPool, router: CacheRouter, volume: str, files: Sequence[WarmFile], *,
+                      zones: Sequence[str] | None = None, evict: bool = False,
+                      batch: int = 10_000) -> dict[str, ZoneCache]:  # fmt: skip
+    """Per target zone, how many of the files' blocks (and their bytes) its owners hold;
+    with ``evict``, have them drop those blocks and count what they dropped."""
+    targets = list(zones) if zones else list(router.rings)
+    out = {zone: ZoneCache() for zone in sorted(targets)}
+
+    async def ask(zone: str, addr: str, keys: dict[BlockKey, int]) -> None:
+        z = out[zone]
+        order = list(keys)
+        z.blocks += len(order)
+        z.bytes += sum(keys.values())
+        for i in range(0, len(order), batch):
+            part = order[i : i + batch]
+            args = {"volume": volume, "keys": [k.to_bytes() for k in part]}
+            try:
+                reply = await pool.call(addr, "evict" if evict else "holds", args, timeout=60.0)
+            except CacheFSError as exc:
+                z.errors.append(f"{addr}: {exc}")
+                continue
+            if evict:
+                z.cached_blocks += reply.result["evicted"]
+                continue
+            for key, has in zip(part, reply.result, strict=True):
+                if has:
+                    z.cached_blocks += 1
+                    z.cached_bytes += keys[key]
+
+    async with trio.open_nursery() as nursery:
+        for (zone, addr), keys in _by_owner(router, files, targets).items():
+            nursery.start_soon(ask, zone, addr, keys)
+    return out
+
+
 async def warm_files(
     pool: RpcPool,
     router: CacheRouter,
@@ -299,7 +366,9 @@ async def run_warmup(
     zones: Sequence[str] | None,
     quiet: bool = False,
     tls: ssl.SSLContext | None = None,
-) -> WarmupReport:
+    check: str | None = None,
+) -> WarmupReport | dict[str, ZoneCache]:
+    """Warm ``paths``; with ``check`` "check" or "evict", report or drop what is cached instead."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -338,6 +407,8 @@ async def run_warmup(
             files = await resolve_paths(
                 reader, volume, paths, int(vol["block_size"]), threads=threads, on_file=resolved
             )
+        if check is not None:
+            return await check_files(pool, router, volume, files, zones=zones, evict=check == "evict")
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -372,8 +443,26 @@ async def run_warmup(
     return report
 
 
+def _paths_from(list_file: str | None, paths: Sequence[str]) -> list[str]:
+    """PATH arguments, then the lines of ``-f LIST`` (blank lines and ``#`` comments skipped)."""
+    out = list(paths)
+    if list_file is not None:
+        try:
+            with open(list_file, encoding="utf-8", errors="surrogateescape") as f:
+                out += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {list_file}: {exc.strerror}", param_hint="-f") from None
+    if not out:
+        raise click.UsageError("no paths: give PATH... or -f LIST")
+    return out
+
+
 @click.command("warmup")
-@click.argument("paths", nargs=-1, required=True)
+@click.argument("paths", nargs=-1)
+@click.option("-f", "--file", "list_file", type=click.Path(dir_okay=False),
+              help="Read paths (inside the volume) from this file, one a line.")
+@click.option("--check", is_flag=True, help="Fetch nothing: report what fraction of the paths each zone caches.")
+@click.option("--evict", is_flag=True, help="Drop the paths' blocks from the cache nodes instead of warming them.")
 @click.option("--volume", required=True, help="Volume the paths are in.")
 @click.option(
     "--meta",
@@ -411,6 +500,9 @@ async def run_warmup(
 @tls_options
 def command(
     paths: tuple[str, ...],
+    list_file: str | None,
+    check: bool,
+    evict: bool,
     volume: str,
     meta: list[str],
     threads: int,
@@ -422,24 +514,44 @@ def command(
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
-    """Prefetch the blocks of PATH... (paths inside the volume) into the cache tier."""
+    """Prefetch the blocks of PATH... (paths inside the volume) into the cache tier
+    (or, with --check, report how much is cached; with --evict, drop it)."""
+    if check and evict:
+        raise click.UsageError("--check and --evict exclude each other")
+    all_paths = _paths_from(list_file, paths)
     secret = load_secret(secret_file, insecure)
     _, tls = load_tls(tls_cert, tls_key, tls_ca)
+    mode = "check" if check else "evict" if evict else None
     try:
         report = trio.run(
             lambda: run_warmup(
                 meta,
                 volume,
-                paths,
+                all_paths,
                 secret=secret,
                 threads=threads,
                 zones=list(zones) or None,
                 quiet=quiet,
                 tls=tls,
+                check=mode,
             )
         )
     except CacheFSError as exc:
         raise click.ClickException(str(exc)) from None
+    if isinstance(report, dict):
+        failed = False
+        for zone, z in report.items():
+            if evict:
+                click.echo(f"zone {zone}: evicted {z.cached_blocks} of {z.blocks} blocks")
+            else:
+                click.echo(f"zone {zone}: {100 * z.fraction:.1f}% cached ({z.cached_blocks} of {z.blocks} blocks, "
+                           f"{z.cached_bytes} of {z.bytes} bytes)")  # fmt: skip
+            for line in z.errors[:10]:
+                click.echo(f"  {line}", err=True)
+            failed |= bool(z.errors)
+        if failed:
+            sys.exit(1)
+        return
     click.echo(report.summary())
     for line in report.errors[:10]:
         click.echo(f"  {line}", err=True)
