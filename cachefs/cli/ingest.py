@@ -106,6 +106,8 @@ class Target(Protocol):
 
     def symlink(self, entry: Entry) -> None: ...
 
+    def readlink(self, rel: str) -> str: ...
+
     def finish_dir(self, entry: Entry) -> None: ...
 
     def close(self) -> None: ...
@@ -143,8 +145,6 @@ class MountTarget:
         with open(src, "rb", buffering=0) as fin:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, entry.mode)  # the process umask is 0
             try:
-                if existed:
-                    os.fchmod(fd, entry.mode)
                 while True:
                     data = fin.read(CHUNK)
                     if not data:
@@ -152,6 +152,8 @@ class MountTarget:
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
+                if existed or entry.mode & 0o6000:  # an old file's mode, or setuid/setgid a write cleared
+                    os.fchmod(fd, entry.mode)
             finally:
                 os.close(fd)  # close() commits: only then is the time set
         os.utime(path, ns=(entry.atime_ns, entry.mtime_ns))
@@ -161,6 +163,9 @@ class MountTarget:
         os.symlink(entry.target, path)
         with contextlib.suppress(NotImplementedError, OSError):
             os.utime(path, ns=(entry.atime_ns, entry.mtime_ns), follow_symlinks=False)
+
+    def readlink(self, rel: str) -> str:
+        return os.readlink(self.describe(rel))
 
     def finish_dir(self, entry: Entry) -> None:
         path = self.describe(entry.rel)
@@ -225,6 +230,9 @@ class VolumeTarget:
         path = self.describe(entry.rel)
         self.fs.symlink(entry.target, path)
         self.fs.utime(path, ns=(entry.atime_ns, entry.mtime_ns), follow_symlinks=False)
+
+    def readlink(self, rel: str) -> str:
+        return self.fs.readlink(self.describe(rel))
 
     async def _finish_dir(self, path: str, entry: Entry) -> None:
         afs = self.fs.aio
@@ -327,14 +335,10 @@ class Importer:
     def _link(self, entry: Entry) -> None:
         st = self._existing(entry.rel)
         if st is not None:
-            if stat.S_ISLNK(st.st_mode) and self._readlink(entry.rel) == entry.target:
+            if stat.S_ISLNK(st.st_mode) and self.target.readlink(entry.rel) == entry.target:
                 return
             self.target.remove(entry.rel, stat.S_ISDIR(st.st_mode))
         self.target.symlink(entry)
-
-    def _readlink(self, rel: str) -> str:
-        t = self.target
-        return t.fs.readlink(t.describe(rel)) if isinstance(t, VolumeTarget) else os.readlink(t.describe(rel))
 
     def _one(self, entry: Entry) -> None:
         try:

@@ -52,7 +52,8 @@ def odd_tree(root: Path) -> None:
     (root / "a" / "script.sh").write_bytes(b"#!/bin/sh\n")
     os.chmod(root / "a" / "script.sh", 0o751)
     os.chmod(root / "a" / "one", 0o600)
-    os.chmod(root / "a" / "zero", 0o4755)  # setuid survives
+    os.chmod(root / "a" / "zero", 0o4755)  # setuid and setgid survive, on empty and written files
+    os.chmod(root / "a" / "b" / "small.jpg", 0o2644)
     for i, path in enumerate(sorted(root.rglob("*"), key=lambda p: -len(p.parts))):
         os.utime(path, ns=(OLD + i, OLD + 1000 * i), follow_symlinks=False)
     os.chmod(root / "a" / "b" / "c", 0o555)  # read-only directory: filled before it gets its mode
