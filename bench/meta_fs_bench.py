@@ -11,7 +11,7 @@ Phases, each timed over all processes (files/s):
 - ``read2``: read every file again, page cache kept (what the kernel serves);
 - ``read_warm``: page cache (and the kernel's dentries and inodes) dropped
   again, every file read: the warm epoch, served by the filesystem's own
-  caches. On cachefs the metanodes' RPCs (their ``cachefs_rpc_calls_total``)
+  caches. On cachefs the metanodes' client RPCs (their ``cachefs_rpc_calls_total``)
   are counted over it: ``meta_rpcs_per_file_warm_epoch``;
 - ``unlink``: remove every file.
 
@@ -53,7 +53,9 @@ TARGETS = ("local", "passthrough", "juicefs", "juicefs_tuned", "cachefs")
 JUICEFS = ("juicefs", "juicefs_tuned")  # ratios against JuiceFS take the better of these
 MIXED_SIZES = (4 << 10, 16 << 10, 64 << 10)  # the sizes of the mixed run's writes
 MIXED_WINDOW = 8  # files a mixed client keeps before it unlinks the oldest
-PEER = ("raft_",)  # metanode methods that are not a client's request: Raft among the replicas
+# Metanode methods no client sends: Raft among the replicas, and the storage nodes' registration and
+# heartbeats (cluster_map stays in: clients and storage nodes both ask it, and the metrics do not say who).
+PEER = ("raft_", "node_heartbeat", "register_node")
 
 
 def _phase(phase: str, root: str, dirs: list[int], per_dir: int, size: int) -> int:
