@@ -66,7 +66,7 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.compare", "--quick", "--json", "--out", str(out),
          "--workdir", str(tmp_path), "--base-port", "31000"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,  # a hang guard: 10 min under load 25
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
