@@ -98,6 +98,8 @@ class Target(Protocol):
 
     def lstat(self, rel: str) -> os.stat_result | None: ...
 
+    def listing(self, rel: str) -> dict[str, os.stat_result]: ...
+
     def mkdir(self, rel: str) -> None: ...
 
     def remove(self, rel: str, is_dir: bool) -> None: ...
@@ -127,6 +129,11 @@ class MountTarget:
             return os.lstat(self.describe(rel))
         except FileNotFoundError:
             return None
+
+    def listing(self, rel: str) -> dict[str, os.stat_result]:
+        # cachefs answers readdir with attributes (readdirplus): the stats come from the kernel's cache
+        with os.scandir(self.describe(rel)) as it:
+            return {e.name: e.stat(follow_symlinks=False) for e in it}
 
     def mkdir(self, rel: str) -> None:
         os.mkdir(self.describe(rel), 0o700)  # writable until finish_dir gives it its mode
@@ -192,6 +199,9 @@ class VolumeTarget:
             return self.fs.lstat(self.describe(rel))
         except FileNotFoundError:
             return None
+
+    def listing(self, rel: str) -> dict[str, os.stat_result]:
+        return {e.name: e.stat for e in self.fs.scandir(self.describe(rel))}  # one readdir, attributes included
 
     def mkdir(self, rel: str) -> None:
         self.fs.mkdir(self.describe(rel), 0o700)
@@ -286,6 +296,8 @@ class Importer:
         self.progress = progress
         self._lock = threading.Lock()
         self._fresh: set[str] = set()  # destination directories this run made: nothing to look up inside
+        self._listings: dict[str, dict[str, os.stat_result]] = {}  # the others, listed once, as they are reached
+        self._listing_lock = threading.Lock()
         self._task: Any = None
         self._started = time.monotonic()
 
@@ -307,10 +319,18 @@ class Importer:
                 self.progress.update(self._task, advance=nbytes, files=done, rate=rate)
 
     def _existing(self, rel: str) -> os.stat_result | None:
-        parent = os.path.dirname(rel)
+        """What is at ``rel`` in the destination: a resumed import lists each directory
+        once instead of looking every name up."""
+        parent, name = os.path.split(rel)
         if parent in self._fresh:
             return None
-        return self.target.lstat(rel)
+        listing = self._listings.get(parent)
+        if listing is None:
+            with self._listing_lock:
+                listing = self._listings.get(parent)
+                if listing is None:
+                    listing = self._listings[parent] = self.target.listing(parent)
+        return listing.pop(name, None)
 
     def _make_dir(self, entry: Entry) -> None:
         st = self._existing(entry.rel)
