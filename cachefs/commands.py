@@ -983,6 +983,7 @@ class SealSlices(Command[int]):
 
 IMPORT_MODES = ("full", "lazy")  # lazy: the leader lists a directory when it is first read
 MAX_IMPORT_BATCH = 10_000
+MAX_POLL_INTERVAL = 7 * 86400
 MAX_OBJECT_KEY = 1024  # S3's limit, in UTF-8 bytes
 
 
@@ -1015,12 +1016,14 @@ class LinkRepo(Command[dict[str, Any]]):
     endpoint: str = ""
     region: str = ""
     import_mode: str = "full"
+    auto_import: int = 0  # seconds between the leader's polls of the bucket; 0: only repo sync
 
     def validate(self) -> None:
         check_int(self.ino, "ino", 1)
         check_repo_target(self.bucket, self.prefix, self.endpoint, self.region)
         if self.import_mode not in IMPORT_MODES:
             raise InvalidArgument(f"import mode must be one of {IMPORT_MODES}, got {self.import_mode!r}")
+        check_int(self.auto_import, "auto_import (seconds)", 0, MAX_POLL_INTERVAL)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1092,6 +1095,13 @@ class ImportObjects(Command[dict[str, int]]):
         rows = _unpack_list(self.entries, "import entries")
         out = []
         for row in rows:
+            if type(row) is list and len(row) == 4:  # the common case, checked in one expression
+                key, size, mtime, etag = row
+                if (type(key) is str and type(size) is int and type(mtime) is int and type(etag) is str
+                        and len(key) > 0 and len(key) * 4 <= MAX_OBJECT_KEY and len(etag) <= 256
+                        and 0 <= size <= MAX_FILE_SIZE and 0 <= mtime <= I64):  # fmt: skip
+                    out.append((key, size, mtime, etag))
+                    continue
             if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
                     and isinstance(row[3], str) and len(row[3]) <= 256):  # fmt: skip
                 raise InvalidArgument(f"import entry must be [key, size, mtime_ns, etag], got {row!r}")

@@ -175,6 +175,7 @@ async def serve(
             service.node = node
             await nursery.start(server.serve, host, port)
             await nursery.start(service.run_housekeeping)
+            await nursery.start(service.run_repo_polls)
             ours = [peers[node_id], *(a for i, a in sorted(peers.items()) if i != node_id)]
             if gc_interval > 0:
                 nursery.start_soon(run_gc, service, pool, ours, gc_interval, gc_grace)

@@ -285,7 +285,8 @@ class RepoLink:
     slice says they are imported). No credentials: every reader has its own."""
 
     __slots__ = ("id", "volume", "ino", "bucket", "prefix", "endpoint", "region", "import_mode",
-                 "objects", "created_ns", "imported_ns", "pending", "empties")  # fmt: skip
+                 "objects", "created_ns", "imported_ns", "auto_import", "pending", "empties")  # fmt: skip
+    _SHOWN = __slots__[:12]  # as they are; the last two are summed up or internal
 
     def __init__(self, link_id: int, cmd: C.LinkRepo) -> None:
         self.id = link_id
@@ -299,12 +300,13 @@ class RepoLink:
         self.objects = 0
         self.created_ns = cmd.now_ns
         self.imported_ns = 0
+        self.auto_import = cmd.auto_import
         self.pending: dict[str, str] = {"": ""}
         self.empties: set[int] = set()
 
     def to_dict(self) -> dict[str, Any]:
         """As ``ListRepoLinks`` shows it: ``pending`` is a count here."""
-        out = {name: getattr(self, name) for name in self.__slots__[:11]}
+        out = {name: getattr(self, name) for name in self._SHOWN}
         return {**out, "pending": len(self.pending), "url": f"s3://{self.bucket}/{self.prefix}"}
 
     def dump(self) -> dict[str, Any]:
@@ -314,8 +316,8 @@ class RepoLink:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RepoLink:
         link = cls.__new__(cls)
-        for name in cls.__slots__[:11]:
-            setattr(link, name, d[name])
+        for name in cls._SHOWN:
+            setattr(link, name, d.get(name, 0))  # auto_import: not in older snapshots
         # older snapshots kept one cursor of a flat listing: list again from the start
         pending = d.get("pending", {} if d["imported_ns"] else {"": ""})
         link.pending = dict(pending) if isinstance(pending, dict) else {}
@@ -575,7 +577,8 @@ class MetaState:
                 if not parent.is_dir:
                     break
         if cmd.prune:  # what may go: every inode under the names the page speaks for
-            todo = [(d, name, child) for d, name, child, _ in self._pruned(vol, link, cmd)]
+            pruned = self._pruned(vol, link, cmd, cmd.objects(), cmd.prefixes())
+            todo = [(d, name, child) for d, name, child, _ in pruned]
             while todo:
                 d, name, child = todo.pop()
                 inos.update((d.ino, child.ino))
@@ -1506,13 +1509,19 @@ class MetaState:
             raise NotFound(f"the directory of repository link {link.id} is gone")
         self._dir(vol, link.ino)
         counts = {"created": 0, "updated": 0, "unchanged": 0, "skipped": 0, "deleted": 0}
-        for key, size, mtime, etag in cmd.objects():
-            counts[self._import_one(vol, link, key, size, mtime, etag, cmd.now_ns)] += 1
+        rows = cmd.objects()
+        d = self._walk(vol, link, cmd.dir) if cmd.prune else None
+        n = len(cmd.dir)
+        if d is not None and all(key.startswith(cmd.dir) and "/" not in key[n:] for key, *_ in rows):
+            self._import_leaves(vol, link, d, rows, n, cmd.now_ns, counts)  # a delimited listing's page
+        else:
+            for key, size, mtime, etag in rows:
+                counts[self._import_one(vol, link, key, size, mtime, etag, cmd.now_ns)] += 1
         subdirs = cmd.prefixes()
         for sub in subdirs:
             self._import_dir(vol, link, sub, cmd.now_ns)
         if cmd.prune:
-            for parent, name, child, path in self._pruned(vol, link, cmd):
+            for parent, name, child, path in self._pruned(vol, link, cmd, rows, subdirs):
                 counts["deleted"] += self._prune(vol, link, parent, name, child, path, cmd.now_ns)
         link.objects += counts["created"] - counts["deleted"]
         if cmd.dir in link.pending:
@@ -1528,6 +1537,49 @@ class MetaState:
         if subdirs:  # which of them are still to list (what a sync of a lazy link skips)
             return {**counts, "unlisted": [sub for sub in subdirs if sub in link.pending]}
         return counts
+
+    def _import_leaves(
+        self, vol: Volume, link: RepoLink, d: Inode, rows: list[tuple[str, int, int, str]], n: int, now: int,
+        counts: dict[str, int],
+    ) -> None:  # fmt: skip
+        """Objects that are all files of directory ``d`` (their keys past ``n``
+        characters): :meth:`_import_one` for each, with the directory's
+        bookkeeping (quota, usage, mtime) done once for the page."""
+        entries = d.data.entries
+        new = []
+        seen = set()
+        for key, size, mtime, etag in rows:
+            try:
+                name = C.check_name(key[n:].encode())
+            except CacheFSError:
+                counts["skipped"] += 1
+                continue
+            if name in seen:  # a hostile page naming a key twice: the first one counts
+                counts["skipped"] += 1
+                continue
+            seen.add(name)
+            packed = entries.get(name)
+            if packed is None:
+                new.append((name, key, size, mtime, etag))
+            else:
+                counts[self._update_one(vol, link, vol.inodes[packed & INO_MASK], key, size, mtime, etag, now)] += 1
+        if not new:
+            return
+        self._check_quota(vol, d.ino, 0, len(new))
+        dd: Dir = d.data
+        for name, key, size, mtime, etag in new:
+            inode = Inode(self._alloc_ino(vol), _S_IFREG | 0o644, 0, 0, mtime, None)
+            vol.inodes[inode.ino] = inode
+            inode.parent = d.ino  # what _add_entry does for a new file (it stores no bytes: usage 0, 1)
+            dd.entries[name] = (dd.next_cookie << INO_BITS) | inode.ino
+            dd.next_cookie += 1
+            self._set_repo_content(vol, link, inode, key, size, etag)
+            if not size:
+                link.empties.add(inode.ino)
+        dd.index = None
+        self._charge(vol, d.ino, 0, len(new))
+        self._touch(d, now)
+        counts["created"] += len(new)
 
     def _walk(self, vol: Volume, link: RepoLink, path: str) -> Inode | None:
         """Directory ``path`` (relative to the link's prefix, "" or ending in "/")."""
@@ -1560,14 +1612,15 @@ class MetaState:
                 return
 
     def _pruned(
-        self, vol: Volume, link: RepoLink, cmd: C.ImportObjects
+        self, vol: Volume, link: RepoLink, cmd: C.ImportObjects, rows: list[Any], subdirs: list[str]
     ) -> list[tuple[Inode, bytes, Inode, str]]:
-        """The names of ``cmd.dir`` its page speaks for but does not list:
-        ``(directory, name, inode, path)``, each to go if it is (or holds) this link's."""
+        """The names of ``cmd.dir`` its page (``rows``, ``subdirs``: decoded)
+        speaks for but does not list: ``(directory, name, inode, path)``, each
+        to go if it is (or holds) this link's."""
         d = self._walk(vol, link, cmd.dir)
         if d is None:
             return []
-        listed = {key.encode() for key, *_ in cmd.objects()} | {p.encode() for p in cmd.prefixes()}
+        listed = {key.encode() for key, *_ in rows} | {p.encode() for p in subdirs}
         base, after, last = cmd.dir.encode(), cmd.after.encode(), cmd.cursor.encode()
         out = []
         for name, packed in d.data.entries.items():
@@ -1633,7 +1686,12 @@ class MetaState:
             if not size:
                 link.empties.add(inode.ino)
             return "created"
-        inode = vol.inodes[ino]
+        return self._update_one(vol, link, vol.inodes[ino], key, size, mtime, etag, now)
+
+    def _update_one(
+        self, vol: Volume, link: RepoLink, inode: Inode, key: str, size: int, mtime: int, etag: str, now: int
+    ) -> str:
+        """An object whose name is taken: a new version of it, or left alone."""
         if _kind(inode.mode) != _S_IFREG:
             return "skipped"
         sids = {rec[1] for rec in _all_records(inode.data)}
@@ -1669,6 +1727,9 @@ class MetaState:
         sid = REPO_SLICE_BIT | self.next_repo
         self.next_repo += 1
         self.repo_objects[sid] = pack_repo_object(link.id, size, etag, key)
+        if size <= CHUNK_SIZE:  # most objects: one record
+            inode.data = _REC.pack(0, sid, 0, size, 0, 0)
+            return
         last = (size - 1) // CHUNK_SIZE
         recs = b"".join(
             _REC.pack(c, sid, 0, min(CHUNK_SIZE, size - c * CHUNK_SIZE), c * CHUNK_SIZE, 0)

@@ -374,6 +374,17 @@ class MetaService:
                     self.leases.end(m)
         return freed
 
+    async def run_repo_polls(
+        self, *, tick: float = 1.0, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The ``--auto-import`` polls of repository links, while leader (``metanode/repos.py``)."""
+
+        def leading() -> bool:
+            self._check_leadership()  # a new term restarts the soft clocks first
+            return self._was_leader
+
+        await self.repos.run_polls(leading, tick=tick, task_status=task_status)
+
     async def run_housekeeping(
         self,
         interval: float = 1.0,

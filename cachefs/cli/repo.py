@@ -20,7 +20,7 @@ from cachefs.config import tls_options
 from cachefs.errors import CacheFSError, Exists, NotADirectory, NotFound
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.cliopts import insecure_option, meta_option, run_admin, secret_option
-from cachefs.repo.importer import COUNTS, import_listing
+from cachefs.repo.importer import COUNTS, import_listing, sync_link
 from cachefs.repo.s3 import S3Store
 from cachefs.repo.url import S3Url
 
@@ -71,18 +71,24 @@ def repo() -> None:
 @click.option("--import", "import_mode", type=click.Choice(["full", "lazy"]), default="full", show_default=True,
               help="full: list the whole prefix now; lazy: the metanode leader lists each directory when "
                    "it is first looked up or read (with its own AWS credentials).")  # fmt: skip
+@click.option("--auto-import", is_flag=True,
+              help="The metanode leader polls the bucket and imports new, changed and deleted objects.")
+@click.option("--poll-interval", type=click.IntRange(1, C.MAX_POLL_INTERVAL), default=300, show_default=True,
+              help="Seconds between --auto-import polls.")
 @click.option("--json", "as_json", is_flag=True)
 @meta_option
 @secret_option
 @insecure_option
 @tls_options
-def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mode: str, as_json: bool,
+def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mode: str, auto_import: bool,
+         poll_interval: int, as_json: bool,
          meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
          tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
     """Link directory PATH of VOLUME to URL (s3://BUCKET/PREFIX) and import its listing."""
     try:
         target = S3Url.parse(url)
-        C.LinkRepo(volume, ROOT, target.bucket, target.prefix, endpoint, region, import_mode)
+        poll = poll_interval if auto_import else 0
+        C.LinkRepo(volume, ROOT, target.bucket, target.prefix, endpoint, region, import_mode, poll)
     except CacheFSError as exc:
         raise click.BadParameter(exc.message, param_hint="URL/--endpoint/--region") from None
 
@@ -97,7 +103,7 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
         store = S3Store(target.bucket, name=name, endpoint=endpoint, region=region)
         await store.check()  # wrong credentials or bucket: refused before anything is recorded
         lk = existing[0] if existing else await mc.mutate(
-            C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode)
+            C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode, poll)
         )  # fmt: skip
         store.name = f"repository link {lk['id']} ({target})"
         pending = await mc.query(Q.RepoPending(lk["id"]))  # a new link: its own directory
@@ -183,12 +189,7 @@ def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: st
         lk = await link_at(mc, volume, await resolve(mc, volume, path))
         store = S3Store(lk["bucket"], name=f"repository link {lk['id']} ({lk['url']})",
                         endpoint=lk["endpoint"], region=lk["region"])  # fmt: skip
-        if lk["import_mode"] == "full":
-            return await import_listing(mc.mutate, lk, store, {"": ""})
-        # lazy: what was listed is listed again; what is still to list stays so
-        pending = await mc.query(Q.RepoPending(lk["id"]))
-        return await import_listing(mc.mutate, lk, store, {} if "" in pending else {"": ""},
-                                    descend=lambda sub, reply: sub not in reply.get("unlisted", ()))  # fmt: skip
+        return await sync_link(mc.mutate, lk, store, await mc.query(Q.RepoPending(lk["id"])))
 
     totals = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:

@@ -105,3 +105,22 @@ async def import_listing(
     if failure:
         raise failure[0]
     return totals
+
+
+async def sync_link(
+    mutate: Callable[[Any], Awaitable[Any]],
+    link: dict[str, Any],
+    store: S3Store,
+    pending: dict[str, str],
+    *,
+    progress: Progress | None = None,
+) -> dict[str, int]:
+    """List ``link`` again (``repo sync``, and each ``--auto-import`` poll):
+    all of it for a full link; for a lazy one what was listed so far, the
+    rest staying to list when read (``pending``: the link's pending directories)."""
+    if link["import_mode"] == "full":
+        return await import_listing(mutate, link, store, {"": ""}, progress=progress)
+    return await import_listing(
+        mutate, link, store, {} if "" in pending else {"": ""},
+        descend=lambda sub, reply: sub not in reply.get("unlisted", ()), progress=progress,
+    )  # fmt: skip

@@ -19,6 +19,7 @@ tests (``tests/client/localfs.py``) and benches mount on it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -122,6 +123,7 @@ async def local_metanode(
         meta.addr = f"127.0.0.1:{port}"
         meta.service.node = LocalRaft(meta.state, meta.addr)  # type: ignore[assignment]
         await nursery.start(meta.service.run_housekeeping, housekeeping)
+        await nursery.start(functools.partial(meta.service.run_repo_polls, tick=min(housekeeping, 1.0)))
         try:
             yield meta
         finally:

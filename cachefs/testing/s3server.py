@@ -40,6 +40,7 @@ class SeaweedS3:
         self.root = Path(root)
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
+        self.ports: dict[str, int] = {}  # every port it listens on, by weed flag name (filer.port: the filer)
 
     def env(self) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
@@ -55,7 +56,7 @@ class SeaweedS3:
         names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                  "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
                  "metricsPort"]  # fmt: skip
-        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        ports = self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         argv = [weed_binary(), "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-filer", "-s3", f"-s3.config={config}", "-volume.max=0",
                 "-master.volumeSizeLimitMB=64", *(f"-{k}={v}" for k, v in ports.items())]  # fmt: skip

@@ -253,3 +253,10 @@ def test_pending_directories_of_a_lazy_link_are_indexed_and_survive_a_snapshot(n
     assert len(ns.state.lazy_dirs) == 1  # a full link's pending directories are its importer's
     ns.do(C.UnlinkRepo, link)
     assert ns.state.lazy_dirs == {}
+
+
+def test_a_page_naming_a_key_twice_imports_it_once(ns: Driver) -> None:
+    link, d = linked(ns)
+    got = page(ns, link, ("a", 1, '"1"'), ("a", 2, '"2"'), ("b", 3, '"3"'))
+    assert (got["created"], got["skipped"]) == (2, 1) and path(ns, d, b"a").size == 1
+    ns.check()

@@ -280,3 +280,43 @@ async def test_a_lazy_link_lists_each_directory_once_when_it_is_first_read(moto:
         gone = await mc.mutate(C.LinkRepo("v", e.ino, "no-such-bucket", "", moto, "", "lazy"))
         with pytest.raises(CacheFSError, match=f"repository link {gone['id']} .*bucket 'no-such-bucket' does not"):
             await mc.query(Q.ReadDir("v", e.ino, 0, 100))
+
+
+async def test_auto_import_polls_pick_up_new_changed_and_deleted_objects(
+    moto: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="auto")
+    for key in ("a", "b", "sub/c"):
+        s3.put_object(Bucket="auto", Key=key, Body=key.encode())
+    async with local_metanode(housekeeping=0.2) as meta, RpcPool(secret=None) as pool:
+        await meta.create_volume("v", block_size=BS)
+        mc = meta.client(pool)
+        d = await mc.mutate(C.Mkdir("v", 1, b"auto", 0o755, 0, 0))
+        link = await mc.mutate(C.LinkRepo("v", d.ino, "auto", "", moto, "", "full", 1))
+        assert link["auto_import"] == 1
+
+        async def names() -> dict[bytes, int]:
+            out = {}
+            for e in await mc.query(Q.ReadDir("v", d.ino, 0, 100)):
+                out[e.name] = e.attr.size
+            return out
+
+        with trio.fail_after(20):  # nothing imported it but the poll
+            while await names() != {b"a": 1, b"b": 1, b"sub": 4096} or not (await mc.query(Q.ListRepoLinks()))[0]["imported_ns"]:
+                await trio.sleep(0.2)
+        sub = await mc.query(Q.Lookup("v", d.ino, b"sub"))
+        assert [e.name for e in await mc.query(Q.ReadDir("v", sub.ino, 0, 100))] == [b"c"]
+        s3.put_object(Bucket="auto", Key="a", Body=b"changed")
+        s3.delete_object(Bucket="auto", Key="b")
+        s3.put_object(Bucket="auto", Key="new", Body=b"new!")
+        with trio.fail_after(20):
+            while await names() != {b"a": 7, b"new": 4, b"sub": 4096}:
+                await trio.sleep(0.2)
+
+        gone = await mc.mutate(C.Mkdir("v", 1, b"gone", 0o755, 0, 0))
+        bad = await mc.mutate(C.LinkRepo("v", gone.ino, "no-such-bucket", "", moto, "", "full", 1))
+        await trio.sleep(2.5)  # failing polls are logged and retried; the other link keeps its files
+        assert await names() == {b"a": 7, b"new": 4, b"sub": 4096}
+        failed = [r.getMessage() for r in caplog.records if "auto-import poll failed" in r.getMessage()]
+        assert len(failed) >= 2 and f"repository link {bad['id']}: bucket 'no-such-bucket' does not exist" in failed[0]
