@@ -17,6 +17,11 @@ Theory of operation
    blocks through from backing storage (bypassing its admission rule) and
    answers with how many were already cached, fetched, or failed. A node
    that cannot be reached is marked down and its batches count as failed.
+   The first target zone (in name order) is warmed first, then the others
+   at once: their misses ask the first zone's owner before backing storage
+   (``cachenode/peers.py``: the first other zone in name order), so each
+   block is read from backing storage (for a linked bucket: one ranged GET)
+   once for the whole cache group, however many zones keep a copy.
 4. Report. A rich progress bar shows files, bytes and rate; the summary says
    how much was fetched and how much was already cached, so re-running on a
    warm tree finishes fast and says so.
@@ -301,10 +306,10 @@ async def warm_files(
         report.bytes += sum(warm.blocks[k] for keys in per_addr.values() for k in keys)
         if state.pending == 0 and on_file is not None:
             on_file(warm)
-    send, recv = trio.open_memory_channel[_Batch](len(batches) or 1)
-    for b in batches:
-        send.send_nowait(b)
-    send.close()
+    first = min(targets)
+    zone_of = {node.addr: node.zone for ring in router.rings.values() for node in ring.nodes.values()}
+    waves = [[b for b in batches if zone_of.get(b.addr) == first],
+             [b for b in batches if zone_of.get(b.addr) != first]]  # fmt: skip
 
     async def worker(recv: trio.MemoryReceiveChannel[_Batch]) -> None:
         async with recv:
@@ -345,10 +350,15 @@ async def warm_files(
         if b.file.pending == 0 and on_file is not None:
             on_file(b.file.warm)
 
-    async with trio.open_nursery() as nursery:
-        for _ in range(max(1, threads)):
-            nursery.start_soon(worker, recv.clone())
-        recv.close()
+    for wave in waves:  # the first zone from backing storage, then the others from it
+        send, recv = trio.open_memory_channel[_Batch](len(wave) or 1)
+        for b in wave:
+            send.send_nowait(b)
+        send.close()
+        async with trio.open_nursery() as nursery:
+            for _ in range(max(1, threads)):
+                nursery.start_soon(worker, recv.clone())
+            recv.close()
     report.seconds = time.perf_counter() - started
     return report
 

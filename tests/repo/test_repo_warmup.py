@@ -1,0 +1,106 @@
+"""``cachefs warmup`` on a linked directory, in a lab of three zones with a cache node each.
+
+The first zone's cache nodes read each block from the bucket (SeaweedFS);
+the other zones' copy it from them, so the whole cache group reads each
+block from S3 once. ``--check`` says what each zone holds, fetching nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cachefs.rpc import RpcPool
+from cachefs.testing.ports import free_lab_base
+from cachefs.testing.s3server import SeaweedS3
+
+from .test_repo_e2e import client, repo_cli
+
+MiB = 1 << 20
+SIZES = {"a/big.bin": 9 * MiB, "a/one-block.bin": 4 * MiB, "b/small.jpg": 100_000, "b/tiny": 1, "empty": 0}
+BLOCKS = 3 + 1 + 1 + 1
+
+
+@pytest.fixture(scope="module")
+def lab(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SeaweedS3]]:
+    from cachefs.lab.cluster import Lab, LabConfig
+
+    with SeaweedS3(tmp_path_factory.mktemp("weed")) as s3:
+        config = LabConfig(root=str(tmp_path_factory.mktemp("warmlab")), metanodes=1, datanodes=3, cachenodes=3,
+                           zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
+                           cache_memory="0")  # fmt: skip
+        config.base_port = free_lab_base(config)
+        saved = dict(os.environ)
+        os.environ.update(s3.env())
+        lab = Lab(config)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                lab.up(timeout=120)
+            yield lab, s3
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                lab.down()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def warmup(lab: Any, *args: str) -> str:
+    argv = [sys.executable, "-m", "cachefs.cli", "warmup", *args, "--volume", "lab", "--meta", ",".join(lab.meta_addrs),
+            "--secret-file", str(lab.credential_file("admin")), "--quiet"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def zones(text: str) -> dict[str, tuple[int, int, int, int]]:
+    """``--check``'s lines: zone -> (cached blocks, blocks, cached bytes, bytes)."""
+    found = re.findall(r"zone (\S+): [\d.]+% cached \((\d+) of (\d+) blocks, (\d+) of (\d+) bytes\)", text)
+    return {z: tuple(map(int, rest)) for z, *rest in found}
+
+
+def summary(text: str) -> tuple[int, int, int, int, int]:
+    """The warm-up's summary: (files, block copies, fetched, already cached, failed)."""
+    files, copies = map(int, re.search(r"(\d+) files, (\d+) block copies", text).groups())
+    if "everything was already cached" in text:
+        return files, copies, 0, copies, 0
+    fetched, cached, failed = map(int, re.search(r"(\d+) fetched .*?, (\d+) already cached, (\d+) failed",
+                                                 text).groups())  # fmt: skip
+    return files, copies, fetched, cached, failed
+
+
+async def fetches(lab: Any) -> list[int]:
+    async with RpcPool(secret=lab.credential("admin")) as pool:
+        return [(await pool.call(n.addr, "stats", {}, timeout=10)).result["backing_fetches"]
+                for n in lab.of_kind("cachenode")]  # fmt: skip
+
+
+def test_warmup_of_a_linked_directory_reads_each_block_from_s3_once_for_every_zone(lab) -> None:
+    lab, s3 = lab
+    c = client(s3)
+    c.create_bucket(Bucket="warm")
+    rng = random.Random(4)
+    for key, size in SIZES.items():
+        c.put_object(Bucket="warm", Key="ds/" + key, Body=rng.randbytes(size))
+    out = repo_cli(lab, "link", "lab", "/warm", "s3://warm/ds", "--endpoint", s3.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+
+    total = sum(SIZES.values())
+    cold = zones(warmup(lab, "/warm", "--check"))
+    assert len(cold) == 3 and all(z == (0, BLOCKS, 0, total) for z in cold.values())
+    before = lab.run(fetches, lab)
+    assert summary(warmup(lab, "/warm")) == (len(SIZES), 3 * BLOCKS, 3 * BLOCKS, 0, 0)
+    after = lab.run(fetches, lab)
+    assert sum(after) - sum(before) == BLOCKS  # the other zones copied from the first one
+    warm = zones(warmup(lab, "/warm", "--check"))
+    assert len(warm) == 3 and all(z == (BLOCKS, BLOCKS, total, total) for z in warm.values())
+    assert summary(warmup(lab, "/warm/a")) == (2, 3 * 4, 0, 3 * 4, 0)  # a's 4 blocks, warm in every zone
