@@ -196,6 +196,23 @@ class LeasedAttr(NamedTuple):
         return cls(Attr.from_wire(raw[0]), Grant.from_wire(raw[1]))
 
 
+class Created(NamedTuple):
+    """A create's answer with a lease on the new file (``MetaClient.create``):
+    its attributes, its directory's, and whether it has no extended
+    attributes, all as of the grant."""
+
+    attr: Attr
+    parent: Attr
+    bare: bool
+    grant: Grant
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Created:
+        if not isinstance(raw, list | tuple) or len(raw) != 4 or type(raw[2]) is not bool:
+            raise IOFailure(f"malformed create answer from metanode: {raw!r:.200}")
+        return cls(Attr.from_wire(raw[0]), Attr.from_wire(raw[1]), raw[2], Grant.from_wire(raw[3]))
+
+
 class LoadedEntry(NamedTuple):
     """One entry of a directory load: ``slices`` is chunk 0's slice list for
     a small regular file, else None."""

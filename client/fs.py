@@ -32,7 +32,8 @@ Rules every handler keeps:
 - Attribute cache: the kernel drops an inode's attributes after every write
   and asks again on the next read (and asks ``security.capability`` on every
   write); ``getattr`` answers from the lease, else asks the leader, and
-  ``getxattr`` answers from what the metanodes said less than
+  ``getxattr`` answers from the lease (what was read under it, or that a
+  file created here has none), else from what the metanodes said less than
   ``attr_timeout`` ago, so its staleness bound stays the one the kernel's
   own attribute cache already has. An xattr change here voids that inode's.
 """
@@ -508,7 +509,7 @@ class CacheFS(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
-        attr = await self.session.mutate(
+        attr = await self.session.create(
             C.Mknod(self.vol, parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
         )
         self.inodes.learn(attr)
@@ -690,17 +691,32 @@ class CacheFS(pyfuse3.Operations):
         if is_control(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
         node = self.inodes.get(inode)
+        leases = self.leases
         now = time.monotonic()
+        lease = leases.get(inode, now)
+        if lease is not None and (name in lease.xattrs or lease.bare):
+            leases.stats["hits"] += 1  # the lease covers extended attributes
+            value = lease.xattrs.get(name)
+            if value is None:
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            return value
         if node is not None:
             hit = node.xattrs.get(name)
             if hit is not None and now - hit[0] < self.options.attr_timeout:
                 if hit[1] is None:
                     raise pyfuse3.FUSEError(errno.ENODATA)
                 return hit[1]
+        ticket = leases.ticket(now)
         try:
             value: bytes | None = await self.meta.query(Q.GetXattr(self.vol, inode, name))
         except NoData:
             value = None
+        finally:
+            # kept with the lease only if it was held throughout (nothing dropped or changed it)
+            leased = lease is not None and leases.fresh(ticket, inode) and leases.held(inode) is lease
+            leases.done(ticket)
+        if leased and len(lease.xattrs) < XATTR_CACHE:
+            lease.xattrs[name] = value
         # Cache only if nothing voided this inode's xattrs while we waited.
         if node is not None and node.xattrs_voided < now:
             if len(node.xattrs) >= XATTR_CACHE:

@@ -85,6 +85,10 @@ class Lease:
     # names the kernel may cache under this lease (long entry timeouts):
     # invalidated when the lease goes
     kernel_names: set[bytes] = field(default_factory=set)
+    # extended attributes read under it: name -> value (None: there is none);
+    # ``bare``: the inode has none at all (known from its create)
+    xattrs: dict[bytes, bytes | None] = field(default_factory=dict)
+    bare: bool = False
 
 
 class Ticket(NamedTuple):
@@ -311,7 +315,11 @@ class LeaseCache:
         return OwnChange(kept, opens, tuple(self._own[i] for i in kept))
 
     def end_mutation(
-        self, change: OwnChange, names: Iterable[tuple[int, bytes]], attr: Attr | None = None
+        self,
+        change: OwnChange,
+        names: Iterable[tuple[int, bytes]],
+        attr: Attr | None = None,
+        others: Iterable[Attr] = (),
     ) -> None:
         """Our change was answered (or failed): the attributes of its inodes
         are stale, unless ``attr`` (its answer) is one's and no other own
@@ -320,7 +328,10 @@ class LeaseCache:
         still, moved by its own rename: they are invalidated with the
         directory's lease), unless the answer is an inode's attributes (a
         create or link: the name is that inode's now) and no other own
-        change of the directory overlapped."""
+        change of the directory overlapped. ``others``: attributes of more
+        of its inodes that came with the answer (a create's directory),
+        kept as ``attr`` is. What we knew of their extended attributes is
+        dropped (our change may have set some)."""
         alone: set[int] = set()
         for ino, began in zip(change.kept, change.began, strict=True):
             if self._busy[ino] == 1 and self._own[ino] == began:
@@ -336,6 +347,12 @@ class LeaseCache:
             lease = self._held.get(ino)
             if lease is not None:
                 lease.attr = attr if ino in alone and attr is not None and attr.ino == ino else None
+                lease.xattrs.clear()
+                lease.bare = False
+        for other in others:
+            lease = self._held.get(other.ino)
+            if lease is not None and other.ino in alone:
+                lease.attr = other
         for parent, name in names:
             lease = self._held.get(parent)
             if lease is None:

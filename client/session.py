@@ -357,13 +357,8 @@ class Session:
         refs = C.inode_refs(cmd) if leases is not None else None
         if refs is None or leases is None:
             return await self.meta.mutate(cmd)
-        _, inos, entries = refs
-        named = set(inos)
-        for parent, name in entries:
-            lease = leases.held(parent)
-            if lease is not None and name in lease.entries:
-                named.add(lease.entries[name])
-        change = leases.begin_mutation(named)
+        change = leases.begin_mutation(self._named(refs))
+        entries = refs[2]
         result = None
         try:
             result = await self.meta.mutate(cmd, lease=(self.session_id, change.kept, change.opens))
@@ -375,6 +370,46 @@ class Session:
             raise
         finally:
             leases.end_mutation(change, entries, result if isinstance(result, Attr) else None)
+
+    def _named(self, refs: C.Refs) -> set[int]:
+        """The inodes a change names, and those its names resolve to here."""
+        assert self.leases is not None
+        _, inos, entries = refs
+        named = set(inos)
+        for parent, name in entries:
+            lease = self.leases.held(parent)
+            if lease is not None and name in lease.entries:
+                named.add(lease.entries[name])
+        return named
+
+    async def create(self, cmd: C.Mknod) -> Attr:
+        """Create a regular file in one round trip: the answer carries a lease
+        on it (so that its open, which follows, is answered here and never
+        announced, and the kernel's getxattr of it too) and its directory's
+        attributes (which the kernel asks for next)."""
+        leases = self.leases
+        refs = C.inode_refs(cmd)
+        if leases is None or refs is None:
+            return await self.meta.mutate(cmd)
+        change = leases.begin_mutation(self._named(refs))
+        entries = refs[2]
+        ticket = leases.ticket(time.monotonic())
+        created = None
+        try:
+            created = await self.meta.create(cmd, (self.session_id, change.kept, change.opens))
+            lease = leases.accept(ticket, created.grant, time.monotonic()).get(created.attr.ino)
+            if lease is not None:
+                lease.attr, lease.bare = created.attr, created.bare
+            return created.attr
+        except CacheFSError as exc:
+            if not exc.remote:
+                for ino in change.kept:
+                    leases.lose(ino)
+            raise
+        finally:
+            leases.done(ticket)
+            attr, others = (created.attr, (created.parent,)) if created else (None, ())
+            leases.end_mutation(change, entries, attr, others)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         """A chunk's slice list (the reader's ``BlockSource`` call)."""

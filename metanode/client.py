@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import trio
 
 from cachefs import commands as C
+from cachefs import messages as M
 from cachefs import queries as Q
 from cachefs.errors import (
     Busy,
@@ -119,6 +120,19 @@ class MetaClient:
         if lease is not None:
             args["lease"] = [lease[0], list(lease[1]), list(lease[2])]
         return type(cmd).REPLY(await self.call(cmd.NAME, args, deadline=deadline))
+
+    async def create(
+        self, cmd: C.Mknod, lease: tuple[str, tuple[int, ...], tuple[int, ...]]
+    ) -> M.Created:
+        """Create a regular file as :meth:`mutate` does, and have the answer
+        carry a lease on it for the session of ``lease`` (with the file's and
+        its directory's attributes, and whether it has extended attributes)."""
+        args = {
+            "a": cmd.to_request(self.client_id, next(self._seq)),
+            "lease": [lease[0], list(lease[1]), list(lease[2])],
+            "grant": True,
+        }
+        return M.Created.from_wire(await self.call(cmd.NAME, args))
 
     async def query(self, q: Q.Query[R], *, deadline: float | None = None) -> R:
         """Ask the leader ``q``; its decoded reply (raises as :meth:`mutate`)."""

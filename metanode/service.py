@@ -100,10 +100,11 @@ def _serves_interface(cls: type[MetaService]) -> type[MetaService]:
             identity: Identity,
             token: str | None = None,
             lease: list | None = None,
+            grant: bool = False,
         ) -> Any:
             cmd = command.from_request(_stamped(a, identity), time.time_ns())
             self._admit(identity, cmd, scope)
-            return await self.mutate(cmd, token, lease)
+            return await self.mutate(cmd, token, lease, grant)
 
         return handle
 
@@ -456,25 +457,56 @@ class MetaService:
                 raise PermissionDenied(f"session {message.session!r} is not {identity}'s")
 
     async def mutate(
-        self, cmd: C.Command[Any], token: str | None = None, lease: list | None = None
+        self,
+        cmd: C.Command[Any],
+        token: str | None = None,
+        lease: list | None = None,
+        grant: bool = False,
     ) -> Any:
         """Propose a client's command (decoded and stamped with ``now_ns``),
         through its leader hook if it has one, once the leases on what it
         changes are revoked; ``token``: a volume's mount token, for the
         commands that take one (it never enters the log); ``lease``:
         ``[session, kept, opens]`` of the mutating session (see
-        :meth:`_mutator`)."""
+        :meth:`_mutator`); ``grant``: a create of a regular file that
+        answers with a lease on it (:meth:`_created`)."""
         if token is not None and type(cmd) not in self._TAKES_TOKEN:
             raise InvalidArgument(f"{cmd.NAME} takes no token")
+        if grant and (type(cmd) is not C.Mknod or lease is None):
+            raise InvalidArgument("grant is for a Mknod that names its session's lease")
         hook = self._COMMAND_HOOKS.get(type(cmd))
         m = await self._revoke(cmd, lease)
         try:
             if hook is None:
-                return await self._propose(cmd)
-            return await hook(self, cmd, token)
+                result = await self._propose(cmd)
+            else:
+                result = await hook(self, cmd, token)
         finally:
             if m is not None:
                 self.leases.end(m)
+        if grant:
+            return await self._created(cmd, M.Attr.from_wire(result), lease)
+        return result
+
+    async def _created(self, cmd: C.Mknod, attr: M.Attr, lease: list) -> M.Created:
+        """A create's answer with a lease on the new file for its session, so
+        that its open, its first getxattr and its directory's getattr need
+        no round trip. Read as the confirmed leader, with no await between
+        the read and the grant (as every leased read); no lease when the
+        file is gone or changing already."""
+        state = await self._read()
+        parent = state.getattr(cmd.volume, cmd.parent)
+        vol = state.volumes.get(cmd.volume)
+        inode = vol.inodes.get(attr.ino) if vol is not None else None
+        if inode is None or not attr.is_reg:
+            return M.Created(attr, parent, False, M.Grant(self.leases.leader_term, 0, ()))
+        session = lease[0]
+        s = state.sessions.get(session)
+        if s is None or s.client_id != cmd.client_id:
+            session = ""  # not the command's client's: no lease (as in _mutator)
+        return M.Created(
+            state.attr(inode), parent, inode.xattrs is None, self._grant(session, cmd.volume, [attr.ino])
+        )
 
     # -- leases (metanode/leases.py): revocations before a mutation ---------------------
 

@@ -62,6 +62,12 @@ class Pair:
         """Slice lists mount A asked the metanodes for."""
         return self._metric("cachefs_mount_slice_lists_total")
 
+    def rpcs(self) -> dict[str, int]:
+        """Metanode RPCs mount A sent, by method."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        found = re.findall(r'^cachefs_mount_rpc_latency_seconds_count\{method="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+        return {method: int(float(n)) for method, n in found}
+
     def _metric(self, family: str, label: str = "", value: str = "") -> int:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
         labels = rf'\{{{label}="{value}"\}}' if label else ""
@@ -163,6 +169,37 @@ def test_a_listing_leases_the_entries_and_their_first_slice_lists(cluster, tmp_p
         assert pair.slice_lists() == lists
         (b / "f00").write_bytes(b"changed")  # and a change is still seen at once
         assert (a / "f00").read_bytes() == b"changed"
+    finally:
+        pair.stop()
+
+
+def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_the_create(cluster, tmp_path: Path) -> None:
+    """The create's answer leases the new file (its open and release stay in
+    the mount, the kernel's getxattr of security.capability is answered
+    from the lease) and brings the directory's attributes; the commit's
+    answer keeps the file's. B still sees each file, and A's own stat of it
+    is answered from memory."""
+    pair = Pair(cluster, tmp_path)
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        os.stat(a)
+        files = {f"f{i:02d}": os.urandom(100 + 997 * i) for i in range(20)}
+        before = pair.rpcs()
+        for name, data in files.items():
+            with open(a / name, "wb") as f:
+                f.write(data)
+        for name, data in files.items():
+            assert os.stat(a / name).st_size == len(data)
+        sent = {m: n - before.get(m, 0) for m, n in pair.rpcs().items() if n > before.get(m, 0)}
+        assert sent.get("mknod") == len(files), sent
+        assert sent.get("write_slice") == len(files), sent
+        for method in ("lease_open", "open", "getxattr", "lease_getattr", "getattr"):
+            assert method not in sent, sent
+        assert sent.get("lease_lookup", 0) <= len(files) + 2, sent  # the kernel's lookup before each create
+        for name, data in files.items():
+            assert (b / name).read_bytes() == data
+        (b / "f00").write_bytes(b"changed by b")  # revokes A's lease on the file it created
+        assert (a / "f00").read_bytes() == b"changed by b"
     finally:
         pair.stop()
 

@@ -264,6 +264,29 @@ async def test_a_change_waits_for_the_holders_ack_which_its_poll_carries(meta: S
     assert info.value.errno == errno.ENOENT
 
 
+async def test_a_create_answers_with_a_lease_on_the_new_file_that_a_change_revokes(meta: Single) -> None:  # noqa: F811
+    a_client, b_client = meta.client(heartbeat_interval=0.1), meta.client(heartbeat_interval=0.1)
+    a = (await a_client.mount_volume(VOL)).session
+    await b_client.mount_volume(VOL)
+    created = await a_client.create(C.Mknod(VOL, 1, b"f", 0o100644), (a, (1,), ()))
+    f = created.attr
+    assert created.grant.inos == (f.ino,) and created.grant.ms > 0 and created.bare
+    assert created.parent.ino == 1 and created.parent.mtime_ns == f.ctime_ns
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b_client.mutate, C.SetXattr(VOL, f.ino, b"user.x", b"1"))
+        with trio.fail_after(5):
+            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # answered by the revocation
+        [(rev, ino)] = news.revoke
+        assert ino == f.ino
+        await a_client.query(Q.LeasePoll(a, acks=(rev,), wait_ms=0))  # and the change goes on
+    other = await b_client.create(C.Mknod(VOL, 1, b"g", 0o100644), (a, (), ()))
+    assert other.grant.inos == ()  # not b's session: no lease for it
+    with pytest.raises(CacheFSError) as info:
+        cmd = C.Mkdir(VOL, 1, b"d", 0o755)
+        await a_client.call(cmd.NAME, {"a": cmd.to_request(a_client.client_id, 10**6), "lease": [a, [], []], "grant": True})
+    assert info.value.errno == errno.EINVAL
+
+
 # -- the stateful test ------------------------------------------------------------------
 
 INOS = (1, 2)
