@@ -30,7 +30,12 @@ by then, or failed to commit, is written to a spill file under
 (exit status 1). ``cachefs umount --timeout`` (120) waits longer than that.
 
 SIGUSR1 logs every task of the mount and the line it waits at
-(:mod:`cachefs.taskdump`): what a hung request is waiting for.
+(:mod:`cachefs.taskdump`): what a hung request is waiting for. SIGUSR2
+starts tracemalloc, and each later SIGUSR2 logs the allocation sites that
+grew since the one before (:class:`cachefs.heap.MemoryTracer`): what holds
+the memory. Free heap pages go back to the kernel as the mount runs
+(:class:`cachefs.heap.HeapTrimmer`); docs/deploy.md says what a mount's
+memory is made of.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import click
 import pyfuse3
 import trio
 
-from cachefs import logs, sdnotify
+from cachefs import heap, logs, sdnotify
 from cachefs.config import (
     ADDRS,
     LOG_LEVELS,
@@ -369,7 +374,7 @@ class MountCollector:
             "cachefs_mount_rss_bytes",
             "Resident memory of the mount process (L1, write buffers, inodes, fixed overhead)",
         )
-        rss.add_metric([], _rss())
+        rss.add_metric([], heap.rss())
         yield rss
         failed = CounterMetricFamily(
             "cachefs_mount_task_failures",
@@ -391,14 +396,6 @@ def _counter(name: str, help_text: str, value: float):  # type: ignore[no-untype
     from prometheus_client.core import CounterMetricFamily
 
     return CounterMetricFamily(name, help_text, value=value)
-
-
-def _rss() -> int:
-    """This process's resident bytes (0 where /proc is not there)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 async def serve(
@@ -475,6 +472,7 @@ async def run_fs(
         engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background,
                                   session.meta.addrs)
         engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
+        engine.nursery.start_soon(_trim_heap, restart=True)
         try:
             await pyfuse3.main()
         finally:
@@ -531,9 +529,11 @@ async def _announce(
 
 async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
     """SIGTERM and SIGINT unmount (after committing); SIGHUP reloads the log
-    level and reopens the log file (cachefs/logs.py); SIGUSR1 logs the tasks."""
+    level and reopens the log file (cachefs/logs.py); SIGUSR1 logs the tasks,
+    SIGUSR2 what grew on the heap (cachefs/heap.py)."""
     stop = (signal.SIGTERM, signal.SIGINT)
-    with trio.open_signal_receiver(*stop, signal.SIGHUP, signal.SIGUSR1) as signals:
+    tracer = heap.MemoryTracer()
+    with trio.open_signal_receiver(*stop, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2) as signals:
         async for signum in signals:
             if signum == signal.SIGUSR1:
                 log.info("tasks of this mount (SIGUSR1):\n%s", task_tree())
@@ -541,10 +541,25 @@ async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
             if signum == signal.SIGHUP:
                 logs.reload()
                 continue
+            if signum == signal.SIGUSR2:
+                log.info("memory of this mount (SIGUSR2), resident %d MiB: %s", heap.rss() >> 20, tracer.step())
+                continue
             log.info("signal %d: committing dirty data and unmounting", signum)
             await engine.flush_all(stopping.deadline())
             pyfuse3.terminate()
             return
+
+
+async def _trim_heap() -> None:
+    """Give freed heap pages back once a second when due; in a thread, since
+    a trim of a few hundred MiB of heap takes 10-40 ms."""
+    trimmer = heap.HeapTrimmer()
+    if not trimmer.available:
+        log.info("no malloc_trim in this libc: freed heap pages stay resident")
+        return
+    while True:
+        await trio.sleep(1.0)
+        await trio.to_thread.run_sync(trimmer.check)
 
 
 def _write_pid(mountpoint: str, meta_addrs: list[str]) -> None:
@@ -577,6 +592,10 @@ def _remove_pid(mountpoint: str) -> None:
 )
 @click.option(
     "--write-buffer", type=SIZE, default="64M", show_default=True, help="Write buffer per file."
+)
+@click.option(
+    "--write-buffer-total", type=SIZE, default="256M", show_default=True,
+    help="Write buffers of all files together (uncommitted bytes in memory).",
 )
 @click.option(
     "--attr-timeout",
@@ -690,6 +709,7 @@ def mount_command(
     l1_size: int,
     readahead: int,
     write_buffer: int,
+    write_buffer_total: int,
     attr_timeout: float,
     entry_timeout: float,
     write_through: bool,
@@ -726,6 +746,7 @@ def mount_command(
         l1_bytes=l1_size,
         readahead_max=readahead,
         write_buffer=write_buffer,
+        write_buffer_total=write_buffer_total,
         attr_timeout=attr_timeout,
         entry_timeout=entry_timeout,
         write_through=write_through,

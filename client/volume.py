@@ -17,7 +17,8 @@ the one place it is put together:
 - the L1 cache and the :class:`~.reader.Reader`; blocks this client stores go
   into L1 too, at its cold end;
 - one :class:`~.writer.FileWriter` per inode being written, all under one
-  upload limit; every commit may schedule a compaction
+  upload limit and one write budget (``write_buffer_total`` uncommitted
+  bytes across files, besides ``write_buffer`` per file); every commit may schedule a compaction
   (:class:`~.compaction.Compactor`); writes left idle in an open file are
   sealed and uploaded after ``FLUSH_IDLE`` seconds, not at its close;
 - open, release and truncation of inodes.
@@ -51,7 +52,7 @@ from .l2 import CachedBlocks, L2Cache
 from .reader import Reader
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR, spill
-from .writer import FileWriter, WriteStats
+from .writer import FileWriter, WriteBudget, WriteStats
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ClientOptions:
     l1_bytes: int = 256 << 20
     readahead_max: int = 32 << 20
     write_buffer: int = 64 << 20  # per file being written
+    write_buffer_total: int = 256 << 20  # every file being written, together
     write_through: bool = False  # also put written blocks into the cache tier
     upload_parallel: int = 8  # block uploads in flight
     compact_after: int = 64  # slices in a chunk before it is rewritten as one
@@ -129,6 +131,7 @@ class Volume:
         )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
         self.write_stats = WriteStats()
+        self.write_budget = WriteBudget(options.write_buffer_total)
         self.spilled = 0  # files not committed at unmount, their data spilled
         session.on_block_stored = self._keep_written
         self.nursery.start_soon(session.run, restart=True)
@@ -220,6 +223,7 @@ class Volume:
                 nursery=self.nursery,
                 buffer_limit=self.options.write_buffer,
                 upload_limit=self._upload_limit,
+                budget=self.write_budget,
                 write_through=self.options.write_through,
                 on_commit=self.compactor.schedule,
                 stats=self.write_stats,
@@ -283,14 +287,17 @@ class Volume:
         )  # fmt: skip
 
     def dirty_bytes(self) -> int:
-        return sum(i.writer.buffered for i in self.inodes.all() if i.writer is not None)
+        return self.write_budget.used
 
     async def _seal_idle_writes(self) -> None:
+        """Seal extents left idle; all open extents at once while writes
+        wait for room in the client's write budget."""
         while True:
             await trio.sleep(1.0)
+            idle = 0.0 if self.write_budget.waiting else FLUSH_IDLE
             for inode in self.inodes.all():
                 if inode.writer is not None:
-                    inode.writer.seal_idle(FLUSH_IDLE)
+                    inode.writer.seal_idle(idle)
 
     def _keep_written(self, key: BlockKey, data: bytes | memoryview) -> None:
         """A block we stored goes into L1 (at its cold end, see ``L1Cache.put``)

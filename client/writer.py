@@ -13,7 +13,10 @@ Blocks of many runs upload at once, but commits happen strictly in seal order,
 because commit order decides which bytes win where slices overlap. A run's
 bytes count against ``buffer_limit`` from the write that created them until
 their commit; a write that would pass the limit waits (backpressure) while
-earlier runs drain. ``flush()`` (close, fsync) seals the open run and returns
+earlier runs drain. Every file of a client also shares one
+:class:`WriteBudget`: a write that would take the client's uncommitted bytes
+past its limit waits the same way, so many files written at once hold at
+most that much memory, not ``buffer_limit`` each. ``flush()`` (close, fsync) seals the open run and returns
 only after every run is committed, or raises the first upload error: the
 data is then lost. The caller answers with that error's errno when it is one
 an application can act on (EDQUOT, ENOSPC, EFBIG, EROFS), else EIO; so does
@@ -87,6 +90,25 @@ class BlockSink(Protocol):
     ) -> Attr: ...
 
 
+class WriteBudget:
+    """Uncommitted bytes of every file of one client, and their bound.
+
+    Its condition is every writer's: a commit of any file wakes the writes
+    waiting for room. ``waiting`` counts writes held back by this bound (not
+    their own file's), so that the client seals the open extents of the
+    other files at once instead of after their idle time.
+    """
+
+    def __init__(self, limit: float = float("inf")) -> None:
+        self.limit = limit
+        self.used = 0
+        self.waiting = 0
+        self.changed = trio.Condition()
+
+    def full(self, size: int) -> bool:
+        return bool(self.used) and self.used + size > self.limit
+
+
 class _Pending:
     """One sealed run on its way to being committed."""
 
@@ -123,6 +145,7 @@ class FileWriter:
         nursery: Spawner,
         buffer_limit: int,
         upload_limit: trio.Semaphore,
+        budget: WriteBudget | None = None,
         write_through: bool = False,
         on_commit: Callable[[Inode, int, int], None] | None = None,
         stats: WriteStats | None = None,
@@ -145,7 +168,8 @@ class FileWriter:
         # unmount. Bounded: after the first failure the file takes no writes.
         self.lost: list[tuple[int, Run]] = []
         self.spilled = False  # abandoned at unmount, its bytes spilled
-        self._changed = trio.Condition()
+        self.budget = budget if budget is not None else WriteBudget()
+        self._changed = self.budget.changed
         self.error: CacheFSError | None = None
         self.buffered = 0  # bytes written and not yet committed
         self.last_write = 0.0
@@ -193,11 +217,17 @@ class FileWriter:
         if offset + len(data) > MAX_FILE_SIZE:
             raise FileTooLarge(f"a write up to {offset + len(data)} is past the largest file")
         self._check()
+        size, budget = len(data), self.budget
         async with self._changed:
-            while self.buffered and self.buffered + len(data) > self.buffer_limit:
+            while (self.buffered and self.buffered + size > self.buffer_limit) or budget.full(size):
                 if self.plan.extents and not self._queue:
                     self._submit(self.plan.seal_oldest())
-                await self._changed.wait()
+                shared = not (self.buffered and self.buffered + size > self.buffer_limit)
+                budget.waiting += shared
+                try:
+                    await self._changed.wait()
+                finally:
+                    budget.waiting -= shared
                 self._check()
         self.last_write = trio.current_time()
         # No await from here on: the plan and the byte count change together.
@@ -205,6 +235,7 @@ class FileWriter:
         sealed = self.plan.add(offset, data)
         grown = sum(len(r.data) for r in sealed) + self.plan.open_bytes - old_open
         self.buffered += grown
+        budget.used += grown
         self.stats.written += len(data)
         self._submit(sealed)
 
@@ -303,6 +334,7 @@ class FileWriter:
                 self.lost.append((pending.order, run))
             self._queue.remove(pending)
             self.buffered -= len(run.data)
+            self.budget.used -= len(run.data)
             pending.committed.set()
             async with self._changed:
                 self._changed.notify_all()

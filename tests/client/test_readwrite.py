@@ -23,7 +23,7 @@ from cachefs.client.inodes import Inode
 from cachefs.client.l1 import L1Cache
 from cachefs.client.l2 import CachedBlocks, L2Cache
 from cachefs.client.reader import Reader
-from cachefs.client.writer import FileWriter
+from cachefs.client.writer import FileWriter, WriteBudget
 from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice
@@ -92,10 +92,11 @@ class InProcess:
 
 
 def _writer(
-    src: InProcess, inode: Inode, nursery: trio.Nursery, limit: int = 4 * BLOCK
+    src: InProcess, inode: Inode, nursery: trio.Nursery, limit: int = 4 * BLOCK,
+    budget: WriteBudget | None = None,
 ) -> FileWriter:
     inode.writer = FileWriter(
-        src, inode, nursery=nursery, buffer_limit=limit, upload_limit=trio.Semaphore(4)
+        src, inode, nursery=nursery, buffer_limit=limit, upload_limit=trio.Semaphore(4), budget=budget
     )
     return inode.writer
 
@@ -229,6 +230,52 @@ async def test_write_buffer_applies_backpressure(nursery) -> None:
     assert stats.written == stats.bytes == 20 * BLOCK and stats.blocks >= 20
     assert stats.slices >= 5 and sum(stats.commits.counts["commit"]) == stats.slices
     assert stats.commits.sums["commit"] > 0
+
+
+async def test_files_written_at_once_share_one_write_budget(nursery) -> None:
+    """Eight files, each allowed 4 blocks, under a budget of 4 blocks in all:
+    the client never holds more than that (plus one write), and every byte lands."""
+    src = InProcess(delay=0.005)
+    budget = WriteBudget(4 * BLOCK)
+    inodes = [src.new_file(b"f%d" % i) for i in range(8)]
+    writers = [_writer(src, inode, nursery, limit=4 * BLOCK, budget=budget) for inode in inodes]
+    peak = 0
+
+    async def fill(writer: FileWriter) -> None:
+        nonlocal peak
+        for i in range(8):
+            await writer.write(i * BLOCK // 2, b"q" * (BLOCK // 2))
+            peak = max(peak, budget.used)
+        await writer.flush()
+
+    async with trio.open_nursery() as n:
+        for writer in writers:
+            n.start_soon(fill, writer)
+    assert peak <= 4 * BLOCK + BLOCK // 2
+    assert budget.used == 0 and all(inode.attr.size == 4 * BLOCK for inode in inodes)
+
+
+async def test_a_write_waiting_for_the_budget_goes_on_when_another_file_commits(nursery) -> None:
+    src = InProcess()
+    budget = WriteBudget(2 * BLOCK)
+    first, second = src.new_file(b"a"), src.new_file(b"b")
+    holder = _writer(src, first, nursery, limit=8 * BLOCK, budget=budget)
+    waiter = _writer(src, second, nursery, limit=8 * BLOCK, budget=budget)
+    await holder.write(0, b"h" * 2 * BLOCK)  # an open extent: nothing uploads it yet
+    done = trio.Event()
+
+    async def write() -> None:
+        await waiter.write(0, b"w" * BLOCK)
+        done.set()
+
+    nursery.start_soon(write)
+    await trio.sleep(0.05)
+    assert not done.is_set() and budget.waiting == 1
+    await holder.flush()
+    with trio.fail_after(5):
+        await done.wait()
+    await waiter.flush()
+    assert budget.used == 0 and second.attr.size == BLOCK
 
 
 async def test_small_random_writes_do_not_rewrite_blocks(nursery) -> None:
