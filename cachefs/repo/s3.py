@@ -25,6 +25,8 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from cachefs.errors import CacheFSError, NotFound, PermissionDenied, Stale, Unavailable
 
+from .hedge import Latencies, hedged
+
 T = TypeVar("T")
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden"}
@@ -56,6 +58,11 @@ class S3Store:
             "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
         )
         self._limiter = trio.CapacityLimiter(max_calls)
+        self.latencies = Latencies()  # of ranged GETs: when to hedge one (see hedge.py)
+        self.hedges = 0
+
+    def _hedge(self) -> None:
+        self.hedges += 1
 
     async def _call(self, what: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
         try:
@@ -118,7 +125,8 @@ class S3Store:
         return objects, prefixes, token
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
-        """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``."""
+        """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``; a GET
+        slower than the recent 95th percentile is sent again (hedged)."""
         if end <= start:
             return b""
 
@@ -129,7 +137,7 @@ class S3Store:
             with reply["Body"] as body:
                 return body.read()
 
-        data = await self._call(f"reading {key!r}", get)
+        data = await hedged(lambda: self._call(f"reading {key!r}", get), self.latencies, self._hedge)
         if len(data) != end - start:
             raise Unavailable(f"{self.name}: {key!r} [{start}, {end}) came back {len(data)} bytes")
         return data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import random
+import time
 from collections.abc import Iterator
 
 import boto3
@@ -152,7 +153,8 @@ async def test_a_sync_lists_prefixes_in_parallel_and_drops_deleted_objects(moto:
 
 class Throttle:
     """An HTTP front of the S3 server that answers 503 SlowDown to the next
-    ``slow`` requests and forwards the rest (what S3 does under load)."""
+    ``slow`` requests and forwards the rest (what S3 does under load), and
+    holds back the next GET ``stall`` seconds (a request in the tail)."""
 
     def __init__(self, upstream: str) -> None:
         import http.client
@@ -163,6 +165,8 @@ class Throttle:
         front = self
         self.slow = 0
         self.refused = 0
+        self.stall = 0.0  # the next GET waits this long before it is forwarded (a tail request)
+        self.gets = 0
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
@@ -170,6 +174,10 @@ class Throttle:
 
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "GET":
+                    front.gets += 1
+                    stall, front.stall = front.stall, 0.0
+                    time.sleep(stall)
                 if front.slow > 0:
                     front.slow -= 1
                     front.refused += 1
@@ -282,6 +290,7 @@ async def test_a_lazy_link_lists_each_directory_once_when_it_is_first_read(moto:
             await mc.query(Q.ReadDir("v", e.ino, 0, 100))
 
 
+@pytest.mark.allow_log("cachefs.metanode.repos", "auto-import poll failed")
 async def test_auto_import_polls_pick_up_new_changed_and_deleted_objects(
     moto: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -316,7 +325,35 @@ async def test_auto_import_polls_pick_up_new_changed_and_deleted_objects(
 
         gone = await mc.mutate(C.Mkdir("v", 1, b"gone", 0o755, 0, 0))
         bad = await mc.mutate(C.LinkRepo("v", gone.ino, "no-such-bucket", "", moto, "", "full", 1))
-        await trio.sleep(2.5)  # failing polls are logged and retried; the other link keeps its files
-        assert await names() == {b"a": 7, b"new": 4, b"sub": 4096}
-        failed = [r.getMessage() for r in caplog.records if "auto-import poll failed" in r.getMessage()]
-        assert len(failed) >= 2 and f"repository link {bad['id']}: bucket 'no-such-bucket' does not exist" in failed[0]
+
+        def failed() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "auto-import poll failed" in r.getMessage()]
+
+        with trio.fail_after(20):  # failing polls are logged and tried again
+            while len(failed()) < 2:
+                await trio.sleep(0.2)
+        assert f"repository link {bad['id']} (s3://no-such-bucket/): bucket 'no-such-bucket' does not exist" in failed()[0]
+        assert await names() == {b"a": 7, b"new": 4, b"sub": 4096}  # the other link's files stay
+
+
+async def test_a_slow_ranged_get_is_hedged_and_the_first_answer_wins(moto: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="tail")
+    body = bytes(range(256)) * 64
+    s3.put_object(Bucket="tail", Key="k", Body=body)
+    etag = s3.head_object(Bucket="tail", Key="k")["ETag"]
+    front = Throttle(moto)
+    try:
+        store = S3Store("tail", name="repository link 6 (s3://tail/)", endpoint=front.endpoint)
+        for i in range(20):  # learn the usual latency (a first call slower than a second may hedge)
+            assert await store.get_range("k", i, i + 100, etag) == body[i : i + 100]
+        learnt = store.hedges
+        assert front.gets == 20 + learnt and store.latencies.delay() < 2.0
+        front.stall = 8.0  # the next GET sits in the tail: its hedge answers
+        started = time.monotonic()
+        assert await store.get_range("k", 1000, 3000, etag) == body[1000:3000]
+        assert time.monotonic() - started < 6.0 and store.hedges == learnt + 1 and front.gets == 22 + learnt
+        with pytest.raises(Stale, match="repository link 6 .*changed since it was imported"):
+            await store.get_range("k", 0, 10, '"not-the-etag"')  # a failure (of both tries, if hedged) is raised
+    finally:
+        front.close()
