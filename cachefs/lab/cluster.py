@@ -44,11 +44,14 @@ from cachefs.lab import netns, prometheus
 from cachefs.lab.pki import make_pki
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
+from cachefs.testing import s3server
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "lab.json"
 VOLUME = "lab"
+DEMO_BUCKET = "demo"  # lab up --s3: a bucket of DEMO_OBJECTS objects linked at /demo
+DEMO_OBJECTS = 30
 TLS_DIR = "tls"
 UMOUNT_TIMEOUT = 120.0  # cachefs umount's own default: the mount commits for up to 60 s
 TLS_CLIENT = "client"  # the certificate the mount, `lab status` and lab clients show
@@ -97,6 +100,9 @@ class LabConfig:
     prometheus_pid: int | None = None
     netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
     tls: bool = False  # mutual TLS on every link, certificates under ROOT/tls
+    s3: bool = False  # a SeaweedFS S3 server (ROOT/s3) with a demo bucket linked at /demo
+    s3_endpoint: str = ""
+    s3_pid: int | None = None
 
 
 class Lab:
@@ -263,7 +269,8 @@ class Lab:
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
         logf = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         argv = self.network.wrap(name, self._argv(node)) if self.config.netns else self._argv(node)
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT,
+        env = {**os.environ, **s3server.credentials_env()} if self.config.s3 else None  # S3 reads: its identity
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
         logf.close()
         self._procs[name] = proc
@@ -311,11 +318,68 @@ class Lab:
         stopped = [n for n in self.nodes if not (n.pid and _alive(n.pid))]
         if not self.config.netns:  # namespaced nodes each have an address of their own
             _check_ports_free(stopped)
+        s3_new = self.config.s3 and not (self.config.s3_pid and _alive(self.config.s3_pid))
+        if s3_new:
+            self._start_s3()
         for node in stopped:
             self.start(node.name)
         self.run(self._wait_ready, timeout)
         if self.config.prometheus and not (self.config.prometheus_pid and _alive(self.config.prometheus_pid)):
             self._start_prometheus()
+        if s3_new:
+            self.run(self._link_demo)
+
+    def _start_s3(self) -> None:
+        if self.config.netns:
+            raise LabError("--s3 serves on 127.0.0.1: it does not reach namespaced nodes (--netns)")
+        server = s3server.SeaweedS3(self.root / "s3")
+        try:
+            server.start()
+        except RuntimeError as exc:
+            raise LabError(f"the lab's S3 server did not start: {exc}") from None
+        assert server.proc is not None
+        self._procs["s3"] = server.proc
+        self.config.s3_pid, self.config.s3_endpoint = server.proc.pid, server.endpoint
+        self.save()
+
+    async def _link_demo(self) -> None:
+        """A small bucket of JPEG-sized objects in class folders, linked at /demo of the lab volume."""
+        import boto3
+
+        from cachefs import commands as C
+        from cachefs.cli.repo import resolve
+        from cachefs.repo.importer import import_listing
+        from cachefs.repo.s3 import S3Store
+
+        env = s3server.credentials_env()
+        s3 = boto3.client("s3", endpoint_url=self.config.s3_endpoint, region_name=env["AWS_DEFAULT_REGION"],
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+
+        def fill() -> None:
+            s3.create_bucket(Bucket=DEMO_BUCKET)
+            for i in range(DEMO_OBJECTS):
+                body = secrets.token_bytes(20_000 + 977 * i)
+                s3.put_object(Bucket=DEMO_BUCKET, Key=f"train/class{i % 3}/img{i:03d}.jpg", Body=body)
+
+        await trio.to_thread.run_sync(fill)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # boto3 reads the credentials from the environment
+        try:
+            store = S3Store(DEMO_BUCKET, name=f"the lab's demo link (s3://{DEMO_BUCKET}/train/)",
+                            endpoint=self.config.s3_endpoint, region=env["AWS_DEFAULT_REGION"])  # fmt: skip
+            async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
+                mc = self.meta_client(pool)
+                ino = await resolve(mc, VOLUME, "/demo", create=True)
+                link = await mc.mutate(C.LinkRepo(VOLUME, ino, DEMO_BUCKET, "train/", self.config.s3_endpoint,
+                                                  env["AWS_DEFAULT_REGION"]))  # fmt: skip
+                await import_listing(mc.mutate, link, store, {"": ""})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     @property
     def network(self) -> netns.Network:
@@ -426,6 +490,8 @@ class Lab:
         alive = [n.pid for n in self.nodes if n.pid and _alive(n.pid)] + self._strays()
         if self.config.prometheus_pid and _alive(self.config.prometheus_pid):
             alive.append(self.config.prometheus_pid)
+        if self.config.s3_pid and _alive(self.config.s3_pid):
+            alive.append(self.config.s3_pid)
         for pid in alive:
             os.kill(pid, signal.SIGTERM)
         for pid in alive:
@@ -437,6 +503,8 @@ class Lab:
             node.pid = None
         self._forget("prometheus")
         self.config.prometheus_pid = None
+        self._forget("s3")
+        self.config.s3_pid = None
         self.save()
         if self.config.netns:
             netns.destroy(self.root)

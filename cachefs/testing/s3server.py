@@ -25,6 +25,11 @@ ACCESS_KEY = "cachefs-test-access"
 SECRET_KEY = "cachefs-test-secret-key-0123456789"
 
 
+def credentials_env() -> dict[str, str]:
+    """The environment that makes boto3 (and every cachefs process) use the server's identity."""
+    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 def weed_binary() -> str:
     beside = Path(sys.executable).parent / "weed"
     found = str(beside) if beside.exists() else shutil.which("weed")
@@ -43,8 +48,7 @@ class SeaweedS3:
         self.ports: dict[str, int] = {}  # every port it listens on, by weed flag name (filer.port: the filer)
 
     def env(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        return credentials_env()
 
     def start(self, timeout: float = 60.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
