@@ -228,6 +228,8 @@ async def test_throttling_is_retried_and_then_fails_naming_the_link(moto: str) -
         with pytest.raises(CacheFSError, match=r"repository link 4 \(s3://hot/\): reading 'k': SlowDown.*throttled"):
             await store.get_range("k", 2, 6, etag)
         assert front.refused >= 2 + 4  # every attempt boto was allowed (it may add one of its own)
+        with pytest.raises(CacheFSError, match=r"repository link 4 \(s3://hot/\): listing: SlowDown.*throttled"):
+            await store.list_page("", delimiter="/")  # a listing (link, sync, a lazy directory) too
     finally:
         front.close()
 
