@@ -869,11 +869,12 @@ def _wire_details(details: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- client
 
 class _Slot:
-    __slots__ = ("event", "reply")
+    __slots__ = ("event", "into", "reply")
 
     def __init__(self) -> None:
         self.event = trio.Event()
         self.reply: wire.Event | CacheFSError | None = None
+        self.into: memoryview | None = None  # where the reply's payload should land (call's ``into``)
 
 
 class ClientConnection:
@@ -885,6 +886,14 @@ class ClientConnection:
         self._slots: dict[int, _Slot] = {}
         self._limit = trio.Semaphore(conn.limits.max_inflight)
         self.calls: OpStats | None = None  # the pool's, when it times its calls
+        conn.decoder.payload_sink = self._payload_sink
+
+    def _payload_sink(self, call_id: int, size: int) -> memoryview | None:
+        """The caller's buffer for this reply's payload, if it gave one of that size."""
+        slot = self._slots.get(call_id)
+        if slot is None or slot.into is None or len(slot.into) != size:
+            return None
+        return slot.into
 
     @classmethod
     async def connect(cls, addr: str, *, credential: Credential | None, limits: Limits,
@@ -996,8 +1005,15 @@ class ClientConnection:
         return self.conn.closed
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *,
-                   payload: wire.Payload | None = None, timeout: float = 30.0) -> Reply:
-        """One call. Raises the typed error the peer sent, or TimedOut."""
+                   payload: wire.Payload | None = None, timeout: float = 30.0,
+                   into: memoryview | None = None) -> Reply:
+        """One call. Raises the typed error the peer sent, or TimedOut.
+
+        ``into``: a writable buffer the reply's payload is received into
+        when it has exactly that size (the reply's payload is then ``into``
+        itself; else a buffer of its own). A call that fails or is cancelled
+        may leave bytes of a late reply in it: use it only after success.
+        """
         # A free slot is taken without the scheduler round trip that
         # ``async with Semaphore`` makes; the call still yields (it waits
         # for the reply), so it stays a checkpoint.
@@ -1008,6 +1024,7 @@ class ClientConnection:
         try:
             call_id = next(self._ids)
             slot = _Slot()
+            slot.into = into
             self._slots[call_id] = slot
             # A bare CancelScope: trio.fail_after's context manager costs
             # more than the rest of a small call.
@@ -1124,14 +1141,16 @@ class RpcPool:
             return conn
 
     async def call(self, addr: str, method: str, args: dict[str, Any] | None = None, *,
-                   payload: wire.Payload | None = None, timeout: float = 30.0) -> Reply:
-        """One call to ``addr``; connecting counts against ``timeout`` too."""
+                   payload: wire.Payload | None = None, timeout: float = 30.0,
+                   into: memoryview | None = None) -> Reply:
+        """One call to ``addr``; connecting counts against ``timeout`` too
+        (``into``: see :meth:`ClientConnection.call`)."""
         deadline = trio.current_time() + timeout
         conn = await self.connection(addr)
         remaining = deadline - trio.current_time()
         if remaining <= 0:
             raise TimedOut(f"{method} to {addr} passed its deadline of {timeout}s while connecting")
-        return await conn.call(method, args, payload=payload, timeout=remaining)
+        return await conn.call(method, args, payload=payload, timeout=remaining, into=into)
 
     def forget(self, addr: str) -> None:
         """Drop the connection to ``addr`` (e.g. after the peer restarted)."""

@@ -25,7 +25,10 @@ reads with :data:`HANDSHAKE_MAX_FRAME` (and no payload), so a peer that has
 not authenticated cannot make it allocate more than that. A server may also
 take each payload's allocation into its own hands (``defer_payload``): the
 decoder then stops at :attr:`FrameDecoder.wanted` until the driver has
-reserved the bytes and calls :meth:`FrameDecoder.accept_payload`.
+reserved the bytes and calls :meth:`FrameDecoder.accept_payload`. A client
+may name where a response's payload goes (``payload_sink``, see
+:meth:`FrameDecoder.response_target`): a shard lands in its place in the
+block being read, so the block is never joined from pieces.
 
 Handshake (mutual HMAC challenge-response, before any other frame), with
 the peer's credential: a key id and its key ``K`` (see
@@ -55,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +185,7 @@ def _is_id(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_CALL_ID
 
 
-def _event_of(header: Any, payload: bytearray | None) -> Event:
+def _event_of(header: Any, payload: bytearray | memoryview | None) -> Event:
     _check(isinstance(header, list) and header and type(header[0]) is int, "header is not a tagged array")
     kind = header[0]
     # The two hot kinds first, their checks inline (this runs for every call).
@@ -263,7 +267,7 @@ class FrameMac:
         self.counter += 1
         return counter
 
-    def open_payload(self, counter: int, payload: bytearray, tag: bytes) -> None:
+    def open_payload(self, counter: int, payload: bytearray | memoryview, tag: bytes) -> None:
         self._open(_NONCE.pack(counter, 1), tag, payload)
 
     def _open(self, nonce: bytes, tag: bytes, data: Payload) -> None:
@@ -295,8 +299,12 @@ class FrameDecoder:
         self._start = 0
         self._end = 0
         self._header: Any = None
-        self._payload: bytearray | None = None
+        self._payload: bytearray | memoryview | None = None
         self._filled = 0
+        # Where a response's payload should land: called with the call id
+        # and the payload's size, it returns a buffer of exactly that size
+        # (the payload is received into it) or None (a new bytearray).
+        self.payload_sink: Callable[[int, int], memoryview | None] | None = None
 
     def set_limits(self, *, max_header: int, max_payload: int, buffer_size: int = 0) -> None:
         """New limits for the frames still to come (after the handshake);
@@ -417,7 +425,7 @@ class FrameDecoder:
         if self.defer_payload:
             self._header, self.wanted = header, payload_len
             return None
-        payload = bytearray(payload_len)
+        payload = self.response_target(header, payload_len)
         take = min(payload_len, self._end - self._start)
         payload[:take] = memoryview(self._buf)[self._start:self._start + take]
         self._start += take
@@ -427,7 +435,24 @@ class FrameDecoder:
         self._header, self._payload, self._filled = header, payload, take
         return None
 
-    def _complete(self, header: Any, payload: bytearray) -> Event:
+    def response_target(self, header: Any, size: int) -> bytearray | memoryview:
+        """The buffer a payload of ``size`` bytes is received into: the one
+        :attr:`payload_sink` names for a response, if it does, else a new one.
+
+        The header is not validated yet (:func:`_event_of` does that after
+        the payload); a sink is asked only about a well-formed response id.
+        """
+        sink = self.payload_sink
+        if (sink is not None and type(header) is list and len(header) == 3 and header[0] == _RESPONSE
+                and _is_id(header[1])):
+            target = sink(header[1], size)
+            if target is not None:
+                if len(target) != size or target.readonly:
+                    raise RuntimeError(f"payload sink gave {len(target)} bytes for a payload of {size}")
+                return target
+        return bytearray(size)
+
+    def _complete(self, header: Any, payload: bytearray | memoryview) -> Event:
         if self._payload_tag is not None:
             (counter, tag), self._payload_tag = self._payload_tag, None
             assert self.mac is not None

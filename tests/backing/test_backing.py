@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
 from cachefs.backing.repair import Repairer
-from cachefs.errors import NotFound, Unavailable
+from cachefs.errors import Corrupt, NotFound, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
 from cachefs.testing.datanodes import SECRET, Datanodes
@@ -79,6 +79,35 @@ async def test_shards_not_in_the_page_cache_are_read_from_the_disk(cluster: Data
         assert await client.get_block(volume, key) == data
         assert await client.get_block(volume, key, 5, 3 * MiB) == data[5 : 3 * MiB + 5]
         assert client.stats["degraded_reads"] == 0
+
+
+async def test_whole_blocks_are_read_in_place_and_checked_against_the_block_checksum(
+        cluster: Datanodes, volume: str) -> None:
+    """A whole block is its data shards' payloads received in place; a data
+    shard whose bytes changed (its own checksums recomputed, so the datanode
+    serves it) fails the block checksum: Corrupt, never wrong bytes."""
+    pol = VolumePolicy.parse("ec:4+2", block_size=4 * MiB)
+    view = cluster.view({volume: pol})
+    data = os.urandom(4 * MiB)
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        key = new_key()
+        await client.put_block(volume, key, data)
+        got = await client.get_block(volume, key)
+        assert got == data and client.stats["whole_reads"] == 1 and client.stats["whole_fallbacks"] == 0
+        pg = view.placement(volume, key)
+        header, shards = await client.read_shards(volume, key)
+        bad = bytearray(shards[1])
+        bad[header.frag_offset + 12345] ^= 0xFF
+        await client.write_shard(pg[1], volume, key, 1, header, bad)
+        with pytest.raises(Corrupt):
+            await client.get_block(volume, key)
+        assert client.stats["whole_fallbacks"] == 1
+        short = os.urandom(3 * MiB + 7)  # a file's last block: the first plan (a full block's) is wrong
+        key2 = new_key()
+        await client.put_block(volume, key2, short)
+        assert await client.get_block(volume, key2) == short
+        assert client.stats["whole_reads"] == 2
 
 
 async def test_range_read_touches_only_covering_data_shards(cluster: Datanodes, volume: str) -> None:

@@ -44,6 +44,19 @@ async def test_bulk_payload_round_trip(nursery, size):
     assert bytes(reply.payload) == data
 
 
+async def test_a_reply_payload_lands_in_the_buffer_the_caller_gave(nursery):
+    _, addr = await start_server(nursery)
+    data = os.urandom(3 << 20)
+    block = bytearray(len(data) + 10)
+    async with RpcPool(secret=SECRET) as pool:
+        place = memoryview(block)[10:]
+        reply = await pool.call(addr, "echo", {"value": "x"}, payload=data, into=place)
+        assert reply.payload is place and bytes(block[10:]) == data
+        other = bytearray(5)
+        reply = await pool.call(addr, "echo", {"value": "y"}, payload=data[:1000], into=memoryview(other))
+        assert bytes(reply.payload) == data[:1000] and other == bytes(5)  # not that size: not used
+
+
 async def test_thousand_calls_in_flight_on_one_connection(nursery):
     service = EchoService()
     _, addr = await start_server(nursery, service=service)

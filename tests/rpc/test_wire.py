@@ -78,6 +78,44 @@ def test_receive_in_place_puts_payload_bytes_straight_into_their_buffer():
     assert max(targets) >= len(payload) - 4096
 
 
+def test_a_payload_sink_receives_a_response_payload_in_place_and_it_is_still_authenticated():
+    """The client names where a reply's payload goes (a shard's place in its
+    block): the bytes land there, the tag is checked over them, and frames
+    the sink does not claim (other sizes, requests) get buffers of their own."""
+    key = b"k" * 32
+    payload = bytes(range(256)) * 1024  # 256 KiB
+    block = bytearray(len(payload) + 100)
+    place = memoryview(block)[100:]
+    asked = []
+
+    def sink(call_id: int, size: int) -> memoryview | None:
+        asked.append((call_id, size))
+        return place if call_id == 7 and size == len(place) else None
+
+    def decoder() -> wire.FrameDecoder:
+        d = wire.FrameDecoder(buffer_size=4096)
+        d.mac, d.payload_sink = wire.FrameMac(key), sink
+        return d
+
+    sender = wire.FrameMac(key)
+    frames = [wire.Response(7, {"ok": 1}, payload), wire.Response(8, None, payload[:1000]),
+              wire.Request(7, "get", {}, 0, payload)]
+    stream = b"".join(bytes(b) for f in frames for b in wire.encode(f, sender))
+    d = decoder()
+    d.receive_data(stream)
+    got = _drain(d)
+    assert got[0].payload is place and bytes(block[100:]) == payload
+    assert isinstance(got[1].payload, bytearray) and bytes(got[1].payload) == payload[:1000]
+    assert isinstance(got[2].payload, bytearray) and bytes(got[2].payload) == payload
+    assert asked == [(7, len(payload)), (8, 1000)]  # never asked about a request
+    tampered = bytearray(b"".join(bytes(b) for b in wire.encode(frames[0], wire.FrameMac(key))))
+    tampered[-5] ^= 1
+    d = decoder()
+    d.receive_data(bytes(tampered))
+    with pytest.raises(ProtocolError):
+        _drain(d)
+
+
 def test_small_payloads_are_coalesced_large_ones_are_not_copied():
     small = wire.encode(wire.Response(1, None, b"x" * 100))
     big_payload = bytearray(wire.COALESCE_LIMIT + 1)
