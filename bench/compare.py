@@ -62,6 +62,7 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
         bed.mount_cachefs(mnt, l1_size=args.l1_size, l2=l2_dir if l2 else None)
 
     ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
+                            l1_size=args.l1_size,
                             big_size=args.fio_big_size, runtime=args.fio_runtime, workdir=str(work),
                             mount=str(mnt), lab=False, remount=remount, only=args.fio_only)
     try:
@@ -384,8 +385,11 @@ def readme_section(result: dict[str, Any]) -> str:
         lines += ["", "Aims: warm / direct >= 4.6 (1 worker) and >= 2.1 (16 workers), the CubeFS anchor; "
                   "warm / JuiceFS > 1.", ""]
     if "fio" in result:
-        med = result["fio"]["median_mib_s"]
-        lines += [f"fio, {result['fio']['size_bytes'] >> 20} MiB file, {result['fio']['link']}, MiB/s (median):", "",
+        fio = result["fio"]
+        med = fio["median_mib_s"]
+        fits = {True: "fits in the mount's L1", False: "larger than the mount's L1"}.get(
+            fio.get("small_case_fits_in_l1"), "L1 size unknown")
+        lines += [f"fio, {fio['size_bytes'] >> 20} MiB file ({fits}), {fio['link']}, MiB/s (median):", "",
                   "| job | cachefs | JuiceFS | passthrough | local | cachefs / JuiceFS |", "|---|---:|---:|---:|---:|---:|"]
         rows = [("sequential read, cold", "cachefs_cold_seq", "juicefs_cold_seq", None, None,
                  "fio_cold_seq_read_vs_juicefs"),
@@ -400,8 +404,33 @@ def readme_section(result: dict[str, Any]) -> str:
                 ("sequential write", "cachefs_seq_write", "juicefs_seq_write", None, None, "fio_seq_write_vs_juicefs")]
         for label, a, b, c, d, key in rows:
             cells = [f"{med[k]:,.1f}" if k and k in med else "-" for k in (a, b, c, d)]
-            lines.append(f"| {label} | " + " | ".join(cells) + f" | {result['fio'].get(key, '-') if key else '-'} |")
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {fio.get(key, '-') if key else '-'} |")
         lines.append("")
+        if any(k.startswith("cachefs_big") for k in med):
+            big = fio.get("big_size_bytes", 0) >> 20
+            lines += [f"fio, working sets larger than L1 ({big} MiB per file), page cache dropped before every read "
+                      "job, MiB/s or IOPS (median):", "",
+                      "| job | cachefs | JuiceFS | passthrough | local | cachefs / JuiceFS | cachefs / passthrough |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for label, case in (("1 file, sequential 1M, first read after write", "big_seq_first"),
+                                ("1 file, sequential 1M, cold cache tier (no L2)", "big_seq_cold_tier"),
+                                ("1 file, second read", "big_seq_second"),
+                                ("1 file, random 4k, 4 jobs (IOPS)", "big_rand4k_iops"),
+                                ("1 file, random 128k, 4 jobs", "big_rand128k"),
+                                ("4 files, sequential 1M, 4 jobs, first read", "big4_seq_first"),
+                                ("4 files, second read", "big4_seq_second"),
+                                ("4 files, random 4k, 4 jobs (IOPS)", "big4_rand4k_iops"),
+                                ("4 files, random 128k, 4 jobs", "big4_rand128k")):
+                ref = "big_seq_first" if case == "big_seq_cold_tier" else case
+                names = (f"cachefs_{case}", f"juicefs_{ref}", f"passthrough_{ref}", f"local_{ref}")
+                cells = [f"{med[k]:,.1f}" if k in med else "-" for k in names]
+                ratios = [ratio(med.get(names[0], float("nan")), med.get(other, float("nan")))
+                          for other in names[1:3]]
+                lines.append(f"| {label} | " + " | ".join(cells) + " | "
+                             + " | ".join("-" if r != r else f"{r}" for r in ratios) + " |")
+            lines += ["", f"4 KiB cache-tier hit / bare RPC round trip: {fio.get('cache_hit_4k_vs_rpc_latency', '-')}; "
+                      f"tier hit rate with a working set between one zone's capacity and the tier's: "
+                      f"{fio.get('tier_hit_rate_two_zone_working_set', '-')}.", ""]
     if "meta" in result:
         meta = result["meta"]
         lines += [f"Metadata, {meta['files']} files of {meta['file_bytes'] >> 10} KiB, 1 process, files/s (median):",

@@ -368,6 +368,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
     med = {name: round(median(values), 1) for name, values in runs.items()}
+    # The small case is meant to fit in L1: say whether it did (None: the
+    # mount is someone else's, its L1 unknown to us).
+    l1 = getattr(args, "l1_size", None)
+    ours = getattr(args, "meta", None) or getattr(args, "lab", False) or getattr(args, "remount", None)
+    fits = size <= parse_size(l1) if l1 and ours else None
     nan = float("nan")
     for name in ("cachefs_cold_seq", "cachefs_warm_seq", "passthrough_warm_seq", "cachefs_reread_seq",
                  "passthrough_keepcache_reread_seq", "cachefs_tutorial", "passthrough_tutorial",
@@ -390,7 +395,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         **big_ratios,
         "size_bytes": size,
         "big_size_bytes": big,
-        "small_case_fits_in_l1": True,
+        "small_case_fits_in_l1": fits,
         "repeat": repeat,
         "median_mib_s": med,
         "runs_mib_s": {k: [round(v, 1) for v in vs] for k, vs in runs.items()},

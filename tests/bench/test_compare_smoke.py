@@ -84,3 +84,8 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     for chart in ("dataloader_rtt2ms.png", "fio.png", "meta_p1.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
     assert json.loads((out / "result.json").read_text())["parts"] == ["dataloader", "fio", "meta", "ingest"]
+    from bench.compare import readme_section
+
+    readme = readme_section(result)  # the README's block shows the small case as fitting in L1, and the big ones
+    assert result["fio"]["small_case_fits_in_l1"] is True and "fits in the mount's L1" in readme
+    assert "working sets larger than L1" in readme and "| 4 files, random 4k, 4 jobs (IOPS) |" in readme
