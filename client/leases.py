@@ -299,18 +299,20 @@ class LeaseCache:
 
     # -- own mutations ---------------------------------------------------------------
 
-    def begin_mutation(self, inos: Iterable[int]) -> OwnChange:
+    def begin_mutation(self, inos: Iterable[int], report: bool = True) -> OwnChange:
         """Our own change of ``inos`` is about to be sent: answers about them
         in flight are refused from now on. Returns the inodes whose leases we
         keep (all of them: the leader keeps ours and revokes everyone
         else's) and which of them we have open unannounced (reported now:
-        an unlink must know they are open)."""
+        an unlink must know they are open, and a commit that trashes
+        slices that a reader here may hold; ``report`` false: the change
+        can do neither)."""
         kept = tuple(inos)
         for ino in kept:
             self._busy[ino] = self._busy.get(ino, 0) + 1
             self._own[ino] = self._own.get(ino, 0) + 1
             self._bump(ino)
-        opens = tuple(i for i in kept if i in self.unannounced)
+        opens = tuple(i for i in kept if i in self.unannounced) if report else ()
         self.unannounced.difference_update(opens)
         return OwnChange(kept, opens, tuple(self._own[i] for i in kept))
 

@@ -348,7 +348,7 @@ class Session:
                 continue
             leases.news(news, sent)
 
-    async def mutate(self, cmd: C.Command[Any]) -> Any:
+    async def mutate(self, cmd: C.Command[Any], report: bool = True) -> Any:
         """Apply our own change: with leases, the leader leaves ours on what
         it changes alone (it revokes everyone else's), and we forget what
         the change makes stale. An open of those inodes the leader does not
@@ -357,7 +357,7 @@ class Session:
         refs = C.inode_refs(cmd) if leases is not None else None
         if refs is None or leases is None:
             return await self.meta.mutate(cmd)
-        change = leases.begin_mutation(self._named(refs))
+        change = leases.begin_mutation(self._named(refs), report)
         entries = refs[2]
         result = None
         try:
@@ -452,10 +452,20 @@ class Session:
         self, ino: int, chunk: int, slice_id: int, pos: int, length: int, offset: int, mtime_ns: int,
         short: tuple[int, ...] = (),
     ) -> Attr:
-        """Commit a slice (the writer's ``BlockSink`` call)."""
+        """Commit a slice (the writer's ``BlockSink`` call). A commit at or
+        past the file's end, as known under its lease with no other own
+        change of it in flight, trashes no slice (a slice record lies below
+        the end), so an unannounced open of the file stays unannounced: its
+        release then needs no round trip either."""
+        leases = self.leases
+        appends = False
+        if leases is not None and not leases.busy(ino):
+            lease = leases.get(ino, time.monotonic())
+            appends = lease is not None and lease.attr is not None and chunk * CHUNK_SIZE + pos >= lease.attr.size
         try:
             return await self.mutate(
-                C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short)
+                C.WriteSlice(self.volume, ino, chunk, slice_id, pos, length, offset, mtime_ns, short),
+                report=not appends,
             )
         except SliceExpired:
             self.drop_slice_ids()

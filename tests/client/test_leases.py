@@ -20,6 +20,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from cachefs.client.compaction import COMPACT_DELAY
 from cachefs.metanode.leases import DEFAULT_TERM
 from cachefs.testing.ports import free_port
 
@@ -176,9 +177,11 @@ def test_a_listing_leases_the_entries_and_their_first_slice_lists(cluster, tmp_p
 def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_the_create(cluster, tmp_path: Path) -> None:
     """The create's answer leases the new file (its open and release stay in
     the mount, the kernel's getxattr of security.capability is answered
-    from the lease) and brings the directory's attributes; the commit's
-    answer keeps the file's. B still sees each file, and A's own stat of it
-    is answered from memory."""
+    from the lease) and brings the directory's attributes; the commit at
+    the file's end trashes nothing (the open stays unannounced), and its
+    answer keeps the file's attributes; the compactor knows the file has
+    one slice. B still sees each file, and A's own stat of it is answered
+    from memory."""
     pair = Pair(cluster, tmp_path)
     try:
         a, b = pair.a.path / pair.name, pair.b.path / pair.name
@@ -190,10 +193,11 @@ def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_t
                 f.write(data)
         for name, data in files.items():
             assert os.stat(a / name).st_size == len(data)
+        time.sleep(3 * COMPACT_DELAY)  # when the compactor would have looked at each file's slice list
         sent = {m: n - before.get(m, 0) for m, n in pair.rpcs().items() if n > before.get(m, 0)}
         assert sent.get("mknod") == len(files), sent
         assert sent.get("write_slice") == len(files), sent
-        for method in ("lease_open", "open", "getxattr", "lease_getattr", "getattr"):
+        for method in ("lease_open", "open", "getxattr", "lease_getattr", "getattr", "release", "read_chunk"):
             assert method not in sent, sent
         assert sent.get("lease_lookup", 0) <= len(files) + 2, sent  # the kernel's lookup before each create
         for name, data in files.items():
