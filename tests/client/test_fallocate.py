@@ -123,3 +123,31 @@ def test_fallocate_rate(mnt: Path) -> None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+FS_IOC_FIEMAP = 0xC020660B
+
+
+def test_fiemap_is_unsupported_and_seek_reports_no_holes(mnt: Path) -> None:
+    """FIEMAP answers EOPNOTSUPP (issue 16, item 4: not implemented). Without
+    an lseek handler the kernel treats the whole file as data: SEEK_DATA
+    finds data where it is asked, SEEK_HOLE the end of the file, which POSIX
+    allows (ext4 reports the hole before the data at 1 MiB instead)."""
+    import fcntl
+
+    fd = os.open(mnt / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"x" * 4096, 1 << 20)
+        os.fsync(fd)
+        fiemap = bytearray(32)  # struct fiemap, no room for extents
+        fiemap[8:16] = (2 << 20).to_bytes(8, "little")  # fm_length
+        with pytest.raises(OSError) as raised:
+            fcntl.ioctl(fd, FS_IOC_FIEMAP, fiemap)
+        assert raised.value.errno == errno.EOPNOTSUPP
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == (1 << 20) + 4096
+        with pytest.raises(OSError) as past:
+            os.lseek(fd, (1 << 20) + 4096, os.SEEK_DATA)
+        assert past.value.errno == errno.ENXIO
+    finally:
+        os.close(fd)
