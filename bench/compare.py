@@ -73,6 +73,7 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
     runs: dict[str, list[float]] = result["runs_mib_s"]
     size, tut = fc.parse_size(args.fio_size), fc.parse_size(args.fio_tutorial_size)
     if bed.juicefs is not None:
+        bed.check()
         jfs = bed.juicefs
         d = jfs.mountpoint / "fio"
         d.mkdir(exist_ok=True)

@@ -127,11 +127,15 @@ async def _serve_one(client: trio.SocketStream, target: tuple[str, int], link: _
         await client.aclose()
         return
     async with client, remote:
+        # except*: the nurseries wrap a reset (BrokenResourceError) in exception
+        # groups; a plain except missed it, the handler raised, and
+        # serve_listeners took the whole relay down (every datanode's and the
+        # S3 endpoint's route refused connections from then on).
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_pump, client, remote, link.up)
                 nursery.start_soon(_pump, remote, client, link.down)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # either end went away: the other is closed by the async with
 
 
@@ -421,7 +425,16 @@ class Testbed:
         self.relay.stop()
 
     def set_link(self, profile: LinkProfile) -> None:
+        self.check()
         self.relay.set_link(profile)
+
+    def check(self) -> None:
+        """Raise if the relay or the S3 endpoint has exited: what is behind the link would
+        refuse connections, and a target's EIO would hide why."""
+        for what, proc, log in (("WAN relay", self.relay.proc, self.relay.config.with_suffix(".log")),
+                                ("S3 endpoint", self.s3 and self.s3.proc, self.workdir / "moto.log")):
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the {what} exited with {proc.returncode} (see {log})")
 
     # -- cachefs
 
