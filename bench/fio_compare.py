@@ -60,9 +60,11 @@ def parse_size(text: str) -> int:
 
 def fio(job: str, directory: Path, size: int, runtime: int = 10, jobs: int = 1,
         **env_extra: str) -> dict[str, float]:  # fmt: skip
-    """Run one job file; returns read/write MiB/s and IOPS summed over its jobs."""
+    """Run one job file; returns read/write MiB/s and IOPS summed over its jobs.
+    Its elapsed time goes to stderr, so that a long run's progress and cost show."""
     env = {**os.environ, "DIR": str(directory), "SIZE": str(size), "RUNTIME": str(runtime),
            "JOBS": str(jobs), **env_extra}  # fmt: skip
+    started = time.monotonic()
     proc = subprocess.run(
         ["fio", "--output-format=json", str(FIO_DIR / job)],
         capture_output=True,
@@ -74,6 +76,10 @@ def fio(job: str, directory: Path, size: int, runtime: int = 10, jobs: int = 1,
         raise RuntimeError(
             f"fio {job} in {directory} failed: {proc.stderr.strip() or proc.stdout[-2000:]}"
         )
+    where = f"{directory.parent.name}/{directory.name}"
+    extra = "".join(f" {k}={v}" for k, v in env_extra.items())
+    print(f"[fio {time.strftime('%H:%M:%S')}] {job} in {where}, {jobs} x {size >> 20} MiB{extra}: "
+          f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     out = json.loads(proc.stdout[proc.stdout.index("{") :])
     read = sum(j["read"]["bw_bytes"] for j in out["jobs"]) / MiB
     write = sum(j["write"]["bw_bytes"] for j in out["jobs"]) / MiB
