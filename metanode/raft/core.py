@@ -42,6 +42,21 @@ node cut off from the majority cannot depose a healthy leader when it returns
 since it may have made that promise just before it crashed), and a leader
 that lost the majority steps down. ``lease.py`` builds the leader's read
 lease on that promise.
+
+Membership (``membership.py``): the newest CONFIG entry in the log, or the
+snapshot's configuration, or the one the replica was built with, is in
+effect. Only voters count in quorums (votes, commits, read-index, check
+quorum) and only a voter campaigns (or one whose removal is not committed
+yet: ``_promotable``); learners get the log and are promoted by the leader
+once caught up. A leader that removed itself leads on, not counting itself,
+until the change commits, then steps down. Messages are
+taken from any peer, member or not (the driver authenticates who is a
+peer): a replica whose log holds an uncommitted configuration that lacks
+the current leader must still hear from that leader to have it cut off,
+and one that joins knows no configuration yet. A removed replica that never
+learnt of its removal campaigns in vain: the others hear from their leader
+and ignore it (the lease above), which is the thesis's answer to disruptive
+servers.
 """
 
 from __future__ import annotations
@@ -52,9 +67,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from cachefs.errors import InvalidArgument, NotLeader, ProtocolError
+from cachefs.errors import Busy, InvalidArgument, NotLeader, ProtocolError
 
+from . import membership
 from .log import RaftLog
+from .membership import Membership
 from .messages import (
     NONE,
     Append,
@@ -117,6 +134,11 @@ def validate(m: Message) -> None:
                 _check(1 <= e.term <= m.term and e.term >= last, m,
                        f"entry {e.index} of term {e.term} after term {last} (leader term {m.term})")
                 last = e.term
+                if e.kind is EntryKind.CONFIG:
+                    try:
+                        membership.decode(e.data)
+                    except ProtocolError as exc:
+                        _check(False, m, f"entry {e.index}: {exc.message}")
         case AppendResp():
             _check(m.index <= MAX_INDEX and m.hint_term <= m.term, m, "index or hint out of range")
             _check(not m.reject or m.hint_index <= m.index, m,
@@ -125,6 +147,7 @@ def validate(m: Message) -> None:
             meta = m.snapshot.meta
             _check(1 <= meta.term <= m.term and 1 <= meta.index <= MAX_INDEX, m,
                    f"snapshot ({meta.index}, {meta.term}) in term {m.term}")
+            _check(bool(meta.voters), m, "a snapshot without voters")
 
 
 class Role(Enum):
@@ -279,40 +302,50 @@ class RaftCore:
         voters: list[int] | tuple[int, ...],
         *,
         rng: random.Random,
+        addrs: dict[int, str] | None = None,
         config: RaftConfig | None = None,
         hard_state: HardState | None = None,
         snapshot: Snapshot | None = None,
         entries: list[Entry] | None = None,
     ) -> None:
-        """``hard_state.discovering`` marks a new disk (``storage.NEW_DISK``):
-        then the replica cannot tell a new cluster from a lost disk, and asks
+        """``voters`` is the configuration to start from while the disk holds
+        none (a new cluster's, with ``addrs`` for its members), or empty for
+        a replica that joins a running cluster (it learns the configuration
+        from the leader, as a learner).
+        ``hard_state.discovering`` marks a new disk (``storage.NEW_DISK``):
+        then a voter cannot tell a new cluster from a lost disk, and asks
         its peers first (``_finish_discovery``).
 
         Raises:
-            InvalidArgument: ``node_id`` is not one of distinct ``voters``.
+            InvalidArgument: ``voters`` are not distinct, or lack ``node_id``.
         """
-        if node_id == NONE or node_id not in voters or len(set(voters)) != len(voters):
+        if node_id == NONE or (voters and node_id not in voters) or len(set(voters)) != len(voters):
             raise InvalidArgument(
                 f"raft: node id {node_id} must be one of distinct voters {voters}"
             )
         self.id = node_id
-        self.voters = tuple(sorted(voters))
-        self.quorum = len(self.voters) // 2 + 1
         self.config = config or RaftConfig()
         self.rng = rng
         hs = hard_state or HardState()
         meta = snapshot.meta if snapshot else SnapshotMeta()
         self.snapshot = snapshot  # the newest persisted snapshot, sent to laggards
         self.log = RaftLog(meta.index, meta.term, entries, hs.commit)
+        # The configuration at the log's start, and the CONFIG entries after
+        # it as (index, term, membership), oldest first: the last is in effect.
+        self._base = meta.membership if meta.voters else Membership.of(voters, (), addrs)
+        self._confs = [(e.index, e.term, membership.decode(e.data))
+                       for e in self.log.entries if e.kind is EntryKind.CONFIG]
+        self.role = Role.FOLLOWER
+        self._set_membership(self._confs[-1][2] if self._confs else self._base)
         self.term = hs.term
         self.vote = hs.vote
         self.lead = NONE
-        self.role = Role.FOLLOWER
         self._persisted = dataclasses.replace(hs, commit=self.log.committed)
         self.rebuilding = hs.rebuilding
         # A new disk is a new cluster's, or a replica's whose disk was lost:
-        # ask the peers before anything else (``_finish_discovery``).
-        self.discovering = hs.discovering and len(self.voters) > 1
+        # ask the peers before anything else (``_finish_discovery``). Not one
+        # that joins: it was never a voter, so it promised nothing.
+        self.discovering = hs.discovering and len(self.voters) > 1 and node_id in self.voters
         # Answers needed: enough peers to meet every quorum this replica may
         # have been part of without itself (n - q + 1 of the n - 1 others).
         self._probe_need = min(len(self.voters) - self.quorum + 1, len(self.voters) - 1)
@@ -362,12 +395,19 @@ class RaftCore:
         self.election_elapsed += 1
         if self.election_elapsed >= self._randomized_timeout and not self.rebuilding:
             self.election_elapsed = 0
-            self._campaign(pre=self.config.pre_vote)
+            if self._promotable():
+                self._campaign(pre=self.config.pre_vote)
+            else:
+                # No leader heard for a timeout: our promise is over, so a
+                # candidate that counts us as a voter can have our vote.
+                self.lead = NONE
 
     def campaign(self) -> None:
         """Start an election now (tests, or an operator's transfer); not
-        while discovering or rebuilding (see ``_finish_discovery``)."""
-        if self.role is not Role.LEADER and not self.discovering and not self.rebuilding:
+        while discovering or rebuilding (see ``_finish_discovery``), nor as
+        a non-voter."""
+        if (self.role is not Role.LEADER and not self.discovering and not self.rebuilding
+                and self._promotable()):
             self._campaign(pre=self.config.pre_vote)
 
     def propose(self, commands: list[bytes]) -> tuple[int, int]:
@@ -400,11 +440,42 @@ class RaftCore:
         seq = self._read_seq
         index = self.log.committed if self._committed_in_term() else None
         self._reads.append(_Read(seq, index))
-        if len(self.voters) == 1:
+        if self.voters == (self.id,):
             self._release_reads()
         else:
             self._bcast_heartbeat()
         return seq
+
+    @property
+    def conf_index(self) -> int:
+        """Where the configuration in effect was appended (the snapshot's
+        index if the log holds no CONFIG entry): it changes with it."""
+        return self._confs[-1][0] if self._confs else self.log.snap_index
+
+    def propose_membership(self, new: Membership) -> tuple[int, int]:
+        """Append configuration ``new`` (``membership.py``'s rules); it is
+        in effect at once, and done once the entry at the returned
+        ``(index, term)`` is applied.
+
+        Raises:
+            NotLeader: with ``leader_id``.
+            Busy: a change is still uncommitted, or this leader has not yet
+                committed an entry of its term: retry shortly.
+            InvalidArgument: more than one voter changes, or none is left.
+        """
+        if self.role is not Role.LEADER:
+            raise NotLeader("not the raft leader", leader_id=self.lead)
+        if self.conf_index > self.log.committed or not self._committed_in_term():
+            raise Busy("raft: a membership change or a new leader's first commit is in "
+                       "progress; retry")
+        membership.check_change(self.membership, new)
+        return self._append_config(new)
+
+    def caught_up(self, node_id: int) -> bool:
+        """(Leader) ``node_id`` holds everything committed, in this term."""
+        pr = self.prs.get(node_id)
+        return (self.role is Role.LEADER and pr is not None and pr.state is _PState.REPLICATE
+                and pr.match >= self.log.committed and self._committed_in_term())
 
     def step(self, m: Message) -> None:
         """Take one message from a peer.
@@ -412,7 +483,7 @@ class RaftCore:
         Raises:
             InvalidMessage: a message no correct peer sends; nothing changed.
         """
-        if m.dst != self.id or m.src not in self.voters or m.src == self.id:
+        if m.dst != self.id or m.src == self.id or m.src == NONE:
             return
         validate(m)
         if isinstance(m, Probe):
@@ -426,9 +497,6 @@ class RaftCore:
             return
         if self.discovering:
             return  # nothing else until we know whether we forgot something
-        if isinstance(m, InstallSnapshot):
-            _check(tuple(sorted(m.snapshot.meta.voters)) == self.voters, m,
-                   f"snapshot of voters {m.snapshot.meta.voters}, ours are {self.voters}")
         if m.term > self.term:
             if isinstance(m, Vote):
                 in_lease = (
@@ -532,13 +600,21 @@ class RaftCore:
         term = self.log.term(index)
         if term is None or index > self.log.applied:
             raise InvalidArgument(f"raft: cannot snapshot at {index} (applied {self.log.applied})")
-        return SnapshotMeta(index, term, self.voters)
+        at = self._membership_at(index)
+        if not at.voters:
+            # A replica that joined a cluster whose log began before
+            # configurations were logged: it cannot say who voted there.
+            raise InvalidArgument(f"raft: the configuration at {index} is unknown here")
+        return SnapshotMeta.at(index, term, at)
 
     def compact(self, snapshot: Snapshot) -> None:
         """The driver persisted ``snapshot``; drop the log up to it."""
         if self.snapshot is None or snapshot.meta.index > self.snapshot.meta.index:
             self.snapshot = snapshot
         self.log.compact(snapshot.meta.index)
+        snap_index = self.log.snap_index
+        self._base = self._membership_at(snap_index)
+        self._confs = [c for c in self._confs if c[0] > snap_index]
 
     def persisted_hard_state(self) -> HardState:
         return self._persisted
@@ -547,6 +623,79 @@ class RaftCore:
         return self.log.entries[: self.log.stable - self.log.snap_index]
 
     # ------------------------------------------------------------ internals
+    def _membership_at(self, index: int) -> Membership:
+        at = self._base
+        for i, _, m in self._confs:
+            if i > index:
+                break
+            at = m
+        return at
+
+    def _promotable(self) -> bool:
+        """Whether we may stand for election: as a voter, or as one being
+        removed while that change is not known to be committed. (A leader
+        that removed itself and lost its quorum before the change committed
+        must be able to stand again: the other voters may lack the change,
+        count us in, and refuse each other for our longer log. Winning, it
+        counts only the new voters, commits the change and stands aside.)
+        Learners and replicas removed for good never stand."""
+        if self.id in self.voters:
+            return True
+        if not self._confs or self.conf_index <= self.log.committed:
+            return False
+        before = self._confs[-2][2] if len(self._confs) > 1 else self._base
+        return self.id in before.voters
+
+    def _set_membership(self, m: Membership) -> None:
+        """Put ``m`` in effect; a leader starts or stops replicating to the
+        members that came or went."""
+        self.membership = m
+        self.voters = m.voters
+        self.learners = m.learners
+        self.quorum = m.quorum
+        if self.role is Role.LEADER:
+            nxt = self.log.last_index() + 1
+            for i in m.members:
+                if i != self.id and i not in self.prs:
+                    self.prs[i] = Progress(nxt)
+            for i in [i for i in self.prs if i not in m.members]:
+                del self.prs[i]
+                self._read_acked.pop(i, None)
+
+    def _log_changed(self, entries: tuple[Entry, ...]) -> None:
+        """After a follower's append: forget CONFIG entries it cut off, take
+        on those it added (the newest one is in effect once appended)."""
+        confs, log = self._confs, self.log
+        changed = False
+        while confs and log.term(confs[-1][0]) != confs[-1][1]:
+            confs.pop()
+            changed = True
+        for e in entries:
+            if (e.kind is EntryKind.CONFIG and (not confs or e.index > confs[-1][0])
+                    and log.term(e.index) == e.term):
+                confs.append((e.index, e.term, membership.decode(e.data)))
+                changed = True
+        if changed:
+            self._set_membership(confs[-1][2] if confs else self._base)
+
+    def _append_config(self, m: Membership) -> tuple[int, int]:
+        index = self.log.last_index() + 1
+        self.log.append([Entry(self.term, index, membership.encode(m), EntryKind.CONFIG)])
+        self._confs.append((index, self.term, m))
+        self._set_membership(m)
+        self._bcast_append()
+        return index, self.term
+
+    def _maybe_promote(self) -> None:
+        """(Leader) promote a learner that has caught up, one at a time."""
+        if self.conf_index > self.log.committed or not self._committed_in_term():
+            return
+        for i in self.learners:
+            pr = self.prs.get(i)
+            if pr is not None and pr.recent_active and self.caught_up(i):
+                self._append_config(self.membership.promote(i))
+                return
+
     def _hard_state(self) -> HardState:
         return HardState(self.term, self.vote, self.log.committed, self.rebuilding,
                          self.discovering)
@@ -610,19 +759,25 @@ class RaftCore:
                 self._send(Vote(vote_term, self.id, v, last_index, last_term, pre))
 
     def _tally(self) -> int:
-        return sum(1 for g in self._votes.values() if g)
+        return sum(1 for v, g in self._votes.items() if g and v in self.voters)
 
     def _become_leader(self) -> None:
         self._reset(self.term)
         self.role = Role.LEADER
         self.lead = self.id
         nxt = self.log.last_index() + 1
-        self.prs = {v: Progress(nxt) for v in self.voters if v != self.id}
+        self.prs = {v: Progress(nxt) for v in self.membership.members if v != self.id}
         # A no-op of our own term: committing it commits every earlier entry
         # (we may not count replicas of older-term entries, Raft 5.4.2) and
-        # it unblocks read-index.
-        self.log.append([Entry(self.term, nxt, b"", EntryKind.NOOP)])
-        self._bcast_append()
+        # it unblocks read-index. If the log holds no configuration, it is
+        # a CONFIG entry instead: a new cluster's first leader writes its
+        # configuration at index 1, so a replica that joins later and copies
+        # the log from there knows the configuration at every index.
+        if self._confs:
+            self.log.append([Entry(self.term, nxt, b"", EntryKind.NOOP)])
+            self._bcast_append()
+        else:
+            self._append_config(self.membership)
 
     def _handle_vote(self, m: Vote) -> None:
         can_vote = not self.rebuilding and (
@@ -709,7 +864,7 @@ class RaftCore:
                     self._campaign(pre=False)
                 else:
                     self._become_leader()
-            elif len(self._votes) - granted >= self.quorum:
+            elif sum(1 for v, g in self._votes.items() if not g and v in self.voters) >= self.quorum:
                 self._become_follower(self.term, NONE)
 
     def _handle_append(self, m: Append) -> None:
@@ -719,6 +874,7 @@ class RaftCore:
             return
         last_new = log.maybe_append(m.prev_index, m.prev_term, m.commit, m.entries)
         if last_new is not None:
+            self._log_changed(m.entries)
             if self.rebuilding:
                 self._maybe_rebuilt(m)
             self._send(AppendResp(self.term, self.id, m.src, last_new))
@@ -741,6 +897,9 @@ class RaftCore:
             self._send(AppendResp(self.term, self.id, m.src, log.committed))
             return
         log.restore(m.snapshot)
+        self._base = meta.membership
+        self._confs = []
+        self._set_membership(self._base)
         self._send(AppendResp(self.term, self.id, m.src, log.last_index()))
 
     # -- leader
@@ -749,11 +908,14 @@ class RaftCore:
         self.election_elapsed += 1
         if self.election_elapsed >= self.config.election_tick:
             self.election_elapsed = 0
+            active = (self.id in self.voters) + sum(
+                1 for v in self.voters if v != self.id and self.prs[v].recent_active)
+            quorum = self.quorum  # of the voters just counted
+            self._maybe_promote()  # before the activity resets
             if self.config.check_quorum:
-                active = 1 + sum(1 for pr in self.prs.values() if pr.recent_active)
                 for pr in self.prs.values():
                     pr.recent_active = False
-                if active < self.quorum:
+                if active < quorum:
                     self._become_follower(self.term, NONE)
                     return
             for to, pr in self.prs.items():
@@ -800,6 +962,8 @@ class RaftCore:
                 # Followers learn the new commit index with the next Append or
                 # heartbeat: no extra round of empty Appends per commit.
                 self._bcast_append(send_empty=False)
+                if m.src not in self.prs:
+                    return  # we committed our own removal and stood aside
             elif was_paused:
                 self._send_append(m.src)
             while self._send_append(m.src, send_empty=False):
@@ -871,7 +1035,9 @@ class RaftCore:
         return self.log.term(self.log.committed) == self.term
 
     def _maybe_commit(self) -> bool:
-        matches = sorted([self.log.stable, *(pr.match for pr in self.prs.values())], reverse=True)
+        prs = self.prs
+        matches = sorted((self.log.stable if v == self.id else prs[v].match for v in self.voters),
+                         reverse=True)
         index = matches[self.quorum - 1]
         had = self._committed_in_term()
         if not self.log.maybe_commit(index, self.term):
@@ -882,6 +1048,10 @@ class RaftCore:
                 if r.index is None:
                     r.index = self.log.committed
             self._release_reads()
+        if self.id not in self.voters and self.log.committed >= self.conf_index:
+            # Our own removal committed: tell the others, then stand aside.
+            self._bcast_append()
+            self._become_follower(self.term, NONE)
         return True
 
     def _release_reads(self) -> None:
@@ -890,7 +1060,8 @@ class RaftCore:
             r = self._reads[0]
             if r.index is None:
                 return
-            votes = 1 + sum(1 for v in acked.values() if v >= r.seq)
+            votes = (self.id in self.voters) + sum(
+                1 for i, v in acked.items() if v >= r.seq and i in self.voters)
             if votes < self.quorum:
                 return
             self._reads.popleft()

@@ -61,6 +61,7 @@ from cachefs.rpc import CallContext, RpcPool, rpc_method
 from . import messages as wire
 from . import transfer
 from .core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
+from .membership import Membership
 from .messages import EntryKind, InstallSnapshot, Message, Snapshot, SnapshotMeta
 from .snapshot_child import SnapshotChild, SnapshotChildFailed
 from .storage import RaftStorage
@@ -185,6 +186,7 @@ class RaftNode:
         self._m_rebuilding = RAFT_REBUILDING.labels(label)
         self._label = label
         self._disk_state = (False, False)  # (discovering, rebuilding) as last reported
+        self._conf_index = -1  # the configuration last seen (``_on_membership``)
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
                       "send_errors": 0, "storage_errors": 0, "refused": 0,
                       "inbox_dropped": 0}
@@ -194,13 +196,17 @@ class RaftNode:
                      state_machine: StateMachine, pool: RpcPool, *, nursery: trio.Nursery,
                      server: Any = None, config: RaftConfig | None = None,
                      driver_config: DriverConfig | None = None,
-                     rng: random.Random | None = None) -> RaftNode:
+                     rng: random.Random | None = None, join: bool = False) -> RaftNode:
         """Open the WAL in ``data_dir``, restore the state machine from the
         newest snapshot, and start the node's tasks in ``nursery``.
 
-        ``peers`` maps every replica id (this one included) to "host:port".
-        Committed entries after the snapshot are re-applied before the first
-        proposal is served.
+        ``peers`` maps every replica id (this one included) to "host:port":
+        a new cluster's first configuration, unless ``join``: then it only
+        says where the running cluster's replicas are, and this one waits as
+        a learner until the leader adds it (``membership.py``). Once the log
+        or a snapshot holds a configuration, that one counts, and its
+        addresses are added to ``peers``. Committed entries after the
+        snapshot are re-applied before the first proposal is served.
 
         Raises:
             InvalidArgument: ``node_id`` missing from ``peers``.
@@ -211,7 +217,8 @@ class RaftNode:
         storage = await trio.to_thread.run_sync(RaftStorage.open, data_dir)
         if storage.snapshot is not None:
             state_machine.restore(storage.snapshot.data)
-        core = RaftCore(node_id, list(peers), rng=rng or random.Random(),
+        core = RaftCore(node_id, [] if join else list(peers), rng=rng or random.Random(),
+                        addrs=None if join else peers,
                         config=config or RaftConfig(), hard_state=storage.hard_state,
                         snapshot=storage.snapshot, entries=storage.entries)
         node = cls(node_id, peers, core, storage, state_machine, pool,
@@ -245,6 +252,11 @@ class RaftNode:
     def commit_index(self) -> int:
         return self.core.committed
 
+    @property
+    def lease_epoch(self) -> tuple[int, int]:
+        """What a read lease is valid for (``lease.py``): term and configuration."""
+        return self.core.term, self.core.conf_index
+
     def _not_leader(self) -> CacheFSError:
         addr = self.leader_addr
         return NotLeader(f"metanode {self.id} is not the leader"
@@ -271,6 +283,44 @@ class RaftNode:
         self._proposals.append((command, waiter, decoded))
         self._wake.set()
         return await waiter.wait()
+
+    @property
+    def membership(self) -> Membership:
+        return self.core.membership
+
+    async def change_membership(self, new: Membership) -> None:
+        """Append configuration ``new`` and return once it is applied here.
+
+        Raises:
+            NotLeader: as for ``propose``.
+            Busy: another change, or this leader's first commit, is pending.
+            InvalidArgument: more than one voter changes (``membership.py``).
+        """
+        if self._closed:
+            raise Unavailable("raft node is closed")
+        if not self.core.is_leader:
+            raise self._not_leader()
+        # No await between here and the registration: the loop cannot apply
+        # the entry before its waiter is in place.
+        index, term = self.core.propose_membership(new)
+        waiter = _Waiter()
+        self._proposed[index] = (term, waiter, None)
+        self._on_membership()
+        self._wake.set()
+        await waiter.wait()
+
+    def caught_up(self, node_id: int) -> bool:
+        """(Leader) whether ``node_id`` holds everything committed."""
+        return self.core.caught_up(node_id)
+
+    def progress(self) -> dict[int, dict[str, Any]]:
+        """(Leader) each other member's replication: match index and lag."""
+        core = self.core
+        if not core.is_leader:
+            return {}
+        last = core.log.last_index()
+        return {i: {"match": pr.match, "lag": last - pr.match, "state": pr.state.name.lower()}
+                for i, pr in core.prs.items()}
 
     async def read_index(self) -> None:
         """Return once this node may serve a linearizable read from its state
@@ -315,12 +365,12 @@ class RaftNode:
             return
         inbox = self._inbox
         for m in msgs:
-            if isinstance(m, InstallSnapshot):
-                self._refuse("InstallSnapshot", "a snapshot must come by raft_snapshot")
-            elif not self._may_speak_for(ctx, m.src) or m.dst != self.id:
+            if not self._may_speak_for(ctx, m.src) or m.dst != self.id:
                 who = f" (sent by {ctx.identity})" if ctx is not None else ""
                 self._refuse(type(m).__name__, f"from {m.src} to {m.dst}{who}: not a peer's message "
                              f"to node {self.id}")
+            elif isinstance(m, InstallSnapshot):
+                self._refuse("InstallSnapshot", "a snapshot must come by raft_snapshot")
             else:
                 inbox.append(m)
         if len(inbox) > self.dconfig.max_inbox:  # the loop is stalled (disk): Raft resends
@@ -399,6 +449,7 @@ class RaftNode:
                     nursery.start_soon(self._ticker)
                     for peer in self._outbox:
                         nursery.start_soon(self._sender, peer)
+                    self._on_membership()  # the one on disk may name more peers
                     self._wake.set()  # apply what the WAL says is committed
                     if self.core.discovering or self.core.rebuilding:
                         self._report_disk_state()
@@ -503,6 +554,8 @@ class RaftNode:
                     still.append((index, waiters))
             self._released = still
         self.core.advance(rd)
+        if self.core.conf_index != self._conf_index:
+            self._on_membership()
         if (self.core.discovering, self.core.rebuilding) != self._disk_state:
             self._report_disk_state()
         self._m_commit.set(self.core.committed)
@@ -577,6 +630,26 @@ class RaftNode:
                 w.fail(err)
             self._proposed.clear()
 
+    def _on_membership(self) -> None:
+        """A new configuration is in effect: learn its members' addresses
+        and start senders to new ones (``peers`` only grows: a removed
+        replica may still need an answer, and is harmless to answer)."""
+        core = self.core
+        self._conf_index = core.conf_index
+        m = core.membership
+        for i, addr in m.addrs:
+            if i != self.id and self.peers.get(i) != addr:
+                self.peers[i] = addr
+            if i != self.id and i not in self._outbox:
+                self._outbox[i] = []
+                self._send_wake[i] = trio.Event()
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._sender, i)
+        role = ("voter" if self.id in m.voters else "learner" if self.id in m.learners
+                else "not a member")
+        log.info("raft node %d: configuration at %d: voters %s, learners %s; this node: %s",
+                 self.id, core.conf_index, list(m.voters), list(m.learners), role)
+
     def _report_disk_state(self) -> None:
         core = self.core
         was_rebuilding = self._disk_state[1]
@@ -598,7 +671,11 @@ class RaftNode:
         """Capture the state machine at the applied index and save it in the
         background. No await here: the fork (or the inline serialization)
         sees exactly the state after ``self.applied``."""
-        meta = self.core.snapshot_meta(self.applied)
+        try:
+            meta = self.core.snapshot_meta(self.applied)
+        except InvalidArgument as exc:  # a joiner, below its first known configuration
+            log.debug("raft node %d: no snapshot yet: %s", self.id, exc.message)
+            return
         assert self._nursery is not None
         self.snapshotting = True
         if self.dconfig.fork_snapshots and hasattr(os, "fork"):
@@ -692,10 +769,10 @@ class RaftNode:
             self._send_wake[m.dst].set()
 
     async def _sender(self, peer: int) -> None:
-        addr = self.peers[peer]
         while True:
             await self._send_wake[peer].wait()
             self._send_wake[peer] = trio.Event()
+            addr = self.peers[peer]
             msgs, self._outbox[peer] = self._outbox[peer], []
             # A snapshot travels alone (the newest only), in chunks: it can be large.
             snaps = [m for m in msgs if isinstance(m, InstallSnapshot)]

@@ -12,14 +12,17 @@ crash). So until the earliest of those promises runs out, no other leader can
 be elected, and this leader's applied state answers reads linearizably.
 
 The leader takes a lease of ``LEASE_FRACTION`` of an election timeout from
-the *start* of the round that confirmed it (``confirmed(term, started)``),
-by its own clock, and serves reads while ``valid(term, now)``. The follower's
+the *start* of the round that confirmed it (``confirmed(epoch, started)``),
+by its own clock, and serves reads while ``valid(epoch, now)``. The follower's
 promise lasts at least ``election_tick - 1`` of its ticks after it received
 the heartbeat (the first tick may come at once). So this is safe while
 clocks run at rates within a factor of ``(election_tick - 1) /
 (LEASE_FRACTION * election_tick)`` of each other (1.8 for the default 10
-ticks), the assumption etcd's lease reads make too. A term change ends the
-lease. Pure: the caller passes the clock.
+ticks), the assumption etcd's lease reads make too. The epoch is the leader's term
+and the index of its configuration (``RaftCore.conf_index``): a new term
+ends the lease, and so does a membership change, since the quorum that
+promised may not overlap every quorum two changes later. Pure: the caller
+passes the clock.
 """
 
 from __future__ import annotations
@@ -33,21 +36,23 @@ def lease_duration(election_tick: int, tick_interval: float) -> float:
 
 
 class ReadLease:
-    __slots__ = ("duration", "_term", "_until")
+    __slots__ = ("duration", "_epoch", "_until")
 
     def __init__(self, duration: float) -> None:
         self.duration = duration
-        self._term = -1
+        self._epoch = (-1, -1)
         self._until = 0.0
 
-    def valid(self, term: int, now: float) -> bool:
-        """May a leader in ``term`` answer a read at ``now`` by itself?"""
-        return term == self._term and now < self._until
+    def valid(self, epoch: tuple[int, int], now: float) -> bool:
+        """May a leader in ``epoch`` (term, conf_index) answer a read at
+        ``now`` by itself?"""
+        return epoch == self._epoch and now < self._until
 
-    def confirmed(self, term: int, started: float) -> None:
+    def confirmed(self, epoch: tuple[int, int], started: float) -> None:
         """A read-index round that began at ``started`` (before its
-        heartbeats left) confirmed our leadership in ``term``."""
+        heartbeats left) in ``epoch`` confirmed our leadership; the caller
+        checks that the epoch did not change during the round."""
         until = started + self.duration
-        if term != self._term or until > self._until:
-            self._term = term
+        if epoch != self._epoch or until > self._until:
+            self._epoch = epoch
             self._until = until

@@ -21,12 +21,16 @@ import msgpack  # type: ignore[import-untyped]
 
 from cachefs.errors import ProtocolError
 
+from . import membership
+from .membership import Membership
+
 NONE = 0  # "no node": no vote cast, no leader known
 
 
 class EntryKind(IntEnum):
     NORMAL = 0  # a state machine command
     NOOP = 1  # appended by a new leader to commit entries of earlier terms
+    CONFIG = 2  # a new membership (``membership.encode``), in effect once appended
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +62,23 @@ class HardState:
 
 @dataclass(frozen=True, slots=True)
 class SnapshotMeta:
+    """Where a snapshot ends, and the membership in effect there (so a log
+    compacted past a CONFIG entry keeps it). Snapshots written before
+    membership changes carry only ``voters``."""
+
     index: int = 0
     term: int = 0
     voters: tuple[int, ...] = ()
+    learners: tuple[int, ...] = ()
+    addrs: tuple[tuple[int, str], ...] = ()
+
+    @classmethod
+    def at(cls, index: int, term: int, m: Membership) -> SnapshotMeta:
+        return cls(index, term, m.voters, m.learners, m.addrs)
+
+    @property
+    def membership(self) -> Membership:
+        return Membership(tuple(sorted(self.voters)), self.learners, self.addrs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +197,8 @@ Message = (Vote | VoteResp | Append | AppendResp | Heartbeat | HeartbeatResp | I
 
 # ---------------------------------------------------------------- encoding
 # A message is a msgpack array [tag, term, src, dst, *fields]; entries are
-# [term, index, kind, data]; a snapshot is [index, term, voters, data].
+# [term, index, kind, data]; a snapshot is [index, term, voters, data,
+# learners, addrs] (the last two absent before membership changes).
 
 _TAGS: dict[type, int] = {
     Vote: 1,
@@ -199,7 +218,8 @@ def _entry_out(e: Entry) -> list[Any]:
 
 
 def _snapshot_out(s: Snapshot) -> list[Any]:
-    return [s.meta.index, s.meta.term, list(s.meta.voters), s.data]
+    m = s.meta
+    return [m.index, m.term, list(m.voters), s.data, list(m.learners), [list(a) for a in m.addrs]]
 
 
 def _to_list(m: Message) -> list[Any]:
@@ -255,7 +275,7 @@ def entry_from_list(raw: Any) -> Entry:
     if type(raw) is not list or len(raw) != 4:
         raise ProtocolError("raft message: an entry must be [term, index, kind, data]")
     kind = _uint(raw[2], "entry kind")
-    if kind not in (EntryKind.NORMAL, EntryKind.NOOP):
+    if kind not in (EntryKind.NORMAL, EntryKind.NOOP, EntryKind.CONFIG):
         raise ProtocolError(f"raft message: unknown entry kind {kind}")
     return Entry(
         _uint(raw[0], "entry term"),
@@ -265,12 +285,23 @@ def entry_from_list(raw: Any) -> Entry:
     )
 
 
+def snapshot_meta_from(index: Any, term: Any, voters: Any, learners: Any = None,
+                       addrs: Any = None) -> SnapshotMeta:
+    """Raises: ProtocolError: a field of the wrong type."""
+    index, term = _uint(index, "snapshot index"), _uint(term, "snapshot term")
+    if learners is None and addrs is None:  # written before membership changes
+        if type(voters) is not list:
+            raise ProtocolError("raft message: snapshot voters must be a list")
+        return SnapshotMeta(index, term, tuple(_uint(v, "voter id") for v in voters))
+    return SnapshotMeta.at(index, term, membership.from_lists(voters, learners, addrs))
+
+
 def snapshot_from_list(raw: Any) -> Snapshot:
-    if type(raw) is not list or len(raw) != 4 or type(raw[2]) is not list:
-        raise ProtocolError("raft message: a snapshot must be [index, term, voters, data]")
-    voters = tuple(_uint(v, "voter id") for v in raw[2])
-    meta = SnapshotMeta(_uint(raw[0], "snapshot index"), _uint(raw[1], "snapshot term"), voters)
-    return Snapshot(meta, _bytes(raw[3], "snapshot data"))
+    if type(raw) is not list or len(raw) not in (4, 6):
+        raise ProtocolError("raft message: a snapshot must be [index, term, voters, data, "
+                            "learners, addrs]")
+    return Snapshot(snapshot_meta_from(raw[0], raw[1], raw[2], *raw[4:]),
+                    _bytes(raw[3], "snapshot data"))
 
 
 _ARITY = {1: 7, 2: 6, 3: 8, 4: 8, 5: 6, 6: 7, 7: 5, 8: 5, 9: 5}

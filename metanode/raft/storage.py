@@ -33,7 +33,7 @@ garbling an earlier unsynced Ready behind a later one; that is refused too:
 rebuilding costs time, cutting fsynced records would cost safety.)
 
 A snapshot file is ``MAGIC [u32 crc32] zstd(msgpack [index, term, voters,
-data])``, written to a temporary name, fsynced and renamed, so it is either
+data, learners, addrs])`` (older files lack the last two), written to a temporary name, fsynced and renamed, so it is either
 whole or absent. Compaction (after a snapshot) rewrites the WAL the same way:
 a new file with ``BASE``, the hard state and the entries after the snapshot.
 
@@ -58,7 +58,7 @@ import zstandard
 
 from cachefs.errors import Corrupt, IOFailure
 
-from .messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta
+from .messages import Entry, EntryKind, HardState, Snapshot, SnapshotMeta, snapshot_meta_from
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _decode_payload(kind: int, payload: bytes) -> Any:
     obj = msgpack.unpackb(payload, raw=False)
     if kind == ENTRY:
         term, index, ekind, data = obj
-        if type(data) is not bytes or ekind not in (0, 1):
+        if type(data) is not bytes or ekind not in tuple(EntryKind):
             raise ValueError("bad entry")
         return Entry(int(term), int(index), data, EntryKind(ekind))
     if kind == HARD_STATE:
@@ -301,7 +301,8 @@ def recover(raw: bytes, snapshot: SnapshotMeta, name: str) -> tuple[Replayed, Sc
 def encode_snapshot(snapshot: Snapshot) -> bytes:
     m = snapshot.meta
     body = zstandard.ZstdCompressor(level=3).compress(
-        msgpack.packb([m.index, m.term, list(m.voters), snapshot.data], use_bin_type=True)
+        msgpack.packb([m.index, m.term, list(m.voters), snapshot.data, list(m.learners),
+                       [list(a) for a in m.addrs]], use_bin_type=True)
     )
     return SNAP_MAGIC + struct.pack(">I", zlib.crc32(body)) + body
 
@@ -318,10 +319,10 @@ def decode_snapshot(raw: bytes) -> Snapshot:
     if zlib.crc32(body) != crc:
         raise Corrupt("raft snapshot: CRC mismatch")
     try:
-        index, term, voters, data = msgpack.unpackb(
+        index, term, voters, data, *members = msgpack.unpackb(
             zstandard.ZstdDecompressor().decompress(body), raw=False
         )
-        return Snapshot(SnapshotMeta(int(index), int(term), tuple(int(v) for v in voters)), data)
+        return Snapshot(snapshot_meta_from(index, term, voters, *members), data)
     except Exception as exc:
         raise Corrupt(f"raft snapshot: undecodable ({exc})") from None
 

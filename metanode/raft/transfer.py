@@ -32,7 +32,7 @@ import zstandard
 
 from cachefs.errors import InvalidArgument, ProtocolError
 
-from .messages import InstallSnapshot, Snapshot, SnapshotMeta
+from .messages import InstallSnapshot, Snapshot, snapshot_meta_from
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def encode(m: InstallSnapshot) -> bytes:
     """The compressed transfer body of ``m`` (the leader's side)."""
     meta, data = m.snapshot.meta, m.snapshot.data
     header = msgpack.packb([m.term, m.src, m.dst, meta.index, meta.term, list(meta.voters),
-                            len(data)])
+                            len(data), list(meta.learners), [list(a) for a in meta.addrs]])
     cctx = zstandard.ZstdCompressor(level=1)
     return cctx.compress(_LEN.pack(len(header)) + header + data)
 
@@ -76,13 +76,12 @@ def decode(path: Path, max_size: int) -> InstallSnapshot:
             if n > MAX_HEADER:
                 raise ProtocolError(f"raft snapshot transfer: a {n}-byte header")
             fields = msgpack.unpackb(reader.read(n), raw=False)
-            if type(fields) is not list or len(fields) != 7 or type(fields[5]) is not list:
+            if type(fields) is not list or len(fields) not in (7, 9):
                 raise ProtocolError("raft snapshot transfer: bad header")
-            term, src, dst, index, snap_term, size = (
-                _uint(fields[k], what)
-                for k, what in ((0, "term"), (1, "src"), (2, "dst"), (3, "index"),
-                                (4, "snapshot term"), (6, "size")))
-            voters = tuple(_uint(v, "voter") for v in fields[5])
+            term, src, dst, size = (
+                _uint(fields[k], what) for k, what in ((0, "term"), (1, "src"), (2, "dst"),
+                                                       (6, "size")))
+            meta = snapshot_meta_from(fields[3], fields[4], fields[5], *fields[7:])
             if size > max_size:
                 raise InvalidArgument(
                     f"raft snapshot from {src}: {size} bytes, over this replica's limit of "
@@ -96,7 +95,7 @@ def decode(path: Path, max_size: int) -> InstallSnapshot:
             raise ProtocolError(f"raft snapshot transfer: undecodable ({exc})") from None
         except (ValueError, msgpack.UnpackException) as exc:
             raise ProtocolError(f"raft snapshot transfer: bad header ({exc})") from None
-    return InstallSnapshot(term, src, dst, Snapshot(SnapshotMeta(index, snap_term, voters), data))
+    return InstallSnapshot(term, src, dst, Snapshot(meta, data))
 
 
 class _Spool:

@@ -16,7 +16,9 @@ from hypothesis import reject
 from hypothesis import strategies as st
 
 from cachefs.errors import ProtocolError
+from cachefs.metanode.raft import membership
 from cachefs.metanode.raft import messages as wire
+from cachefs.metanode.raft.membership import Membership
 from cachefs.metanode.raft.messages import (
     Append,
     AppendResp,
@@ -65,9 +67,16 @@ def entry_list(draw: st.DrawFn, prev_index: int) -> tuple[Entry, ...]:
     n = draw(st.integers(0, 4))
     out = []
     for k in range(n):
-        kind = draw(st.sampled_from((EntryKind.NORMAL, EntryKind.NOOP)))
-        data = command(draw(st.integers(0, 3)), draw(st.integers(1, 50))) \
-            if kind is EntryKind.NORMAL else b""
+        kind = draw(st.sampled_from((EntryKind.NORMAL, EntryKind.NOOP, EntryKind.CONFIG)))
+        if kind is EntryKind.NORMAL:
+            data = command(draw(st.integers(0, 3)), draw(st.integers(1, 50)))
+        elif kind is EntryKind.CONFIG:  # a forged configuration, or garbage
+            data = draw(st.one_of(
+                st.lists(st.integers(1, 5), min_size=1, max_size=4, unique=True).map(
+                    lambda v: membership.encode(Membership.of(v))),
+                st.binary(max_size=8)))
+        else:
+            data = b""
         out.append(Entry(draw(TERMS), prev_index + 1 + k, data, kind))
     return tuple(out)
 

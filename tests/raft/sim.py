@@ -10,7 +10,11 @@ also rot (a flipped bit in a synced record with records after it: start-up
 must refuse it, and the replica is rebuilt empty, as docs/raft.md says) and
 get lost (the replica restarts empty); one disk at a time, as the procedure
 demands. Leaders may answer reads under their lease (``lease.py``), by their
-own drifting clocks. Each node handles ``Ready`` the way ``driver.RaftNode``
+own drifting clocks. An operator changes the membership one server at a
+time (``membership.py``): adds a replica that joins with an empty disk as a
+learner, removes one, or replaces one; once the membership has changed, a
+lost disk is handled the way it must be then, by replacing that replica
+with a new one (rebuilding in place asks the first configuration's peers). Each node handles ``Ready`` the way ``driver.RaftNode``
 does: eager messages, write, sync (a separate event, so crashes can land in
 between), messages, apply, advance.
 
@@ -29,9 +33,9 @@ from typing import Any
 
 import msgpack
 
-from cachefs.errors import Corrupt, NotLeader
+from cachefs.errors import Busy, Corrupt, InvalidArgument, NotLeader
+from cachefs.metanode.raft import membership, storage
 from cachefs.metanode.raft import messages as wire
-from cachefs.metanode.raft import storage
 from cachefs.metanode.raft.core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
 from cachefs.metanode.raft.lease import LEASE_FRACTION, ReadLease
 from cachefs.metanode.raft.messages import EntryKind, Message, Snapshot, SnapshotMeta
@@ -179,6 +183,8 @@ class Params:
     election_tick: int = 5
     lease: bool = False  # the leader answers reads under a lease (as MetaService does)
     lease_fraction: float = LEASE_FRACTION  # of an election timeout (tests make it unsafe)
+    member_weight: int = 0  # membership changes among the faults
+    max_members: int = 5  # voters and learners the operator adds up to
 
 
 class SafetyViolation(AssertionError):
@@ -194,6 +200,23 @@ class Checker:
         self.applied: dict[int, tuple[int, bytes]] = {}  # index -> (term, data)
         self.commit_term: dict[int, tuple[int, int]] = {}  # index -> (leader term, entry term)
         self.max_commit = 0
+        self.configs: dict[int, membership.Membership] = {}  # index -> committed CONFIG
+
+    def on_membership(self, node: SimNode) -> None:
+        """The configuration a replica uses is the newest in its log (or its
+        snapshot's, if its log holds none)."""
+        core = node.core
+        newest = None
+        for e in reversed(core.log.entries):
+            if e.kind is EntryKind.CONFIG:
+                newest = membership.decode(e.data)
+                break
+        if newest is None:
+            snap = core.log.pending_snapshot or core.snapshot
+            if snap is not None and snap.meta.voters:
+                newest = snap.meta.membership
+        if newest is not None and newest != core.membership:
+            raise SafetyViolation(f"node {node.id} uses {core.membership}, its log says {newest}")
 
     def on_ready(self, node: SimNode, rd: Ready) -> None:
         core = node.core
@@ -226,6 +249,7 @@ class Checker:
             seen = self.entries.setdefault(key, (e.data, int(e.kind), prev))
             if seen != (e.data, int(e.kind), prev):
                 raise SafetyViolation(f"log matching: entry {key} differs between logs")
+        self.on_membership(node)
 
     def on_apply(self, node: SimNode, index: int, term: int, data: bytes) -> None:
         if index != node.applied + 1:
@@ -234,11 +258,25 @@ class Checker:
         if seen != (term, data):
             raise SafetyViolation(f"state machine safety: index {index} applied as {seen[0]} and {term}")
 
+    def on_config_applied(self, index: int, new: membership.Membership) -> None:
+        """Committed configurations change one voter at a time."""
+        self.configs[index] = new
+        order = sorted(self.configs)
+        k = order.index(index)
+        for a, b in zip(order[max(k - 1, 0):k + 1], order[k:k + 2], strict=False):
+            if a != b:
+                try:
+                    membership.check_change(self.configs[a], self.configs[b])
+                except InvalidArgument as exc:
+                    raise SafetyViolation(f"committed configurations {a} -> {b}: "
+                                          f"{exc.message}") from None
+
 
 class SimNode:
-    def __init__(self, sim: Sim, node_id: int) -> None:
+    def __init__(self, sim: Sim, node_id: int, bootstrap: list[int]) -> None:
         self.sim = sim
         self.id = node_id
+        self.bootstrap = bootstrap  # the first configuration, or [] for one that joins
         self.disk = SimDisk()
         self.alive = False
         self.inbox: list[Any] = []
@@ -246,9 +284,9 @@ class SimNode:
         self.tick_period = TICK
         self.busy: Ready | None = None
         self.pending: dict[int, tuple[int, Op]] = {}  # index -> (term, op)
-        # read seq -> (get op, local clock when the read-index round began, term)
-        self.reads: dict[int, tuple[Op, float, int]] = {}
-        self.released: list[tuple[int, Op, float, int]] = []  # waiting for apply
+        # read seq -> (get op, local clock when the read-index round began, lease epoch)
+        self.reads: dict[int, tuple[Op, float, tuple[int, int]]] = {}
+        self.released: list[tuple[int, Op, float, tuple[int, int]]] = []  # waiting for apply
         self.lease = ReadLease(sim.lease_duration)
         self.applied = 0
         self.core: RaftCore
@@ -278,7 +316,7 @@ class SimNode:
             raise SafetyViolation(f"node {self.id} started from a damaged WAL: {res.problem}")
         if res.problem is not None:
             self.disk.cut(res.valid_len)
-        self.core = RaftCore(self.id, sim.ids, rng=random.Random(sim.rng.random()),
+        self.core = RaftCore(self.id, self.bootstrap, rng=random.Random(sim.rng.random()),
                              config=sim.config, hard_state=rep.hard_state, snapshot=snap,
                              entries=rep.entries)
         self.sm = KV()
@@ -337,6 +375,9 @@ class SimNode:
             self.inbox.append((op, command))
             self.process()
 
+    def epoch(self) -> tuple[int, int]:
+        return self.core.term, self.core.conf_index
+
     def local_now(self) -> float:
         """This node's clock: it runs at TICK per tick_period of real time."""
         return self.sim.now * TICK / self.tick_period
@@ -348,12 +389,12 @@ class SimNode:
         try:
             if command is None:
                 core = self.core
-                if sim.params.lease and core.is_leader and self.lease.valid(core.term,
+                if sim.params.lease and core.is_leader and self.lease.valid(self.epoch(),
                                                                             self.local_now()):
                     sim.lease_reads += 1  # what MetaService does: answer at once
                     sim.complete(op, self.sm.data.get(op.key))
                     return
-                self.reads[core.read_index()] = (op, self.local_now(), core.term)
+                self.reads[core.read_index()] = (op, self.local_now(), self.epoch())
             else:
                 first, term = self.core.propose([command])
                 self.pending[first] = (term, op)
@@ -386,6 +427,8 @@ class SimNode:
             sim.checker.on_ready(self, rd)
             if rd.soft_state is not None and rd.soft_state.role is not Role.LEADER:
                 self.reads.clear()  # lost leadership: those reads fail, clients retry
+                if self.id not in self.core.voters and self.id in sim.checker.leaders.values():
+                    sim.removed_leaders += 1
             for m in rd.eager_messages:
                 sim.send(m)
             if rd.snapshot is not None:
@@ -422,6 +465,8 @@ class SimNode:
                 self.pending.pop(idx)  # outcome unknown here: clients retry
         for e in rd.committed_entries:
             sim.checker.on_apply(self, e.index, e.term, e.data)
+            if e.kind is EntryKind.CONFIG:
+                sim.checker.on_config_applied(e.index, membership.decode(e.data))
             self.applied = e.index
             result = self.sm.apply(e.index, e.data) if e.kind is EntryKind.NORMAL else None
             waiting = self.pending.pop(e.index, None)
@@ -434,13 +479,13 @@ class SimNode:
                 self.released.append((rs.index, *read))
         if self.released:
             still = []
-            for index, op, started, term in self.released:
+            for index, op, started, epoch in self.released:
                 if self.applied >= index:
                     sim.complete(op, self.sm.data.get(op.key))
-                    if sim.params.lease and self.core.is_leader and self.core.term == term:
-                        self.lease.confirmed(term, started)
+                    if sim.params.lease and self.core.is_leader and self.epoch() == epoch:
+                        self.lease.confirmed(epoch, started)
                 else:
-                    still.append((index, op, started, term))
+                    still.append((index, op, started, epoch))
             self.released = still
         self.core.advance(rd)
         every = sim.params.snapshot_every
@@ -489,11 +534,72 @@ class Sim:
         self.clients = [Client(c) for c in range(params.clients)]
         self.value = 0
         self.sent: dict[str, int] = {}  # message type -> count
-        self.nodes = {i: SimNode(self, i) for i in self.ids}
+        self.nodes = {i: SimNode(self, i, self.ids) for i in self.ids}
         for n in self.nodes.values():  # clocks drift: each node ticks at its own rate
             n.tick_period = TICK + self.rng.randint(-params.drift, params.drift)
         for i in self.ids:  # every node ticks every TICK, with its own phase
             self.schedule(self.rng.randint(1, TICK), self._tick, i)
+        # The operator's membership steps, done in order on the leader:
+        # ("add", id) or ("remove", id); replicas whose disk was lost after
+        # the membership changed are ``gone`` (never restarted).
+        self.todo: list[tuple[str, int]] = []
+        self.gone: set[int] = set()
+        self.changed_membership = False
+        self.member_changes = 0  # configurations proposed
+        self.removed_leaders = 0  # leaders that committed their own removal
+
+    def add_node(self) -> SimNode:
+        """A new replica with an empty disk that joins (``voters=()``)."""
+        nid = max(self.nodes) + 1
+        node = SimNode(self, nid, [])
+        node.tick_period = TICK + self.rng.randint(-self.params.drift, self.params.drift)
+        self.nodes[nid] = node
+        self.schedule(self.rng.randint(1, TICK), self._tick, nid)
+        return node
+
+    def operator_step(self) -> None:
+        """Try the operator's next membership step on a leader."""
+        if not self.todo or any(n.rebuilding() for n in self.nodes.values()
+                                if n.id not in self.gone):
+            return  # a replica rebuilding in place needs its first configuration
+        leaders = sorted(self._leaders(), key=lambda lt: lt[1])
+        if not leaders:
+            return
+        leader = self.nodes[leaders[-1][0]]
+        op, nid = self.todo[0]
+        if (nid in self.members()) == (op == "add"):
+            self.todo.pop(0)  # done: committed
+            return
+        now = leader.core.membership
+        try:
+            if op == "add":
+                new = now.add_learner(nid, f"sim:{nid}")
+            else:
+                new = now.remove(nid)
+        except InvalidArgument:
+            return  # proposed already, not committed yet
+        try:
+            leader.core.propose_membership(new)
+        except (Busy, NotLeader):
+            return  # retried at the next step
+        self.member_changes += 1
+        self.changed_membership = True
+        leader.process()
+
+    def _operator(self, _: Any) -> None:
+        self.operator_step()
+        self.schedule(self.rng.randint(TICK, 4 * TICK), self._operator, None)
+
+    def members(self) -> tuple[int, ...]:
+        """The newest committed configuration's members."""
+        if not self.checker.configs:
+            return tuple(self.ids)
+        return self.checker.configs[max(self.checker.configs)].members
+
+    def voters(self) -> tuple[int, ...]:
+        if not self.checker.configs:
+            return tuple(self.ids)
+        return self.checker.configs[max(self.checker.configs)].voters
 
     # -- event queue
     def schedule(self, delay: int, fn: Any, arg: Any) -> None:
@@ -530,7 +636,7 @@ class Sim:
             self.schedule(self.rng.randint(1, self.params.max_delay * 2), self._deliver, m)
 
     def _deliver(self, m: Message) -> None:
-        if (m.src, m.dst) not in self.blocked:
+        if (m.src, m.dst) not in self.blocked and m.dst in self.nodes:
             self.nodes[m.dst].deliver(m)
 
     # -- clients
@@ -597,10 +703,11 @@ class Sim:
         p = self.params
         choice = rng.choices(
             ("crash", "crash_leader", "restart", "partition", "isolate_leader", "oneway", "heal",
-             "loss", "pause", "corrupt", "wipe"),
+             "loss", "pause", "corrupt", "wipe", "member"),
             weights=(p.crash_weight, p.crash_weight, 3, 2, 2, 2, 3, 1, 2, p.disk_weight,
-                     p.disk_weight))[0]
-        dead = [n for n in self.nodes.values() if not n.alive]
+                     p.disk_weight, p.member_weight))[0]
+        ids = list(self.nodes)
+        dead = [n for n in self.nodes.values() if not n.alive and n.id not in self.gone]
         alive = [n for n in self.nodes.values() if n.alive]
         leaders = [n for n in alive if n.core.is_leader]
         if choice == "crash_leader" and leaders:
@@ -613,11 +720,11 @@ class Sim:
             if choice == "isolate_leader" and leaders:
                 side = {rng.choice(leaders).id}
             else:
-                side = set(rng.sample(self.ids, rng.randint(1, len(self.ids) // 2)))
-            self.blocked = {(a, b) for a in self.ids for b in self.ids
+                side = set(rng.sample(ids, rng.randint(1, len(ids) // 2)))
+            self.blocked = {(a, b) for a in ids for b in ids
                             if a != b and ((a in side) != (b in side))}
         elif choice == "oneway":
-            a, b = rng.sample(self.ids, 2)
+            a, b = rng.sample(ids, 2)
             self.blocked.add((a, b))
         elif choice == "heal":
             self.blocked = set()
@@ -626,7 +733,19 @@ class Sim:
             node.pause(rng.randint(1, 20) * TICK)
         elif choice == "loss":
             self.loss = rng.choice((0.0, 0.05, 0.3))
-        elif choice in ("corrupt", "wipe") and alive and not any(
+        elif choice == "member" and not any(
+                n.rebuilding() for n in self.nodes.values() if n.id not in self.gone):
+            self._membership_fault()
+        elif choice in ("corrupt", "wipe") and self.changed_membership:
+            # Rebuilding in place asks the first configuration's peers, so
+            # once the membership changed a lost disk means a new replica.
+            if not alive or not self._membership_settled():
+                return self.schedule(rng.randint(1, 2 * p.fault_every), self._fault, None)
+            node = rng.choice(alive)
+            node.crash()
+            self.gone.add(node.id)
+            self.todo += [("add", self.add_node().id), ("remove", node.id)]
+        elif choice in ("corrupt", "wipe") and alive and not self.todo and not any(
                 n.rebuilding() for n in self.nodes.values()):
             # One replica's disk at a time (docs/raft.md): until a rebuilt
             # replica has caught up, its disk is as good as lost.
@@ -641,12 +760,40 @@ class Sim:
                 self.damaged += 1
         self.schedule(rng.randint(1, 2 * p.fault_every), self._fault, None)
 
+    def _membership_settled(self) -> bool:
+        """No change pending: a leader's configuration is committed, and has
+        no replica that was lost. (A lost replica while a change is open can
+        stall the cluster for good, as in the thesis: {1,2,3} -> {1,3} with
+        1 lost leaves 3 alone with a quorum of two.)"""
+        if self.todo or self.gone & set(self.members()) or len(self.voters()) < 3:
+            return False
+        return any(self.nodes[i].core.conf_index <= self.nodes[i].core.committed
+                   for i, _ in self._leaders())
+
+    def _membership_fault(self) -> None:
+        """The operator adds, removes or replaces a replica (queued in
+        ``todo``, done one step at a time on the leader)."""
+        rng = self.rng
+        if self.todo:
+            return
+        members = [i for i in self.members() if i not in self.gone]
+        kind = rng.choice(("add", "remove", "replace"))
+        if kind == "add" and len(members) < self.params.max_members:
+            self.todo.append(("add", self.add_node().id))
+        elif kind == "remove" and len(self.voters()) > 2:
+            self.todo.append(("remove", rng.choice(members)))
+        elif kind == "replace":
+            old = rng.choice(members)
+            self.todo += [("add", self.add_node().id), ("remove", old)]
+
     # -- the whole schedule
     def run(self) -> None:
         p = self.params
         for c in range(p.clients):
             self.schedule(self.rng.randint(1, 20 * TICK), self._client_step, c)
         self.schedule(self.rng.randint(1, 2 * p.fault_every), self._fault, None)
+        if p.member_weight:
+            self.schedule(self.rng.randint(TICK, 4 * TICK), self._operator, None)
         self.run_until(p.fault_time)
         # Heal everything and require progress: liveness after the storm.
         self._queue = [e for e in self._queue if e.fn != self._fault]
@@ -655,11 +802,11 @@ class Sim:
         self.loss = 0.0
         self.dup = 0.0
         for n in self.nodes.values():
-            if not n.alive:
+            if not n.alive and n.id not in self.gone:
                 n.start()
 
         def done() -> bool:
-            return all(op.resp is not None for op in self.history)
+            return all(op.resp is not None for op in self.history) and not self.todo
 
         deadline = self.now + p.settle_time
         self.run_until(deadline, stop=done)
@@ -677,10 +824,14 @@ class Sim:
             raise SafetyViolation(f"liveness: final write not answered (leaders {self._leaders()})")
 
         def replicated() -> bool:
-            return all(n.applied >= probe.index for n in self.nodes.values())
+            # Every member has the probe, and every learner has been promoted.
+            leaders = self._leaders()
+            return bool(leaders) and not self.nodes[leaders[0][0]].core.learners and all(
+                self.nodes[i].applied >= probe.index for i in self.members())
 
         if not self.run_until(self.now + p.settle_time, stop=replicated):
-            raise SafetyViolation(f"liveness: entry {probe.index} not applied everywhere: "
+            raise SafetyViolation(f"liveness: entry {probe.index} not applied everywhere, or a "
+                                  f"learner not promoted: members {self.members()}, "
                                   f"{[(n.id, n.applied) for n in self.nodes.values()]}")
         by_index: dict[int, set[str]] = {}
         for n in self.nodes.values():

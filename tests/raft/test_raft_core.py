@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefs.errors import NotLeader, ProtocolError
+from cachefs.metanode.raft import membership
 from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft.core import RaftConfig, RaftCore, Role
+from cachefs.metanode.raft.membership import Membership
 from cachefs.metanode.raft.messages import (
     Append,
     AppendResp,
@@ -110,18 +112,27 @@ def test_single_node_commits_alone() -> None:
     first, term = leader.propose([b"a", b"b"])
     net.settle()
     assert (first, term) == (2, 1)
-    assert [e.data for e in net.applied[1]] == [b"", b"a", b"b"]
+    assert [(e.kind, e.data) for e in net.applied[1]] == [
+        (EntryKind.CONFIG, membership.encode(Membership.of([1]))),
+        (EntryKind.NORMAL, b"a"), (EntryKind.NORMAL, b"b")]
     seq = leader.read_index()
     net.settle()
     assert [(r.seq, r.index) for r in net.reads[1]] == [(seq, 3)]
 
 
 def test_election_commits_a_noop_everywhere() -> None:
+    """The first leader's entry writes down the configuration (a log that
+    holds one gets a plain no-op)."""
     net = Net(3)
     net.tick(25)  # randomised timeouts: somebody wins
     assert len(net.leaders()) == 1
     for i in net.ids:
-        assert [(e.index, e.kind) for e in net.applied[i]] == [(1, EntryKind.NOOP)]
+        assert [(e.index, e.kind) for e in net.applied[i]] == [(1, EntryKind.CONFIG)]
+        assert net.cores[i].membership == Membership.of([1, 2, 3])
+    leader = net.cores[net.leaders()[0]]
+    leader._become_follower(leader.term, 0)
+    net.tick(25)
+    assert [e.kind for e in net.applied[net.leaders()[0]]][1:] == [EntryKind.NOOP]
 
 
 def test_propose_on_a_follower_names_the_leader() -> None:

@@ -45,7 +45,10 @@ class HostileNet(Net):
                 return
             self.sent += msgs
             for m in msgs:
-                if (m.src, m.dst) not in self.blocked and m.dst not in self.paused:
+                # A forged snapshot or CONFIG entry may name members that
+                # do not exist: what is sent to them goes nowhere.
+                if ((m.src, m.dst) not in self.blocked and m.dst not in self.paused
+                        and m.dst in self.cores):
                     self.step(m.dst, m)
 
 

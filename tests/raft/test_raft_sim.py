@@ -45,6 +45,7 @@ def params_for(seed: int, nodes: int) -> Params:
         drift=r.choice((0, 2) if lease else (0, 2, 5)),
         max_ops=r.choice((12, 24)),
         lease=lease,
+        member_weight=r.choice((0, 0, 2, 4)),
     )
 
 
@@ -81,6 +82,27 @@ def test_random_schedules_5_replicas(seed: int) -> None:
 @pytest.mark.skipif("CACHEFS_RAFT_SEED" not in os.environ, reason="set CACHEFS_RAFT_SEED to replay")
 def test_replay() -> None:
     run_schedule(int(os.environ["CACHEFS_RAFT_SEED"]), int(os.environ.get("CACHEFS_RAFT_NODES", "3")))
+
+
+def test_membership_schedules_exercise_the_changes() -> None:
+    """Membership changes mixed with the faults: adds (and promotions),
+    removals (of leaders too) and replacements of lost replicas happen."""
+    seeds = [s for s in range(400) if params_for(s, 3).member_weight][:120]
+    changes = promoted = removed_leaders = replaced = snap_configs = 0
+    for seed in seeds:
+        sim = run_schedule(seed, 3)
+        changes += sim.member_changes
+        configs = list(sim.checker.configs.values())
+        promoted += sum(len(b.voters) > len(a.voters)
+                        for a, b in zip(configs, configs[1:], strict=False))
+        removed_leaders += sim.removed_leaders
+        replaced += len(sim.gone)
+        snap_configs += sum(n.core.log.snap_index > 0 and n.core.snapshot is not None
+                            and n.core.snapshot.meta.learners != () for n in sim.nodes.values())
+    totals = (changes, promoted, removed_leaders, replaced, snap_configs)
+    print(totals)
+    assert changes >= 120 and promoted >= 40 and removed_leaders >= 15, totals
+    assert replaced >= 2 and snap_configs >= 10, totals
 
 
 def test_schedules_exercise_the_faults() -> None:
