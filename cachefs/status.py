@@ -9,7 +9,7 @@ import click
 import trio
 
 from cachefs.config import ADDR, ADDRS, load_secret, load_tls, tls_options
-from cachefs.errors import CacheFSError
+from cachefs.errors import CacheFSError, PermissionDenied
 from cachefs.rpc import RpcPool
 
 
@@ -49,7 +49,8 @@ def health(addr: str, secret_file: str | None, insecure: bool, timeout: float, t
 @tls_options
 def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bool, timeout: float,
            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
-    """The cluster as the metanodes see it: leader, nodes, volumes."""
+    """The cluster as the metanodes see it: leader, metanodes (Raft role, term,
+    commit index, lag), client sessions (with an admin credential), nodes, volumes."""
     from cachefs.metanode.client import MetaClient
     from cachefs.queries import ClusterMap
 
@@ -60,7 +61,13 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
         async with RpcPool(secret=secret, tls=tls) as pool:
             client = MetaClient(pool, meta, deadline=timeout)
             cmap = await client.query(ClusterMap())
-            return cmap, client.leader
+            leader = client.leader
+            try:
+                sessions: list | None = await client.call("meta_sessions", {})
+            except PermissionDenied:  # a client credential: no one else's sessions
+                sessions = None
+            metanodes = await _metanodes(pool, meta, await client.call("meta_status", {}))
+            return {**cmap, "metanodes": metanodes, "client_sessions": sessions}, leader
 
     try:
         cmap, leader = trio.run(fetch)
@@ -76,6 +83,21 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
 
     console = Console()
     console.print(f"metanode leader: {leader}")
+    mt = Table(title="metanodes")
+    for col in ("id", "address", "member", "role", "term", "commit", "applied", "lag"):
+        mt.add_column(col)
+    for m in cmap["metanodes"]:
+        mt.add_row(str(m["id"]), m["addr"] or "?", m["member"], m["role"], str(m["term"]),
+                   str(m["commit_index"]), str(m["applied_index"]),
+                   "" if m["lag"] is None else str(m["lag"]))
+    console.print(mt)
+    if cmap["client_sessions"] is not None:
+        st = Table(title="client sessions")
+        for col in ("session", "volume", "owner", "idle"):
+            st.add_column(col)
+        for c in cmap["client_sessions"]:
+            st.add_row(c["session"], c["volume"], c["owner"], f"{c['idle_s']:.1f}s")
+        console.print(st)
     table = Table(title="nodes")
     for col in ("kind", "id", "address", "zone", "state", "used", "capacity"):
         table.add_column(col)
@@ -90,3 +112,34 @@ def status(meta: list[str], secret_file: str | None, insecure: bool, as_json: bo
     for name, v in cmap.get("volumes", {}).items():
         vols.add_row(name, v["policy"], v.get("compression", "none"), str(v.get("block_size")))
     console.print(vols)
+
+
+async def _metanodes(pool: RpcPool, meta: list[str], leader: dict) -> list[dict]:
+    """Each member's own status (any replica answers), with the leader's view
+    of its replication lag; members that do not answer show as down."""
+    members = {int(i): ("voter", a) for i, a in leader.get("voters", {}).items()}
+    members.update({int(i): ("learner", a) for i, a in leader.get("learners", {}).items()})
+    progress = {int(i): p for i, p in leader.get("progress", {}).items()}
+    out: list[dict] = []
+
+    async def ask(node_id: int, member: str, addr: str | None) -> None:
+        row = {"id": node_id, "addr": addr, "member": member, "role": "down", "term": 0,
+               "commit_index": 0, "applied_index": 0,
+               "lag": 0 if node_id == leader.get("id") else progress.get(node_id, {}).get("lag")}
+        if addr:
+            try:
+                with trio.fail_after(2):
+                    st = (await pool.call(addr, "meta_status", {}, timeout=2)).result
+                row.update(role=st.get("role", "leader" if st["is_leader"] else "follower"),
+                           term=st["term"], commit_index=st["commit_index"],
+                           applied_index=st["applied_index"])
+            except (CacheFSError, trio.TooSlowError):
+                pass
+        out.append(row)
+
+    if not members:  # a metanode from before membership changes: the addresses given
+        members = {i: ("voter", a) for i, a in enumerate(meta, 1)}
+    async with trio.open_nursery() as nursery:
+        for node_id, (member, addr) in members.items():
+            nursery.start_soon(ask, node_id, member, addr)
+    return sorted(out, key=lambda r: r["id"])

@@ -6,7 +6,16 @@
 The replica opens its WAL and newest snapshot in ``--data-dir`` (restoring
 the exact state it had), serves the metanode RPC methods and Raft's own on
 ``--listen`` (default: its own entry in ``--peers``), and runs until SIGINT
-or SIGTERM.
+or SIGTERM. ``--peers`` is a new cluster's first configuration; once the
+metanodes change (``cachefs metanode add/remove/replace``, ``members.py``)
+the configuration in the log counts. A metanode that joins a running
+cluster starts with ``--join`` (``--peers`` then only says where the others
+are) and waits as a learner until the leader adds it.
+
+A new cluster can also start from one metanode (``--peers 1=ADDR``: it
+elects itself at once) and grow with ``cachefs metanode add``: then no
+first election waits for every replica (a new disk of a multi-replica
+configuration asks all its peers first, see ``raft/core.py``).
 
 Whichever replica leads also collects garbage every ``--gc-interval``
 seconds: the blocks of slices trashed more than ``--gc-grace`` seconds ago
@@ -49,6 +58,7 @@ from cachefs.logs import with_reload
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
+from . import members
 from .namespace import MetaState
 from .raft.driver import DriverConfig, RaftNode
 from .repairs import REPAIR_INTERVAL, REPAIR_RATE, run_repairs
@@ -149,6 +159,7 @@ async def serve(
     repair_interval: float = REPAIR_INTERVAL,
     repair_rate: int = REPAIR_RATE,
     tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
+    join: bool = False,
 ) -> None:
     """Run the replica until SIGINT/SIGTERM; ``tls`` is load_tls's (server, client) pair."""
     host, port = parse_addr(listen)
@@ -171,6 +182,7 @@ async def serve(
                 nursery=nursery,
                 server=server,
                 driver_config=DriverConfig(snapshot_entries=snapshot_entries),
+                join=join,
             )
             service.node = node
             await nursery.start(server.serve, host, port)
@@ -200,24 +212,28 @@ async def serve(
             nursery.cancel_scope.cancel()
 
 
-@click.command("metanode")
+@click.group("metanode", invoke_without_command=True)
 @click.option(
     "--id",
     "node_id",
-    required=True,
     type=click.IntRange(1),
-    help="This replica's id (one of the ids in --peers).",
+    help="This replica's id (one of the ids in --peers). Required to run one.",
 )
 @click.option(
     "--peers",
-    required=True,
-    help="Every replica as ID=host:port, comma separated, this one included.",
+    help="Every replica as ID=host:port, comma separated, this one included. Required "
+    "to run one.",
 )
 @click.option(
     "--data-dir",
-    required=True,
     type=click.Path(file_okay=False),
-    help="Directory for the WAL and snapshots (created if missing).",
+    help="Directory for the WAL and snapshots (created if missing). Required to run one.",
+)
+@click.option(
+    "--join",
+    is_flag=True,
+    help="Join a running cluster: wait as a learner until `cachefs metanode add` adds "
+    "this replica (--peers then only says where the others are).",
 )
 @click.option(
     "--listen",
@@ -285,10 +301,13 @@ async def serve(
 )
 @daemon_options("metanode")
 @tls_options
+@click.pass_context
 def command(
-    node_id: int,
-    peers: str,
-    data_dir: str,
+    ctx: click.Context,
+    node_id: int | None,
+    peers: str | None,
+    data_dir: str | None,
+    join: bool,
     listen: str | None,
     session_timeout: float,
     node_timeout: float,
@@ -307,7 +326,14 @@ def command(
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
-    """Run a metanode: one replica of the namespace and cluster map."""
+    """Run a metanode: one replica of the namespace and cluster map (or, with a
+    subcommand, change which metanodes there are)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    for value, name in ((node_id, "--id"), (peers, "--peers"), (data_dir, "--data-dir")):
+        if value is None:
+            raise click.UsageError(f"Missing option '{name}' (needed to run a metanode).")
+    assert node_id is not None and peers is not None and data_dir is not None
     setup_logging("metanode", log_level, log_format)
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
@@ -343,4 +369,9 @@ def command(
         repair_interval,
         repair_rate,
         tls,
+        join,
     ))
+
+
+for _sub in members.COMMANDS:
+    command.add_command(_sub)

@@ -252,7 +252,7 @@ class MetaService:
         return (
             self._lease is not None
             and node.is_leader
-            and self._lease.valid(node.term, time.monotonic())
+            and self._lease.valid(node.lease_epoch, time.monotonic())
         )
 
     def _answer(self, read: Callable[[MetaState], T]) -> T | Awaitable[T]:
@@ -271,12 +271,13 @@ class MetaService:
             return self.state
         node = self._raft()
         start = time.monotonic()  # the confirming heartbeats leave after this
+        epoch = node.lease_epoch
         await node.read_index()
-        if self.read_lease and node.is_leader:
+        if self.read_lease and node.is_leader and node.lease_epoch == epoch:
             if self._lease is None:
                 self._lease = ReadLease(lease_duration(node.core.config.election_tick,
                                                        node.dconfig.tick_interval))
-            self._lease.confirmed(node.term, start)
+            self._lease.confirmed(epoch, start)
         return self.state
 
     def _check_leadership(self) -> None:
@@ -846,13 +847,72 @@ class MetaService:
         Q.CheckVolume: _check_volume,
     }
 
+    # -- membership (``cachefs metanode add/remove/replace``) ------------------------
+
+    @rpc_method(roles=ADMINS)
+    async def metanode_add(self, addr: str, node_id: int = 0) -> dict[str, Any]:
+        """Add the metanode at ``addr`` as a learner (``raft/membership.py``);
+        the leader promotes it to voter once it has caught up. ``node_id``
+        0 picks one above every id this leader knows, so a removed
+        replica's id is not given out again. Idempotent: the same id at the
+        same address is already done.
+
+        Raises:
+            InvalidArgument: a bad address, or the id is another member's.
+        """
+        addr = C.check_addr(addr)
+        node = self._raft()
+        m = node.membership
+        existing = {a: i for i, a in m.addrs}.get(addr)
+        if existing is not None:  # a retry, or a mistake
+            if node_id in (0, existing):
+                return {**self._members(), "id": existing}
+            raise InvalidArgument(f"{addr} is already metanode {existing}'s address")
+        if not node_id:
+            node_id = max([*m.members, *node.peers]) + 1
+        await node.change_membership(m.add_learner(node_id, addr))
+        return {**self._members(), "id": node_id}
+
+    @rpc_method(roles=ADMINS)
+    async def metanode_remove(self, node_id: int) -> dict[str, Any]:
+        """Remove metanode ``node_id`` (voter or learner). Removing the
+        leader is allowed: it steps down once the change commits. Idempotent.
+
+        Raises:
+            InvalidArgument: it is the last voter.
+        """
+        node = self._raft()
+        m = node.membership
+        if node_id in m.members:
+            await node.change_membership(m.remove(node_id))
+        return self._members()
+
+    def _members(self) -> dict[str, Any]:
+        node = self._raft()
+        m = node.membership
+        addrs = {**node.peers, **m.addr_map()}
+        return {"voters": {str(i): addrs.get(i) for i in m.voters},
+                "learners": {str(i): addrs.get(i) for i in m.learners},
+                "progress": {str(i): p for i, p in node.progress().items()}}
+
     # -- status ---------------------------------------------------------------------
+
+    @rpc_method(roles=ADMINS)
+    async def meta_sessions(self) -> list[dict[str, Any]]:
+        """(Leader) the client sessions: id, volume, owner, and seconds since
+        the leader last heard from each (its soft state)."""
+        await self._read()
+        now = time.monotonic()
+        return [{"session": sid, "volume": s.volume, "owner": s.owner,
+                 "idle_s": round(now - self._session_seen.get(sid, now), 1)}
+                for sid, s in sorted(self.state.sessions.items())]
 
     @rpc_method(roles=ANYONE)
     async def meta_status(self) -> dict:
-        """Where this replica stands (answered by followers too)."""
+        """Where this replica stands (answered by followers too); the
+        leader adds each member's replication progress (match, lag)."""
         node = self.node
-        return {
+        out = {
             "id": node.id if node else None,
             "is_leader": bool(node and node.is_leader),
             "leader": node.leader_addr if node else None,
@@ -862,3 +922,8 @@ class MetaService:
             "volumes": len(self.state.volumes),
             "sessions": len(self.state.sessions),
         }
+        if node is not None:
+            out["role"] = node.core.role.value
+            out["last_index"] = node.core.log.last_index()
+            out.update(self._members())
+        return out

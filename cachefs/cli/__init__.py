@@ -96,12 +96,16 @@ def _section_defaults(path: str, name: str, table: dict[str, Any], command: clic
                       ctx: click.Context) -> dict[str, Any]:
     if isinstance(command, click.Group):
         out: dict[str, Any] = {}
+        own: dict[str, Any] = {}  # a group that runs by itself (metanode) has options too
         for key, value in table.items():
             sub = command.get_command(ctx, key) if isinstance(value, dict) else None
-            if sub is None:
+            if sub is not None:
+                out[key] = validate_section(path, f"{name}.{key}", value, sub, ctx)
+            elif command.invoke_without_command and not isinstance(value, dict):
+                own[key] = value
+            else:
                 raise click.UsageError(f"config file {path}: [{name}] has unknown table or key {key!r}")
-            out[key] = validate_section(path, f"{name}.{key}", value, sub, ctx)
-        return out
+        return {**out, **validate_section(path, name, own, command, ctx)}
     return validate_section(path, name, table, command, ctx)
 
 

@@ -59,7 +59,7 @@ from cachefs.commands import Mkdir
 from cachefs.credentials import as_credential
 from cachefs.errors import CacheFSError
 from cachefs.lab import hostile, netns
-from cachefs.lab.cluster import VOLUME, Lab, LabConfig
+from cachefs.lab.cluster import VOLUME, Lab, LabConfig, Node
 from cachefs.metanode.raft.storage import WAL_NAME, record_spans
 from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool
@@ -851,6 +851,59 @@ class Chaos:
 
     # -- on-disk corruption
 
+    def replace_metanode(self) -> Row:
+        """``cachefs metanode replace`` of a follower by a new metanode with an
+        empty disk, while the workload runs; the leader is killed -9 while
+        the new one is still a learner. The change goes on under the next
+        leader (the learner is promoted once caught up, then the old one is
+        removed), and nothing acknowledged is lost."""
+        leader = self.leader()
+        old = self._follower()
+        old_id = int(old.removeprefix("meta"))
+        new_id = max(int(n.name.removeprefix("meta")) for n in self.lab.of_kind("metanode")) + 1
+        base = min(n.port for n in self.lab.of_kind("metanode")) - 1
+        new = Node(f"meta{new_id}", "metanode", f"127.0.0.1:{base + new_id}", zone="z1", join=True)
+        self.lab.nodes.append(new)
+        self.lab.save()
+        self.start(new.name)
+        argv = [sys.executable, "-m", "cachefs.cli", "metanode", "replace", str(old_id), new.addr,
+                "--id", str(new_id), "--timeout", "120", "--json", "--meta",
+                ",".join(self.lab.meta_addrs), "--secret-file",
+                str(self.lab.credential_file("admin"))]
+        with self.load("replace"):
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            with _quiet_popen():
+                cli = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+            try:
+                end = time.monotonic() + 60
+                while not any(str(new_id) in s.get("learners", {}) for s in self.meta_status()):
+                    if time.monotonic() > end or cli.poll() is not None:
+                        raise RuntimeError(f"metanode {new_id} never became a learner")
+                    time.sleep(0.05)
+                self.lab.kill(leader)  # kill -9 in the middle of the change
+                out, err = cli.communicate(timeout=240)
+            finally:
+                if cli.poll() is None:
+                    cli.kill()
+                    cli.communicate()
+            if cli.returncode != 0:
+                raise RuntimeError(f"metanode replace failed ({cli.returncode}): {err.strip()}")
+            self.start(leader)
+            self.probe()
+            recover = time.monotonic() - t0
+        members = json.loads(out)
+        self.lab.kill(old)  # removed: stop it, and forget it
+        self.lab.nodes.remove(self.lab.node(old))
+        self.lab.save()
+        voters = sorted(int(i) for i in members["voters"])
+        if old_id in voters or new_id not in voters or len(voters) != 3:
+            raise RuntimeError(f"after replacing {old_id} by {new_id}: voters {voters}")
+        self._wait_caught_up(new.name)
+        return self.record("replace a metanode (leader killed -9 meanwhile)", 2, recover,
+                           f"{old} -> {new.name}, {leader} killed")
+
     def _follower(self) -> str:
         leader = self.leader()
         return next(n.name for n in self.lab.of_kind("metanode") if n.name != leader)
@@ -1162,6 +1215,7 @@ class Chaos:
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
                 self.kill_client, self.two_writer_compaction, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
                 self.corrupt_snapshot, self.corrupt_wal_middle, self.hostile_peer, self.corrupt_cache_files,
+                self.replace_metanode,
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 
 

@@ -70,6 +70,7 @@ class Node:
     zone: str = ""
     pid: int | None = None
     metrics_port: int = 0
+    join: bool = False  # a metanode that joins the running cluster (``cachefs metanode add``)
 
     @property
     def port(self) -> int:
@@ -233,7 +234,7 @@ class Lab:
             index = node.name.removeprefix("meta")
             peers = ",".join(f"{m.name.removeprefix('meta')}={m.addr}" for m in self.of_kind("metanode"))
             return [*base, "metanode", "--id", index, "--peers", peers, "--data-dir", d,
-                    "--listen", node.addr, *common]
+                    "--listen", node.addr, *(["--join"] if node.join else []), *common]
         if node.kind == "datanode":
             return [*base, "datanode", "--zone", node.zone, "--data-dir", d, "--capacity",
                     self.config.data_capacity, "--listen", node.addr, "--meta", meta,

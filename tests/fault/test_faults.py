@@ -10,6 +10,7 @@ whole again for the next.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -134,6 +135,23 @@ def test_power_cut_on_every_server(chaos: Chaos) -> None:
     _ok(row)
     assert chaos.power_cuts == 1 and row.acknowledged >= 3  # three files, at least
     assert not any((chaos.lab.root / "disks").iterdir())  # back on plain data directories
+
+
+def test_replace_a_metanode_while_writing_and_killing_the_leader(chaos: Chaos) -> None:
+    row = chaos.replace_metanode()
+    _ok(row)
+    status = chaos.meta_status()
+    assert len(status) == 3 and all(len(s["voters"]) == 3 for s in status), status
+    # `cachefs status` shows the new membership, each metanode's Raft state and the mount.
+    out = chaos.admin_cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    view = json.loads(out.stdout)
+    metas = view["metanodes"]
+    assert [m["id"] for m in metas] == sorted(int(i) for i in status[0]["voters"])
+    assert sorted(m["role"] for m in metas) == ["follower", "follower", "leader"], metas
+    assert all(m["member"] == "voter" and m["term"] >= 1 and m["lag"] is not None for m in metas)
+    assert any(s["volume"] for s in view["client_sessions"]), view["client_sessions"]
+    assert {"leader", "datanodes", "volumes"} <= set(view)  # the keys it always had
 
 
 def test_nothing_left_under_replicated_after_recovery(chaos: Chaos) -> None:
