@@ -923,7 +923,7 @@ class MetaService:
             "sessions": len(self.state.sessions),
         }
         if node is not None:
-            out["role"] = node.core.role.value
-            out["last_index"] = node.core.log.last_index()
+            out["role"] = node.role
+            out["last_index"] = node.last_index
             out.update(self._members())
         return out

@@ -36,6 +36,10 @@ def parse_cachefs(argv: list[str], env: dict[str, str], monkeypatch: Any) -> Par
     command: click.Command = main
     args, path = argv[1:], []
     while isinstance(command, click.Group):
+        if command.invoke_without_command and command is not main and (
+                not args or command.get_command(ctx, args[0]) is None):
+            ctx = ctx.parent or ctx  # a group that runs by itself (metanode): parse it
+            break
         assert args, f"{' '.join(argv)}: no subcommand"
         name, args = args[0], args[1:]
         sub = command.get_command(ctx, name)

@@ -30,11 +30,13 @@ import trio
 
 from cachefs.client.session import Session
 from cachefs.commands import CreateVolume
+from cachefs.errors import NotSupported
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.invariants import check
 from cachefs.metanode.namespace import MetaState
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import DriverConfig
+from cachefs.metanode.raft.membership import Membership
 from cachefs.metanode.service import MetaService
 from cachefs.queries import ClusterMap
 from cachefs.rpc import RpcPool, RpcServer
@@ -55,6 +57,9 @@ class LocalRaft:
     id = 1
     term = 1
     is_leader = True
+    role = "leader"
+    lease_epoch = (1, 0)
+    membership = Membership.of([1])
 
     def __init__(self, state: MetaState, addr: str | None = None) -> None:
         self.state = state
@@ -62,6 +67,7 @@ class LocalRaft:
         self.commit_index = state.applied_index
         self.core = _Core(RaftConfig())
         self.dconfig = DriverConfig()
+        self.peers: dict[int, str] = {}
 
     async def propose(self, command: bytes, *, decoded: Any = None) -> Any:
         del decoded  # apply what the log would hold
@@ -71,6 +77,16 @@ class LocalRaft:
 
     async def read_index(self) -> None:
         await trio.lowlevel.checkpoint()
+
+    @property
+    def last_index(self) -> int:
+        return self.commit_index
+
+    def progress(self) -> dict[int, dict[str, Any]]:
+        return {}  # no followers
+
+    async def change_membership(self, new: Membership) -> None:
+        raise NotSupported("a lone in-process metanode has no membership to change")
 
 
 class LocalMetanode:

@@ -253,6 +253,14 @@ class RaftNode:
         return self.core.committed
 
     @property
+    def role(self) -> str:
+        return self.core.role.value
+
+    @property
+    def last_index(self) -> int:
+        return self.core.log.last_index()
+
+    @property
     def lease_epoch(self) -> tuple[int, int]:
         """What a read lease is valid for (``lease.py``): term and configuration."""
         return self.core.term, self.core.conf_index

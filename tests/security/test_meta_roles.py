@@ -35,7 +35,7 @@ ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "
               "list_trash", "list_repairs", "unreferenced_slices", "remove_node",
               "link_repo", "unlink_repo", "import_objects", "list_repo_links", "repo_pending", "dump_volume",
               "restore_volume", "check_volume", "delete_volume", "drop_volume",
-              "list_quotas"}
+              "list_quotas", "metanode_add", "metanode_remove", "meta_sessions"}
 SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
 FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "symlink", "link", "unlink",
                "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
