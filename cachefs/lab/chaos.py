@@ -1215,7 +1215,8 @@ class Chaos:
                 self.kill_caches, self.kill_m_datanodes, self.wipe_and_repair, self.corrupt_shards,
                 self.kill_client, self.two_writer_compaction, self.fill_cache, self.fill_datanode, self.power_cut, self.corrupt_wal_tail,
                 self.corrupt_snapshot, self.corrupt_wal_middle, self.hostile_peer, self.corrupt_cache_files,
-                self.replace_metanode,
+                # the new metanode is planned on 127.0.0.1, outside the namespaces
+                *([] if self.lab.config.netns else [self.replace_metanode]),
                 *([self.partition_leader, self.partition_zone, self.packet_loss] if self.lab.config.netns else [])]
 
 
