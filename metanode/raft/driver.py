@@ -317,10 +317,6 @@ class RaftNode:
         self._wake.set()
         await waiter.wait()
 
-    def caught_up(self, node_id: int) -> bool:
-        """(Leader) whether ``node_id`` holds everything committed."""
-        return self.core.caught_up(node_id)
-
     def progress(self) -> dict[int, dict[str, Any]]:
         """(Leader) each other member's replication: match index and lag."""
         core = self.core
