@@ -198,11 +198,11 @@ class LeasedAttr(NamedTuple):
 
 class Created(NamedTuple):
     """A create's answer with a lease on the new file (``MetaClient.create``):
-    its attributes, its directory's, and whether it has no extended
-    attributes, all as of the grant."""
+    its attributes, its directory's (None: removed meanwhile), and whether
+    it has no extended attributes, all as of the grant."""
 
     attr: Attr
-    parent: Attr
+    parent: Attr | None
     bare: bool
     grant: Grant
 
@@ -210,7 +210,8 @@ class Created(NamedTuple):
     def from_wire(cls, raw: Any) -> Created:
         if not isinstance(raw, list | tuple) or len(raw) != 4 or type(raw[2]) is not bool:
             raise IOFailure(f"malformed create answer from metanode: {raw!r:.200}")
-        return cls(Attr.from_wire(raw[0]), Attr.from_wire(raw[1]), raw[2], Grant.from_wire(raw[3]))
+        parent = None if raw[1] is None else Attr.from_wire(raw[1])
+        return cls(Attr.from_wire(raw[0]), parent, raw[2], Grant.from_wire(raw[3]))
 
 
 class LoadedEntry(NamedTuple):

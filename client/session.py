@@ -408,7 +408,8 @@ class Session:
             raise
         finally:
             leases.done(ticket)
-            attr, others = (created.attr, (created.parent,)) if created else (None, ())
+            attr = created.attr if created else None
+            others = (created.parent,) if created and created.parent else ()
             leases.end_mutation(change, entries, attr, others)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:

@@ -496,9 +496,10 @@ class MetaService:
         the read and the grant (as every leased read); no lease when the
         file is gone or changing already."""
         state = await self._read()
-        parent = state.getattr(cmd.volume, cmd.parent)
         vol = state.volumes.get(cmd.volume)
         inode = vol.inodes.get(attr.ino) if vol is not None else None
+        dir_inode = vol.inodes.get(cmd.parent) if vol is not None else None
+        parent = state.attr(dir_inode) if dir_inode is not None else None  # an rmdir after an unlink
         if inode is None or not attr.is_reg:
             return M.Created(attr, parent, False, M.Grant(self.leases.leader_term, 0, ()))
         session = lease[0]
