@@ -11,6 +11,10 @@ emulated WAN link), shows progress on stderr, and writes ``report.md``,
   1 and 16 workers, 2 ms and 10 ms links);
 - ``--fio``: the job files of ``bench/fio`` through ``bench.fio_compare``
   (cachefs, pyfuse3 passthrough, local disk) plus the same jobs on JuiceFS;
+  with the default sizes (256 MiB, 1 GiB and 4 x 1 GiB against a 512 MiB L1)
+  and ``--repeat 1`` it took 10 min 42 s on the shared 2-core machine under
+  load 9-13 (every fio job prints its elapsed time to stderr); ``--quick``
+  takes under 3 min;
 - ``--meta``: ``bench.meta_fs_bench`` (create/stat/read cold, second, warm/unlink
   at 1 and 4 processes, a dbench-style mixed run; JuiceFS default and tuned);
 - ``--ingest``: ``bench.ingest_bench`` (``cachefs import`` and ``cp -a`` of a
@@ -537,7 +541,9 @@ def write_report(result: dict[str, Any], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataloader", action="store_true", help="DataLoader epochs (bench.dataloader_bench)")
-    parser.add_argument("--fio", action="store_true", help="fio jobs on every target")
+    parser.add_argument("--fio", action="store_true",
+                        help="fio jobs on every target (default sizes, --repeat 1: about 11 min on 2 cores "
+                             "under load, less on a quiet machine; each further repeat adds about 10 min)")
     parser.add_argument("--meta", action="store_true", help="metadata (bench.meta_fs_bench)")
     parser.add_argument("--ingest", action="store_true", help="cachefs import and cp -a (bench.ingest_bench)")
     parser.add_argument("--repeat", type=int, default=1, help="repeats of every measurement")
