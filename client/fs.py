@@ -519,8 +519,6 @@ class CacheFS(pyfuse3.Operations):
             # The kernel never hears of this inode: take the lookup back.
             self.inodes.forget(attr.ino, 1)
             raise
-        if not attr.size:  # empty as of its lease (see Compactor.schedule)
-            node.born = self.leases.get(attr.ino, time.monotonic())
         fh = self._open_handle(node, flags)
         return self._file_info(fh, node, flags), self._entry(node)
 
