@@ -296,7 +296,8 @@ def quota_group() -> None:
 @quota_group.command("set")
 @click.argument("volume_name", metavar="VOLUME")
 @click.argument("path")
-@click.option("--capacity", type=SIZE, default=None, help="Byte limit of the subtree (e.g. 10T).")
+@click.option("--bytes", "--capacity", "capacity", type=SIZE, default=None,
+              help="Byte limit of the subtree (e.g. 10T; --capacity is the same).")
 @click.option("--inodes", type=CountType(), default=None, help="Inode limit of the subtree (e.g. 1M).")
 @click.option("--json", "as_json", is_flag=True, help="Print the scope as one JSON object.")
 @_meta
@@ -308,7 +309,7 @@ def quota_set(volume_name: str, path: str, capacity: int | None, inodes: int | N
               tls_ca: str | None) -> None:  # fmt: skip
     """Limit directory PATH of VOLUME (a limit not given stays as it was)."""
     if capacity is None and inodes is None:
-        raise click.UsageError("nothing to set: give --capacity, --inodes or both")
+        raise click.UsageError("nothing to set: give --bytes, --inodes or both")
 
     async def go(mc: MetaClient) -> dict[str, Any]:
         attr = await mc.resolve(volume_name, path)
@@ -359,14 +360,14 @@ def quota_list(volume_name: str, as_json: bool, meta: list[str], secret_file: st
         _show(scope, False)
 
 
-@quota_group.command("delete")
+@quota_group.command("unset")
 @click.argument("volume_name", metavar="VOLUME")
 @click.argument("path")
 @_meta
 @_secret
 @_insecure
 @tls_options
-def quota_delete(volume_name: str, path: str, meta: list[str], secret_file: str | None, insecure: bool,
+def quota_unset(volume_name: str, path: str, meta: list[str], secret_file: str | None, insecure: bool,
                  tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
     """Remove both limits of directory PATH of VOLUME (its usage is still counted)."""
 
@@ -375,6 +376,9 @@ def quota_delete(volume_name: str, path: str, meta: list[str], secret_file: str 
         return _scope(volume_name, path, attr, await mc.mutate(C.SetQuota(volume_name, attr.ino, None, None)))
 
     _show(_run(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca)), False)
+
+
+quota_group.add_command(quota_unset, "delete")  # the first name it had
 
 
 @click.command("dump")

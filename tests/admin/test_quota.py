@@ -1,4 +1,4 @@
-"""``cachefs quota set/get/list/delete VOLUME PATH``: limits by directory, enforced
+"""``cachefs quota set/get/list/unset VOLUME PATH``: limits by directory, enforced
 with EDQUOT on the writes and creates of a real mount, usage as quota scopes."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_a_directory_quota_refuses_writes_and_creates_past_it_with_edquot(small_
     top = small_mnt / "quota-scope"
     (top / "deep").mkdir(parents=True)
     (top / "deep" / "one").write_bytes(os.urandom(MiB))
-    r = quota(small_lab, "set", "lab", "/quota-scope", "--capacity", "2M", "--inodes", "4", "--json")
+    r = quota(small_lab, "set", "lab", "/quota-scope", "--bytes", "2M", "--inodes", "4", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got == {"volume": "lab", "path": "/quota-scope", "inode": os.stat(top).st_ino, "used_bytes": MiB,
@@ -67,7 +67,7 @@ def test_a_directory_quota_refuses_writes_and_creates_past_it_with_edquot(small_
         assert f"lab:/quota-scope (inode {got['inode']}): bytes {2 * MiB} / {64 * MiB}, inodes 4 / 4" in r.stdout
         assert quota(small_lab, "list", "lab", role="client").returncode == 1  # listing a volume's quotas: admins
     finally:
-        r = quota(small_lab, "delete", "lab", "/quota-scope")
+        r = quota(small_lab, "unset", "lab", "/quota-scope")
         assert r.returncode == 0 and "unlimited" in r.stdout, r.stdout + r.stderr
     (top / "five").mkdir()  # no limit any more
     (top / "deep" / "big").write_bytes(os.urandom(3 * MiB))
