@@ -28,14 +28,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, emit, median, print_table, ratio
+from bench.common import REPO, median, print_table, ratio
 from bench.fio_compare import parse_size
-from bench.wan import RTT2, Testbed, juicefs_binary
+from bench.wan import RTT2, Testbed, run_on_testbed
 
 METHODS = ("import", "cp")
 
@@ -175,15 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     finish_args(args)
     if os.geteuid() != 0:
         parser.error("needs root (FUSE mounts)")
-    work = Path(tempfile.mkdtemp(prefix="ingest-bench-", dir=args.workdir))
-    bed = Testbed(work / "bed", args.base_port, with_juicefs=juicefs_binary() is not None)
-    try:
-        bed.up()
-        result = measure(bed, args, work)
-    finally:
-        bed.down()
-        shutil.rmtree(work, ignore_errors=True)
-    emit(result, args.json, lambda: show(result))
+    run_on_testbed(args, "ingest-bench-", measure, show)
 
 
 if __name__ == "__main__":

@@ -37,16 +37,15 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, median, print_table, ratio
+from bench.common import median, print_table, ratio
 from bench.fio_compare import parse_size, passthrough
-from bench.wan import RTT2, Testbed, drop_page_cache, juicefs_binary
+from bench.wan import RTT2, Testbed, drop_page_cache, run_on_testbed
 
 PHASES = ("create", "stat", "read_cold", "read2", "read_warm", "unlink")
 TARGETS = ("local", "passthrough", "juicefs", "juicefs_tuned", "cachefs")
@@ -305,15 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     finish_args(args)
     if os.geteuid() != 0:
         parser.error("needs root (FUSE mounts and drop_caches)")
-    work = Path(tempfile.mkdtemp(prefix="meta-fs-bench-", dir=args.workdir))
-    bed = Testbed(work / "bed", args.base_port, with_juicefs=juicefs_binary() is not None)
-    try:
-        bed.up()
-        result = measure(bed, args, work)
-    finally:
-        bed.down()
-        shutil.rmtree(work, ignore_errors=True)
-    emit(result, args.json, lambda: show(result))
+    run_on_testbed(args, "meta-fs-bench-", measure, show)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,13 @@ import ctypes
 import errno
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit, print_table, ratio
+from bench.common import print_table, ratio
 from bench.meta_fs_bench import targets
-from bench.wan import RTT2, Testbed, juicefs_binary
+from bench.wan import RTT2, Testbed, run_on_testbed
 
 KEEP_SIZE, PUNCH_HOLE, ZERO_RANGE = 0x01, 0x02, 0x10
 MODES = ("plain", "keep_size", "punch_hole", "zero_range")
@@ -123,15 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         args.ops = min(args.ops, 200)
     if os.geteuid() != 0:
         parser.error("needs root (FUSE mounts)")
-    work = Path(tempfile.mkdtemp(prefix="posix-bench-", dir=args.workdir))
-    bed = Testbed(work / "bed", args.base_port, with_juicefs="juicefs" in args.targets and juicefs_binary() is not None)
-    try:
-        bed.up()
-        result = measure(bed, args, work)
-    finally:
-        bed.down()
-        shutil.rmtree(work, ignore_errors=True)
-    emit(result, args.json, lambda: show(result))
+    run_on_testbed(args, "posix-bench-", measure, show, with_juicefs="juicefs" in args.targets)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from bench.common import REPO, spawn, stop, wait_for_port
+from bench.common import REPO, emit, spawn, stop, wait_for_port
 from cachefs.testing.ports import free_port
 
 
@@ -527,6 +529,23 @@ def main(argv: list[str] | None = None) -> None:
 
 __all__ = ["JuiceFS", "LinkProfile", "Relay", "S3Remote", "Testbed", "drop_page_cache", "juicefs_binary",
            "wan_lab", "LOCAL", "PROFILES", "RELAY_OFFSET", "RTT2", "RTT10"]
+
+
+def run_on_testbed(args: argparse.Namespace, prefix: str, measure: Callable[..., dict[str, Any]],
+                   show: Callable[[dict[str, Any]], None], *, with_juicefs: bool = True) -> None:
+    """A benchmark's main: ``measure(bed, args, work)`` on a fresh testbed in a new
+    directory under ``args.workdir``, then the testbed down and the directory gone
+    whatever happened, then the result printed (``--json`` or the tables)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=args.workdir))
+    bed = Testbed(work / "bed", args.base_port, with_juicefs=with_juicefs and juicefs_binary() is not None)
+    try:
+        bed.up()
+        result = measure(bed, args, work)
+    finally:
+        bed.down()
+        shutil.rmtree(work, ignore_errors=True)
+    emit(result, args.json, lambda: show(result))
+
 
 if __name__ == "__main__":
     main()
