@@ -171,6 +171,9 @@ def daemon_options(kind: str) -> Any:
         click.option("--log-level", envvar="CACHEFS_LOG_LEVEL", type=LOG_LEVELS, default="INFO",
                      show_default=True, help="Log level (SIGHUP reads it again from the --config file)."),
         log_format_option,
+        click.option("--log-file", type=click.Path(dir_okay=False),
+                     help="Log here instead of stderr (fds 1 and 2 too); reopened on SIGHUP and "
+                          "when logrotate has moved it."),
     ]
     return lambda fn: _apply(options)(metrics_options(kind)(fn))
 

@@ -6,14 +6,16 @@
   (and ``exc_info``), for a log shipper (Loki, Elasticsearch, journald's
   JSON readers) to index without parsing.
 
-A log file (the mount's ``--log-file``) is a ``WatchedFileHandler``: after
-logrotate moves it, the next record goes to a new file at the same path (no
-``copytruncate`` needed). SIGHUP (:func:`with_reload`) reads the log level
-again from the TOML config file (``cachefs --config FILE``, the command's
-``[table]``, key ``log-level``; the level the process started with when the
-file names none), reopens the log file, and for a mount running in the
-background points its stderr (tracebacks of the interpreter itself) at the
-new file too.
+A log file (``--log-file`` of every daemon and the mount) is a
+``WatchedFileHandler``: after logrotate moves it, the next record goes to a
+new file at the same path (no ``copytruncate`` needed). SIGHUP
+(:func:`with_reload`) reads the log level again from the TOML config file
+(``cachefs --config FILE``, the command's ``[table]``, key ``log-level``; the
+level the process started with when the file names none) and reopens the log
+file. A daemon, and a mount running in the background, also point fds 1 and
+2 (tracebacks of the interpreter itself, faulthandler) at the log file, at
+start and again on each SIGHUP, so that nothing keeps writing into the
+rotated file.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class _Setup:
     config_path: str | None = None
     section: str | None = None  # the command's table in the config file
     log_file: str | None = None
-    stderr_too: bool = False  # fds 1 and 2 point at log_file (a background mount)
+    stderr_too: bool = False  # fds 1 and 2 follow log_file (a daemon, a background mount)
 
 
 _setup: _Setup | None = None
@@ -85,14 +87,19 @@ def setup_logging(component: str, level: str = "INFO", fmt: str = "text", log_fi
                   *, stderr_too: bool = False) -> None:
     """Log records of ``level`` and above to stderr, or to ``log_file``.
 
-    ``stderr_too``: fds 1 and 2 already point at ``log_file`` (the background
-    mount), so that a reopen on SIGHUP moves them as well.
+    ``stderr_too``: point fds 1 and 2 at ``log_file`` as well, now and on
+    every SIGHUP (a daemon, a background mount: no terminal to keep).
+
+    Raises:
+        OSError: ``log_file`` cannot be opened for appending.
     """
     global _setup
     formatter = json_formatter(component) if fmt == "json" else TextFormatter(component)
     handler: logging.Handler
     if log_file:
         handler = logging.handlers.WatchedFileHandler(log_file)
+        if stderr_too:
+            _point_stdio_at(log_file)
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
@@ -111,6 +118,16 @@ def setup_logging(component: str, level: str = "INFO", fmt: str = "text", log_fi
             ctx = ctx.parent
         section = ".".join(reversed(names)) or None
     _setup = _Setup(level.upper(), config_path, section, log_file, stderr_too)
+
+
+def _point_stdio_at(path: str) -> None:
+    """fds 1 and 2 to the end of ``path`` (made if missing)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def configured_level() -> str | None:
@@ -155,13 +172,9 @@ def reload() -> None:
                 handler.reopenIfNeeded()
         if _setup.stderr_too:
             try:
-                fd = os.open(_setup.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+                _point_stdio_at(_setup.log_file)
             except OSError as exc:
                 log.error("SIGHUP: cannot reopen %s: %s", _setup.log_file, exc.strerror)
-            else:
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
     root.setLevel(level)
     log.warning("SIGHUP: log level %s", level)  # at WARNING: seen at every level but ERROR
 

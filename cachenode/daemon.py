@@ -307,13 +307,14 @@ def command(
     insecure: bool,
     log_level: str,
     log_format: str,
+    log_file: str | None,
     metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
     tls_ca: str | None,
 ) -> None:
     """Run a cache node: blocks on local flash, read through from backing storage."""
-    setup_logging("cachenode", log_level, log_format)
+    setup_logging("cachenode", log_level, log_format, log_file, stderr_too=True)
     keep_large_buffers()  # block-sized read and fill buffers: reuse heap memory, no fresh mmaps
     # A read lease broken in the instant between F_SETLEASE and F_SETOWN 0
     # (cachefs/blockstore.py) would raise SIGIO at us, and its default is to die.

@@ -814,12 +814,10 @@ def _daemonize(
             log_file = str(default / f"mount-{volume}.log")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640) if log_file else null
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    if log_file:
-        os.close(out)
-    setup_logging("mount", level, log_format, log_file, stderr_too=True)
+    if not log_file:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+    setup_logging("mount", level, log_format, log_file, stderr_too=True)  # fds 1 and 2 to the log file
     told = False
 
     def ready(error: str | None) -> None:

@@ -99,10 +99,10 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
 @tls_options
 def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
             meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
-            secret_file: str | None, insecure: bool, log_level: str, log_format: str, metrics_addr: MetricsAddr,
-            no_metrics: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
+            secret_file: str | None, insecure: bool, log_level: str, log_format: str, log_file: str | None,
+            metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """Run a datanode: store erasure-coded or replicated shards on local disk."""
-    setup_logging("datanode", log_level, log_format)
+    setup_logging("datanode", log_level, log_format, log_file, stderr_too=True)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)

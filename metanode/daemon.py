@@ -321,6 +321,7 @@ def command(
     insecure: bool,
     log_level: str,
     log_format: str,
+    log_file: str | None,
     metrics_addr: MetricsAddr, no_metrics: bool,
     tls_cert: str | None,
     tls_key: str | None,
@@ -334,7 +335,7 @@ def command(
         if value is None:
             raise click.UsageError(f"Missing option '{name}' (needed to run a metanode).")
     assert node_id is not None and peers is not None and data_dir is not None
-    setup_logging("metanode", log_level, log_format)
+    setup_logging("metanode", log_level, log_format, log_file, stderr_too=True)
     secret = load_secret(secret_file, insecure, cluster=True)
     tls = load_tls(tls_cert, tls_key, tls_ca)
     try:

@@ -83,13 +83,13 @@ async def run_repair(*, secret: bytes | None, meta: list[str] | None, cluster_ma
 @tls_options
 def command(meta: list[str] | None, cluster_file: str | None, volumes: tuple[str, ...], scrub: bool,
             rate: int, max_rate: int, interval: float, as_json: bool, secret_file: str | None, insecure: bool,
-            log_level: str, log_format: str, metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None,
-            tls_key: str | None, tls_ca: str | None) -> None:
+            log_level: str, log_format: str, log_file: str | None, metrics_addr: MetricsAddr, no_metrics: bool,
+            tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
     """Find missing, corrupt or misplaced shards and rebuild them.
 
     Exits 0 when every block is back at full redundancy, 1 otherwise.
     """
-    setup_logging("repair", log_level, log_format)
+    setup_logging("repair", log_level, log_format, log_file, stderr_too=True)
     if bool(meta) == bool(cluster_file):
         raise click.UsageError("give exactly one of --meta or --cluster-file")
     secret = load_secret(secret_file, insecure)

@@ -227,7 +227,8 @@ class Lab:
     def _argv(self, node: Node) -> list[str]:
         base = [sys.executable, "-m", "cachefs.cli"]
         metrics = ["--metrics-addr", str(node.metrics_port)] if node.metrics_port else ["--no-metrics"]
-        common = ["--secret-file", str(self.secret_file), *metrics, *self.tls_args(node.name)]
+        common = ["--secret-file", str(self.secret_file), *metrics, *self.tls_args(node.name),
+                  "--log-file", str(self.log_path(node.name))]
         meta = ",".join(self.meta_addrs)
         d = str(self.root / node.name)
         if node.kind == "metanode":
@@ -261,14 +262,19 @@ class Lab:
         data["nodes"] = [Node(**n) for n in data["nodes"]]
         return cls(LabConfig(**data))
 
+    def log_path(self, name: str) -> Path:
+        """logs/NAME.log: a node's ``--log-file`` (reopened on SIGHUP, so logrotate works)."""
+        return self.root / "logs" / f"{name}.log"
+
     def start(self, name: str) -> None:
-        """Start (or restart) one node; its output goes to logs/NAME.log."""
+        """Start (or restart) one node; its output goes to logs/NAME.log (before
+        its logging is set up, through the file it inherits)."""
         node = self.node(name)
         if node.pid and _alive(node.pid):
             raise LabError(f"{name} is already running (pid {node.pid})")
         (self.root / "logs").mkdir(parents=True, exist_ok=True)
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
-        logf = open(self.root / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        logf = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child
         argv = self.network.wrap(name, self._argv(node)) if self.config.netns else self._argv(node)
         env = {**os.environ, **s3server.credentials_env()} if self.config.s3 else None  # S3 reads: its identity
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -445,7 +451,7 @@ class Lab:
         main = name == "mount"
         if l2 and "--cache-dir" not in extra:
             extra = ("--cache-dir", str(self.root / f"{name}-l2"), "--cache-size", self.config.mount_cache, *extra)
-        logf = self.root / "logs" / f"{name}.log"
+        logf = self.log_path(name)
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
                 "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.credential_file("client")),
                 "--log-file", str(logf), "--spill-dir", str(self.root / ("spill" if main else f"{name}-spill")),

@@ -1,5 +1,6 @@
 """--log-format json on a real daemon, and SIGHUP: the level read again from the
-config file, a bad value refused with the level kept, the daemon serving on."""
+config file, a bad value refused with the level kept, the daemon serving on;
+every daemon's --log-file reopened after logrotate moved it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from cachefs.testing.ports import free_port
 
@@ -68,3 +71,52 @@ def test_every_daemon_and_the_mount_take_log_format() -> None:
         command = _load(name)
         [option] = [p for p in command.params if p.name == "log_format"]
         assert list(option.type.choices) == ["text", "json"] and option.default == "text", name
+
+
+def _daemon_argv(kind: str, tmp_path: Path) -> list[str]:
+    listen = ["--listen", f"127.0.0.1:{(port := free_port())}"]
+    if kind == "metanode":
+        return ["metanode", "--id", "1", "--peers", f"1=127.0.0.1:{port}", "--data-dir", str(tmp_path / "d"), *listen]
+    if kind == "datanode":
+        return ["datanode", "--zone", "z1", "--data-dir", str(tmp_path / "d"), "--capacity", "1G", *listen]
+    if kind == "cachenode":
+        return ["cachenode", "--zone", "z1", "--cache-dir", str(tmp_path / "d"), "--capacity", "64M",
+                "--memory", "16M", *listen]
+    (tmp_path / "cluster.json").write_text("{}")  # no volumes: one empty pass, then it waits
+    return ["repair", "--cluster-file", str(tmp_path / "cluster.json"), "--interval", "3600"]
+
+
+def _catches_sighup(pid: int) -> bool:
+    """The process handles SIGHUP (trio's receiver is open): sending it now cannot kill it."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    [caught] = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(caught, 16) & (1 << (signal.SIGHUP - 1)))
+
+
+@pytest.mark.parametrize("kind", ["metanode", "datanode", "cachenode", "repair"])
+def test_a_daemon_log_file_follows_logrotate(kind: str, tmp_path: Path) -> None:
+    """--log-file: records and fds 1 and 2 (the interpreter's own tracebacks) go
+    to the file; after logrotate moves it, SIGHUP moves all three to a new file
+    at the old path, and nothing more lands in the rotated one."""
+    log = tmp_path / f"{kind}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", *_daemon_argv(kind, tmp_path), "--insecure",
+                             "--metrics-addr", str(free_port()), "--log-file", str(log)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fds = [f"/proc/{proc.pid}/fd/{fd}" for fd in (1, 2)]
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and _catches_sighup(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else kind
+            time.sleep(0.05)
+        assert [os.readlink(fd) for fd in fds] == [str(log)] * 2
+        rotated = log.rename(log.with_name(log.name + ".1"))
+        proc.send_signal(signal.SIGHUP)
+        while not (log.exists() and "SIGHUP: log level INFO" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, rotated.read_text()
+            time.sleep(0.05)
+        assert [os.readlink(fd) for fd in fds] == [str(log)] * 2
+        before = rotated.read_text()
+        assert f"{kind}[{proc.pid}]" in before and "metrics on" in before and "SIGHUP" not in before
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
