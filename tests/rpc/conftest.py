@@ -8,10 +8,11 @@ SECRET = b"test-cluster-secret"
 
 
 class EchoService:
-    """A service with the shapes the tests need: echo, sleep, fail."""
+    """A service with the shapes the tests need: echo, sleep, freeze, fail."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.thaw = trio.Event()
 
     @rpc_method
     async def echo(self, value: int | str | None = None, *, payload: memoryview | None = None) -> Reply:
@@ -22,6 +23,13 @@ class EchoService:
     async def sleep(self, seconds: float, tag: int = 0) -> int:
         await trio.sleep(seconds)
         return tag
+
+    @rpc_method
+    async def freeze(self) -> None:
+        """Sends nothing back, not even at the call's deadline, until ``thaw``
+        is set: a frozen peer (``sleep`` answers ETIMEDOUT at its deadline)."""
+        with trio.CancelScope(shield=True):
+            await self.thaw.wait()
 
     @rpc_method
     async def fail(self, code: str) -> None:

@@ -336,15 +336,17 @@ async def test_errors_in_the_pool_body_propagate_unwrapped(nursery):
 
 
 async def test_timed_out_call_with_a_silent_peer_closes_the_connection():
+    service = EchoService()
     async with trio.open_nursery() as n:
-        server, addr = await start_server(n)
+        server, addr = await start_server(n, service=service)
         async with RpcPool(secret=SECRET) as pool:
             first = await pool.connection(addr)
             with pytest.raises(TimedOut):
-                await pool.call(addr, "sleep", {"seconds": 10}, timeout=1.0)
+                await pool.call(addr, "freeze", timeout=0.5)
             assert first.closed  # nothing came back during the wait
             assert (await pool.call(addr, "echo", {"value": 1})).result["value"] == 1
             assert await pool.connection(addr) is not first
+        service.thaw.set()
         n.cancel_scope.cancel()
 
 

@@ -28,8 +28,8 @@ def pki(tmp_path):
     return {k: str(v) for k, v in paths.items()}
 
 
-async def _tls_server(nursery, pki):
-    server = RpcServer(EchoService(), name="tls", secret=SECRET, tls=server_tls(pki["cert"], pki["key"]))
+async def _tls_server(nursery, pki, service=None):
+    server = RpcServer(service or EchoService(), name="tls", secret=SECRET, tls=server_tls(pki["cert"], pki["key"]))
     port = await nursery.start(server.serve, "127.0.0.1", 0)
     return server, f"127.0.0.1:{port}"
 
@@ -86,12 +86,14 @@ async def test_a_silent_tls_peer_is_dropped_without_hurting_the_pool(pki):
     not escape into the pool's nursery: it once killed a datanode at start-up."""
     from cachefs.errors import TimedOut
 
+    service = EchoService()
     async with trio.open_nursery() as n:
-        _, addr = await _tls_server(n, pki)
+        _, addr = await _tls_server(n, pki, service)
         async with RpcPool(secret=SECRET, tls=client_tls(pki["ca"])) as pool:
             first = await pool.connection(addr)
             with pytest.raises(TimedOut):
-                await pool.call(addr, "sleep", {"seconds": 10}, timeout=0.5)
+                await pool.call(addr, "freeze", timeout=0.5)
             assert first.closed
             assert (await pool.call(addr, "echo", {"value": 2})).result["value"] == 2
+        service.thaw.set()
         n.cancel_scope.cancel()
