@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import random
-import time
 from collections.abc import Iterator
 
 import boto3
@@ -22,6 +21,7 @@ from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.errors import CacheFSError, Stale
 from cachefs.ids import BlockKey
+from cachefs.repo.hedge import Latencies
 from cachefs.repo.importer import import_listing
 from cachefs.repo.s3 import S3Store
 from cachefs.repo.source import RepoBlocks
@@ -154,7 +154,8 @@ async def test_a_sync_lists_prefixes_in_parallel_and_drops_deleted_objects(moto:
 class Throttle:
     """An HTTP front of the S3 server that answers 503 SlowDown to the next
     ``slow`` requests and forwards the rest (what S3 does under load), and
-    holds back the next GET ``stall`` seconds (a request in the tail)."""
+    holds back the first GET of the range ``hold`` until the test sets
+    ``release`` (a request in the tail, for as long as the test wants)."""
 
     def __init__(self, upstream: str) -> None:
         import http.client
@@ -165,8 +166,11 @@ class Throttle:
         front = self
         self.slow = 0
         self.refused = 0
-        self.stall = 0.0  # the next GET waits this long before it is forwarded (a tail request)
-        self.gets = 0
+        self.hold = ""  # a Range header: the first GET of it waits for ``release``
+        self.held = threading.Event()  # set while that GET waits
+        self.release = threading.Event()
+        self.ranges: dict[str, int] = {}  # GETs per Range header
+        lock = threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
@@ -175,9 +179,15 @@ class Throttle:
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.command == "GET":
-                    front.gets += 1
-                    stall, front.stall = front.stall, 0.0
-                    time.sleep(stall)
+                    wanted = self.headers.get("Range", "")
+                    with lock:
+                        front.ranges[wanted] = front.ranges.get(wanted, 0) + 1
+                        hold = bool(front.hold) and wanted == front.hold
+                        if hold:
+                            front.hold = ""
+                    if hold:
+                        front.held.set()
+                        front.release.wait(60)
                 if front.slow > 0:
                     front.slow -= 1
                     front.refused += 1
@@ -347,14 +357,21 @@ async def test_a_slow_ranged_get_is_hedged_and_the_first_answer_wins(moto: str) 
     front = Throttle(moto)
     try:
         store = S3Store("tail", name="repository link 6 (s3://tail/)", endpoint=front.endpoint)
-        for i in range(20):  # learn the usual latency (a first call slower than a second may hedge)
+        # Until it has learnt the usual latency the store would wait a minute
+        # before a hedge: none while it learns, and the held GET below is
+        # hedged in time only by the delay it learnt.
+        store.latencies = Latencies(first=60.0)
+        for i in range(store.latencies.min_samples):
             assert await store.get_range("k", i, i + 100, etag) == body[i : i + 100]
-        learnt = store.hedges
-        assert front.gets == 20 + learnt and store.latencies.delay() < 2.0
-        front.stall = 8.0  # the next GET sits in the tail: its hedge answers
-        started = time.monotonic()
-        assert await store.get_range("k", 1000, 3000, etag) == body[1000:3000]
-        assert time.monotonic() - started < 6.0 and store.hedges == learnt + 1 and front.gets == 22 + learnt
+        assert store.hedges == 0 and sum(front.ranges.values()) == store.latencies.min_samples
+        front.hold = "bytes=1000-2999"  # one try of the next GET sits in the tail until released
+        try:
+            with trio.fail_after(30):
+                got = await store.get_range("k", 1000, 3000, etag)
+            assert front.held.is_set() and not front.release.is_set()  # answered while one try was held
+        finally:
+            front.release.set()
+        assert got == body[1000:3000] and store.hedges == 1 and front.ranges["bytes=1000-2999"] == 2
         with pytest.raises(Stale, match="repository link 6 .*changed since it was imported"):
             await store.get_range("k", 0, 10, '"not-the-etag"')  # a failure (of both tries, if hedged) is raised
     finally:
