@@ -246,3 +246,30 @@ async def test_data_and_xattrs_written_through_the_handlers_read_back_after_reop
     assert (await ops.getattr(attr.st_ino, CTX)).st_size == len(data)
     await ops.release(info.fh)
     await ops.forget([(attr.st_ino, 1)])
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+def _sample(fs: Mounted, name: str, **labels: str) -> float:
+    """One sample of the mount's /metrics (its collector, as a scrape reads it)."""
+    from cachefs.client.mount import MountCollector
+
+    [value] = [s.value for family in MountCollector(fs.ops.engine, fs.ops.op_stats).collect()
+               for s in family.samples if s.name == name and s.labels == labels]
+    return value
+
+
+async def test_dirty_bytes_are_what_was_written_and_not_yet_committed(fs: Mounted) -> None:
+    ops = fs.ops
+    info, attr = await ops.create(ROOT, b"f", 0o644, os.O_RDWR, CTX)
+    assert _sample(fs, "cachefs_mount_dirty_bytes") == 0
+    await ops.write(info.fh, 0, b"x" * 60_000)
+    await ops.write(info.fh, 60_000, b"y" * 40_000)
+    assert _sample(fs, "cachefs_mount_dirty_bytes") == 100_000
+    await ops.flush(info.fh)
+    assert _sample(fs, "cachefs_mount_dirty_bytes") == 0
+    assert _sample(fs, "cachefs_mount_committed_bytes_total") == 100_000
+    assert _sample(fs, "cachefs_mount_commit_latency_seconds_count") >= 1
+    await ops.release(info.fh)
+    await ops.forget([(attr.st_ino, 1)])
