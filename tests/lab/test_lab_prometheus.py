@@ -1,5 +1,6 @@
 """``cachefs lab up --prometheus``: a real Prometheus scrapes every node and the
-mount; after a workload its HTTP API answers the hit-rate and op-latency queries."""
+mount; after a workload its HTTP API answers the hit-rate and op-latency queries,
+as the dashboard's panels (docs/grafana/cachefs.json) ask them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from cachefs.lab.cluster import VOLUME, Lab, LabConfig, _alive
 from cachefs.testing.ports import free_lab_base
 
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "cachefs.json"
 pytestmark = [pytest.mark.needs_fuse,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")]
 
@@ -29,12 +31,20 @@ def query(port: int, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
-def wait_for(port: int, expr: str, timeout: float = 60) -> list[dict]:
+def wait_for(port: int, expr: str, timeout: float = 60, *, label: tuple[str, str] | None = None) -> list[dict]:
+    """The answer to ``expr`` once it has a series (one with ``label``, a name and value, if given)."""
     deadline = time.monotonic() + timeout
-    while not (result := query(port, expr)):
-        assert time.monotonic() < deadline, f"prometheus has no {expr}"
+    while not (result := query(port, expr)) or (
+            label and not any(r["metric"].get(label[0]) == label[1] for r in result)):
+        assert time.monotonic() < deadline, f"prometheus has no {expr} ({label}): {result}"
         time.sleep(0.5)
     return result
+
+
+def panel(title: str) -> list[str]:
+    """The queries of the dashboard's panel ``title``."""
+    [found] = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == title]
+    return [target["expr"] for target in found["targets"]]
 
 
 def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: Path) -> None:
@@ -51,9 +61,10 @@ def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: P
         port = state["prometheus_port"]
         assert state["prometheus_pid"] and state["mount_metrics_port"]
         mnt = tmp_path / "mnt"
-        lab.mount(str(mnt), l2=False)
+        # An L1 of two blocks for a file of three: every read reaches the cache tier for some block.
+        lab.mount(str(mnt), "--l1-size", "8M", l2=False)
         assert wait_for(port, 'count(up{job=~"cachefs-.*"} == 1) == ' + str(len(lab.nodes) + 1))
-        data = os.urandom(12 << 20)
+        data = os.urandom(12 << 20)  # three blocks of the lab volume's 4 MiB
         (mnt / "f").write_bytes(data)
 
         def read() -> None:
@@ -64,16 +75,21 @@ def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: P
         read()
         reads = wait_for(port, 'cachefs_mount_op_latency_seconds_count{op="read"} > 0')
         assert reads[0]["metric"]["zone"] == "z1"
-        read()  # after a first sample, so the series has a rate
-        p99 = wait_for(port, 'histogram_quantile(0.99, sum by (op, le) '
-                             '(rate(cachefs_mount_op_latency_seconds_bucket{op="read"}[5m]))) > 0')
-        assert p99[0]["metric"]["op"] == "read"
-        # The cache tier's series, per zone (this read hit the mount's L1, so they may be 0).
+        read()  # after a first sample, so the series has a rate; the cache tier now holds what it filled
+        [p99] = panel("FUSE op latency p99 by op")
+        wait_for(port, f"{p99} > 0", label=("op", "read"))
+        [heatmap] = panel("FUSE op latency (all ops)")
+        assert wait_for(port, heatmap)
+        # The cache tier's series, per zone: every zone with a cache node, and a hit rate
+        # in the mount's zone (its second read found there what its first one filled).
         tier = wait_for(port, "sum by (zone) (cachefs_cache_hits_total) + sum by (zone) (cachefs_cache_misses_total)")
         assert {r["metric"]["zone"] for r in tier} == {n.zone for n in lab.of_kind("cachenode")}
-        l1 = 'sum(rate(cachefs_mount_l1_events_total{event="%s"}[5m]))'
-        rate = wait_for(port, f"{l1 % 'hits'} / ({l1 % 'hits'} + {l1 % 'misses'})")
-        assert 0 <= float(rate[0]["value"][1]) <= 1
+        [hit_rate] = panel("Cache tier hit rate per zone")
+        rates = wait_for(port, f"{hit_rate} > 0", label=("zone", "z1"))
+        assert all(0 < float(r["value"][1]) <= 1 for r in rates), rates
+        l1_rate, _sources = panel("Mount: L1 hit rate and where blocks came from")
+        [rate] = wait_for(port, f"{l1_rate} >= 0")
+        assert 0 <= float(rate["value"][1]) <= 1
         # The write path and the metanode's namespace on its real disk.
         assert wait_for(port, f"cachefs_mount_write_bytes_total >= {len(data)}")
         assert wait_for(port, "cachefs_mount_commit_latency_seconds_count > 0")
