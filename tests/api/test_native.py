@@ -334,14 +334,20 @@ def test_a_forked_child_connects_on_its_own(lab) -> None:
 
 
 def test_many_small_writes_are_compacted(fs: FileSystem) -> None:
-    """Each committed run is a slice; past ``compact_after`` the chunk is
-    rewritten as one slice in the background, and the bytes stay the same."""
+    """Each committed run is a slice; at ``compact_after`` the chunk is
+    rewritten as one slice in the background, and the bytes stay the same.
+
+    The last commit is the one that reaches the threshold, so the compaction
+    cannot start (and end) between two of them, leaving the later ones as
+    slices of their own: whatever the scheduler does, the chunk ends as one.
+    """
+    threshold = fs.aio.options.compact_after
     want = bytearray(64 * 1024)
     fs.makedirs("native", exist_ok=True)
     with fs.open("native/compact", "wb") as f:
-        f.write(bytes(want))
+        f.write(bytes(want))  # the first slice
     with fs.open("native/compact", "r+b", buffering=0) as f:
-        for i in range(70):
+        for i in range(threshold - 1):
             piece = bytes([i + 1]) * 100
             f.seek(i * 900)
             f.write(piece)
@@ -352,9 +358,9 @@ def test_many_small_writes_are_compacted(fs: FileSystem) -> None:
     async def slices() -> int:
         return len(await fs.aio.session.read_chunk(ino, 0))
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # a bound for a loaded machine: the loop ends at the compaction
     while fs.call(slices) > 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
     assert fs.call(slices) == 1
     assert fs.read_bytes("native/compact") == bytes(want)
 
