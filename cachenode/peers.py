@@ -28,6 +28,14 @@ a hit or a placement makes it asked every time again. A peer that does not answe
 ``PEEK_TIMEOUT`` is marked down in the router (with back-off) and skipped: a
 cut zone costs one timeout, then reads go to backing storage as before.
 
+A warm-up knows better than the map which node holds a block: it has just
+put it on the first zone's owner. Its prefetches to the other zones name
+that node (``source``), and their fills ask it first (:meth:`PeerZones.get_from`),
+with the patience of a bulk copy (``COPY_TIMEOUT``) rather than a read's,
+whatever the map of the moment says about zones and liveness. A source
+must be a cache node of the cluster map: a client cannot point a cache
+node at an address of its choosing.
+
 The cluster map is refreshed every ``MAP_REFRESH`` seconds.
 """
 
@@ -51,6 +59,7 @@ PEEK_TIMEOUT = 1.0
 PEEK_PATIENCE = 32  # peeks missed in a row before a peer is asked only now and then
 PEEK_SAMPLE = 16  # then one miss in this many still asks it
 PUT_TIMEOUT = 10.0
+COPY_TIMEOUT = 10.0  # a warm-up's copy from the node it names: throughput, not latency
 MAP_REFRESH = 5.0
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
@@ -70,14 +79,16 @@ class PeerZones:
         self.node_id = node_id
         self._cluster_map = cluster_map
         self.router = CacheRouter({}, zone)
+        self._known: set[str] = set()  # every other cache node of the map, up or not
         self._room: dict[str, int] = {}  # addr -> free bytes, as the map said less what we sent
         self._missed: dict[str, int] = {}  # addr -> misses in a row (peeked or skipped), see above
         self._refreshed_at = -math.inf
         self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0,
-                      "peeks_skipped": 0}  # fmt: skip
+                      "peeks_skipped": 0, "sources_refused": 0}  # fmt: skip
 
     def update(self, cmap: Mapping[str, Any]) -> None:
         self.router.update(cmap)
+        self._known = {str(n["addr"]) for n in cmap.get("cachenodes", []) if n.get("id") != self.node_id}
         self.stats["peer_zones"] = len(set(self.router.rings) - {self.zone})
         self._room = {
             str(n["addr"]): int(n.get("capacity", 0)) - int(n.get("used", 0))
@@ -122,9 +133,27 @@ class PeerZones:
             self._missed[addr] = missed + 1
             self.stats["peeks_skipped"] += 1
             return None
+        return await self._peek(addr, volume, key, PEEK_TIMEOUT)
+
+    async def get_from(self, addr: str, volume: str, key: BlockKey) -> Any:
+        """The block from the cache node ``addr`` (a warm-up's source) if it
+        holds it, else None; None at once if ``addr`` is no other cache node."""
+        if not self.is_peer(addr):
+            await self._refresh()  # a node that registered since the last refresh
+            if not self.is_peer(addr):
+                self.stats["sources_refused"] += 1
+                log.info("cache node %s: prefetch source %r is no cache node of the map", self.node_id, addr)
+                return None
+        return await self._peek(addr, volume, key, COPY_TIMEOUT)
+
+    def is_peer(self, addr: str) -> bool:
+        return addr in self._known
+
+    async def _peek(self, addr: str, volume: str, key: BlockKey, timeout: float) -> Any:
+        missed = self._missed.get(addr, 0)
         args = {"volume": volume, "key": key.to_bytes(), "policy": "peek"}
         try:
-            reply = await self.pool.call(addr, "get", args, timeout=PEEK_TIMEOUT)
+            reply = await self.pool.call(addr, "get", args, timeout=timeout)
         except CacheMiss:
             self._missed[addr] = missed + 1
             self.stats["peer_misses"] += 1

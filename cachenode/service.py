@@ -95,6 +95,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("wait", "fast-fail", "peek")
 MAX_HOLDS = 10_000  # keys per holds or evict call
+MAX_ADDR = 300  # bytes of a prefetch source address
 HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
@@ -279,7 +280,7 @@ class CacheService:
         self._active = 0
         self._per_client: dict[str, int] = {}
         self._prefetch_send, prefetch_recv = trio.open_memory_channel[
-            tuple[str, BlockKey, _Batch | None]
+            tuple[str, BlockKey, _Batch | None, str | None]
         ](limits.max_prefetch_queue)
         self._prefetch_queued = 0
         m = {"node": node}
@@ -403,20 +404,25 @@ class CacheService:
 
     # -- fills ------------------------------------------------------------------
 
-    def _start_fill(self, volume: str, key: BlockKey, *, bypass_admission: bool) -> Flight[Buffer]:
+    def _start_fill(self, volume: str, key: BlockKey, *, bypass_admission: bool,
+                    source: str | None = None) -> Flight[Buffer]:  # fmt: skip
         """The fill of ``key``: the one under way, else a new one (single flight)."""
         return self._fills.start(
             key,
-            functools.partial(self._fetch, volume, key),
+            functools.partial(self._fetch, volume, key, source),
             nursery=self._nursery,
             then=functools.partial(self._keep, volume, key, bypass_admission, time.perf_counter()),
         )
 
-    async def _fetch(self, volume: str, key: BlockKey) -> Buffer:
-        """A fill's fetch (from the next zone's node, else backing storage);
-        its waiters are served from the bytes it returns."""
+    async def _fetch(self, volume: str, key: BlockKey, source: str | None = None) -> Buffer:
+        """A fill's fetch (from ``source``, a warm-up's copy, or the next zone's
+        node, else backing storage); its waiters are served from the bytes it returns."""
         if self.peers is not None:
-            held = await self.peers.get(volume, key)
+            held = None
+            if source is not None:
+                held = await self.peers.get_from(source, volume, key)
+            if held is None:
+                held = await self.peers.get(volume, key)
             if held is not None:
                 self._held_elsewhere.add(key)
                 return held
@@ -494,17 +500,17 @@ class CacheService:
     # -- prefetch -----------------------------------------------------------------
 
     async def _prefetch_worker(
-        self, recv: trio.MemoryReceiveChannel[tuple[str, BlockKey, _Batch | None]]
+        self, recv: trio.MemoryReceiveChannel[tuple[str, BlockKey, _Batch | None, str | None]]
     ) -> None:
         async with recv:
-            async for volume, key, batch in recv:
+            async for volume, key, batch, source in recv:
                 ok, nbytes = False, 0
                 try:
                     entry = self.store.lookup(key)
                     if entry is not None:
                         ok, nbytes = True, entry.size
                     else:
-                        fill = self._start_fill(volume, key, bypass_admission=True)
+                        fill = self._start_fill(volume, key, bypass_admission=True, source=source)
                         data = await fill.wait()
                         nbytes = len(data)
                         await fill.finished.wait()
@@ -524,10 +530,12 @@ class CacheService:
                         batch.settle(ok, nbytes)
 
     async def prefetch_keys(
-        self, volume: str, keys: list[BlockKey], *, wait: bool = False
+        self, volume: str, keys: list[BlockKey], *, wait: bool = False, source: str | None = None
     ) -> dict[str, int]:
         """Queue keys for read-through; see :meth:`prefetch`."""
         _check_volume(volume)
+        if source is not None and (not isinstance(source, str) or len(source) > MAX_ADDR):
+            raise InvalidArgument(f"a prefetch source is a cache node address (host:port), not {source!r:.80}")
         cached = 0
         todo = []
         for key in keys:
@@ -542,7 +550,7 @@ class CacheService:
         self.counters.prefetch_cached += cached
         batch = _Batch(len(todo)) if wait and todo else None
         for key in todo:
-            self._prefetch_send.send_nowait((volume, key, batch))  # room checked above
+            self._prefetch_send.send_nowait((volume, key, batch, source))  # room checked above
             self._prefetch_queued += 1
         answer = {"queued": len(todo), "cached": cached}
         if batch is not None:
@@ -644,9 +652,11 @@ class CacheService:
         return {"stored": stored}
 
     @rpc_method(roles=CLIENTS)
-    async def prefetch(self, volume: str, keys: list, wait: bool = False) -> dict[str, int]:
-        """Queue blocks for read-through (warm-up); ``wait`` answers when they are done."""
-        return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait)
+    async def prefetch(self, volume: str, keys: list, wait: bool = False,
+                       source: str | None = None) -> dict[str, int]:  # fmt: skip
+        """Queue blocks for read-through (warm-up); ``wait`` answers when they are
+        done; ``source``: the cache node to copy them from first (``peers.py``)."""
+        return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait, source=source)
 
     @rpc_method(roles=CLIENTS)
     def holds(self, volume: str, keys: list) -> list[bool]:

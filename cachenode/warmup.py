@@ -18,10 +18,11 @@ Theory of operation
    answers with how many were already cached, fetched, or failed. A node
    that cannot be reached is marked down and its batches count as failed.
    The first target zone (in name order) is warmed first, then the others
-   at once: their misses ask the first zone's owner before backing storage
-   (``cachenode/peers.py``: the first other zone in name order), so each
-   block is read from backing storage (for a linked bucket: one ranged GET)
-   once for the whole cache group, however many zones keep a copy.
+   at once, each prefetch naming the first zone's owner of its keys as the
+   ``source`` that the owner copies from before it tries backing storage
+   (``cachenode/peers.py``), so each block is read from backing storage (for
+   a linked bucket: one ranged GET) once for the whole cache group, however
+   many zones keep a copy.
 4. Report. A rich progress bar shows files, bytes and rate; the summary says
    how much was fetched and how much was already cached, so re-running on a
    warm tree finishes fast and says so.
@@ -202,6 +203,7 @@ class _Batch:
     keys: list[BlockKey]
     nbytes: int
     file: _FileState
+    source: str | None = None  # the first zone's owner, which the owner copies from
 
 
 @dataclass(slots=True)
@@ -289,27 +291,27 @@ async def warm_files(
     report = WarmupReport(files=len(files))
     started = time.perf_counter()
     targets = list(zones) if zones else list(router.rings)
+    first = min(targets) if targets else ""
     batches: list[_Batch] = []
     for warm in files:
         state = _FileState(warm, 0)
-        per_addr: dict[str, list[BlockKey]] = {}
+        per_addr: dict[tuple[str, str | None], list[BlockKey]] = {}  # (owner, its source) -> keys
         for key in warm.blocks:
-            for node in router.owners(key):
-                if node.zone in targets:
-                    per_addr.setdefault(node.addr, []).append(key)
-        for addr, keys in per_addr.items():
+            owners = [node for node in router.owners(key) if node.zone in targets]
+            source = next((node.addr for node in owners if node.zone == first), None)
+            for node in owners:
+                per_addr.setdefault((node.addr, None if node.zone == first else source), []).append(key)
+        for (addr, source), keys in per_addr.items():
             for i in range(0, len(keys), batch):
                 part = keys[i : i + batch]
-                batches.append(_Batch(addr, part, sum(warm.blocks[k] for k in part), state))
+                batches.append(_Batch(addr, part, sum(warm.blocks[k] for k in part), state, source))
                 state.pending += 1
         report.blocks += sum(len(k) for k in per_addr.values())
         report.bytes += sum(warm.blocks[k] for keys in per_addr.values() for k in keys)
         if state.pending == 0 and on_file is not None:
             on_file(warm)
-    first = min(targets)
-    zone_of = {node.addr: node.zone for ring in router.rings.values() for node in ring.nodes.values()}
-    waves = [[b for b in batches if zone_of.get(b.addr) == first],
-             [b for b in batches if zone_of.get(b.addr) != first]]  # fmt: skip
+    # the first zone from backing storage, then the others, each copying from it (``source``)
+    waves = [[b for b in batches if b.source is None], [b for b in batches if b.source is not None]]
 
     async def worker(recv: trio.MemoryReceiveChannel[_Batch]) -> None:
         async with recv:
@@ -326,7 +328,8 @@ async def warm_files(
                     await pool.call(
                         b.addr,
                         "prefetch",
-                        {"volume": volume, "keys": [k.to_bytes() for k in b.keys], "wait": True},
+                        {"volume": volume, "keys": [k.to_bytes() for k in b.keys], "wait": True}
+                        | ({"source": b.source} if b.source else {}),
                         timeout=timeout,
                     )
                 ).result
@@ -350,7 +353,7 @@ async def warm_files(
         if b.file.pending == 0 and on_file is not None:
             on_file(b.file.warm)
 
-    for wave in waves:  # the first zone from backing storage, then the others from it
+    for wave in waves:
         send, recv = trio.open_memory_channel[_Batch](len(wave) or 1)
         for b in wave:
             send.send_nowait(b)

@@ -104,3 +104,33 @@ def test_warmup_of_a_linked_directory_reads_each_block_from_s3_once_for_every_zo
     warm = zones(warmup(lab, "/warm", "--check"))
     assert len(warm) == 3 and all(z == (BLOCKS, BLOCKS, total, total) for z in warm.values())
     assert summary(warmup(lab, "/warm/a")) == (2, 3 * 4, 0, 3 * 4, 0)  # a's 4 blocks, warm in every zone
+
+
+def test_a_prefetch_source_that_is_no_cache_node_is_not_contacted(lab) -> None:
+    """A client names the node to copy from; one that names any other address
+    (here the metanode's) gets a fill from backing storage, and the cache node
+    never sends it a request."""
+    lab, s3 = lab
+    client(s3).put_object(Bucket="warm", Key="ds/b/stray.bin", Body=random.Random(5).randbytes(1000))
+    out = repo_cli(lab, "sync", "lab", "/warm")
+    assert out.returncode == 0, out.stderr
+
+    async def prefetch(lab: Any) -> tuple[dict, dict, dict]:
+        from cachenode.warmup import resolve_paths
+        from metanode.client import MetaClient
+
+        async with RpcPool(secret=lab.credential("admin")) as pool:
+            meta = MetaClient(pool, lab.meta_addrs, deadline=20.0)
+            (warm,) = await resolve_paths(meta, "lab", ["/warm/b/stray.bin"], 4 * MiB)
+            (key,) = list(warm.blocks)
+            node = lab.of_kind("cachenode")[1]
+            before = (await pool.call(node.addr, "stats", {}, timeout=10)).result
+            answer = (await pool.call(node.addr, "prefetch", {"volume": "lab", "keys": [key.to_bytes()], "wait": True,
+                                                              "source": lab.meta_addrs[0]}, timeout=60)).result  # fmt: skip
+            after = (await pool.call(node.addr, "stats", {}, timeout=10)).result
+            return answer, before, after
+
+    answer, before, after = lab.run(prefetch, lab)
+    assert answer["done"] == 1 and answer["failed"] == 0
+    assert after["sources_refused"] - before["sources_refused"] == 1
+    assert after["backing_fetches"] - before["backing_fetches"] == 1
