@@ -239,7 +239,10 @@ async def test_eviction_under_small_capacity_over_rpc(tmp_path: Path) -> None:
             reply = await c.get(key, off, 3000)
             assert bytes(reply.payload) == blocks[key][off : off + 3000]
             assert c.store.used <= c.store.capacity
-        stats = (await c.pool.call(c.addr, "stats")).result
+        # A get answers once its block is fetched; the fill stores it (and evicts) after that.
+        with trio.fail_after(30):
+            while (stats := (await c.pool.call(c.addr, "stats")).result)["fills_in_flight"]:
+                await trio.sleep(0.01)
         assert stats["evictions"] > 0 and stats["blocks"] <= 5
         labels = {"node": c.service.node}
         for cause, want in (("capacity", stats["evictions"]), ("expired", 0), ("corrupt", 0)):
