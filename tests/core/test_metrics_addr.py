@@ -34,6 +34,26 @@ def test_every_kind_has_its_own_default_port() -> None:
     assert len(set(DEFAULT_PORTS.values())) == len(DEFAULT_PORTS)
 
 
+MINIMAL = {  # a command line of each kind that names no metrics option
+    "metanode": ["--id", "1", "--peers", "1=127.0.0.1:7000", "--data-dir", "d"],
+    "datanode": ["--zone", "z1", "--data-dir", "d", "--capacity", "1G"],
+    "cachenode": ["--zone", "z1", "--cache-dir", "d", "--capacity", "1G"],
+    "repair": ["--meta", "127.0.0.1:7000"],
+    "mount": ["127.0.0.1:7000", "v", "mnt"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEFAULT_PORTS))
+def test_every_daemon_and_the_mount_serve_metrics_by_default_at_their_port(kind: str, monkeypatch) -> None:
+    from cachefs.testing.cliparse import parse_cachefs
+
+    params = parse_cachefs(["cachefs", kind, *MINIMAL[kind]], {}, monkeypatch).params
+    assert params["metrics_addr"] == MetricsAddr("127.0.0.1", DEFAULT_PORTS[kind], explicit=False)
+    assert params["no_metrics"] is False
+    params = parse_cachefs(["cachefs", kind, *MINIMAL[kind], "--no-metrics"], {}, monkeypatch).params
+    assert params["no_metrics"] is True
+
+
 def _scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 

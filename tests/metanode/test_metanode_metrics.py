@@ -1,6 +1,7 @@
 """A real ``cachefs metanode`` on its own disk serves what issue 18 lists for it:
-WAL fsync latency, proposals batched per append, inodes, dentries, metadata
-bytes on disk (snapshot and WAL), sessions and leases, as a scrape shows them."""
+Raft role, term, commit and applied index, WAL fsync latency, proposals
+batched per append, inodes, dentries, metadata bytes on disk (snapshot and
+WAL), sessions and leases, as a scrape shows them."""
 
 from __future__ import annotations
 
@@ -67,4 +68,5 @@ async def test_a_metanode_on_disk_serves_its_raft_and_namespace_series(tmp_path:
     assert after["cachefs_metanode_sessions"] == 1
     assert after['cachefs_metanode_leases{state="held"}'] == 2  # the root's entry d0, and d0
     assert grew('cachefs_metanode_lease_events_total{event="granted"}') == 2
+    assert after[f"cachefs_raft_term{node}"] >= 1 and after['cachefs_raft_role{node="1",role="leader"}'] == 1
     assert after[f"cachefs_raft_commit_index{node}"] >= after[f"cachefs_raft_applied_index{node}"] >= DIRS + 2
