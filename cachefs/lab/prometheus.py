@@ -5,11 +5,16 @@ It keeps its config and data under ``ROOT/prometheus``, logs to
 ``logs/prometheus.log`` and listens on 127.0.0.1 at the lab's
 ``prometheus_port``; the lab records its pid and stops it with the nodes.
 Targets are labelled with their zone, as docs/prometheus/prometheus.yml does
-for the compose cluster, so the same queries and rules work on both.
+for the compose cluster, so the same queries and rules work on both; from a
+source checkout it also loads that directory's alert rules
+(``cachefs-rules.yml``, copied next to the config), so the lab's Prometheus
+evaluates the alerts an operator's would. An installed package has no docs/:
+then the lab scrapes without rules and logs that.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import time
@@ -20,18 +25,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cachefs.lab.cluster import Lab
 
+log = logging.getLogger(__name__)
+
 SCRAPE_INTERVAL = "1s"  # a lab runs for minutes: see a workload as it runs
 BINARY = "prometheus"
+RULES = Path(__file__).resolve().parents[2] / "docs" / "prometheus" / "cachefs-rules.yml"
 
 
 class PrometheusUnavailable(Exception):
     pass
 
 
-def config_text(lab: Lab) -> str:
-    """The scrape config: one job per kind, every target with its zone."""
-    lines = ["global:", f"  scrape_interval: {SCRAPE_INTERVAL}", f"  evaluation_interval: {SCRAPE_INTERVAL}",
-             "scrape_configs:"]
+def config_text(lab: Lab, rules: str | None = None) -> str:
+    """The scrape config: one job per kind, every target with its zone, and the ``rules`` file if any."""
+    lines = ["global:", f"  scrape_interval: {SCRAPE_INTERVAL}", f"  evaluation_interval: {SCRAPE_INTERVAL}"]
+    if rules:
+        lines += ["rule_files:", f"  - {rules}"]
+    lines.append("scrape_configs:")
     targets: dict[str, list[tuple[int, str]]] = {}
     for node in lab.nodes:
         if node.metrics_port:
@@ -52,7 +62,13 @@ def start(lab: Lab) -> subprocess.Popen[bytes]:
         raise PrometheusUnavailable("--prometheus needs the prometheus binary (Debian: apt install prometheus)")
     home = Path(lab.root) / "prometheus"
     home.mkdir(parents=True, exist_ok=True)
-    (home / "prometheus.yml").write_text(config_text(lab))
+    rules = None
+    if RULES.is_file():
+        rules = RULES.name
+        shutil.copyfile(RULES, home / rules)
+    else:
+        log.info("prometheus: no %s here (not a source checkout): scraping without alert rules", RULES)
+    (home / "prometheus.yml").write_text(config_text(lab, rules))
     port = lab.config.prometheus_port
     logs = Path(lab.root) / "logs"
     logs.mkdir(parents=True, exist_ok=True)

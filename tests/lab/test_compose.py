@@ -26,6 +26,7 @@ import yaml
 
 from cachefs.config import parse_size
 from cachefs.lab.cluster import VOLUME, Lab, LabConfig
+from cachefs.metrics import DEFAULT_PORTS, MetricsAddr
 from cachefs.testing.cliparse import Parsed, parse_cachefs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -338,6 +339,10 @@ def test_metrics_ports(services, monkeypatch):
         assert container == metrics, name
         host_ports.append(published)
     assert len(set(host_ports)) == len(host_ports), "two services publish the same host port"
+    # The mount: its default port on every interface, where the prometheus service scrapes client:9563.
+    [mount] = [p for p in parsed["client"] if p.path == ["mount"]]
+    assert not mount.params["no_metrics"]
+    assert mount.params["metrics_addr"] == MetricsAddr("0.0.0.0", DEFAULT_PORTS["mount"], explicit=False)
 
 
 # ---------------------------------------------------------------- image

@@ -1,6 +1,7 @@
 """``cachefs lab up --prometheus``: a real Prometheus scrapes every node and the
 mount; after a workload its HTTP API answers the hit-rate and op-latency queries,
-as the dashboard's panels (docs/grafana/cachefs.json) ask them."""
+as the dashboard's panels (docs/grafana/cachefs.json) ask them, and it evaluates
+the alert rules of docs/prometheus."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cachefs.lab.cluster import VOLUME, Lab, LabConfig, _alive
 from cachefs.testing.ports import free_lab_base
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "cachefs.json"
+RULES = Path(__file__).resolve().parents[2] / "docs" / "prometheus" / "cachefs-rules.yml"
 pytestmark = [pytest.mark.needs_fuse,
               pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed")]
 
@@ -39,6 +42,14 @@ def wait_for(port: int, expr: str, timeout: float = 60, *, label: tuple[str, str
         assert time.monotonic() < deadline, f"prometheus has no {expr} ({label}): {result}"
         time.sleep(0.5)
     return result
+
+
+def rules(port: int) -> dict[str, dict]:
+    """The alerting rules Prometheus loaded, by name, with their last evaluation."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules?type=alert", timeout=10) as resp:
+        body = json.load(resp)
+    assert body["status"] == "success", body
+    return {r["name"]: r for group in body["data"]["groups"] for r in group["rules"]}
 
 
 def panel(title: str) -> list[str]:
@@ -97,6 +108,12 @@ def test_lab_prometheus_scrapes_every_node_and_the_mount(needs_fuse, tmp_path: P
         disk = wait_for(port, "cachefs_metanode_metadata_bytes > 0")
         assert {r["metric"]["part"] for r in disk} >= {"wal"}
         assert wait_for(port, 'cachefs_datanode_shard_io_seconds_count{op="put"} > 0')
+        # The alert rules of docs/prometheus, evaluated on the lab's series: all of them, without
+        # error, and a healthy lab fires none of the critical ones.
+        alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+        loaded = rules(port)
+        assert set(loaded) == alerts and all(r["health"] == "ok" for r in loaded.values()), loaded
+        assert all(loaded[a]["state"] == "inactive" for a in ("CachefsMetanodeLeaderLost", "CachefsZoneDown"))
         pid = state["prometheus_pid"]
     finally:
         lab.down()
