@@ -322,7 +322,8 @@ class MountCollector:
         fetches.add_metric(["prefetch"], reads["prefetches"])
         yield fetches
         yield _counter("cachefs_mount_readahead_used_blocks",
-                       "Prefetched blocks a read then found in L1 (readahead efficiency: over "
+                       "Prefetched blocks a read then used, found in L1 or joined in flight (readahead "
+                       "efficiency: over "
                        "cachefs_mount_read_fetches{kind=\"prefetch\"})", reads["prefetches_used"])
         writes = engine.write_stats
         yield _counter("cachefs_mount_write_bytes", "Bytes written by applications", writes.written)

@@ -138,7 +138,7 @@ class Reader:
             "range_fetches": 0,
             "block_fetches": 0,
             "prefetches": 0,
-            "prefetches_used": 0,  # prefetched blocks a read then found in L1
+            "prefetches_used": 0,  # prefetched blocks a read then found in L1 or joined in flight
             "slice_lists": 0,  # chunk slice lists asked of the metanodes
         }
 
@@ -233,7 +233,7 @@ class Reader:
                 self._used(part.key)
             return memoryview(block)[lo:hi]
         if self._whole(part.key, sequential):
-            return memoryview(await self.block(part.key))[lo:hi]
+            return memoryview(await self._read_block(part.key))[lo:hi]
         return await self._fetch_range(part)
 
     async def _fill(
@@ -330,7 +330,7 @@ class Reader:
     ) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             if whole:
-                block = await self.block(part.key)
+                block = await self._read_block(part.key)
                 dest[:] = memoryview(block)[part.block_off : part.block_off + part.length]
             else:
                 dest[:] = await self._fetch_range(part)
@@ -352,6 +352,14 @@ class Reader:
         if data is not None:
             return data
         return await self._blocks.run(key, functools.partial(self._fetch_block, key))
+
+    async def _read_block(self, key: BlockKey) -> Block:
+        """:meth:`block` for a read: a prefetch of the block that the read
+        joined in flight was used too (it started the fetch earlier)."""
+        block = await self.block(key)
+        if self._prefetched:
+            self._used(key)
+        return block
 
     async def _fetch_block(self, key: BlockKey) -> Block:
         self.stats["block_fetches"] += 1
@@ -392,12 +400,13 @@ class Reader:
             if key in self.l1 or key in self._blocks:
                 return
             self.stats["prefetches"] += 1
+            # Marked before the fetch: a read that joins it in flight uses it.
+            self._prefetched[key] = None
+            if len(self._prefetched) > TOUCH_MEMORY:
+                self._prefetched.popitem(last=False)
             try:
                 await self.block(key)
             except CacheFSError as exc:
                 # The reader that needs it will fetch again and see the error.
                 log.debug("prefetch of %s failed: %s", key.hex(), exc)
-                return
-            self._prefetched[key] = None
-            if len(self._prefetched) > TOUCH_MEMORY:
-                self._prefetched.popitem(last=False)
+                self._prefetched.pop(key, None)
