@@ -95,12 +95,12 @@ def _catches_sighup(pid: int) -> bool:
 
 @pytest.mark.parametrize("kind", ["metanode", "datanode", "cachenode", "repair"])
 def test_a_daemon_log_file_follows_logrotate(kind: str, tmp_path: Path) -> None:
-    """--log-file: records and fds 1 and 2 (the interpreter's own tracebacks) go
-    to the file; after logrotate moves it, SIGHUP moves all three to a new file
-    at the old path, and nothing more lands in the rotated one."""
+    """--log-file: records (JSON here) and fds 1 and 2 (the interpreter's own
+    tracebacks) go to the file; after logrotate moves it, SIGHUP moves all three
+    to a new file at the old path, and nothing more lands in the rotated one."""
     log = tmp_path / f"{kind}.log"
     proc = subprocess.Popen([sys.executable, "-m", "cachefs.cli", *_daemon_argv(kind, tmp_path), "--insecure",
-                             "--metrics-addr", str(free_port()), "--log-file", str(log)],
+                             "--metrics-addr", str(free_port()), "--log-file", str(log), "--log-format", "json"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     fds = [f"/proc/{proc.pid}/fd/{fd}" for fd in (1, 2)]
     try:
@@ -111,12 +111,14 @@ def test_a_daemon_log_file_follows_logrotate(kind: str, tmp_path: Path) -> None:
         assert [os.readlink(fd) for fd in fds] == [str(log)] * 2
         rotated = log.rename(log.with_name(log.name + ".1"))
         proc.send_signal(signal.SIGHUP)
-        while not (log.exists() and "SIGHUP: log level INFO" in log.read_text()):
+        while not (log.exists() and any("SIGHUP: log level INFO" in r["message"] for r in _records(log))):
             assert proc.poll() is None and time.monotonic() < deadline, rotated.read_text()
             time.sleep(0.05)
         assert [os.readlink(fd) for fd in fds] == [str(log)] * 2
-        before = rotated.read_text()
-        assert f"{kind}[{proc.pid}]" in before and "metrics on" in before and "SIGHUP" not in before
+        before = _records(rotated)  # JSON, every line of it
+        assert {(r["component"], r["pid"]) for r in before} == {(kind, proc.pid)}
+        assert any("metrics on" in r["message"] for r in before)
+        assert not any("SIGHUP" in r["message"] for r in before)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
