@@ -49,6 +49,11 @@ async def all_families(tmp_path: Path) -> list[Metric]:
         engine = Volume(session, ClientOptions(cache_dir=str(tmp_path / "l2"), cache_size=64 << 20),
                         nursery=nursery)
         assert engine.l2 is not None
+
+        async def no_kernel(lost: object) -> None:  # what the FUSE front end drops from the kernel's caches
+            del lost
+
+        session.enable_leases(nursery, no_kernel)  # as the FUSE front end does: the lease families too
         ops = OpStats()
         ops.observe("read", 0.001)
         ops.error("lookup", errno.ENOENT)
@@ -99,7 +104,10 @@ async def test_every_metric_of_every_kind_follows_the_naming_rules(tmp_path: Pat
                      "cachefs_cache_fill_seconds", "cachefs_datanode_shard_io_seconds",
                      "cachefs_datanode_scrubbed_shards", "cachefs_repair_progress_ratio",
                      "cachefs_raft_wal_sync_seconds", "cachefs_raft_proposals_per_append",
-                     "cachefs_mount_rpc_latency_seconds"):
+                     "cachefs_mount_rpc_latency_seconds", "cachefs_mount_leases_held",
+                     "cachefs_mount_lease_events", "cachefs_mount_dirty_bytes", "cachefs_mount_l2_hit_bytes",
+                     "cachefs_metanode_metadata_bytes", "cachefs_datanode_scrubbed_bytes",
+                     "cachefs_blocks_under_replicated", "cachefs_mount_task_failures"):
         assert expected in names, expected
     values = {(s.name, tuple(s.labels.values())): s.value for f in families for s in f.samples}
     assert values[("cachefs_metanode_inodes", ("v",))] == 3  # the root, d and d/e
