@@ -124,6 +124,34 @@ ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page si
 DIRECT_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SCRATCH_KEPT = 4  # page-aligned write buffers kept for reuse
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+class WouldBlock(Exception):
+    """The bytes asked for are on the disk, not in the page cache (see ``BlockStore.read``)."""
+
+
+def _read_cached_pages(fd: int, length: int, offset: int) -> bytearray:
+    """``length`` bytes at ``offset`` if the page cache holds them all, without waiting
+    for the disk (``preadv`` with ``RWF_NOWAIT``).
+
+    Raises:
+        WouldBlock: some of them are not in the page cache, or the file is
+            shorter (the blocking read that follows then finds it short), or
+            this system or filesystem cannot tell.
+    """
+    buf = bytearray(length)
+    try:
+        n = os.preadv(fd, [buf], offset, _RWF_NOWAIT) if _RWF_NOWAIT else -1
+    except (BlockingIOError, InterruptedError):
+        raise WouldBlock from None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise WouldBlock from None
+        raise
+    if n != length:
+        raise WouldBlock
+    return buf
 
 
 def _align(n: int) -> int:
@@ -468,16 +496,22 @@ class BlockStore:
         self._unlink([entry])
         return None
 
-    def read(self, key: BlockKey, offset: int = 0, length: int = -1) -> memoryview | None:
+    def read(
+        self, key: BlockKey, offset: int = 0, length: int = -1, *, nowait: bool = False
+    ) -> memoryview | None:
         """Bytes ``[offset, offset+length)`` of a cached block, or None on a miss.
 
         ``length=-1`` reads to the end; a range past the end is clipped.
+        ``nowait``: read only what the page cache holds (``RWF_NOWAIT``), so
+        that an event loop can read inline and go to a thread only for the
+        disk; nothing is counted or touched when it raises ``WouldBlock``.
 
         Raises:
             InvalidArgument: a negative offset or length below -1, or an
                 offset past the end of the block.
             Corrupt: the cached bytes failed their checksum; the block has
                 been dropped, so the next read is a miss.
+            WouldBlock: with ``nowait``, the bytes are not all in the page cache.
         """
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range: offset={offset} length={length}")
@@ -488,20 +522,17 @@ class BlockStore:
             raise InvalidArgument(f"offset {offset} is past the end of the block ({entry.size})")
         end = entry.size if length == -1 else min(entry.size, offset + length)
         with self._lock:
-            if self._index.get(key) is entry:
-                self._index.move_to_end(key)
-            entry.hits += 1
             data = self._memory.blocks.get(key)
             if data is not None:
+                self._touch(entry)
                 self._memory.blocks.move_to_end(key)
                 self.counters.memory_hits += 1
                 return memoryview(data)[offset:end]
             promote = (
                 self._memory.capacity > 0
                 and entry.size <= self._memory.capacity
-                and entry.hits >= self.promote_after
+                and entry.hits + 1 >= self.promote_after
             )
-            self.counters.flash_hits += 1
         # File IO outside the lock: one read (or mapping) covering the segments of the range.
         seg = entry.segment_size
         if promote:
@@ -516,8 +547,10 @@ class BlockStore:
                 self._remove_locked(entry)
             return None
         try:
-            buf = None
-            if not promote and hi - lo >= self.mmap_min:
+            buf: bytes | bytearray | memoryview | None = None
+            if nowait:
+                buf = _read_cached_pages(fd, hi - lo, entry.data_offset + lo)
+            elif not promote and hi - lo >= self.mmap_min:
                 buf = self._map(fd, entry.data_offset + lo, hi - lo)
             if buf is None:
                 buf = os.pread(fd, hi - lo, entry.data_offset + lo)
@@ -525,6 +558,9 @@ class BlockStore:
             raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
         finally:
             os.close(fd)
+        with self._lock:
+            self._touch(entry)
+            self.counters.flash_hits += 1
         view = memoryview(buf)
         ok = len(view) == hi - lo and all(
             checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
@@ -537,11 +573,17 @@ class BlockStore:
             self._unlink([entry])
             log.warning("cache store: block %s failed its checksum, dropped", key.hex())
             raise Corrupt(f"cached block {key.hex()} failed its checksum")
-        if promote and isinstance(buf, bytes):  # a verified private copy, served unchecked
+        if promote and isinstance(buf, bytes | bytearray):  # a verified private copy, served unchecked
             with self._lock:
                 if self._index.get(key) is entry:
                     self._memory.add(key, buf)
         return view[offset - lo : end - lo]
+
+    def _touch(self, entry: Entry) -> None:
+        """A hit on ``entry``: most recently used, one more hit (under the lock)."""
+        if self._index.get(entry.key) is entry:
+            self._index.move_to_end(entry.key)
+        entry.hits += 1
 
     @staticmethod
     def _map(fd: int, start: int, length: int) -> memoryview | None:

@@ -50,8 +50,9 @@ admission. ``prefetch(..., wait=True)`` answers when its own batch is done,
 with per-batch counts, which is what ``cachefs warmup`` uses for its progress.
 
 Where the work runs: lookups and memory-tier hits run inline; flash reads of
-up to ``inline_read_max`` bytes run inline too (a page-cache pread of a
-128 KiB range costs less than a thread hop), larger reads and every write run
+up to ``inline_read_max`` bytes run inline too when the page cache holds them
+(``RWF_NOWAIT``: a page-cache pread of a 128 KiB range costs less than a
+thread hop; one from the disk would stall every connection), larger reads and every write run
 in worker threads so one 4 MiB copy never stalls the other connections. A
 ``get`` that hits inline is answered by the connection's reader itself
 (``get`` is a plain method): no task, no cancel scope, no request slot.
@@ -72,7 +73,7 @@ import trio
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from cachefs.blockstore import BlockStore
+from cachefs.blockstore import BlockStore, WouldBlock
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.errors import (
     Busy,
@@ -330,13 +331,17 @@ class CacheService:
         if entry is None:
             return None
         span = entry.size - offset if length == -1 else min(length, max(entry.size - offset, 0))
+        in_thread = functools.partial(
+            trio.to_thread.run_sync, self.store.read, key, offset, length, limiter=self._io_threads
+        )
         try:
             if span <= self.limits.inline_read_max or self.store.in_memory(key):
-                data = self.store.read(key, offset, length)
+                try:
+                    data = self.store.read(key, offset, length, nowait=True)
+                except WouldBlock:  # on the disk: not on the event loop
+                    data = await in_thread()
             else:
-                data = await trio.to_thread.run_sync(
-                    self.store.read, key, offset, length, limiter=self._io_threads
-                )
+                data = await in_thread()
         except Corrupt:
             self.counters.corrupt_refetched += 1
             return None
@@ -610,7 +615,9 @@ class CacheService:
         if span > self.limits.inline_read_max and not self.store.in_memory(key):
             return None
         try:
-            data = self.store.read(key, offset, length)
+            data = self.store.read(key, offset, length, nowait=True)
+        except WouldBlock:  # on the disk: the request's task reads it in a thread
+            return None
         except Corrupt:
             self.counters.corrupt_refetched += 1
             return None

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefs.blockstore import ALIGN, BlockStore, encode_header, segment_sums
+from cachefs.blockstore import ALIGN, BlockStore, WouldBlock, encode_header, segment_sums
 from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
@@ -208,6 +208,32 @@ def test_hot_set_survives_a_scan_with_admission(tmp_path_factory, scan: int, see
             access(rng.choice(hot))
     assert set(hot) <= set(store.cached_keys())
     assert store.used <= store.capacity
+
+
+def test_nowait_read_serves_only_the_page_cache(tmp_path: Path) -> None:
+    """``nowait``: bytes that only the disk holds raise WouldBlock and leave the
+    block untouched (no hit counted, LRU order kept); a blocking read then
+    brings them in, and the next nowait read serves them."""
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=1 << 30)
+    key, other = BlockKey(7, 0), BlockKey(7, 1)
+    for k in (key, other):
+        store.put("v", k, _data(k, 4 * SEG))
+    (path,) = [p for p in (tmp_path / "blocks").rglob("*") if p.name == key.hex()]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    hits = store.counters.flash_hits
+    with pytest.raises(WouldBlock):
+        store.read(key, SEG, 100, nowait=True)
+    assert store.counters.flash_hits == hits and store.lookup(key).hits == 0
+    assert store.cached_keys() == [key, other]  # not moved to the LRU's hot end
+    want = _data(key, 4 * SEG)[SEG : SEG + 100]
+    assert bytes(store.read(key, SEG, 100)) == want
+    assert bytes(store.read(key, SEG, 100, nowait=True)) == want
+    assert store.counters.flash_hits == hits + 2 and store.lookup(key).hits == 2
 
 
 @pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")

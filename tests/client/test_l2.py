@@ -120,6 +120,35 @@ async def test_lru_eviction_past_capacity_and_index_after_restart(tmp_path: Path
         nursery.cancel_scope.cancel()
 
 
+def _evict_pages(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Path) -> None:
+    """A range in the page cache is read inline; one that only the disk holds
+    goes to a worker thread (an inline disk read would stall every request
+    of the mount: random 4 KiB reads after a drop_caches were one at a time)."""
+    key = BlockKey(501, 0)
+    block = os.urandom(BLOCK)
+    async with trio.open_nursery() as nursery:
+        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery)
+        chain = CachedBlocks(Source({key: block}), l2)
+        await chain.fetch(key)
+        await _settle(l2)
+        (path,) = _block_files(tmp_path)
+        _evict_pages(path)
+        assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]
+        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 1
+        assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]  # now in the page cache
+        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 2
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------- under a real mount
 
 
