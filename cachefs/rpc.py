@@ -1086,6 +1086,15 @@ class RpcPool:
         # Round trip of every call by method, once someone asks (the mount's
         # metrics and `cachefs stats`): see time_calls.
         self.calls: OpStats | None = None
+        self._allocate: Callable[[int], bytearray] = bytearray
+
+    def allocate_payloads(self, allocate: Callable[[int], bytearray]) -> None:
+        """Receive every reply's payload (without a call's ``into``) into
+        ``allocate(size)``, on every connection from now on (a mount's pool
+        of block buffers)."""
+        self._allocate = allocate
+        for conn in self._conns.values():
+            conn.conn.decoder.allocate = allocate
 
     def time_calls(self) -> OpStats:
         """Time every call from now on, on every connection (a few hundred ns per call)."""
@@ -1137,6 +1146,7 @@ class RpcPool:
                 raise
             self._backoff.pop(addr, None)
             conn.calls = self.calls
+            conn.conn.decoder.allocate = self._allocate
             self._conns[addr] = conn
             return conn
 

@@ -305,6 +305,9 @@ class FrameDecoder:
         # and the payload's size, it returns a buffer of exactly that size
         # (the payload is received into it) or None (a new bytearray).
         self.payload_sink: Callable[[int, int], memoryview | None] | None = None
+        # Where other payloads land: a bytearray of the size asked, its old
+        # contents overwritten before the frame completes.
+        self.allocate: Callable[[int], bytearray] = bytearray
 
     def set_limits(self, *, max_header: int, max_payload: int, buffer_size: int = 0) -> None:
         """New limits for the frames still to come (after the handshake);
@@ -437,7 +440,8 @@ class FrameDecoder:
 
     def response_target(self, header: Any, size: int) -> bytearray | memoryview:
         """The buffer a payload of ``size`` bytes is received into: the one
-        :attr:`payload_sink` names for a response, if it does, else a new one.
+        :attr:`payload_sink` names for a response, if it does, else
+        ``allocate(size)`` (a new one, or a pooled one to overwrite).
 
         The header is not validated yet (:func:`_event_of` does that after
         the payload); a sink is asked only about a well-formed response id.
@@ -450,7 +454,7 @@ class FrameDecoder:
                 if len(target) != size or target.readonly:
                     raise RuntimeError(f"payload sink gave {len(target)} bytes for a payload of {size}")
                 return target
-        return bytearray(size)
+        return self.allocate(size)
 
     def _complete(self, header: Any, payload: bytearray | memoryview) -> Event:
         if self._payload_tag is not None:

@@ -11,6 +11,7 @@ happens inside any method, so every method is atomic with respect to the others.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachefs.ids import BlockKey
@@ -29,10 +30,13 @@ class L1Stats:
 class L1Cache:
     """``get``/``put`` of whole blocks; evicts least recently used past ``capacity`` bytes."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, recycle: Callable[[Block], None] | None = None) -> None:
+        """``recycle``: given each evicted block as its last reference (see
+        :class:`.buffers.BufferPool`)."""
         if capacity < 0:
             raise ValueError("L1 capacity must be >= 0")
         self.capacity = capacity
+        self._recycle = recycle
         self.used = 0
         self.stats = L1Stats()
         self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
@@ -69,6 +73,9 @@ class L1Cache:
             _, victim = self._blocks.popitem(last=False)
             self.used -= len(victim)
             self.stats.evictions += 1
+            if self._recycle is not None:
+                self._recycle(victim)
+            del victim  # recycle saw the last reference; drop it before the next
         self._blocks[key] = data
         if cold:
             self._blocks.move_to_end(key, last=False)

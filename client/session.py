@@ -96,10 +96,12 @@ class Session:
         transport: BlockTransport,
         backing: BackingClient | RepoBlocks,
         view: MetaClusterView | None = None,
+        pool: RpcPool | None = None,
     ) -> None:
         """Parts are injected so tests can run the same session over other parts;
-        :meth:`connect` builds the real ones."""
+        :meth:`connect` builds the real ones (``pool``: the connections under them)."""
         self.meta = meta
+        self.pool = pool
         self.volume = volume
         self.session_id = session_id
         self.zone = zone
@@ -161,6 +163,7 @@ class Session:
             transport=open_transport(transport, pool),
             backing=RepoBlocks(BackingClient(pool, view, zone=zone), meta.query),
             view=view,
+            pool=pool,
         )
 
     def _set_map(self, cmap: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ from cachefs.layout import Run
 from cachefs.messages import Attr
 from cachefs.tasks import TaskGuard
 
+from .buffers import BufferPool
 from .compaction import Compactor
 from .inodes import GHOSTS, Inode, InodeTable
 from .l1 import L1Cache
@@ -111,7 +112,11 @@ class Volume:
         self.options = options
         self.nursery = TaskGuard(nursery)
         self.inodes = InodeTable(ghosts)
-        self.l1 = L1Cache(options.l1_bytes)
+        # Block buffers L1 lets go of receive the next blocks (see .buffers).
+        self.buffers = BufferPool()
+        self.l1 = L1Cache(options.l1_bytes, recycle=self.buffers.give)
+        if session.pool is not None:
+            session.pool.allocate_payloads(self.buffers.take)
         self.l2: L2Cache | None = None
         source: Any = session
         if options.cache_dir:
@@ -323,5 +328,6 @@ class Volume:
             "l1_hits": s.hits,
             "l1_misses": s.misses,
             "l1_used": self.l1.used,
+            **self.buffers.stats,
             **(self.l2.stats if self.l2 is not None else {}),
         }

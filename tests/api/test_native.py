@@ -233,6 +233,21 @@ def test_repeat_reads_come_from_l1(lab) -> None:
         assert s["l1_hit_bytes"] >= 3 * len(data)
 
 
+def test_a_stream_larger_than_l1_receives_into_the_buffers_l1_let_go(lab) -> None:
+    """Each block L1 evicts, held by nothing else, receives a later block (no
+    new 4 MiB buffer per block), and every byte read is still the file's."""
+    with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1",
+                 l1_bytes=8 * MiB) as c:
+        c.makedirs("native", exist_ok=True)
+        data = os.urandom(40 * MiB)
+        c.write_bytes("native/stream", data)
+        for _ in range(2):
+            with c.open("native/stream", "rb") as f:
+                assert b"".join(iter(lambda: f.read(MiB), b"")) == data
+        s = c.stats()
+        assert s["buffers_reused"] > 0, s
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

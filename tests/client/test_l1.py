@@ -7,6 +7,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs.client.buffers import BufferPool
 from cachefs.client.l1 import L1Cache
 from cachefs.ids import BlockKey
 
@@ -51,3 +52,42 @@ def test_recently_used_survives() -> None:
     cache.put(BlockKey(3, 0), b"y" * 10)  # evicts 1, the least recent
     assert BlockKey(1, 0) not in cache and BlockKey(0, 0) in cache
     assert cache.stats.evictions == 1 and cache.stats.hits == 1
+
+
+# ---------------------------------------------------------------- evicted buffers used again
+
+MiB = 1 << 20
+
+
+def test_an_evicted_block_nobody_holds_receives_the_next_one() -> None:
+    pool = BufferPool()
+    l1 = L1Cache(2 * MiB, recycle=pool.give)
+    l1.put(BlockKey(1, 0), bytearray(MiB))
+    first = id(l1.get(BlockKey(1, 0)))
+    l1.put(BlockKey(1, 1), bytearray(MiB))
+    l1.put(BlockKey(1, 2), bytearray(MiB))  # evicts block 0, which only L1 held
+    assert pool.stats["buffers_kept"] == 1
+    again = pool.take(MiB)
+    assert id(again) == first and pool.stats["buffers_reused"] == 1
+    assert pool.take(MiB) is not again  # the pool had one: a new buffer now
+    assert len(pool.take(3 * MiB)) == 3 * MiB  # no buffer of that size: a new one
+
+
+def test_an_evicted_block_someone_still_reads_is_not_used_again() -> None:
+    pool = BufferPool()
+    l1 = L1Cache(2 * MiB, recycle=pool.give)
+    held = bytearray(MiB)
+    l1.put(BlockKey(2, 0), held)  # another reference: ours
+    block = bytearray(MiB)
+    block[:5] = b"hello"
+    l1.put(BlockKey(2, 1), block)
+    view = memoryview(block)[:5]  # what a FUSE reply of it holds
+    del block
+    l1.put(BlockKey(2, 2), bytearray(MiB))
+    l1.put(BlockKey(2, 3), bytearray(MiB))  # evicts both
+    assert pool.stats["buffers_kept"] == 0
+    assert pool.take(MiB) is not held and bytes(view) == b"hello"
+    l1.put(BlockKey(2, 4), memoryview(bytearray(MiB)))  # an L2 read's view: never kept
+    l1.put(BlockKey(2, 5), bytes(MiB))  # blocks 2 and 3 go: only L1 held them
+    l1.put(BlockKey(2, 6), bytes(MiB))  # the view goes
+    assert pool.stats["buffers_kept"] == 2
