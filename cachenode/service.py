@@ -362,6 +362,11 @@ class CacheService:
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range: offset={offset} length={length}")
         cached = await self._read_cached(key, offset, length)
+        if cached is None and key not in self._fills and self.store.lookup(key) is not None:
+            # Dropped under this read (found short here, or unlinked by a
+            # reader that found it short) and filled again before it resumed:
+            # read that copy, not the backing store once more.
+            cached = await self._read_cached(key, offset, length)
         if cached is not None:
             data, size = cached
             self.counters.hits += 1
