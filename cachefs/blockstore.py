@@ -106,6 +106,7 @@ from pathlib import Path
 from cachefs.checksum import checksum
 from cachefs.errors import Corrupt, InvalidArgument, IOFailure, NoSpace
 from cachefs.ids import BlockKey
+from cachefs.pagecache import pread_nowait
 
 log = logging.getLogger(__name__)
 
@@ -124,34 +125,6 @@ ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page si
 DIRECT_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _SCRATCH_KEPT = 4  # page-aligned write buffers kept for reuse
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-
-
-class WouldBlock(Exception):
-    """The bytes asked for are on the disk, not in the page cache (see ``BlockStore.read``)."""
-
-
-def _read_cached_pages(fd: int, length: int, offset: int) -> bytearray:
-    """``length`` bytes at ``offset`` if the page cache holds them all, without waiting
-    for the disk (``preadv`` with ``RWF_NOWAIT``).
-
-    Raises:
-        WouldBlock: some of them are not in the page cache, or the file is
-            shorter (the blocking read that follows then finds it short), or
-            this system or filesystem cannot tell.
-    """
-    buf = bytearray(length)
-    try:
-        n = os.preadv(fd, [buf], offset, _RWF_NOWAIT) if _RWF_NOWAIT else -1
-    except (BlockingIOError, InterruptedError):
-        raise WouldBlock from None
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise WouldBlock from None
-        raise
-    if n != length:
-        raise WouldBlock
-    return buf
 
 
 def _align(n: int) -> int:
@@ -549,7 +522,7 @@ class BlockStore:
         try:
             buf: bytes | bytearray | memoryview | None = None
             if nowait:
-                buf = _read_cached_pages(fd, hi - lo, entry.data_offset + lo)
+                buf = pread_nowait(fd, hi - lo, entry.data_offset + lo)
             elif not promote and hi - lo >= self.mmap_min:
                 buf = self._map(fd, entry.data_offset + lo, hi - lo)
             if buf is None:

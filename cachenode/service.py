@@ -73,7 +73,7 @@ import trio
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from cachefs.blockstore import BlockStore, WouldBlock
+from cachefs.blockstore import BlockStore
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.errors import (
     Busy,
@@ -86,6 +86,7 @@ from cachefs.errors import (
     TimedOut,
 )
 from cachefs.ids import BlockKey
+from cachefs.pagecache import WouldBlock
 from cachefs.rpc import CallContext, Reply, rpc_method
 from cachefs.singleflight import Flight, SingleFlight
 

@@ -46,10 +46,11 @@ from typing import Any
 
 import trio
 
-from cachefs.blockstore import BlockStore, WouldBlock
+from cachefs.blockstore import BlockStore
 from cachefs.errors import CacheFSError, Corrupt, InvalidArgument, IOFailure, NoSpace
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice
+from cachefs.pagecache import WouldBlock
 from cachefs.tasks import Spawner
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,10 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from cachefs.credentials import ADMINS, CLIENTS
-from cachefs.datanode.shardstore import NOWAIT_READS, ShardStore, WouldBlock
+from cachefs.datanode.shardstore import ShardStore
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
+from cachefs.pagecache import NOWAIT_READS, WouldBlock
 from cachefs.rpc import Reply, rpc_method
 
 log = logging.getLogger(__name__)

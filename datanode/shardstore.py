@@ -51,6 +51,7 @@ from typing import NoReturn
 import xxhash
 
 from cachefs.errors import Corrupt, InvalidArgument, IOFailure, NoSpace, NotFound
+from cachefs.pagecache import pread_nowait
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ _PREFIX = _HEAD.size + _CSUM.size
 _VOLUME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 _NAME = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d{1,3})")
 _KEY_HEX = re.compile(r"[0-9a-f]{16}-[0-9a-f]{8}")
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-NOWAIT_READS = bool(_RWF_NOWAIT) and hasattr(os, "preadv")  # get(nowait=True) is possible here
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,34 +74,6 @@ class ShardInfo:
     key: str  # BlockKey.hex()
     index: int
     size: int  # bytes on disk, headers included
-
-
-class WouldBlock(Exception):
-    """A ``nowait`` read found bytes that are not in the page cache."""
-
-
-def _pread_nowait(fd: int, size: int, offset: int) -> bytearray:
-    """``os.pread`` that never waits for the disk (``RWF_NOWAIT``).
-
-    The kernel answers EAGAIN, or a short count, for bytes it would have to
-    read from the disk; either is :class:`WouldBlock`. Callers ask only for
-    bytes within the file, so a short count is never the end of the file.
-
-    Raises:
-        WouldBlock: some of the bytes are not in the page cache.
-    """
-    buf = bytearray(size)
-    try:
-        n = os.preadv(fd, [buf], offset, _RWF_NOWAIT)
-    except BlockingIOError:
-        raise WouldBlock from None
-    except OSError as exc:
-        if exc.errno == errno.EOPNOTSUPP:  # a filesystem without RWF_NOWAIT
-            raise WouldBlock from None
-        raise
-    if n != size:
-        raise WouldBlock
-    return buf
 
 
 def _fan(key: str) -> str:
@@ -309,7 +280,7 @@ class ShardStore:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self._missing(path, volume, key, index)
-        pread = _pread_nowait if nowait else os.pread
+        pread = pread_nowait if nowait else os.pread
         try:
             meta, table, data_start, data_len, file_size = self._read_head(fd, path, pread)
             end = data_len if length == -1 else min(data_len, offset + length)

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefs.blockstore import ALIGN, BlockStore, WouldBlock, encode_header, segment_sums
+from cachefs.blockstore import ALIGN, BlockStore, encode_header, segment_sums
 from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
+from cachefs.pagecache import WouldBlock
 
 SEG = 4096
 

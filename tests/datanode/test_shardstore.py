@@ -14,15 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.datanode.shardstore import (
-    CHUNK_SIZE,
-    NOWAIT_READS,
-    ShardStore,
-    WouldBlock,
-    encode_shard_file,
-)
+from cachefs.datanode.shardstore import CHUNK_SIZE, ShardStore, encode_shard_file
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace, NotFound
 from cachefs.ids import BlockKey
+from cachefs.pagecache import NOWAIT_READS, WouldBlock
 from cachefs.testing.pagecache import evict_from_page_cache
 from cachefs.testing.powercut import PowerCutDisk
 
