@@ -985,6 +985,16 @@ IMPORT_MODES = ("full", "lazy")  # lazy: the leader lists a directory when it is
 MAX_IMPORT_BATCH = 10_000
 MAX_POLL_INTERVAL = 7 * 86400
 MAX_OBJECT_KEY = 1024  # S3's limit, in UTF-8 bytes
+EXPORT_EVENTS = ("new", "changed", "deleted")  # what --auto-export may name
+
+
+def parse_auto_export(text: str) -> str:
+    """``"new,changed,deleted"`` (any subset, any order, "" for none) in canonical order."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    bad = sorted(names - set(EXPORT_EVENTS))
+    if bad:
+        raise InvalidArgument(f"--auto-export takes a list of {','.join(EXPORT_EVENTS)}, got {', '.join(bad)}")
+    return ",".join(e for e in EXPORT_EVENTS if e in names)
 
 
 def check_repo_target(bucket: str, prefix: str, endpoint: str, region: str) -> None:
@@ -1017,6 +1027,7 @@ class LinkRepo(Command[dict[str, Any]]):
     region: str = ""
     import_mode: str = "full"
     auto_import: int = 0  # seconds between the leader's polls of the bucket; 0: only repo sync
+    auto_export: str = ""  # which of EXPORT_EVENTS the leader exports to the bucket (comma-separated)
 
     def validate(self) -> None:
         check_int(self.ino, "ino", 1)
@@ -1024,6 +1035,8 @@ class LinkRepo(Command[dict[str, Any]]):
         if self.import_mode not in IMPORT_MODES:
             raise InvalidArgument(f"import mode must be one of {IMPORT_MODES}, got {self.import_mode!r}")
         check_int(self.auto_import, "auto_import (seconds)", 0, MAX_POLL_INTERVAL)
+        if not isinstance(self.auto_export, str) or parse_auto_export(self.auto_export) != self.auto_export:
+            raise InvalidArgument(f"auto_export must be a canonical list of {EXPORT_EVENTS}, got {self.auto_export!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1121,6 +1134,65 @@ class ImportObjects(Command[dict[str, int]]):
                     and len(sub) > len(self.dir) + 1 and len(sub.encode()) <= MAX_OBJECT_KEY):  # fmt: skip
                 raise InvalidArgument(f"subdir must be a prefix in {self.dir!r} ending in '/', got {sub!r}")
         return rows
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QueueExports(Command[dict[str, int]]):
+    """``cachefs repo export``: queue every file of link ``link_id`` under
+    ``path`` (relative to the link's directory, "" for all of it) whose
+    content is not the bucket's (written or created in cachefs) for export,
+    and make failed exports of the link pending again. The leader exports
+    them (``metanode/exports.py``). Reply: ``{queued, retried}``."""
+
+    TAG: ClassVar[int] = 55
+    NAME: ClassVar[str] = "queue_repo_exports"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    link_id: int
+    path: str = ""
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+        if len(self.path.encode()) > MAX_OBJECT_KEY or self.path.startswith("/"):
+            raise InvalidArgument(f"bad path in the link {self.path!r}")
+
+
+EXPORT_OUTCOMES = ("done", "failed", "dropped")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExportDone(Command[dict[str, bool]]):
+    """The leader's exporter reports one export of link ``link_id``: the
+    upload of file ``ino`` (or, with ``ino`` 0, the delete of ``key``) as
+    queued at generation ``gen``. ``done`` takes the record off the queue,
+    ``failed`` keeps it with ``error`` (shown by ``repo status``, tried
+    again later), ``dropped`` takes it off without counting it (the file
+    left the link). A record queued again since (a newer ``gen``) stays.
+    Reply: ``{applied}``."""
+
+    TAG: ClassVar[int] = 56
+    NAME: ClassVar[str] = "repo_export_done"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    link_id: int
+    ino: int
+    key: str
+    gen: int
+    outcome: str = "done"
+    error: str = ""
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+        check_int(self.ino, "ino", 0)
+        check_int(self.gen, "gen", 1)
+        if len(self.key.encode()) > MAX_OBJECT_KEY or (not self.ino and not self.key):
+            raise InvalidArgument(f"bad exported key {self.key!r}")
+        if self.outcome not in EXPORT_OUTCOMES:
+            raise InvalidArgument(f"export outcome must be one of {EXPORT_OUTCOMES}, got {self.outcome!r}")
+        if len(self.error) > 1000:
+            raise InvalidArgument("export error is longer than 1000 characters")
 
 
 def _unpack_list(raw: bytes, what: str) -> list[Any]:

@@ -372,6 +372,26 @@ class RepoPending(Query[dict[str, Any]]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RepoExports(Query[dict[str, Any]]):
+    """The export queue of link ``link_id`` (``metanode/exports.py``): up to
+    ``limit`` records, ``{deletes: [[key, gen, error, failed_ns]], puts:
+    [[ino, key, gen, kind, error, failed_ns, queued_ns]], pending, failed, done}``."""
+
+    NAME: ClassVar[str] = "repo_exports"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    link_id: int
+    limit: int = 1000
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+        check_int(self.limit, "limit", 1, 10_000)
+
+    def run(self, state: MetaState) -> dict[str, Any]:
+        return state.repo_exports(self.link_id, self.limit)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RepoObject(Query[dict[str, Any]]):
     """Where the blocks of repo slice ``slice_id`` come from: ``{link, key,
     etag, size, block_size}`` (``link`` as ``ListRepoLinks`` shows it). What a

@@ -36,6 +36,7 @@ import functools
 import logging
 import signal
 import ssl
+import time
 from pathlib import Path
 
 import click
@@ -68,6 +69,7 @@ from .stats import NAMESPACE
 log = logging.getLogger(__name__)
 
 GC_INTERVAL = 60.0
+EXPORT_TICK = 1.0  # how soon after close() the leader looks at the export queues
 GC_GRACE = 600.0
 FULL_SWEEP_EVERY = 6  # leak sweeps (one a grace): every sixth looks at every slice, not only new ones
 
@@ -144,6 +146,43 @@ async def run_gc(
             log.warning("gc pass failed, will retry: %s", exc)
 
 
+async def run_exports(service: MetaService, pool: RpcPool, addrs: list[str], tick: float = EXPORT_TICK) -> None:
+    """Work off the export queues of repository links while this replica
+    leads (``metanode/exports.py``, ``cachefs/repo/exporter.py``): every
+    ``tick``, one batch of each link's due records. A new leader picks up
+    the queue where the old one left it: it is replicated state."""
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import MetaClusterView
+    from cachefs.repo.exporter import BATCH, Exporter
+    from cachefs.repo.source import RepoBlocks
+
+    from .client import MetaClient
+
+    meta = MetaClient(pool, addrs, deadline=30.0)
+    view = MetaClusterView(meta)
+    blocks = RepoBlocks(BackingClient(pool, view), meta.query)
+    exporter = Exporter(meta.query, meta.mutate, blocks, lambda volume: view.policy(volume).block_size)
+    while True:
+        await trio.sleep(tick)
+        node = service.node
+        if node is None or not node.is_leader:
+            continue
+        for link in list(service.state.links.values()):
+            if not (link.puts or link.deletes):
+                continue
+            batch = service.state.repo_exports(link.id, BATCH, time.time_ns())
+            if not (batch["puts"] or batch["deletes"]):
+                continue  # only failed ones, not due yet
+            try:
+                await view.refresh()
+                counts = await exporter.run_pass(link.to_dict(), batch)
+            except CacheFSError as exc:  # the cluster map; each record's errors are its own
+                log.warning("exports of repository link %d: pass failed, will retry: %s", link.id, exc)
+                continue
+            log.info("repository link %d: exported %d, %d failed, %d dropped",
+                     link.id, counts["done"], counts["failed"], counts["dropped"])  # fmt: skip
+
+
 async def serve(
     node_id: int,
     peers: dict[int, str],
@@ -191,6 +230,7 @@ async def serve(
             ours = [peers[node_id], *(a for i, a in sorted(peers.items()) if i != node_id)]
             if gc_interval > 0:
                 nursery.start_soon(run_gc, service, pool, ours, gc_interval, gc_grace)
+            nursery.start_soon(run_exports, service, pool, ours)
             if repair_interval > 0:
                 nursery.start_soon(
                     run_repairs, service, pool, ours, repair_interval, repair_rate or None

@@ -127,6 +127,7 @@ from cachefs.messages import (
     Usage,
 )
 
+from . import exports
 from .clustermap import ClusterMap, VolumeSpec
 
 ROOT = 1
@@ -285,8 +286,9 @@ class RepoLink:
     slice says they are imported). No credentials: every reader has its own."""
 
     __slots__ = ("id", "volume", "ino", "bucket", "prefix", "endpoint", "region", "import_mode",
-                 "objects", "created_ns", "imported_ns", "auto_import", "pending", "empties")  # fmt: skip
-    _SHOWN = __slots__[:12]  # as they are; the last two are summed up or internal
+                 "objects", "created_ns", "imported_ns", "auto_import", "auto_export", "exported",
+                 "export_gen", "pending", "empties", "puts", "deletes", "written")  # fmt: skip
+    _SHOWN = __slots__[:15]  # as they are; the rest are summed up or internal
 
     def __init__(self, link_id: int, cmd: C.LinkRepo) -> None:
         self.id = link_id
@@ -301,17 +303,30 @@ class RepoLink:
         self.created_ns = cmd.now_ns
         self.imported_ns = 0
         self.auto_import = cmd.auto_import
+        self.auto_export = cmd.auto_export
+        self.exported = 0  # exports done
+        self.export_gen = 0  # the last export queued (metanode/exports.py)
         self.pending: dict[str, str] = {"": ""}
         self.empties: set[int] = set()
+        self.puts: dict[int, list[Any]] = {}  # the export queue: see metanode/exports.py
+        self.deletes: dict[str, list[Any]] = {}
+        self.written: set[int] = set()
 
     def to_dict(self) -> dict[str, Any]:
-        """As ``ListRepoLinks`` shows it: ``pending`` is a count here."""
+        """As ``ListRepoLinks`` shows it: ``pending`` is a count here, and so
+        are the exports (``failed`` ones are still queued, not ``pending``)."""
         out = {name: getattr(self, name) for name in self._SHOWN}
-        return {**out, "pending": len(self.pending), "url": f"s3://{self.bucket}/{self.prefix}"}
+        failed = sum(1 for rec in self.puts.values() if rec[2]) + sum(1 for rec in self.deletes.values() if rec[1])
+        queued = len(self.puts) + len(self.deletes)
+        exports = {"pending": queued - failed, "failed": failed, "done": self.exported}
+        return {**out, "pending": len(self.pending), "url": f"s3://{self.bucket}/{self.prefix}", "exports": exports}
 
     def dump(self) -> dict[str, Any]:
         """Everything, for snapshots."""
-        return {**self.to_dict(), "pending": self.pending, "empties": sorted(self.empties)}
+        return {**self.to_dict(), "pending": self.pending, "empties": sorted(self.empties),
+                "puts": [[ino, *rec] for ino, rec in self.puts.items()],
+                "deletes": [[key, *rec] for key, rec in self.deletes.items()],
+                "written": sorted(self.written)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RepoLink:
@@ -321,7 +336,12 @@ class RepoLink:
         # older snapshots kept one cursor of a flat listing: list again from the start
         pending = d.get("pending", {} if d["imported_ns"] else {"": ""})
         link.pending = dict(pending) if isinstance(pending, dict) else {}
+        if not isinstance(link.auto_export, str):
+            link.auto_export = ""  # older snapshots: no exports
         link.empties = set(d.get("empties", ()))
+        link.puts = {row[0]: list(row[1:]) for row in d.get("puts", ())}
+        link.deletes = {row[0]: list(row[1:]) for row in d.get("deletes", ())}
+        link.written = set(d.get("written", ()))
         return link
 
     def owns(self, state: MetaState, inode: Inode) -> bool:
@@ -460,6 +480,8 @@ class MetaState:
         # (volume, ino) -> (link id, path): pending directories of lazy links, which
         # the leader lists when first read; derived from the links (see index_lazy)
         self.lazy_dirs: dict[tuple[str, int], tuple[int, str]] = {}
+        # volume -> {directory ino: link} of the links that export (metanode/exports.py)
+        self.exporting: dict[str, dict[int, RepoLink]] = {}
         self.applied_index = 0
         self.watcher: ApplyWatcher | None = None  # set by the leader's service
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
@@ -492,6 +514,8 @@ class MetaState:
             C.LinkRepo: self._link_repo,
             C.UnlinkRepo: self._unlink_repo,
             C.ImportObjects: self._import_objects,
+            C.QueueExports: self._queue_exports,
+            C.ExportDone: self._export_done,
             C.RestoreVolume: self._restore_volume,
             C.DeleteVolume: self._delete_volume,
             C.DropVolume: self._drop_volume,
@@ -515,10 +539,14 @@ class MetaState:
             if cmd.seq < self.dedup_floor.get(client, 0):
                 return Failure("EINVAL", f"seq {cmd.seq} is older than the dedup window")
         watched = self._watched(cmd)
+        export = exports.before(self, cmd) if self.exporting and type(cmd) in exports.HOOKED else None
         try:
             result = self._handlers[type(cmd)](cmd)
         except CacheFSError as err:
             result = Failure(err.code, err.message)
+        else:
+            if export is not None:
+                exports.after(self, cmd, export, result)
         if watched is not None and self.watcher is not None:
             volume, refs, before = watched
             # and what the names resolve to after it: a create's new inode
@@ -1479,6 +1507,7 @@ class MetaState:
         self.links[link.id] = link
         if link.import_mode == "lazy":
             self.lazy_dirs[(link.volume, link.ino)] = (link.id, "")
+        exports.index(self)
         return link.to_dict()
 
     def _unlink_repo(self, cmd: C.UnlinkRepo) -> dict[str, Any]:
@@ -1486,10 +1515,24 @@ class MetaState:
         if link is None:
             raise NotFound(f"no repository link {cmd.link_id}")
         self.lazy_dirs = {k: v for k, v in self.lazy_dirs.items() if v[0] != link.id}
+        exports.index(self)
         return link.to_dict()
 
+    def _queue_exports(self, cmd: C.QueueExports) -> dict[str, int]:
+        return exports.queue_dir(self, self._repo_link(cmd.link_id), cmd.path, cmd.now_ns)
+
+    def _export_done(self, cmd: C.ExportDone) -> dict[str, bool]:
+        return exports.export_done(self._repo_link(cmd.link_id), cmd)
+
+    def _repo_link(self, link_id: int) -> RepoLink:
+        link = self.links.get(link_id)
+        if link is None:
+            raise NotFound(f"no repository link {link_id}")
+        return link
+
     def index_lazy(self) -> None:
-        """Rebuild ``lazy_dirs`` from the links (after loading a snapshot)."""
+        """Rebuild ``lazy_dirs`` and ``exporting`` from the links (after loading a snapshot)."""
+        exports.index(self)
         self.lazy_dirs = {}
         for link in self.links.values():
             vol = self.volumes.get(link.volume)
@@ -1866,6 +1909,9 @@ class MetaState:
         if link is None:
             raise NotFound(f"no repository link {link_id}")
         return dict(link.pending)
+
+    def repo_exports(self, link_id: int, limit: int, now_ns: int = 0) -> dict[str, Any]:
+        return exports.records(self, self._repo_link(link_id), limit, now_ns)
 
     def repo_object(self, volume: str, slice_id: int) -> dict[str, Any]:
         """Where repo slice ``slice_id`` of ``volume`` reads from (``Q.RepoObject``)."""

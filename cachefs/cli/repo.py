@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import click
+import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
@@ -75,22 +76,26 @@ def repo() -> None:
               help="The metanode leader polls the bucket and imports new, changed and deleted objects.")
 @click.option("--poll-interval", type=click.IntRange(1, C.MAX_POLL_INTERVAL), default=300, show_default=True,
               help="Seconds between --auto-import polls.")
+@click.option("--auto-export", "auto_export", default="", metavar="new,changed,deleted",
+              help="The metanode leader exports files written here to the bucket after close(): new files, "
+                   "changed imported ones, and deletes (only if named).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 @meta_option
 @secret_option
 @insecure_option
 @tls_options
 def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mode: str, auto_import: bool,
-         poll_interval: int, as_json: bool,
+         poll_interval: int, auto_export: str, as_json: bool,
          meta: list[str], secret_file: str | None, insecure: bool, tls_cert: str | None,
          tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
     """Link directory PATH of VOLUME to URL (s3://BUCKET/PREFIX) and import its listing."""
     try:
         target = S3Url.parse(url)
         poll = poll_interval if auto_import else 0
-        C.LinkRepo(volume, ROOT, target.bucket, target.prefix, endpoint, region, import_mode, poll)
+        auto_export = C.parse_auto_export(auto_export)
+        C.LinkRepo(volume, ROOT, target.bucket, target.prefix, endpoint, region, import_mode, poll, auto_export)
     except CacheFSError as exc:
-        raise click.BadParameter(exc.message, param_hint="URL/--endpoint/--region") from None
+        raise click.BadParameter(exc.message, param_hint="URL/--endpoint/--region/--auto-export") from None
 
     async def go(mc: MetaClient) -> dict[str, Any]:
         ino = await resolve(mc, volume, path, create=True)
@@ -103,7 +108,7 @@ def link(volume: str, path: str, url: str, endpoint: str, region: str, import_mo
         store = S3Store(target.bucket, name=name, endpoint=endpoint, region=region)
         await store.check()  # wrong credentials or bucket: refused before anything is recorded
         lk = existing[0] if existing else await mc.mutate(
-            C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode, poll)
+            C.LinkRepo(volume, ino, target.bucket, target.prefix, endpoint, region, import_mode, poll, auto_export)
         )  # fmt: skip
         store.name = f"repository link {lk['id']} ({target})"
         pending = await mc.query(Q.RepoPending(lk["id"]))  # a new link: its own directory
@@ -159,14 +164,21 @@ def status(volume: str, path: str, as_json: bool, meta: list[str], secret_file: 
     """Show the link of directory PATH of VOLUME."""
 
     async def go(mc: MetaClient) -> dict[str, Any]:
-        return await link_at(mc, volume, await resolve(mc, volume, path))
+        lk = await link_at(mc, volume, await resolve(mc, volume, path))
+        queue = await mc.query(Q.RepoExports(lk["id"]))
+        failed = [[row[0], row[2]] for row in queue["deletes"] if row[2]]
+        failed += [[row[1] or f"inode {row[0]}", row[4]] for row in queue["puts"] if row[4]]
+        return {**lk, "failed_exports": failed}
 
     lk = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
     if as_json:
         click.echo(json.dumps(lk))
     else:
+        failures = lk.pop("failed_exports")
         for key, value in lk.items():
             click.echo(f"{key}: {value}")
+        for name, error in failures:
+            click.echo(f"export of {name} failed: {error}")
 
 
 @repo.command("sync")
@@ -197,6 +209,65 @@ def sync(volume: str, path: str, as_json: bool, meta: list[str], secret_file: st
     else:
         click.echo(f"synced {volume}:{path}: {totals['created']} new, {totals['updated']} changed, "
                    f"{totals['deleted']} deleted, {totals['unchanged']} unchanged, {totals['skipped']} skipped")  # fmt: skip
+
+
+@repo.command("export")
+@click.argument("volume")
+@click.argument("path")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the metanode leader has exported the queue (exit 1 if any export failed).")
+@click.option("--timeout", type=click.FloatRange(1), default=3600.0, show_default=True, help="Seconds to wait.")
+@click.option("--json", "as_json", is_flag=True)
+@meta_option
+@secret_option
+@insecure_option
+@tls_options
+def export(volume: str, path: str, wait: bool, timeout: float, as_json: bool, meta: list[str],
+           secret_file: str | None, insecure: bool, tls_cert: str | None, tls_key: str | None,
+           tls_ca: str | None) -> None:  # fmt: skip
+    """Export the files under PATH (a linked directory or one inside it) of VOLUME to the bucket:
+    every file whose content is not the bucket's is queued, failed exports are tried again,
+    and the metanode leader uploads them (multipart for large files)."""
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        lk, inside = await link_above(mc, volume, path)
+        queued = await mc.mutate(C.QueueExports(lk["id"], inside))
+        counts = await mc.query(Q.RepoExports(lk["id"], 1))
+        with trio.move_on_after(timeout if wait else 0):
+            while counts["pending"]:
+                if not as_json:
+                    print(f"\rexporting {counts['pending']:,} pending, {counts['failed']:,} failed, "
+                          f"{counts['done']:,} done", end="", file=sys.stderr)  # fmt: skip
+                await trio.sleep(0.5)
+                counts = await mc.query(Q.RepoExports(lk["id"], 1))
+        if not as_json and wait:
+            print(file=sys.stderr)
+        return {"link": lk["id"], **queued, **{k: counts[k] for k in ("pending", "failed", "done")}}
+
+    result = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"{volume}:{path}: {result['queued']} files queued, {result['retried']} failed exports retried; "
+                   f"now {result['pending']} pending, {result['failed']} failed, {result['done']} done")  # fmt: skip
+    if wait and (result["failed"] or result["pending"]):
+        sys.exit(1)
+
+
+async def link_above(mc: MetaClient, volume: str, path: str) -> tuple[dict[str, Any], str]:
+    """The link of directory ``path`` or of the directory holding it, and
+    ``path`` relative to the link's directory."""
+    parts = [p for p in path.split("/") if p]
+    links = {lk["ino"]: lk for lk in await mc.query(Q.ListRepoLinks()) if lk["volume"] == volume}
+    ino, found = ROOT, None
+    for i, part in enumerate([None, *parts]):
+        if part is not None:
+            ino = (await mc.query(Q.Lookup(volume, ino, C.check_name(part.encode())))).ino
+        if ino in links:
+            found = (links[ino], "/".join(parts[i:]))
+    if found is None:
+        raise NotFound(f"{path!r} of volume {volume!r} is not in a linked directory")
+    return found
 
 
 @repo.command("unlink")

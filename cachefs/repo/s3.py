@@ -143,5 +143,38 @@ class S3Store:
         return data
 
 
+    async def put(self, key: str, data: bytes) -> str:
+        """Store ``data`` as ``key`` in one PUT; returns the object's ETag."""
+        what = f"exporting {key!r}"
+        reply = await self._call(what, self._client.put_object, Bucket=self.bucket, Key=key, Body=data)
+        return str(reply.get("ETag", ""))
+
+    async def start_upload(self, key: str) -> str:
+        """Begin a multipart upload of ``key``; returns its upload id."""
+        reply = await self._call(f"exporting {key!r}", self._client.create_multipart_upload,
+                                 Bucket=self.bucket, Key=key)  # fmt: skip
+        return str(reply["UploadId"])
+
+    async def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        """Part ``number`` (from 1) of upload ``upload``; returns its ETag."""
+        reply = await self._call(f"exporting {key!r} (part {number})", self._client.upload_part, Bucket=self.bucket,
+                                 Key=key, UploadId=upload, PartNumber=number, Body=data)  # fmt: skip
+        return str(reply["ETag"])
+
+    async def finish_upload(self, key: str, upload: str, etags: list[str]) -> str:
+        parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
+        reply = await self._call(f"exporting {key!r}", self._client.complete_multipart_upload, Bucket=self.bucket,
+                                 Key=key, UploadId=upload, MultipartUpload={"Parts": parts})  # fmt: skip
+        return str(reply.get("ETag", ""))
+
+    async def abort_upload(self, key: str, upload: str) -> None:
+        await self._call(f"aborting the upload of {key!r}", self._client.abort_multipart_upload,
+                         Bucket=self.bucket, Key=key, UploadId=upload)  # fmt: skip
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` (deleting a key that is not there succeeds, as S3 says)."""
+        await self._call(f"deleting {key!r}", self._client.delete_object, Bucket=self.bucket, Key=key)
+
+
 def _ns(when: datetime) -> int:
     return int(when.timestamp() * 1_000_000) * 1000

@@ -1,0 +1,244 @@
+"""Export to a real S3 server (SeaweedFS): files written through a real mount under a linked
+directory become objects, from the replicated export queue, worked off by the metanode leader.
+
+Every object is compared byte for byte with what was written; a large file
+goes as a multipart upload. The last test kills (-9) the mount right after
+its writes were acknowledged, then the exporting leader mid-queue: a new
+leader finishes the queue, and every acknowledged file is in the bucket as
+it was written, nothing else (an upload the dead leader finished but did
+not record goes again: the same bytes to the same key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from cachefs.errors import CacheFSError
+from cachefs.rpc import RpcPool
+from cachefs.testing.ports import free_lab_base
+from cachefs.testing.s3server import SeaweedS3
+
+MiB = 1 << 20
+BUCKET = "out"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    with SeaweedS3(tmp_path_factory.mktemp("weed")) as server:
+        env = server.env()
+        c = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        c.create_bucket(Bucket=BUCKET)
+        yield server
+
+
+def bucket(s3: SeaweedS3) -> Any:
+    env = s3.env()
+    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+
+def objects(s3: SeaweedS3, prefix: str) -> dict[str, bytes]:
+    c = bucket(s3)
+    keys = [o["Key"] for o in c.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", ())]
+    return {k[len(prefix):]: c.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys}
+
+
+@pytest.fixture(scope="module")
+def lab(needs_fuse, s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Three metanodes (a leader to kill); every node has the S3 credentials, as on a real host."""
+    from cachefs.lab.cluster import Lab, LabConfig
+
+    config = LabConfig(root=str(tmp_path_factory.mktemp("exportlab")), metanodes=3, datanodes=3, cachenodes=1,
+                       zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
+                       cache_memory="0")
+    config.base_port = free_lab_base(config)
+    saved = dict(os.environ)
+    os.environ.update(s3.env())
+    lab = Lab(config)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.up(timeout=120)
+        yield lab
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            lab.down()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def mnt(lab: Any) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cachefs-export-mnt-"))
+    lab.mount(str(path), "--attr-timeout", "0", "--entry-timeout", "0", l2=False)
+    try:
+        yield path
+    finally:
+        lab.umount()
+        if os.path.ismount(path):
+            subprocess.run(["fusermount3", "-u", "-z", str(path)], check=False)
+        path.rmdir()
+
+
+def repo_cli(lab: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "cachefs.cli", "repo", *args, "--meta", ",".join(lab.meta_addrs),
+            "--secret-file", str(lab.credential_file("admin"))]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+def status(lab: Any, path: str) -> dict[str, Any]:
+    out = repo_cli(lab, "status", "lab", path, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 90) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def exported(lab: Any, path: str) -> Callable[[], bool]:
+    return lambda: status(lab, path)["exports"]["pending"] == 0
+
+
+def write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)  # close() returns once the data is committed: from then on it must reach the bucket
+
+
+def test_written_files_are_exported_changed_and_deleted(s3, lab, mnt) -> None:
+    c = bucket(s3)
+    c.put_object(Bucket=BUCKET, Key="ds/imported.bin", Body=b"from the bucket")
+    out = repo_cli(lab, "link", "lab", "/export", f"s3://{BUCKET}/ds", "--endpoint", s3.endpoint,
+                   "--auto-export", "deleted,new,changed", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["auto_export"] == "new,changed,deleted"
+    root = mnt / "export"
+    rng = random.Random(3)
+    files = {"small.txt": b"hello\n", "big.bin": rng.randbytes(40 * MiB + 17), "sub/dir/c.jpg": rng.randbytes(70_000),
+             "empty": b""}
+    for name, data in files.items():
+        write(root / name, data)
+    write(root / "imported.bin", b"changed in cachefs")  # an imported file, written: "changed"
+    wait_for("the first exports", exported(lab, "/export"))
+    want = {**files, "imported.bin": b"changed in cachefs"}
+    assert objects(s3, "ds/") == want
+    assert c.head_object(Bucket=BUCKET, Key="ds/big.bin")["ETag"].endswith('-3"')  # multipart: 3 parts of 16 MiB
+    done = status(lab, "/export")["exports"]["done"]
+    assert done >= len(want)  # more if the leader saw a file between two of its commits: each version goes
+
+    write(root / "small.txt", b"hello again\n")  # changed after its export: exported again
+    os.unlink(root / "sub/dir/c.jpg")  # deleted: the object goes
+    os.rename(root / "empty", root / "renamed")  # the new name comes, the old one goes
+    wait_for("the second exports", exported(lab, "/export"))
+    want = {**want, "small.txt": b"hello again\n", "renamed": b""}
+    del want["sub/dir/c.jpg"], want["empty"]
+    assert objects(s3, "ds/") == want
+    st = status(lab, "/export")
+    assert st["exports"]["pending"] == st["exports"]["failed"] == 0 and st["exports"]["done"] >= done + 4, st
+    assert st["failed_exports"] == []
+
+
+def test_repo_export_uploads_what_auto_export_did_not(s3, lab, mnt) -> None:
+    out = repo_cli(lab, "link", "lab", "/manual", f"s3://{BUCKET}/manual", "--endpoint", s3.endpoint)
+    assert out.returncode == 0, out.stderr
+    write(mnt / "manual" / "a" / "x.bin", b"x" * 5000)
+    write(mnt / "manual" / "b.bin", b"b")
+    time.sleep(2)  # the leader looks at the queues every second: nothing is queued without --auto-export
+    assert objects(s3, "manual/") == {}
+    out = repo_cli(lab, "export", "lab", "/manual/a", "--json")  # a directory inside the link
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"link": json.loads(out.stdout)["link"], "queued": 1, "retried": 0,
+                                      "pending": 0, "failed": 0, "done": 1}
+    assert objects(s3, "manual/") == {"a/x.bin": b"x" * 5000}
+    out = repo_cli(lab, "export", "lab", "/manual")
+    assert out.returncode == 0, out.stderr
+    assert objects(s3, "manual/") == {"a/x.bin": b"x" * 5000, "b.bin": b"b"}
+    bad = repo_cli(lab, "export", "lab", "/export-not-there")
+    assert bad.returncode != 0 and "not-there" in bad.stderr
+
+
+def meta_status(lab: Any) -> list[dict[str, Any]]:
+    async def ask() -> list[dict[str, Any]]:
+        out = []
+        async with RpcPool(secret=lab.credential("admin")) as pool:
+            for node in lab.of_kind("metanode"):
+                if node.pid:
+                    try:
+                        out.append({**(await pool.call(node.addr, "meta_status", timeout=2)).result,
+                                    "name": node.name})
+                    except CacheFSError:
+                        pass
+        return out
+
+    return lab.run(ask)
+
+
+def found_leaders(lab: Any) -> str:
+    names = [s["name"] for s in meta_status(lab) if s["is_leader"]]
+    return names[0] if len(names) == 1 else ""
+
+
+def mount_pid(mountpoint: Path) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"cachefs.cli" in argv and b"mount" in argv and str(mountpoint).encode() in argv:
+                return int(entry.name)
+    raise AssertionError(f"no mount daemon of {mountpoint}")
+
+
+def test_kill_9_of_the_mount_and_of_the_exporting_leader_mid_queue_loses_nothing(s3, lab, mnt) -> None:
+    out = repo_cli(lab, "link", "lab", "/kill", f"s3://{BUCKET}/kill", "--endpoint", s3.endpoint,
+                   "--auto-export", "new")
+    assert out.returncode == 0, out.stderr
+    rng = random.Random(9)
+    files = {f"f{i:02d}.bin": rng.randbytes(4 * MiB + i) for i in range(40)}
+    for name, data in files.items():
+        write(mnt / "kill" / name, data)
+    pid = mount_pid(mnt)
+    os.kill(pid, signal.SIGKILL)  # every file above was acknowledged by close(): its export must happen anyway
+    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+
+    first = found_leaders(lab)
+    listed: list[int] = []
+
+    def started() -> bool:
+        keys = bucket(s3).list_objects_v2(Bucket=BUCKET, Prefix="kill/").get("KeyCount", 0)
+        listed.append(keys)
+        return keys > 0
+
+    wait_for("the first exported object", started, timeout=60)
+    lab.kill(first)  # the exporter, mid-queue
+    assert 0 < listed[-1] < len(files), listed  # the kill came while the queue was being worked off
+    try:
+        wait_for("a new leader", lambda: found_leaders(lab) not in ("", first))
+        wait_for("the queue on the new leader", exported(lab, "/kill"), timeout=120)
+        assert objects(s3, "kill/") == files
+        st = status(lab, "/kill")["exports"]
+        assert st["pending"] == st["failed"] == 0 and st["done"] >= len(files), st
+    finally:
+        lab.start(first)
