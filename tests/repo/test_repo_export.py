@@ -11,6 +11,7 @@ not record goes again: the same bytes to the same key).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -176,6 +177,64 @@ def test_repo_export_uploads_what_auto_export_did_not(s3, lab, mnt) -> None:
     assert objects(s3, "manual/") == {"a/x.bin": b"x" * 5000, "b.bin": b"b"}
     bad = repo_cli(lab, "export", "lab", "/export-not-there")
     assert bad.returncode != 0 and "not-there" in bad.stderr
+
+
+def links(lab: Any) -> list[dict[str, Any]]:
+    async def ask() -> list[dict[str, Any]]:
+        from cachefs.queries import ListRepoLinks
+
+        async with RpcPool(secret=lab.credential("admin")) as pool:
+            return await lab.meta_client(pool, deadline=10.0).query(ListRepoLinks())
+
+    return lab.run(ask)
+
+
+def test_a_full_import_killed_mid_way_resumes_where_it_stopped_through_a_leader_kill(s3, lab, mnt) -> None:
+    """kill -9 of `repo link` mid-import, then of the metanode leader while
+    the second `repo link` goes on from the cursors: every object once."""
+    c = bucket(s3)
+    keys = [f"many/p{i % 200:03d}/o{i:05d}" for i in range(6000)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: c.put_object(Bucket=BUCKET, Key=k, Body=k.encode()), keys))
+    argv = [sys.executable, "-m", "cachefs.cli", "repo", "link", "lab", "/many", f"s3://{BUCKET}/many",
+            "--endpoint", s3.endpoint, "--json", "--meta", ",".join(lab.meta_addrs),
+            "--secret-file", str(lab.credential_file("admin"))]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: list[dict[str, Any]] = []
+
+    def some_imported() -> bool:
+        seen[:] = [lk for lk in links(lab) if lk["url"] == f"s3://{BUCKET}/many/"]
+        return bool(seen) and seen[0]["objects"] >= 500
+
+    try:
+        wait_for("the first imported pages", some_imported, timeout=120)
+    finally:
+        first.kill()
+        first.wait()
+    (cut,) = [lk for lk in links(lab) if lk["url"] == f"s3://{BUCKET}/many/"]
+    assert 0 < cut["objects"] < len(keys) and cut["pending"] > 0 and not cut["imported_ns"], cut  # mid-way
+
+    second = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = found_leaders(lab)
+    try:
+        wait_for("the resumed import to go on", lambda: links(lab)[-1]["objects"] > cut["objects"], timeout=120)
+        lab.kill(killed)  # the leader, while the import goes on: the CLI's client finds the next one
+        out, err = second.communicate(timeout=300)
+    finally:
+        if second.poll() is None:
+            second.kill()
+        lab.start(killed)
+    assert second.returncode == 0, err
+    totals = json.loads(out)["import"]
+    # it went on from the cursors: it did not list again what the first run imported
+    assert 0 < totals["created"] <= len(keys) - cut["objects"]
+    assert totals["created"] + totals["unchanged"] < len(keys) - cut["objects"] // 2, totals
+    (done,) = [lk for lk in links(lab) if lk["url"] == f"s3://{BUCKET}/many/"]
+    assert done["objects"] == len(keys) and done["pending"] == 0 and done["imported_ns"], done
+    names = sorted(str(p.relative_to(mnt / "many")) for p in (mnt / "many").rglob("o*"))
+    assert names == sorted(k.removeprefix("many/") for k in keys)  # every object once, nothing else
+    some = mnt / "many" / keys[4321].removeprefix("many/")
+    assert some.read_bytes() == keys[4321].encode()
 
 
 def meta_status(lab: Any) -> list[dict[str, Any]]:
