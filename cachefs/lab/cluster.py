@@ -40,8 +40,9 @@ from cachefs.commands import CreateVolume
 from cachefs.config import load_tls
 from cachefs.credentials import Credential
 from cachefs.errors import CacheFSError
-from cachefs.lab import netns, prometheus
+from cachefs.lab import netns, prometheus, s3demo
 from cachefs.lab.pki import make_pki
+from cachefs.lab.s3demo import DEMO_BUCKET, DEMO_PREFIX
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 from cachefs.testing import s3server
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "lab.json"
 VOLUME = "lab"
-DEMO_BUCKET = "demo"  # lab up --s3: a bucket of DEMO_OBJECTS objects linked at /demo
-DEMO_OBJECTS = 30
 TLS_DIR = "tls"
 UMOUNT_TIMEOUT = 120.0  # cachefs umount's own default: the mount commits for up to 60 s
 TLS_CLIENT = "client"  # the certificate the mount, `lab status` and lab clients show
@@ -363,22 +362,16 @@ class Lab:
                           aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
 
-        def fill() -> None:
-            s3.create_bucket(Bucket=DEMO_BUCKET)
-            for i in range(DEMO_OBJECTS):
-                body = secrets.token_bytes(20_000 + 977 * i)
-                s3.put_object(Bucket=DEMO_BUCKET, Key=f"train/class{i % 3}/img{i:03d}.jpg", Body=body)
-
-        await trio.to_thread.run_sync(fill)
+        await trio.to_thread.run_sync(s3demo.fill, s3)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # boto3 reads the credentials from the environment
         try:
-            store = S3Store(DEMO_BUCKET, name=f"the lab's demo link (s3://{DEMO_BUCKET}/train/)",
+            store = S3Store(DEMO_BUCKET, name=f"the lab's demo link (s3://{DEMO_BUCKET}/{DEMO_PREFIX})",
                             endpoint=self.config.s3_endpoint, region=env["AWS_DEFAULT_REGION"])  # fmt: skip
             async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
                 mc = self.meta_client(pool)
                 ino = await resolve(mc, VOLUME, "/demo", create=True)
-                link = await mc.mutate(C.LinkRepo(VOLUME, ino, DEMO_BUCKET, "train/", self.config.s3_endpoint,
+                link = await mc.mutate(C.LinkRepo(VOLUME, ino, DEMO_BUCKET, DEMO_PREFIX, self.config.s3_endpoint,
                                                   env["AWS_DEFAULT_REGION"]))  # fmt: skip
                 await import_listing(mc.mutate, link, store, {"": ""})
         finally:

@@ -10,6 +10,7 @@ Dockerfile copies every package directory the distribution needs.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -143,7 +144,32 @@ def test_every_command_line_parses_with_the_real_cli(services, monkeypatch):
                     parse_cachefs(argv, env, monkeypatch)
                 except click.ClickException as exc:
                     pytest.fail(f"service {name}: `{shlex.join(argv)}` does not parse: {exc.format_message()}")
-    assert programs <= {"cachefs", "fio", "grep", "prometheus"}, f"unexpected programs {programs}"
+    assert programs <= {"cachefs", "fio", "grep", "prometheus", "python", "weed", "wget"}, f"unexpected {programs}"
+
+
+def test_the_s3_demo_links_the_lab_s_demo_bucket(services, monkeypatch):
+    """The s3-demo job fills the bucket `lab up --s3` fills and links it where the lab does."""
+    from cachefs.lab import s3demo
+
+    job = services["s3-demo"]
+    lines = command_lines(job, "s3-demo")
+    [fill] = [argv for argv in lines if argv[0] == "python"]
+    assert fill[1:3] == ["-m", "cachefs.lab.s3demo"]
+    endpoint = fill[fill.index("--endpoint") + 1]
+    [link] = [parse_cachefs(argv, service_env(job), monkeypatch) for argv in lines if argv[0] == "cachefs"]
+    assert link.path == ["repo", "link"] and link.params["volume"] == VOLUME and link.params["path"] == "/demo"
+    assert link.params["url"].rstrip("/") + "/" == f"s3://{s3demo.DEMO_BUCKET}/{s3demo.DEMO_PREFIX}"
+    s3 = services["s3"]
+    assert link.params["endpoint"] == endpoint == f"http://{s3['hostname']}:8333"
+    assert "-s3.port=8333" in s3["command"] and "-s3.config=/etc/seaweedfs/s3.json" in s3["command"]
+    # the store's one identity is the one every daemon and the job read from s3-credentials.env
+    config = json.loads((ROOT / "docs" / "seaweedfs" / "s3.json").read_text())
+    [identity] = [c for i in config["identities"] for c in i["credentials"]]
+    keys = env_file_vars(ROOT / "s3-credentials.env")
+    assert (identity["accessKey"], identity["secretKey"]) == (keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"])
+    for name, svc in services.items():
+        if svc.get("labels", {}).get("cachefs.kind") in (*DAEMON_KINDS,) or name == "s3-demo":
+            assert service_env(svc)["AWS_ACCESS_KEY_ID"] == keys["AWS_ACCESS_KEY_ID"], name
 
 
 def test_the_validator_rejects_what_the_cli_rejects(services, monkeypatch):
@@ -189,15 +215,16 @@ def test_only_the_daemons_hold_the_secret_and_the_rest_a_least_credential(servic
     for name, svc in services.items():
         env = service_env(svc)
         assert "--insecure" not in str(svc.get("command")), f"{name} runs insecure"
-        if name in ("volume-init", "client"):
+        if name in ("volume-init", "client", "s3-demo"):
             assert "CACHEFS_SECRET" not in env, f"{name} must not get the cluster secret"
             (volume,) = [v for v in svc.get("volumes", []) if v.endswith(":/credentials:ro")]
             path = env["CACHEFS_SECRET_FILE"]
             role, volumes = issued[f"/credentials/{volume.split('-')[0]}/{path.rsplit('/', 1)[1]}"]
-            assert (name, role, volumes) in {("volume-init", "admin", ()), ("client", "client", (VOLUME,))}
+            assert (name, role, volumes) in {("volume-init", "admin", ()), ("client", "client", (VOLUME,)),
+                                             ("s3-demo", "admin", ())}  # fmt: skip
             continue
-        if name == "prometheus":  # /metrics needs no credential
-            assert not env and "env_file" not in svc, "prometheus must not get the cluster secret"
+        if name in ("prometheus", "s3"):  # /metrics and the object store need no credential of ours
+            assert not env and "env_file" not in svc, f"{name} must not get the cluster secret"
             continue
         secret = env.get("CACHEFS_SECRET", "")
         assert re.fullmatch(r"[0-9a-f]{64}", secret), f"{name}: CACHEFS_SECRET missing or not 32 random bytes in hex"
@@ -256,6 +283,9 @@ def test_healthchecks_ask_the_daemon_itself(services, monkeypatch):
     parsed = all_parsed(services, monkeypatch)
     for name, svc in services.items():
         kind = svc.get("labels", {}).get("cachefs.kind")
+        if kind == "storage":  # the S3 store: its own health endpoint
+            assert svc["healthcheck"]["test"][1:] == ["wget", "-q", "-O", "/dev/null", "http://127.0.0.1:8333/healthz"]
+            continue
         if kind not in DAEMON_KINDS:
             assert "healthcheck" not in svc
             continue
@@ -273,7 +303,7 @@ def test_dependencies_and_restart_policies(services):
             assert cond["condition"] == want, f"{name} -> {dep}"
         kind = svc.get("labels", {}).get("cachefs.kind")
         restart = svc.get("restart")
-        if kind in (*DAEMON_KINDS, "monitoring"):
+        if kind in (*DAEMON_KINDS, "monitoring", "storage"):
             assert restart in {"always", "unless-stopped"}, name
         elif kind == "job":
             assert restart == "on-failure", name
@@ -301,8 +331,8 @@ def test_named_volumes(compose, services, monkeypatch):
         for spec in svc.get("volumes", []):
             source, _, target = spec.partition(":")
             target = target.split(":")[0]
-            if name == "prometheus" and source == "./docs/prometheus":
-                assert spec.endswith(":ro"), "the monitoring config is mounted read-only"
+            if (name, source) in (("prometheus", "./docs/prometheus"), ("s3", "./docs/seaweedfs")):
+                assert spec.endswith(":ro"), f"{name}: its config is mounted read-only"
                 continue  # config from the repository, not state
             assert not source.startswith(("/", ".")), f"{name}: bind mount {spec}; use a named volume"
             assert source in declared, f"{name}: volume {source} is not declared"
@@ -312,16 +342,16 @@ def test_named_volumes(compose, services, monkeypatch):
                 continue
             assert source not in used, f"volume {source} is shared by {used[source]} and {name}"
             used[source] = name
-            if name == "prometheus":
-                assert target == "/prometheus", "Prometheus keeps its TSDB in a named volume"
+            if name in ("prometheus", "s3"):
+                assert target == {"prometheus": "/prometheus", "s3": "/data"}[name], f"{name} keeps its data in a volume"
                 continue
             p = daemon(parsed, name)
             data_dir = p.params.get("data_dir") or p.params.get("cache_dir")
             assert str(data_dir) == target, f"{name}: data dir {data_dir} is not the volume {target}"
     assert set(used) | set(credentials) == declared, f"declared but unused: {declared - set(used)}"
-    assert all(len(users) == 2 and "credentials" in users for users in credentials.values()), credentials
+    assert all(len(users) >= 2 and "credentials" in users for users in credentials.values()), credentials
     daemons = [n for n, s in services.items() if s.get("labels", {}).get("cachefs.kind") in DAEMON_KINDS]
-    assert sorted(used.values()) == sorted([*daemons, "prometheus"]), "every daemon keeps its state in a named volume"
+    assert sorted(used.values()) == sorted([*daemons, "prometheus", "s3"]), "every daemon keeps its state in a volume"
 
 
 def test_metrics_ports(services, monkeypatch):
@@ -360,11 +390,12 @@ def test_dockerfile_copies_every_package_dir(services):
     package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert package_dirs | {"pyproject.toml", pyproject["project"]["readme"]} <= copied
     assert re.search(r"apt-get install .*\bfuse3\b", text) and "fio" in text
-    ours = [svc for name, svc in services.items() if name != "prometheus"]
+    ours = [svc for name, svc in services.items() if name not in ("prometheus", "s3")]
     images = {svc.get("image") for svc in ours}
     builds = {svc.get("build") for svc in ours}
     assert images == {"cachefs:lab"} and builds == {"."}
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["s3"]["image"].startswith("chrislusf/seaweedfs:")
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from cachefs.lab.cluster import DEMO_BUCKET, DEMO_OBJECTS, Lab, LabConfig, _alive
+from cachefs.lab.cluster import Lab, LabConfig, _alive
+from cachefs.lab.s3demo import DEMO_BUCKET, DEMO_OBJECTS
 from cachefs.testing.ports import free_lab_base
 from cachefs.testing.s3server import credentials_env
 
