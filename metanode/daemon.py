@@ -179,6 +179,9 @@ async def run_exports(service: MetaService, pool: RpcPool, addrs: list[str], tic
             except CacheFSError as exc:  # the cluster map; each record's errors are its own
                 log.warning("exports of repository link %d: pass failed, will retry: %s", link.id, exc)
                 continue
+            except Exception:  # a bug in an export must not take the replica (and its Raft) down
+                log.exception("exports of repository link %d: pass crashed, will retry", link.id)
+                continue
             log.info("repository link %d: exported %d, %d failed, %d dropped",
                      link.id, counts["done"], counts["failed"], counts["dropped"])  # fmt: skip
 
