@@ -15,10 +15,14 @@ import concurrent.futures
 import json
 import os
 import random
+import select
 import signal
+import socket
+import socketserver
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,7 +34,7 @@ import pytest
 
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
-from cachefs.testing.ports import free_lab_base
+from cachefs.testing.ports import free_lab_base, free_port
 from cachefs.testing.s3server import SeaweedS3
 
 MiB = 1 << 20
@@ -177,6 +181,69 @@ def test_repo_export_uploads_what_auto_export_did_not(s3, lab, mnt) -> None:
     assert objects(s3, "manual/") == {"a/x.bin": b"x" * 5000, "b.bin": b"b"}
     bad = repo_cli(lab, "export", "lab", "/export-not-there")
     assert bad.returncode != 0 and "not-there" in bad.stderr
+
+
+class Proxy:
+    """A TCP proxy to the S3 server on a port of its own, to stop and start again:
+    an endpoint that goes away under a link and comes back."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = free_port()
+        self.server: socketserver.ThreadingTCPServer | None = None
+
+    def start(self) -> None:
+        target = self.target
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                with socket.create_connection(("127.0.0.1", target)) as up:
+                    socks = [self.request, up]
+                    while True:
+                        ready, _, _ = select.select(socks, [], [], 30)
+                        if not ready:
+                            return
+                        for sock in ready:
+                            data = sock.recv(65536)
+                            if not data:
+                                return
+                            (up if sock is self.request else self.request).sendall(data)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", self.port), Pipe)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def test_a_failed_export_is_shown_naming_the_link_and_repo_export_retries_it(s3, lab, mnt) -> None:
+    proxy = Proxy(s3.ports["s3.port"])
+    proxy.start()
+    try:
+        endpoint = f"http://127.0.0.1:{proxy.port}"
+        out = repo_cli(lab, "link", "lab", "/flaky", f"s3://{BUCKET}/flaky", "--endpoint", endpoint,
+                       "--auto-export", "new", "--json")
+        assert out.returncode == 0, out.stderr
+        link = json.loads(out.stdout)
+        proxy.stop()  # the endpoint goes away: every retry of the export fails
+        write(mnt / "flaky" / "result.csv", b"epoch,loss\n1,0.5\n")
+        wait_for("the export to fail", lambda: status(lab, "/flaky")["exports"]["failed"] == 1, timeout=180)
+        st = status(lab, "/flaky")
+        [(name, error)] = st["failed_exports"]
+        assert name == "flaky/result.csv" and f"repository link {link['id']}" in error, st
+        assert objects(s3, "flaky/") == {}
+        proxy.start()  # back on the same port
+        again = repo_cli(lab, "export", "lab", "/flaky", "--json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["retried"] == 1
+        assert objects(s3, "flaky/") == {"result.csv": b"epoch,loss\n1,0.5\n"}
+    finally:
+        proxy.stop()
 
 
 def links(lab: Any) -> list[dict[str, Any]]:
