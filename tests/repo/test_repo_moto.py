@@ -223,7 +223,13 @@ class Throttle:
         self.thread.join()
 
 
-async def test_throttling_is_retried_and_then_fails_naming_the_link(moto: str) -> None:
+async def test_throttling_is_retried_and_then_fails_naming_the_link(moto: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # boto's back-off after a SlowDown is rand() * 1 s * 2**attempt: about 9 s
+    # of sleeping in this test, for a front that refuses by count, not time.
+    # Its attempts are what is checked; 10 ms scales them down.
+    from botocore.retries.standard import ExponentialBackoff
+
+    monkeypatch.setitem(ExponentialBackoff._DEFAULT_BACKOFF_CONFIG, "throttling_base_scale", 0.01)
     s3 = boto3.client("s3", endpoint_url=moto)
     s3.create_bucket(Bucket="hot")
     s3.put_object(Bucket="hot", Key="k", Body=b"0123456789")
