@@ -26,17 +26,19 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from cachefs import commands as C
 from cachefs.errors import CacheFSError
 from cachefs.repo.importer import import_listing, sync_link
-from cachefs.repo.s3 import S3Store
 from cachefs.singleflight import SingleFlight
 
 from .namespace import MetaState
+
+if TYPE_CHECKING:  # boto3 is imported only when a link is used (start-up of every metanode)
+    from cachefs.repo.s3 import S3Store
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class LeaderRepos:
         key = (link["id"], link["bucket"], link["endpoint"], link["region"])
         store = self._stores.get(key)
         if store is None:
+            from cachefs.repo.s3 import S3Store
+
             store = self._stores[key] = S3Store(
                 link["bucket"], name=f"repository link {link['id']} ({link['url']})",
                 endpoint=link["endpoint"], region=link["region"],

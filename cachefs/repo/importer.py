@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import trio
 
 from cachefs import commands as C
 
-from .s3 import S3Store
+if TYPE_CHECKING:
+    from .s3 import S3Store
 
 Progress = Callable[[dict[str, int]], None]
 COUNTS = ("created", "updated", "unchanged", "skipped", "deleted", "listed", "dirs")

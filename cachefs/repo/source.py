@@ -13,14 +13,15 @@ lookups of one slice's object are shared here the same way.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachefs import queries as Q
 from cachefs.errors import NotFound, Stale
 from cachefs.ids import BlockKey, is_repo_slice
 from cachefs.singleflight import SingleFlight
 
-from .s3 import S3Store
+if TYPE_CHECKING:  # boto3 is imported only when a link is read (start-up of every mount)
+    from .s3 import S3Store
 
 MAX_KEPT = 1 << 16  # object answers kept (about 300 bytes each)
 
@@ -74,6 +75,8 @@ class RepoBlocks:
     def _store(self, link: dict[str, Any]) -> S3Store:
         store = self._stores.get(link["id"])
         if store is None:
+            from .s3 import S3Store
+
             name = f"repository link {link['id']} ({link['url']})"
             store = self._stores[link["id"]] = S3Store(
                 link["bucket"], name=name, endpoint=link["endpoint"], region=link["region"],
