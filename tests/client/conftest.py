@@ -103,6 +103,19 @@ def mnt(localmount: LocalMount) -> Path:
     return localmount.path
 
 
+@pytest.fixture(scope="module")
+def module_mnt(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One ``localmount`` for a whole module whose tests each use names of
+    their own (a mount costs a process start; its log is checked at the end)."""
+    m = LocalMount(tmp_path_factory.mktemp("mount"))
+    try:
+        yield m.path
+    finally:
+        status = m.stop()
+    assert status == 0, m.log()
+    m.check_log()
+
+
 # ---------------------------------------------------------------- a real cluster
 
 

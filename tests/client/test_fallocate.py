@@ -1,7 +1,8 @@
 """fallocate(2) on a mount, every supported mode beside local ext4 (issue 16, item 3).
 
 Each case runs the same calls on the mount and on a file on local ext4 and
-compares the bytes and sizes after each call. The modes are metadata
+compares the bytes and sizes after each call (one mount for the module,
+a file per test). The modes are metadata
 operations (a size change, a hole record), so a hole over 1 TiB costs what
 one over 4 KiB does; COLLAPSE_RANGE and INSERT_RANGE stay EOPNOTSUPP.
 """
@@ -70,19 +71,19 @@ def replay(path: Path, steps: list[tuple[object, int, int]]) -> list[tuple[int, 
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fallocate_as_on_ext4(mnt: Path, tmp_path: Path, case: str) -> None:
+def test_fallocate_as_on_ext4(module_mnt: Path, tmp_path: Path, case: str) -> None:
     if not is_ext4(tmp_path):
         pytest.skip(f"{tmp_path} is not on ext4, the reference")
     expect = replay(tmp_path / "f", CASES[case])
-    got = replay(mnt / "f", CASES[case])
+    got = replay(module_mnt / case.replace(" ", "-"), CASES[case])
     assert [size for size, _ in got] == [size for size, _ in expect]
     assert got == expect
 
 
-def test_holes_are_metadata_whatever_their_size(mnt: Path) -> None:
+def test_holes_are_metadata_whatever_their_size(module_mnt: Path) -> None:
     """A hole over 1 TiB of a sparse file is one record per chunk holding data,
     so it takes no longer than a small one; collapse and insert are refused."""
-    fd = os.open(mnt / "big", os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(module_mnt / "big", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         os.ftruncate(fd, 2 << 40)
         for at in (0, 1 << 30, 1 << 40):
@@ -104,10 +105,10 @@ def test_holes_are_metadata_whatever_their_size(mnt: Path) -> None:
         os.close(fd)
 
 
-def test_fallocate_rate(mnt: Path) -> None:
+def test_fallocate_rate(module_mnt: Path) -> None:
     """The loop from the issue (it ran at 9 ops/s): fallocate modes and hole
     punching over a few files; printed for the benchmark notes."""
-    fds = [os.open(mnt / f"r{i}", os.O_CREAT | os.O_RDWR, 0o644) for i in range(4)]
+    fds = [os.open(module_mnt / f"r{i}", os.O_CREAT | os.O_RDWR, 0o644) for i in range(4)]
     try:
         for fd in fds:
             os.pwrite(fd, os.urandom(1 << 20), 0)
@@ -128,14 +129,14 @@ def test_fallocate_rate(mnt: Path) -> None:
 FS_IOC_FIEMAP = 0xC020660B
 
 
-def test_fiemap_is_unsupported_and_seek_reports_no_holes(mnt: Path) -> None:
+def test_fiemap_is_unsupported_and_seek_reports_no_holes(module_mnt: Path) -> None:
     """FIEMAP answers EOPNOTSUPP (issue 16, item 4: not implemented). Without
     an lseek handler the kernel treats the whole file as data: SEEK_DATA
     finds data where it is asked, SEEK_HOLE the end of the file, which POSIX
     allows (ext4 reports the hole before the data at 1 MiB instead)."""
     import fcntl
 
-    fd = os.open(mnt / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(module_mnt / "sparse", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         os.pwrite(fd, b"x" * 4096, 1 << 20)
         os.fsync(fd)
