@@ -18,6 +18,12 @@ from cachefs.ids import BlockKey
 FIO_DIR = Path(__file__).resolve().parents[2] / "bench" / "fio"
 
 
+@pytest.fixture
+def mnt(mnt_dir: Path) -> Path:
+    """One mount for the module, a directory of its own for each test."""
+    return mnt_dir
+
+
 def test_l1_cold_blocks_are_evicted_first() -> None:
     cache = L1Cache(3 * 10)
     a, b, w, c = (BlockKey(i, 0) for i in range(4))

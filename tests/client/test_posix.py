@@ -13,13 +13,9 @@ import pytest
 
 
 @pytest.fixture
-def mnt(module_mnt: Path, request: pytest.FixtureRequest) -> Path:
-    """A directory of its own for each test, on one mount for the module (a
-    mount of its own cost each test 2 to 5 s of process start and stop)."""
-    d = module_mnt / request.node.name
-    d.mkdir()
-    d.chmod(0o755)  # the permission test's other user walks through it
-    return d
+def mnt(mnt_dir: Path) -> Path:
+    """One mount for the module, a directory of its own for each test."""
+    return mnt_dir
 
 
 def test_create_write_read(mnt: Path) -> None:
