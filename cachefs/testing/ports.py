@@ -32,8 +32,9 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_lab_base(config: LabConfig) -> int:
-    """A base port for ``config`` whose every node port (and metrics port) is free now.
+def free_lab_base(config: LabConfig, offsets: tuple[int, ...] = (0,)) -> int:
+    """A base port for ``config`` whose every node port (and metrics port) is free now;
+    with ``offsets``, also every node port plus each offset (a benchmark's relays).
 
     Bases are drawn below the kernel's ephemeral range (32768 and up on
     Linux), so a port handed out for an outgoing connection cannot land on a
@@ -45,7 +46,7 @@ def free_lab_base(config: LabConfig) -> int:
     random.shuffle(candidates)
     for base in candidates:
         lab = Lab(dataclasses.replace(config, base_port=base, nodes=[], netns=""))
-        ports = [port for node in lab.nodes for port in (node.port, node.metrics_port)]
+        ports = [port for node in lab.nodes for port in (node.metrics_port, *(node.port + o for o in offsets))]
         if _all_free([port for port in (*ports, lab.config.mount_metrics_port, lab.config.prometheus_port) if port]):
             return base
     raise RuntimeError("no base port in 20000-31000 has all of a lab's ports free")

@@ -222,6 +222,7 @@ async def test_trio_native_entry_points(lab) -> None:
 
 def test_repeat_reads_come_from_l1(lab) -> None:
     with connect(lab.meta_addrs, "lab", secret=lab.credential("client"), zone="z1") as c:
+        c.makedirs("native", exist_ok=True)
         data = os.urandom(6 * MiB)
         c.write_bytes("native/l1", data)
         assert c.read_bytes("native/l1") == data

@@ -56,6 +56,14 @@ def _finite(result: dict, keys: list[str]) -> None:
         assert isinstance(value, int | float) and math.isfinite(value), f"{key} = {value!r}"
 
 
+def _free_testbed_base(tmp_path: Path) -> int:
+    """A base port where the benchmark's lab, its relays and its metrics ports are all free."""
+    from bench.wan import METRICS_OFFSET, RELAY_OFFSET, wan_lab
+    from cachefs.testing.ports import free_lab_base
+
+    return free_lab_base(wan_lab(tmp_path / "probe", 0).config, offsets=(0, RELAY_OFFSET, METRICS_OFFSET))
+
+
 @pytest.mark.needs_fuse
 def test_compare_quick_json(tmp_path: Path) -> None:
     reason = _missing()
@@ -65,7 +73,7 @@ def test_compare_quick_json(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.compare", "--quick", "--json", "--out", str(out),
-         "--workdir", str(tmp_path), "--base-port", "31000"],
+         "--workdir", str(tmp_path), "--base-port", str(_free_testbed_base(tmp_path))],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,  # a hang guard: 10 min under load 25
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
