@@ -97,7 +97,10 @@ def before(state: MetaState, cmd: Any) -> Any:
         if inode is None or not isinstance(inode.parent, int) or not inode.parent:
             return None
         link = link_above(state, vol, inode.parent)
-        return None if link is None else (link, link.owns(state, inode))
+        if link is None:
+            return None
+        # whether it is still the bucket's (a walk of its records): known already if queued or written
+        return link, cmd.ino not in link.puts and cmd.ino not in link.written and link.owns(state, inode)
     if kind is C.Mknod:
         if cmd.mode & _S_IFMT not in (0, _S_IFREG) or cmd.parent not in vol.inodes:
             return None

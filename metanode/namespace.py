@@ -348,14 +348,13 @@ class RepoLink:
         """Whether ``inode`` is a file imported by this link and not written since."""
         if _kind(inode.mode) != _S_IFREG:
             return False
-        sids = {rec[1] for rec in _all_records(inode.data)}
-        if not sids:
-            return inode.size == 0 and inode.ino in self.empties
-        for sid in sids:
+        seen = False
+        for rec in _all_records(inode.data):  # stops at the first record not of this link
+            sid, seen = rec[1], True
             raw = state.repo_objects.get(sid) if is_repo_slice(sid) else None
             if raw is None or unpack_repo_object(raw)[0] != self.id:
                 return False
-        return True
+        return seen or (inode.size == 0 and inode.ino in self.empties)
 
 
 # A repo slice's object: link id, size, ETag length, then the ETag and the key
