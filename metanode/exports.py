@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 RETRY_FAILED_NS = 300 * 10**9  # a failed export is tried again by the leader after this long
 CREATED_WAIT_NS = 5 * 10**9  # a created file not written to is exported after this long
 HOOKED = frozenset({C.WriteSlice, C.SetAttr, C.Mknod, C.Unlink, C.Rename})
-_S_IFMT, _S_IFREG, _S_IFDIR = 0o170000, 0o100000, 0o040000
+_S_IFMT, _S_IFREG = 0o170000, 0o100000
 
 
 def index(state: MetaState) -> None:

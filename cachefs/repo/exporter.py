@@ -77,7 +77,6 @@ class Exporter:
             reraise=True,
         )
         self._stores: dict[tuple[int, str, str, str], S3Store] = {}
-        self.uploaded_bytes = 0
 
     def store(self, link: dict[str, Any]) -> S3Store:
         key = (link["id"], link["bucket"], link["endpoint"], link["region"])
@@ -151,16 +150,13 @@ class Exporter:
     async def upload(self, store: S3Store, key: str, parts: AsyncIterator[bytes], size: int) -> None:
         """Send ``size`` bytes (as ``parts`` of ``part_size``) to ``key``: one PUT or a multipart upload."""
         if size <= self.part_size:
-            data = b"".join([p async for p in parts])
-            await store.put(key, data)
-            self.uploaded_bytes += len(data)
+            await store.put(key, b"".join([p async for p in parts]))
             return
         upload = await store.start_upload(key)
         try:
             etags = []
             async for part in parts:
                 etags.append(await store.put_part(key, upload, len(etags) + 1, part))
-                self.uploaded_bytes += len(part)
             await store.finish_upload(key, upload, etags)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
