@@ -51,6 +51,18 @@ are not persisted, which is what CubeFS's flash nodes do too).
 TTL. ``ttl`` maps a volume name to seconds after the fill; an expired block
 is a miss and is deleted.
 
+Pins. :meth:`BlockStore.pin` keeps keys from eviction (and from the TTL)
+until a wall-clock time: a warm-up job's ``--pin-ttl``, so the LRU cannot
+drop a dataset before the epoch that needs it (Fluid's DataLoad). A pin may
+name a block that is not here yet (it is being fetched); it holds once it
+arrives. Eviction passes over a pinned block by moving it to the recent end
+of the LRU (so a scan of many pins is paid once, not per fill); a fill that
+finds only pinned blocks to evict raises ``NoSpace`` and is served uncached.
+An explicit :meth:`discard` (``warmup --evict``) drops the pin too. Pins are
+appended to ``<root>/pins`` (key, until) and read back by :meth:`rebuild`,
+which rewrites the file with the pins that still hold: a restarted node
+keeps its pins.
+
 Memory tier. Optionally the hottest blocks (read at least ``promote_after``
 times) are also kept whole in memory, LRU by bytes; it is a subset of the
 flash tier and costs no disk reads.
@@ -102,6 +114,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgpack
 
 from cachefs.checksum import checksum
 from cachefs.errors import Corrupt, InvalidArgument, IOFailure, NoSpace
@@ -283,6 +297,9 @@ class BlockStore:
         self._blocks_dir = self.root / "blocks"
         self._blocks_prefix = f"{self._blocks_dir}/"
         self._tmp_dir = self.root / "tmp"
+        self._pins: dict[BlockKey, float] = {}  # key -> wall-clock time the pin lapses
+        self._pins_pruned = 0  # how many pins were left by the last pruning
+        self._pins_file = self.root / "pins"
 
     # -- opening and the index rebuild -----------------------------------
 
@@ -317,7 +334,9 @@ class BlockStore:
                 else:
                     found.append(entry)
         found.sort(key=lambda e: e.stored_at)
+        pins = self._load_pins()
         with self._lock:
+            self._pins = pins
             self._index = OrderedDict((e.key, e) for e in found)
             self._memory = _Memory(self._memory.capacity)
             self.used = sum(e.file_size for e in found)
@@ -327,6 +346,54 @@ class BlockStore:
         if discarded:
             log.info("cache store %s: discarded %d half-written or bad files", self.root, discarded)
         return RebuildReport(len(self._index), self.used, discarded, len(victims))
+
+    def _load_pins(self) -> dict[BlockKey, float]:
+        """The pins in ``<root>/pins`` that still hold; the file is rewritten with them.
+        A torn last record (a crash while appending) ends the file."""
+        pins: dict[BlockKey, float] = {}
+        try:
+            with open(self._pins_file, "rb") as f:
+                for raw, until in msgpack.Unpacker(f, use_list=False):
+                    key = BlockKey.from_bytes(raw)
+                    pins[key] = max(until, pins.get(key, 0.0))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.warning("cache store %s: pins file unreadable past %d pins: %s", self.root, len(pins), exc)
+        now = self._clock()
+        pins = {k: u for k, u in pins.items() if u > now}
+        tmp = self._tmp_dir / "pins"
+        try:
+            with open(tmp, "wb") as f:
+                for key, until in pins.items():
+                    f.write(msgpack.packb((key.to_bytes(), until)))
+            os.rename(tmp, self._pins_file)
+        except OSError as exc:
+            raise IOFailure(f"cannot rewrite {self._pins_file}: {exc}") from exc
+        return pins
+
+    def pin(self, keys: list[BlockKey], until: float) -> None:
+        """Keep ``keys`` from eviction and expiry until ``until`` (wall clock,
+        seconds); a later pin of a key extends it, an earlier one does nothing."""
+        with self._lock:
+            new = [k for k in keys if self._pins.get(k, 0.0) < until]
+            for key in new:
+                self._pins[key] = until
+            if len(self._pins) > 2 * self._pins_pruned + 1024:  # lapsed pins of blocks never stored
+                now = self._clock()
+                self._pins = {k: u for k, u in self._pins.items() if u > now}
+                self._pins_pruned = len(self._pins)
+        if new:
+            try:
+                with open(self._pins_file, "ab") as f:  # one write per call: a torn tail is one lost batch
+                    f.write(b"".join(msgpack.packb((k.to_bytes(), until)) for k in new))
+            except OSError as exc:
+                raise IOFailure(f"cannot record pins in {self._pins_file}: {exc}") from exc
+
+    def pinned(self, key: BlockKey) -> float:
+        """When ``key``'s pin lapses (0: it has none)."""
+        until = self._pins.get(key, 0.0)
+        return until if until > self._clock() else 0.0
 
     def _load_entry(self, path: Path, name: str) -> Entry | None:
         try:
@@ -374,7 +441,22 @@ class BlockStore:
 
     def _expired(self, entry: Entry, now: float) -> bool:
         ttl = self.ttl.get(entry.volume)
-        return ttl is not None and now - entry.stored_at > ttl
+        return ttl is not None and now - entry.stored_at > ttl and self._pins.get(entry.key, 0.0) <= now
+
+    def _pop_lru_locked(self) -> Entry | None:
+        """Take the least recently used block that no pin holds out of the index."""
+        if not self._pins:
+            return self._index.popitem(last=False)[1] if self._index else None
+        now = self._clock()
+        for _ in range(len(self._index)):
+            key, entry = next(iter(self._index.items()))
+            until = self._pins.get(key)
+            if until is None or until <= now:
+                self._pins.pop(key, None)
+                del self._index[key]
+                return entry
+            self._index.move_to_end(key)  # held: look at it again only after every other block
+        return None
 
     def _remove_locked(self, entry: Entry) -> None:
         """Drop ``entry`` from the index; the caller unlinks its file."""
@@ -385,8 +467,10 @@ class BlockStore:
 
     def _evict_until_locked(self, extra: int) -> list[Entry]:
         victims = []
-        while self._index and self.used + self.reserved + extra > self.capacity:
-            _, entry = self._index.popitem(last=False)
+        while self.used + self.reserved + extra > self.capacity:
+            entry = self._pop_lru_locked()
+            if entry is None:
+                break
             self.used -= entry.file_size
             self._memory.drop(entry.key)
             victims.append(entry)
@@ -396,8 +480,10 @@ class BlockStore:
     def _evict_bytes_locked(self, nbytes: int) -> list[Entry]:
         """Evict least recently used blocks until ``nbytes`` are freed (or none are left)."""
         victims = []
-        while self._index and nbytes > 0:
-            _, entry = self._index.popitem(last=False)
+        while nbytes > 0:
+            entry = self._pop_lru_locked()
+            if entry is None:
+                break
             self.used -= entry.file_size
             self._memory.drop(entry.key)
             victims.append(entry)
@@ -421,9 +507,10 @@ class BlockStore:
                 os.unlink(self._file(entry.key))
 
     def expire(self) -> int:
-        """Delete every block past its volume's TTL; returns how many."""
+        """Delete every block past its volume's TTL (and forget lapsed pins); returns how many."""
         now = self._clock()
         with self._lock:
+            self._pins = {k: u for k, u in self._pins.items() if u > now}
             gone = [e for e in self._index.values() if self._expired(e, now)]
             for e in gone:
                 self._remove_locked(e)
@@ -433,6 +520,7 @@ class BlockStore:
 
     def discard(self, key: BlockKey) -> bool:
         with self._lock:
+            self._pins.pop(key, None)
             entry = self._index.get(key)
             if entry is None:
                 return False
@@ -612,6 +700,13 @@ class BlockStore:
             if self.reserved + file_size > self.capacity:
                 raise NoSpace("cache space is reserved by fills in progress")
             victims = self._evict_until_locked(file_size)
+            if self.used + self.reserved + file_size > self.capacity:  # the rest is pinned
+                for v in reversed(victims):  # nothing is unlinked yet: put them back, oldest first
+                    self._index[v.key] = v
+                    self._index.move_to_end(v.key, last=False)
+                self.used += sum(v.file_size for v in victims)
+                self.counters.evictions -= len(victims)
+                raise NoSpace("the cache is full of pinned blocks")
             if room is not None:  # the free-space floor: evict what the disk lacks too
                 short = file_size + self.reserved - room - sum(v.file_size for v in victims)
                 more = self._evict_bytes_locked(short)
@@ -733,6 +828,7 @@ class BlockStore:
                 "used": self.used,
                 "reserved": self.reserved,
                 "blocks": len(self._index),
+                "pins": len(self._pins),
                 "memory_capacity": self._memory.capacity,
                 "memory_used": self._memory.used,
                 "memory_blocks": len(self._memory.blocks),

@@ -541,12 +541,17 @@ class CacheService:
                         batch.settle(ok, nbytes)
 
     async def prefetch_keys(
-        self, volume: str, keys: list[BlockKey], *, wait: bool = False, source: str | None = None
+        self, volume: str, keys: list[BlockKey], *, wait: bool = False, source: str | None = None,
+        pin_until: float = 0.0,
     ) -> dict[str, int]:
         """Queue keys for read-through; see :meth:`prefetch`."""
         _check_volume(volume)
         if source is not None and (not isinstance(source, str) or len(source) > MAX_ADDR):
             raise InvalidArgument(f"a prefetch source is a cache node address (host:port), not {source!r:.80}")
+        if not isinstance(pin_until, int | float) or pin_until < 0:
+            raise InvalidArgument(f"pin_until must be a time in seconds, got {pin_until!r}")
+        if pin_until > time.time():  # before the fetches: a block is pinned as it lands
+            await trio.to_thread.run_sync(self.store.pin, keys, float(pin_until), limiter=self._io_threads)
         cached = 0
         todo = []
         for key in keys:
@@ -665,11 +670,13 @@ class CacheService:
         return {"stored": stored}
 
     @rpc_method(roles=CLIENTS)
-    async def prefetch(self, volume: str, keys: list, wait: bool = False,
-                       source: str | None = None) -> dict[str, int]:  # fmt: skip
+    async def prefetch(self, volume: str, keys: list, wait: bool = False, source: str | None = None,
+                       pin_until: float = 0.0) -> dict[str, int]:  # fmt: skip
         """Queue blocks for read-through (warm-up); ``wait`` answers when they are
-        done; ``source``: the cache node to copy them from first (``peers.py``)."""
-        return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait, source=source)
+        done; ``source``: the cache node to copy them from first (``peers.py``);
+        ``pin_until`` (wall clock, seconds) keeps them from eviction until then."""
+        return await self.prefetch_keys(volume, [_key(k) for k in keys], wait=wait, source=source,
+                                        pin_until=pin_until)  # fmt: skip
 
     @rpc_method(roles=CLIENTS)
     def holds(self, volume: str, keys: list) -> list[bool]:

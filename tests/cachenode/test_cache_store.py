@@ -376,3 +376,37 @@ def test_free_space_floor_evicts_and_then_refuses(tmp_path: Path) -> None:
             store.put("v", BlockKey(71, 0), _data(BlockKey(71, 0), size))
         assert len(store) == 0 and store.used == 0 and store.reserved == 0
         assert _disk_bytes(disk / "cache") == 0
+
+
+def test_pinned_blocks_are_not_evicted_until_the_pin_lapses_and_survive_a_restart(tmp_path: Path) -> None:
+    now = [1000.0]
+    size = 10_000
+    capacity = 3 * _file_size(size)
+    store = BlockStore.open(tmp_path, capacity, ttl={"v": 5.0}, segment_size=SEG, clock=lambda: now[0])
+    keys = [BlockKey(i, 0) for i in range(6)]
+    store.pin(keys[:2], until=1100.0)  # 0 is pinned before it arrives, as a warm-up's fetch is
+    for k in keys[:3]:
+        store.put("v", k, _data(k, size))
+    assert store.pinned(keys[0]) == 1100.0 and store.pinned(keys[2]) == 0.0
+    store.put("v", keys[3], _data(keys[3], size))  # the LRU is 0, but 0 and 1 are pinned: 2 goes
+    assert set(store.cached_keys()) == {keys[0], keys[1], keys[3]}
+    now[0] += 10  # past the volume's TTL: the pins hold anyway
+    assert store.read(keys[0]) is not None and store.read(keys[3]) is None
+    store.pin([keys[4]], until=1100.0)
+    store.put("v", keys[4], _data(keys[4], size))
+    with pytest.raises(NoSpace):  # nothing left but pinned blocks
+        store.put("v", keys[5], _data(keys[5], size))
+    assert set(store.cached_keys()) == {keys[0], keys[1], keys[4]}
+    assert _disk_bytes(tmp_path) == store.used <= capacity
+
+    reopened = BlockStore.open(tmp_path, capacity, segment_size=SEG, clock=lambda: now[0])
+    assert reopened.pinned(keys[1]) == 1100.0 and reopened.pinned(keys[4]) == 1100.0
+    with pytest.raises(NoSpace):
+        reopened.put("v", keys[5], _data(keys[5], size))
+    assert reopened.discard(keys[4]) and reopened.pinned(keys[4]) == 0.0  # warmup --evict unpins
+    now[0] = 1101.0  # the pins lapse: plain LRU again
+    assert reopened.put("v", keys[5], _data(keys[5], size))
+    assert reopened.put("v", keys[2], _data(keys[2], size))
+    cached = set(reopened.cached_keys())
+    assert {keys[5], keys[2]} <= cached and len(cached) == 3
+    assert BlockStore.open(tmp_path, capacity, segment_size=SEG, clock=lambda: now[0]).stats()["pins"] == 0
