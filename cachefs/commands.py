@@ -1270,3 +1270,111 @@ class RestoreVolume(Command[dict[str, Any]]):
     REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
     MUTATES_VOLUME: ClassVar[bool] = False
     blob: bytes
+
+
+# -- jobs (``cachefs warmup --background``; metanode/jobs.py) ---------------------------
+
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
+JOB_FINISHED = ("done", "failed", "cancelled")
+MAX_JOB_PATHS = 10_000
+MAX_PIN_TTL = 366 * 86400
+MAX_JOB_ERROR = 4096
+
+
+def pack_strings(values: list[str] | tuple[str, ...]) -> bytes:
+    """A list of strings as one ``bytes`` field (the codec's fields are scalars)."""
+    return msgpack.packb(list(values), use_bin_type=True)
+
+
+def unpack_strings(raw: bytes, what: str, limit: int) -> list[str]:
+    try:
+        values = msgpack.unpackb(raw, raw=False, use_list=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise InvalidArgument(f"undecodable {what}: {exc}") from None
+    if not isinstance(values, list) or len(values) > limit or not all(isinstance(v, str) for v in values):
+        raise InvalidArgument(f"{what} must be a list of at most {limit} strings")
+    return values
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SubmitJob(Command[dict[str, Any]]):
+    """Queue a warm-up of ``paths`` (msgpack list of paths inside ``volume``)
+    for the leader's job runner, in ``zones`` (msgpack list; empty: every
+    zone), each block pinned for ``pin_ttl`` seconds after it is warmed (0:
+    not pinned), ``threads`` batches at once. Reply: the job (``Job.to_dict``)."""
+
+    TAG: ClassVar[int] = 70
+    NAME: ClassVar[str] = "submit_job"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    volume: str
+    paths: bytes
+    zones: bytes = b"\x90"  # msgpack []
+    pin_ttl: int = 0
+    threads: int = 8
+
+    def validate(self) -> None:
+        paths = unpack_strings(self.paths, "paths", MAX_JOB_PATHS)
+        if not paths:
+            raise InvalidArgument("a job needs at least one path")
+        for path in paths:
+            if not 0 < len(path.encode("utf-8", "surrogateescape")) <= PATH_MAX:
+                raise InvalidArgument(f"path must be 1..{PATH_MAX} bytes, got {path[:64]!r}")
+        for zone in unpack_strings(self.zones, "zones", 64):
+            if not 1 <= len(zone) <= 64:
+                raise InvalidArgument("zone must be 1..64 characters")
+        check_int(self.pin_ttl, "pin_ttl", 0, MAX_PIN_TTL)
+        check_int(self.threads, "threads", 1, 1024)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CancelJob(Command[dict[str, Any]]):
+    """Cancel job ``job_id`` of ``volume`` (a finished job stays as it is);
+    the runner stops at its next progress report. Reply: the job."""
+
+    TAG: ClassVar[int] = 71
+    NAME: ClassVar[str] = "cancel_job"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    volume: str
+    job_id: int
+
+    def validate(self) -> None:
+        check_int(self.job_id, "job_id", 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobProgress(Command[dict[str, Any]]):
+    """The leader's runner reports on job ``job_id``: ``attempt`` (a new one
+    starts the job again, after a failover), its ``state`` and counters.
+    A report of an older attempt, or on a finished job, changes nothing.
+    Reply: the job as it now stands."""
+
+    TAG: ClassVar[int] = 72
+    MUTATES_VOLUME: ClassVar[bool] = False
+    job_id: int
+    attempt: int
+    state: str
+    runner: int = 0
+    files: int = 0
+    files_done: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+    blocks: int = 0
+    cached: int = 0
+    fetched: int = 0
+    failed: int = 0
+    error: str = ""
+
+    def validate(self) -> None:
+        check_int(self.job_id, "job_id", 1)
+        check_int(self.attempt, "attempt", 1)
+        if self.state not in JOB_STATES or self.state == "queued":
+            raise InvalidArgument(f"state must be one of {', '.join(JOB_STATES[1:])}, got {self.state!r}")
+        for name in ("runner", "files", "files_done", "bytes_total", "bytes_done", "blocks", "cached",
+                     "fetched", "failed"):  # fmt: skip
+            check_int(getattr(self, name), name, 0, I64)
+        if len(self.error) > MAX_JOB_ERROR:
+            raise InvalidArgument(f"error must be at most {MAX_JOB_ERROR} characters")

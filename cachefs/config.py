@@ -83,7 +83,26 @@ class AddrListType(click.ParamType):
             self.fail(exc.message, param, ctx)
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class DurationType(click.ParamType):
+    """Seconds, or a number with s, m, h or d (``90``, ``30m``, ``12h``, ``7d``)."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int | float):
+            return int(value)
+        m = _DURATION.match(str(value))
+        if not m:
+            self.fail(f"{value!r} is not a duration (e.g. 90, 30m, 12h, 7d)", param, ctx)
+        return int(float(m.group(1)) * _SECONDS[m.group(2).lower()])
+
+
 SIZE = SizeType()
+DURATION = DurationType()
 ADDR = AddrType()
 ADDRS = AddrListType()
 

@@ -435,6 +435,27 @@ class ClusterMap(Query[dict[str, Any]]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ListJobs(Query[list[dict[str, Any]]]):
+    """The jobs (``cachefs warmup status``), oldest first, as ``Job.to_dict``
+    (metanode/jobs.py); ``job_id`` 0: every job, else only that one (none if
+    it is unknown). A client credential sees its own volumes' jobs only."""
+
+    NAME: ClassVar[str] = "list_jobs"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping_list
+    job_id: int = 0
+
+    def validate(self) -> None:
+        check_int(self.job_id, "job_id")
+
+    def run(self, state: MetaState) -> list[dict[str, Any]]:
+        return state.jobs.listing(self.job_id)
+
+    def confine(self, answer: list[dict[str, Any]], volumes: frozenset[str]) -> list[dict[str, Any]]:
+        return [job for job in answer if job["volume"] in volumes]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Open(Query[M.Attr]):
     """Count an open of a regular file by ``session``: leader soft state, no
     log entry (see ``metanode.opentable``); idempotent per session and inode.

@@ -186,6 +186,20 @@ async def run_exports(service: MetaService, pool: RpcPool, addrs: list[str], tic
                      link.id, counts["done"], counts["failed"], counts["dropped"])  # fmt: skip
 
 
+async def run_jobs(
+    service: MetaService, pool: RpcPool, addrs: list[str], node_id: int,
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
+    """Run the warm-up jobs while this replica leads (``metanode/jobs.py``); a
+    failed round waits until a dead cache node shows as down."""
+    from .client import MetaClient
+    from .jobrunner import JobRunner
+
+    runner = JobRunner(lambda: service.state.jobs, service.mutate, MetaClient(pool, addrs, deadline=20.0), pool,
+                       node_id, retry_wait=service.node_timeout + 2)  # fmt: skip
+    await runner.run(lambda: service.node is not None and service.node.is_leader, task_status=task_status)
+
+
 async def serve(
     node_id: int,
     peers: dict[int, str],
@@ -231,6 +245,7 @@ async def serve(
             await nursery.start(service.run_housekeeping)
             await nursery.start(service.run_repo_polls)
             ours = [peers[node_id], *(a for i, a in sorted(peers.items()) if i != node_id)]
+            await nursery.start(run_jobs, service, pool, ours, node_id)
             if gc_interval > 0:
                 nursery.start_soon(run_gc, service, pool, ours, gc_interval, gc_grace)
             nursery.start_soon(run_exports, service, pool, ours)

@@ -129,6 +129,7 @@ from cachefs.messages import (
 
 from . import exports
 from .clustermap import ClusterMap, VolumeSpec
+from .jobs import JobTable
 
 ROOT = 1
 INO_BITS = 40
@@ -481,6 +482,7 @@ class MetaState:
         self.lazy_dirs: dict[tuple[str, int], tuple[int, str]] = {}
         # volume -> {directory ino: link} of the links that export (metanode/exports.py)
         self.exporting: dict[str, dict[int, RepoLink]] = {}
+        self.jobs = JobTable()  # warm-up jobs (metanode/jobs.py)
         self.applied_index = 0
         self.watcher: ApplyWatcher | None = None  # set by the leader's service
         self._handlers: dict[type[C.Command], Callable[[Any], Any]] = {
@@ -518,6 +520,9 @@ class MetaState:
             C.RestoreVolume: self._restore_volume,
             C.DeleteVolume: self._delete_volume,
             C.DropVolume: self._drop_volume,
+            C.SubmitJob: self._submit_job,
+            C.CancelJob: lambda cmd: self.jobs.cancel(cmd),
+            C.JobProgress: lambda cmd: self.jobs.progress(cmd),
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -925,8 +930,13 @@ class MetaState:
         tomb.next_ino = vol.next_ino
         tomb.deleted_ns = cmd.now_ns
         self.volumes[cmd.name] = tomb
+        self.jobs.drop_volume(cmd.name)
         trashed = (len(vol.trash) - before) // _TRASH.size
         return {"name": cmd.name, "sessions_closed": len(open_sessions), "slices_trashed": trashed}
+
+    def _submit_job(self, cmd: C.SubmitJob) -> dict[str, Any]:
+        self._vol(cmd.volume)
+        return self.jobs.submit(cmd)
 
     def _drop_volume(self, cmd: C.DropVolume) -> None:
         vol = self._gc_vol(cmd.volume)

@@ -13,7 +13,8 @@ bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
 links and imported objects (none before). ``Inode.stored`` is not in the
 blob: loading sums it from the slice records.
 Fields added since (a volume's token hash and repair queue, the slice
-floor) are optional at the end of their list, so older snapshots load.
+floor, the jobs table) are optional at the end of their list, so older
+snapshots load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import zstandard
 from cachefs.errors import InvalidArgument
 
 from .clustermap import ClusterMap
+from .jobs import JobTable
 from .namespace import (
     _S_IFDIR,
     _S_IFMT,
@@ -78,6 +80,7 @@ def dump(state: MetaState) -> bytes:
             state.next_repo,
             [v for sid, raw in state.repo_objects.items() for v in (sid, raw)],
         ],
+        state.jobs.dump(),
     ]
     raw = msgpack.packb(parts, use_bin_type=True)
     return zstandard.ZstdCompressor(level=3).compress(raw)
@@ -96,6 +99,7 @@ def load(state: MetaState, data: bytes) -> None:
     links, state.next_link, state.next_repo, objects = tail[1] if len(tail) > 1 else ([], 1, 1, [])
     state.links = {d["id"]: RepoLink.from_dict(d) for d in links}
     state.repo_objects = dict(zip(objects[::2], objects[1::2], strict=True))
+    state.jobs = JobTable.load(tail[2]) if len(tail) > 2 else JobTable()  # older snapshots: no jobs
     state.cluster = ClusterMap.load(cluster)
     state.volumes = {}
     for row in volumes:

@@ -51,7 +51,7 @@ def commands(group: click.Group, ctx: click.Context) -> Iterator[tuple[click.Con
         command = group.get_command(ctx, name)
         if command is None or command.hidden:
             continue
-        sub = click.Context(command, info_name=name, parent=ctx)
+        sub = click.Context(command, info_name=name, parent=ctx, **command.context_settings)  # as click makes it
         yield sub, command
         if isinstance(command, click.Group):
             yield from commands(command, sub)

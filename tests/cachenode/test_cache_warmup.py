@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import trio
@@ -12,11 +13,11 @@ from hypothesis import strategies as st
 from cachefs.blockstore import BlockStore
 from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.cachenode.service import CacheService
-from cachefs.cachenode.warmup import WarmFile, file_blocks, warm_files
 from cachefs.ids import BlockKey
 from cachefs.layout import Slice
 from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcServer
+from cachefs.warming import WarmFile, file_blocks, warm_files
 
 from .blockserver import RpcBlockSource, cache_setup
 
@@ -134,8 +135,11 @@ async def test_warm_tree_then_reads_are_hits_and_rerun_is_cached(tmp_path: Path)
                 for key, data in blocks.items():
                     reply = await c.pool.call(addr, "get", {"volume": "v", "key": key.to_bytes()})
                     assert reply.result["hit"] and bytes(reply.payload) == data
-            again = await warm_files(c.pool, router, "v", files, threads=3)
+            assert not any(c.store.pinned(k) or store_b.pinned(k) for k in blocks)
+            until = time.time() + 600
+            again = await warm_files(c.pool, router, "v", files, threads=3, pin_until=until)
             assert again.already_warm and again.fetched == 0 and "already cached" in again.summary()
+            assert all(c.store.pinned(k) == until == store_b.pinned(k) for k in blocks)  # cached ones too
             assert sum(c.backing.fetches.values()) == 2 * nblocks
             only_b = await warm_files(c.pool, router, "v", files, zones=["b"])
             assert only_b.blocks == nblocks and only_b.already_warm

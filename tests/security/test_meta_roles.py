@@ -42,11 +42,12 @@ FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "sy
                "rmdir", "rename", "setxattr", "removexattr", "alloc_slices", "write_slice", "compact_chunk", "fallocate",
                "lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "read_chunk",
                "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat",
-               "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll", "repo_object"}
+               "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll", "repo_object",
+               "submit_job", "cancel_job", "list_jobs"}
 FOR_ANYONE = {"meta_status"}
 # Client methods that name no volume or session: what they touch is global
 # (slice ids) or their answer is cut down to the caller's volumes.
-UNSCOPED = {"alloc_slices", "list_volumes", "cluster_map"}
+UNSCOPED = {"alloc_slices", "list_volumes", "cluster_map", "list_jobs"}
 
 
 def _served() -> dict[str, frozenset[str]]:
