@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -164,7 +165,12 @@ class LeaseTable:
         self.by_inode: dict[tuple[str, int], set[str]] = {}
         self.pending: dict[tuple[str, int], int] = {}  # mutations in flight per inode
         self.mutations: dict[int, Mutation] = {}
+        # volume -> its mutations in flight, in begin order: seq never falls,
+        # so the first is the oldest prediction (O(1), not a scan per apply).
+        self._by_volume: dict[str, dict[int, Mutation]] = {}
         self.marks: dict[str, dict[int, int]] = {}  # volume -> ino -> apply clock
+        # volume -> (apply clock, ino) as marked, oldest first: what ``end`` unmarks.
+        self._mark_order: dict[str, deque[tuple[int, int]]] = {}
         self.clock = 0  # counts applies (see Name resolution)
         self.grace_until = 0.0
         self.leader_term = 0
@@ -219,7 +225,9 @@ class LeaseTable:
         self.by_inode.clear()
         self.pending.clear()
         self.mutations.clear()
+        self._by_volume.clear()
         self.marks.clear()
+        self._mark_order.clear()
         self.grace_until = now + self.term
         self.leader_term = leader_term
 
@@ -253,7 +261,8 @@ class LeaseTable:
         return marks[ino] < self._oldest_prediction(volume)
 
     def _oldest_prediction(self, volume: str) -> int:
-        return min((m.seq for m in self.mutations.values() if m.volume == volume), default=self.clock + 1)
+        inflight = self._by_volume.get(volume)
+        return next(iter(inflight.values())).seq if inflight else self.clock + 1
 
     def grant(self, session: str, volume: str, inos: Iterable[int], now: float) -> tuple[int, ...]:
         """Grant ``session`` what it may have of ``inos``; the granted ones.
@@ -327,6 +336,7 @@ class LeaseTable:
         have a revocation to hear about."""
         m = Mutation(next(self._ids), volume, frozenset(inos), self.clock)
         self.mutations[m.id] = m
+        self._by_volume.setdefault(volume, {})[m.id] = m
         own = set(kept)
         notify: set[str] = set()
         for ino in m.inos:
@@ -371,7 +381,7 @@ class LeaseTable:
 
     def watching(self, volume: str) -> bool:
         """Whether applies in ``volume`` must report what they touch (:meth:`applied`)."""
-        return any(m.volume == volume for m in self.mutations.values())
+        return volume in self._by_volume
 
     def applied(self, volume: str, inos: Iterable[int]) -> None:
         """A command was applied that touched ``inos`` (see Name resolution)."""
@@ -379,13 +389,19 @@ class LeaseTable:
         self.clock += 1
         if self._oldest_prediction(volume) <= seq:
             marks = self.marks.setdefault(volume, {})
+            order = self._mark_order.setdefault(volume, deque())
             for ino in inos:
                 marks[ino] = seq
+                order.append((seq, ino))
 
     def end(self, m: Mutation) -> None:
         """The mutation was applied, or failed, or was abandoned."""
         if self.mutations.pop(m.id, None) is None:
             return
+        inflight = self._by_volume[m.volume]
+        del inflight[m.id]
+        if not inflight:
+            del self._by_volume[m.volume]
         for ino in m.inos:
             key = (m.volume, ino)
             left = self.pending[key] - 1
@@ -396,7 +412,11 @@ class LeaseTable:
         marks = self.marks.get(m.volume)
         if marks is not None:
             oldest = self._oldest_prediction(m.volume)
-            for ino in [i for i, seq in marks.items() if seq < oldest]:
-                del marks[ino]
+            order = self._mark_order[m.volume]
+            while order and order[0][0] < oldest:
+                seq, ino = order.popleft()
+                if marks.get(ino) == seq:  # not marked again since
+                    del marks[ino]
             if not marks:
                 del self.marks[m.volume]
+                del self._mark_order[m.volume]
