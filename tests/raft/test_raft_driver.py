@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import trio
 from cachefs.credentials import Credential, metanode_name
 from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
 from cachefs.metanode.raft.core import RaftConfig
-from cachefs.metanode.raft.driver import DriverConfig, RaftNode
+from cachefs.metanode.raft.driver import RAFT_SYNC_BATCH, DriverConfig, RaftNode
+from cachefs.metanode.raft.messages import AppendResp, Entry
 from cachefs.metanode.raft.storage import record_spans
 from cachefs.rpc import RpcPool, RpcServer
 from cachefs.testing.ports import free_ports
@@ -177,6 +179,77 @@ async def test_elect_propose_kill_leader_restart(tmp_path: Path) -> None:
         await cluster.converged(leader.node.applied)
         assert all(r.sm.data == leader.sm.data for r in cluster.replicas.values())
         nursery.cancel_scope.cancel()
+
+
+async def test_a_committed_entry_is_answered_while_the_next_batch_is_fsynced(tmp_path: Path) -> None:
+    """Group commit, pipelined: proposal A is on a quorum's disks; the Ready
+    that applies it also appends B. A's answer must not wait for B's fsync
+    (held here until A is answered), only for A's own quorum. And a batch
+    of concurrent proposals shares its fsyncs (the entries-per-sync metric)."""
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path)
+        for i in (1, 2, 3):
+            await cluster.start(i)
+        leader = await cluster.leader()
+        node = leader.node
+        # One commit first: the followers are replicating (not probed), so
+        # an Append leaves for each proposal at once.
+        assert await node.propose(put("w", 1, "w", 0)) is True
+        a, b = put("a", 1, "a", 1), put("b", 1, "b", 2)
+        hold = {a: threading.Event(), b: threading.Event()}
+        save = node.storage.save
+
+        def gated_save(entries: tuple[Entry, ...], *args: object) -> None:
+            for e in entries:
+                if e.data in hold:
+                    assert hold[e.data].wait(20), "the test never let this fsync go"
+            save(entries, *args)
+
+        node.storage.save = gated_save  # type: ignore[method-assign]
+        results: dict[bytes, object] = {}
+
+        async def propose(cmd: bytes) -> None:
+            results[cmd] = await node.propose(cmd)
+
+        before = node.last_index
+        nursery.start_soon(propose, a)
+        with trio.fail_after(10):
+            while node.last_index == before:
+                await trio.sleep(0.005)
+            index_a = node.last_index
+            # The followers persist A and acknowledge it while the leader's own
+            # fsync of A is held; B is proposed meanwhile.
+            while not any(isinstance(m, AppendResp) and m.index >= index_a and not m.reject
+                          for m in node._inbox):
+                await trio.sleep(0.005)
+        nursery.start_soon(propose, b)
+        with trio.fail_after(10):
+            while not node._proposals:
+                await trio.sleep(0.005)
+        hold[a].set()  # A is on the leader's disk: with an ack, a quorum. B's fsync is held.
+        with trio.fail_after(10):
+            while a not in results:
+                await trio.sleep(0.005)
+        assert results[a] is True and b not in results
+        hold[b].set()
+        with trio.fail_after(10):
+            while b not in results:
+                await trio.sleep(0.005)
+        node.storage.save = save  # type: ignore[method-assign]
+
+        batch = RAFT_SYNC_BATCH.labels(str(node.id))
+        count, total = _histogram(batch)
+        assert await propose_all(node, [put(f"c{k}", 1, f"k{k}", k) for k in range(40)]) == [True] * 40
+        count2, total2 = _histogram(batch)
+        assert total2 - total == 40
+        assert count2 - count < 40  # more than one proposal per fsync
+        nursery.cancel_scope.cancel()
+
+
+def _histogram(h: object) -> tuple[float, float]:
+    """(count, sum) of one labelled histogram."""
+    samples = {s.name: s.value for metric in h.collect() for s in metric.samples}  # type: ignore[attr-defined]
+    return samples["cachefs_raft_entries_per_sync_count"], samples["cachefs_raft_entries_per_sync_sum"]
 
 
 @pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a InstallSnapshot: .* out of order")
