@@ -13,8 +13,16 @@ log append and share one fsync (group commit), and a busy leader batches
 more per round the busier it gets.
 
 Each peer has a sender task that ships everything queued for it in one
-``raft_step`` call (bulk payload, msgpack batch). A failed or slow call just
-drops those messages: Raft tolerates loss and retries by itself.
+``raft_step`` call (bulk payload, msgpack batch), one call at a time, so what
+is queued meanwhile goes in the next call (one AppendEntries carries many
+proposals). The call asks for the answers in its reply (``answer=True``):
+the receiver's handler waits until its loop has handled the Ready those
+messages made (the fsync, for an Append) and returns what that Ready
+queued for the caller -- the AppendResp and HeartbeatResp travel back on
+the call that caused them, instead of as a call of their own, and the
+receiver's sender task is not woken for them. A failed or slow call just
+drops those messages: Raft tolerates loss and retries by itself. A peer that
+refuses the ``answer`` argument (an older version) gets plain calls.
 
 Snapshots are taken off the loop: at a Ready boundary (no await between
 reading the applied index and the fork, so the copy is exactly the state at
@@ -48,7 +56,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,13 +64,23 @@ import trio
 from prometheus_client import Counter, Gauge, Histogram
 
 from cachefs.errors import CacheFSError, InvalidArgument, NotLeader, ProtocolError, Unavailable
-from cachefs.rpc import CallContext, RpcPool, rpc_method
+from cachefs.rpc import CallContext, Reply, RpcPool, rpc_method
 
 from . import messages as wire
 from . import transfer
 from .core import InvalidMessage, RaftConfig, RaftCore, Ready, Role
 from .membership import Membership
-from .messages import EntryKind, InstallSnapshot, Message, Snapshot, SnapshotMeta
+from .messages import (
+    AppendResp,
+    EntryKind,
+    HeartbeatResp,
+    InstallSnapshot,
+    Message,
+    ProbeResp,
+    Snapshot,
+    SnapshotMeta,
+    VoteResp,
+)
 from .snapshot_child import SnapshotChild, SnapshotChildFailed
 from .storage import RaftStorage
 
@@ -90,6 +108,12 @@ RAFT_REFUSED = Counter("cachefs_raft_refused_messages_total",
                        ["node", "type"])
 RAFT_STORAGE_ERRORS = Counter("cachefs_raft_storage_errors_total",
                               "WAL or snapshot writes that failed (and were retried)", ["node"])
+
+
+# What a raft_step reply carries back: answers to the caller's messages. Its
+# own requests to the caller go by the sender task, or a reply would carry
+# Appends whose acks then need a call of their own, and so on.
+ANSWERS = (AppendResp, HeartbeatResp, VoteResp, ProbeResp)
 
 
 class StateMachine(Protocol):
@@ -125,6 +149,17 @@ class _InThread:
         with trio.CancelScope(shield=True):
             await self._done.wait()
         self._outcome.unwrap()
+
+
+class _Answer:
+    """A ``raft_step(answer=True)`` call's reply, filled by the loop."""
+
+    __slots__ = ("peer", "done", "msgs")
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.done = trio.Event()
+        self.msgs: list[Message] = []
 
 
 class _Waiter:
@@ -195,6 +230,10 @@ class RaftNode:
         self._released: list[tuple[int, list[_Waiter]]] = []  # (index, waiters)
         self._outbox: dict[int, list[Message]] = {p: [] for p in peers if p != node_id}
         self._send_wake: dict[int, trio.Event] = {p: trio.Event() for p in self._outbox}
+        # peer -> its raft_step calls waiting to carry our answers back (see the module doc)
+        self._answering: dict[int, int] = {}
+        self._stepped: list[_Answer] = []  # those calls, for the loop's next drain
+        self._plain_peers: set[int] = set()  # peers that refused ``answer`` (older versions)
         self._scope: trio.CancelScope | None = None
         self._xfer_out = 0
         self._receiver = transfer.SnapshotReceiver(storage.data_dir, dconfig.max_snapshot)
@@ -223,7 +262,7 @@ class RaftNode:
         self._conf_index = -1  # the configuration last seen (``_on_membership``)
         self.stats = {"readys": 0, "appends": 0, "entries": 0, "applied": 0, "snapshots": 0,
                       "send_errors": 0, "storage_errors": 0, "refused": 0,
-                      "inbox_dropped": 0}
+                      "inbox_dropped": 0, "calls": 0, "answered": 0}
 
     @classmethod
     async def create(cls, node_id: int, peers: dict[int, str], data_dir: str | os.PathLike[str],
@@ -383,10 +422,12 @@ class RaftNode:
         self._wake.set()
 
     @rpc_method
-    def raft_step(self, *, payload: bytes | bytearray | memoryview | None = None,
-                  ctx: CallContext | None = None) -> None:
+    def raft_step(self, *, answer: bool = False, payload: bytes | bytearray | memoryview | None = None,
+                  ctx: CallContext | None = None) -> Awaitable[Reply | None] | None:
         """Peers' messages: a msgpack batch in the bulk payload (a plain
-        method: the RPC layer runs it inline, it only queues).
+        method: the RPC layer runs it inline, it only queues). With
+        ``answer``, the reply's payload carries what this node sends back
+        once it has handled them (see the module doc).
 
         Raises:
             InvalidArgument: no payload.
@@ -400,14 +441,31 @@ class RaftNode:
             self._refuse("batch", exc.message)
             raise
         if self._closed:
-            return
-        inbox = self._inbox
+            return None
+        ok = []
         for m in msgs:
             if not self._may_speak_for(ctx, m.src) or m.dst != self.id:
                 who = f" (sent by {ctx.identity})" if ctx is not None else ""
                 self._refuse(type(m).__name__, f"from {m.src} to {m.dst}{who}: not a peer's message "
                              f"to node {self.id}")
-            elif isinstance(m, InstallSnapshot):
+            else:
+                ok.append(m)
+        self._queue(ok)
+        srcs = {m.src for m in ok}
+        if not answer or len(srcs) != 1:
+            return None
+        # Registered here, not in the coroutine (the RPC layer starts that
+        # later): the loop takes it in the same drain as the messages.
+        pending = _Answer(srcs.pop())
+        self._stepped.append(pending)
+        self._answering[pending.peer] = self._answering.get(pending.peer, 0) + 1
+        return self._reply(pending)
+
+    def _queue(self, msgs: list[Message]) -> None:
+        """Peer messages (already checked for who sent them) for the loop."""
+        inbox = self._inbox
+        for m in msgs:
+            if isinstance(m, InstallSnapshot):
                 self._refuse("InstallSnapshot", "a snapshot must come by raft_snapshot")
             else:
                 inbox.append(m)
@@ -415,6 +473,42 @@ class RaftNode:
             self.stats["inbox_dropped"] += len(inbox) - self.dconfig.max_inbox
             del inbox[: len(inbox) - self.dconfig.max_inbox]
         self._wake.set()
+
+    async def _reply(self, answer: _Answer) -> Reply | None:
+        await answer.done.wait()
+        if not answer.msgs:
+            return None
+        self.stats["answered"] += len(answer.msgs)
+        return Reply(None, wire.encode_batch(answer.msgs))
+
+    def _answered(self, answer: _Answer) -> None:
+        """(The loop) the Ready made from ``answer``'s messages is handled:
+        hand it the answers we queued for its peer meanwhile (our requests to
+        the peer went to the sender as usual). Should the reply never go
+        (the call was cancelled), these are lost, as Raft allows."""
+        peer = answer.peer
+        self._answering[peer] -= 1
+        box = self._outbox.get(peer)
+        if box:
+            answer.msgs = [m for m in box if isinstance(m, ANSWERS)]
+            self._outbox[peer] = [m for m in box if not isinstance(m, ANSWERS)]
+        answer.done.set()
+
+    def _take_answers(self, peer: int, payload: bytes | bytearray | memoryview) -> None:
+        """The reply to our ``raft_step`` call: ``peer``'s answers to us."""
+        try:
+            msgs = wire.decode_batch(bytes(payload))
+        except ProtocolError as exc:
+            self._refuse("batch", f"in a reply from {peer}: {exc.message}")
+            return
+        ok = []
+        for m in msgs:
+            if m.src != peer or m.dst != self.id or not isinstance(m, ANSWERS):
+                self._refuse(type(m).__name__, f"from {m.src} to {m.dst} in a reply from {peer}: "
+                             f"not {peer}'s answer to node {self.id}")
+            else:
+                ok.append(m)
+        self._queue(ok)
 
     @rpc_method
     async def raft_snapshot(self, src: int, xfer: int, chunk: int, chunks: int, *,
@@ -516,10 +610,15 @@ class RaftNode:
                 self._wake = trio.Event()  # an input after this sets the new one
                 if self._snap_ready is not None:
                     await self._compact()
+                stepped, self._stepped = self._stepped, []  # with the inbox: no await between
                 self._drain()
-                if not core.has_ready():
+                ready = core.has_ready()
+                if ready:
+                    await self._handle_ready(core.ready())
+                for pending in stepped:  # their answers are queued: the replies may go
+                    self._answered(pending)
+                if not ready:
                     break
-                await self._handle_ready(core.ready())
 
     def _drain(self) -> None:
         """Every pending input into the core; no await, so atomic."""
@@ -822,6 +921,9 @@ class RaftNode:
         for _, waiters in self._released:
             for w in waiters:
                 w.fail(err)
+        for pending in self._stepped:  # raft_step calls waiting: answer with nothing
+            pending.done.set()
+        self._stepped = []
         self._proposals, self._read_requests = [], []
         self._proposed.clear()
         self._reads.clear()
@@ -836,7 +938,8 @@ class RaftNode:
             box.append(m)
             if len(box) > self.dconfig.max_outbox:
                 del box[: len(box) - self.dconfig.max_outbox]
-            self._send_wake[m.dst].set()
+            if not (self._answering.get(m.dst) and isinstance(m, ANSWERS)):
+                self._send_wake[m.dst].set()  # else a waiting raft_step reply carries it
 
     async def _sender(self, peer: int) -> None:
         while True:
@@ -848,13 +951,24 @@ class RaftNode:
             snaps = [m for m in msgs if isinstance(m, InstallSnapshot)]
             rest = [m for m in msgs if not isinstance(m, InstallSnapshot)]
             if rest:
+                answer = peer not in self._plain_peers
+                self.stats["calls"] += 1
                 try:
-                    await self.pool.call(addr, "raft_step", payload=wire.encode_batch(rest),
-                                         timeout=self.dconfig.rpc_timeout)
+                    reply = await self.pool.call(addr, "raft_step", {"answer": True} if answer else None,
+                                                 payload=wire.encode_batch(rest),
+                                                 timeout=self.dconfig.rpc_timeout)
                 except CacheFSError as exc:
                     self.stats["send_errors"] += 1
-                    log.debug("raft node %d: %d messages to %s dropped: %s", self.id,
-                              len(rest), addr, exc)
+                    if answer and isinstance(exc, InvalidArgument) and "'answer'" in exc.message:
+                        self._plain_peers.add(peer)  # these are dropped; Raft resends
+                        log.info("raft node %d: %s takes no answers in replies (%s); plain calls "
+                                 "from now on", self.id, addr, exc.message)
+                    else:
+                        log.debug("raft node %d: %d messages to %s dropped: %s", self.id,
+                                  len(rest), addr, exc)
+                else:
+                    if reply.payload:
+                        self._take_answers(peer, reply.payload)
             if snaps:
                 await self._send_snapshot(addr, snaps[-1])
 

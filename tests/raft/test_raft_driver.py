@@ -12,6 +12,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -19,11 +20,12 @@ import trio
 
 from cachefs.credentials import Credential, metanode_name
 from cachefs.errors import Corrupt, InvalidArgument, NotFound, NotLeader
+from cachefs.metanode.raft import messages as wire
 from cachefs.metanode.raft.core import RaftConfig
 from cachefs.metanode.raft.driver import RAFT_SYNC_BATCH, DriverConfig, RaftNode
 from cachefs.metanode.raft.messages import AppendResp, Entry
 from cachefs.metanode.raft.storage import record_spans
-from cachefs.rpc import RpcPool, RpcServer
+from cachefs.rpc import CallContext, RpcPool, RpcServer, rpc_method
 from cachefs.testing.ports import free_ports
 
 from .sim import KV
@@ -66,6 +68,7 @@ class Cluster:
         self.peers = {i + 1: f"127.0.0.1:{p}" for i, p in enumerate(free_ports(n))}
         self.replicas: dict[int, Replica] = {}
         self.dconfig = driver_config or DriverConfig(tick_interval=0.02)
+        self.node_class: dict[int, type[RaftNode]] = {}  # replica -> its RaftNode class
 
     async def start(self, i: int) -> Replica:
         rep = await self.nursery.start(self._run, i)
@@ -78,7 +81,7 @@ class Cluster:
             async with RpcPool(secret=member(i)) as pool, trio.open_nursery() as n:
                 server = RpcServer(name=f"meta{i}", secret=SECRET)
                 sm = Machine()
-                node = await RaftNode.create(i, self.peers, self.root / f"m{i}", sm, pool,
+                node = await self.node_class.get(i, RaftNode).create(i, self.peers, self.root / f"m{i}", sm, pool,
                                              nursery=n, server=server, config=CONFIG,
                                              driver_config=self.dconfig)
                 # Serve once the node's methods are there, as the daemon does (a
@@ -243,6 +246,68 @@ async def test_a_committed_entry_is_answered_while_the_next_batch_is_fsynced(tmp
         count2, total2 = _histogram(batch)
         assert total2 - total == 40
         assert count2 - count < 40  # more than one proposal per fsync
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.allow_log("cachefs.metanode.raft.driver", match=r"refused a AppendResp: from \d+ to \d+ in a reply")
+async def test_followers_acknowledge_in_the_reply_to_the_leaders_call(tmp_path: Path) -> None:
+    """An Append's AppendResp rides back on the raft_step call that brought
+    it: the followers make (almost) no calls of their own while the leader
+    commits one proposal after another; and a reply that speaks for anyone
+    but the peer called is refused."""
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path)
+        for i in (1, 2, 3):
+            await cluster.start(i)
+        leader = await cluster.leader()
+        assert await leader.node.propose(put("w", 1, "w", 0)) is True
+        followers = [r.node for r in cluster.replicas.values() if r is not leader]
+        calls = [f.stats["calls"] for f in followers]
+        answered = [f.stats["answered"] for f in followers]
+        for k in range(40):
+            assert await leader.node.propose(put("s", k + 1, f"k{k}", k)) is True
+        for f, before, acks in zip(followers, calls, answered, strict=True):
+            assert f.stats["calls"] - before < 10  # a call per acknowledgement before
+            assert f.stats["answered"] - acks >= 40
+
+        node, peer = leader.node, followers[0].id
+        other = followers[1].id
+        refused = node.stats["refused"]
+        forged = wire.encode_batch([AppendResp(node.term, other, node.id, node.last_index)])
+        node._take_answers(peer, forged)  # claims to be the other follower
+        node._take_answers(peer, b"\xc1not msgpack")
+        assert node.stats["refused"] == refused + 2
+        nursery.cancel_scope.cancel()
+
+
+class OlderNode(RaftNode):
+    """A replica of the version before answers in replies: its raft_step
+    takes no ``answer`` and its sender makes plain calls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plain_peers.update(self.peers)
+
+    @rpc_method
+    def raft_step(  # type: ignore[override]
+        self, *, payload: bytes | None = None, ctx: CallContext | None = None
+    ) -> None:
+        assert RaftNode.raft_step(self, payload=payload, ctx=ctx) is None
+
+
+async def test_a_replica_of_the_older_version_gets_plain_calls(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        cluster = Cluster(nursery, tmp_path)
+        cluster.node_class[3] = OlderNode
+        for i in (1, 2, 3):
+            await cluster.start(i)
+        leader = await cluster.leader()
+        for k in range(10):
+            assert await leader.node.propose(put("o", k + 1, f"k{k}", k)) is True
+        await cluster.converged(leader.node.applied)
+        assert cluster.replicas[3].sm.data == leader.sm.data
+        if leader.node.id != 3:
+            assert 3 in leader.node._plain_peers
         nursery.cancel_scope.cancel()
 
 
