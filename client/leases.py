@@ -67,7 +67,33 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from cachefs.errors import (
+    CrossDevice,
+    FileTooLarge,
+    InvalidArgument,
+    IsADirectory,
+    NameTooLong,
+    NoData,
+    NoSpace,
+    NotADirectory,
+    NotEmpty,
+    NotPermitted,
+    NotSupported,
+    PermissionDenied,
+    QuotaExceeded,
+    Range,
+    ReadOnly,
+    TooManyLinks,
+)
 from cachefs.messages import Attr, Grant, LeaseNews
+
+# What the namespace answers when its apply refuses a change, having changed
+# nothing and contradicting nothing we know (a timeout, a lost leader or an
+# I/O error leaves the outcome unknown; ENOENT and EEXIST say a name is not
+# what we thought: what we knew of it goes).
+REJECTIONS = (NotEmpty, NotADirectory, IsADirectory, NameTooLong, InvalidArgument, PermissionDenied,
+              NotPermitted, NoSpace, QuotaExceeded, FileTooLarge, CrossDevice, TooManyLinks, NoData,
+              Range, ReadOnly, NotSupported)  # fmt: skip
 
 MARGIN = 0.1  # of the lease term, kept back for clock rates and scheduling
 MAX_LEASES = 1 << 20  # leases one session keeps; the least recently used go first
@@ -322,6 +348,7 @@ class LeaseCache:
         names: Iterable[tuple[int, bytes]],
         attr: Attr | None = None,
         others: Iterable[Attr] = (),
+        rejected: bool = False,
     ) -> None:
         """Our change was answered (or failed): the attributes of its inodes
         are stale, unless ``attr`` (its answer) is one's and no other own
@@ -333,7 +360,12 @@ class LeaseCache:
         change of the directory overlapped. ``others``: attributes of more
         of its inodes that came with the answer (a create's directory),
         kept as ``attr`` is. What we knew of their extended attributes is
-        dropped (our change may have set some)."""
+        dropped (our change may have set some). ``rejected``: the namespace
+        refused the change (:data:`REJECTIONS`), which changed nothing, so
+        everything we knew stays: forgetting a name here would leave the next
+        change of it unable to name the inode it resolves to, and the leader
+        would revoke our own lease on that inode while our kernel holds its
+        lock for that change (the revocation then lapses: a lease term)."""
         alone: set[int] = set()
         for ino, began in zip(change.kept, change.began, strict=True):
             if self._busy[ino] == 1 and self._own[ino] == began:
@@ -347,7 +379,7 @@ class LeaseCache:
                 del self._own[ino]
             self._bump(ino)
             lease = self._held.get(ino)
-            if lease is not None:
+            if lease is not None and not rejected:
                 lease.attr = attr if ino in alone and attr is not None and attr.ino == ino else None
                 lease.xattrs.clear()
                 lease.bare = False
@@ -355,7 +387,7 @@ class LeaseCache:
             lease = self._held.get(other.ino)
             if lease is not None and other.ino in alone:
                 lease.attr = other
-        for parent, name in names:
+        for parent, name in () if rejected else names:
             lease = self._held.get(parent)
             if lease is None:
                 continue

@@ -63,7 +63,7 @@ from cachefs.ring import CacheRouter
 from cachefs.rpc import RpcPool
 from cachefs.transport import BlockTransport, open_transport
 
-from .leases import LeaseCache
+from .leases import REJECTIONS, LeaseCache
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +363,7 @@ class Session:
         change = leases.begin_mutation(self._named(refs), report)
         entries = refs[2]
         result = None
+        rejected = False
         try:
             result = await self.meta.mutate(cmd, lease=(self.session_id, change.kept, change.opens))
             return result
@@ -370,9 +371,10 @@ class Session:
             if not exc.remote:  # the outcome is unknown: the kernel may not know it
                 for ino in change.kept:
                     leases.lose(ino)
+            rejected = exc.remote and isinstance(exc, REJECTIONS)
             raise
         finally:
-            leases.end_mutation(change, entries, result if isinstance(result, Attr) else None)
+            leases.end_mutation(change, entries, result if isinstance(result, Attr) else None, rejected=rejected)
 
     def _named(self, refs: C.Refs) -> set[int]:
         """The inodes a change names, and those its names resolve to here."""
@@ -398,6 +400,7 @@ class Session:
         entries = refs[2]
         ticket = leases.ticket(time.monotonic())
         created = None
+        rejected = False
         try:
             created = await self.meta.create(cmd, (self.session_id, change.kept, change.opens))
             lease = leases.accept(ticket, created.grant, time.monotonic()).get(created.attr.ino)
@@ -408,12 +411,13 @@ class Session:
             if not exc.remote:
                 for ino in change.kept:
                     leases.lose(ino)
+            rejected = exc.remote and isinstance(exc, REJECTIONS)
             raise
         finally:
             leases.done(ticket)
             attr = created.attr if created else None
             others = (created.parent,) if created and created.parent else ()
-            leases.end_mutation(change, entries, attr, others)
+            leases.end_mutation(change, entries, attr, others, rejected=rejected)
 
     async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
         """A chunk's slice list (the reader's ``BlockSource`` call)."""

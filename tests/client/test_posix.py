@@ -7,6 +7,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,25 @@ def test_directories(mnt: Path) -> None:
     os.unlink(mnt / "d" / "f")
     os.rmdir(mnt / "d")
     assert os.listdir(mnt) == []
+
+
+def test_a_refused_rmdir_leaves_the_next_rmdir_its_own_lease(mnt: Path) -> None:
+    """ENOTEMPTY changed nothing, so the mount still knows the directory's
+    inode under its parent's lease: the rmdir after the unlink keeps its own
+    lease on it instead of having the leader revoke it while the kernel holds
+    the directory's lock for that rmdir (which waited out a lease term)."""
+    from cachefs.metanode.leases import DEFAULT_TERM
+
+    os.mkdir(mnt / "full")
+    (mnt / "full" / "f").write_bytes(b"1")
+    with pytest.raises(OSError) as e:
+        os.rmdir(mnt / "full")
+    assert e.value.errno == errno.ENOTEMPTY
+    os.unlink(mnt / "full" / "f")
+    started = time.monotonic()
+    os.rmdir(mnt / "full")
+    assert time.monotonic() - started < DEFAULT_TERM / 2  # ~1 ms; a lapse is the whole term
+    assert not (mnt / "full").exists()
 
 
 def _renameat2(old: Path, new: Path, flags: int) -> None:
