@@ -16,8 +16,11 @@ Rules every handler keeps:
   when the inode's content version is the one those pages were read at;
   a version change seen by ``getattr`` drops them with ``invalidate_inode``
   (from a worker thread: it may wait on pages a pending read holds).
-- Close-to-open: ``open`` always asks the metanodes for fresh attributes, and
-  ``flush``/``fsync``/``release`` return only after the data is committed.
+- Close-to-open: ``open`` always asks the metanodes for fresh attributes
+  (or answers from a valid lease), and ``flush``/``fsync``/``release``
+  return only after the data is committed. A read-only open is answered
+  with FOPEN_NOFLUSH (:mod:`.noflush_hook`): its close has nothing to
+  commit and sends no FLUSH.
   The first open of an inode here gets them from the leader's ``open`` reply
   (one round trip, not a ``getattr`` and an ``open``); meanwhile the first
   chunk's slice list (and, opened read-only, its first block) is fetched,

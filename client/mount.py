@@ -86,7 +86,7 @@ from cachefs.rpc import RpcPool
 from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
-from . import fallocate_hook
+from . import fallocate_hook, libfuse_ops, noflush_hook
 from .fs import CacheFS
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR
@@ -461,7 +461,7 @@ async def run_fs(
             nursery.cancel_scope.cancel()
             await session.close()
             return 1
-        fallocate_hook.install(front.fallocate, engine.nursery, pyfuse3.__file__)  # before any request
+        _hook_libfuse(front, engine)  # before any request
         collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
         front.control.render_stats = collector.text
         if metrics is not None:
@@ -502,6 +502,18 @@ class _Stopping:
         if self._deadline is None:
             self._deadline = trio.current_time() + self.timeout
         return self._deadline
+
+
+def _hook_libfuse(front: CacheFS, engine: Volume) -> None:
+    """What pyfuse3 cannot answer itself: fallocate(2), and read-only opens
+    with FOPEN_NOFLUSH (their close sends no FLUSH)."""
+    try:
+        ops = libfuse_ops.session_table(pyfuse3.__file__)
+    except libfuse_ops.HookUnavailable as exc:
+        log.warning("fallocate stays unsupported (EOPNOTSUPP), and read-only closes flushed: %s", exc)
+        return
+    fallocate_hook.install(front.fallocate, engine.nursery, ops)
+    noflush_hook.install(ops)
 
 
 async def _announce(

@@ -59,6 +59,12 @@ class Pair:
         """Lookups, getattrs and opens mount A answered under its leases."""
         return self._metric("cachefs_mount_lease_events_total", "event", "hits")
 
+    def ops(self, op: str) -> int:
+        """FUSE requests of ``op`` mount A answered (0 before the first)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        m = re.search(rf'^cachefs_mount_op_latency_seconds_count\{{op="{op}"\}} ([0-9.e+]+)$', text, re.M)
+        return int(float(m.group(1))) if m else 0
+
     def slice_lists(self) -> int:
         """Slice lists mount A asked the metanodes for."""
         return self._metric("cachefs_mount_slice_lists_total")
@@ -260,4 +266,64 @@ def test_nothing_stale_is_served_after_the_leader_is_killed(cluster, tmp_path: P
         if leader is not None:
             with lab_processes():
                 cluster.start(leader)
+        pair.stop()
+
+
+def _pread(path: Path, size: int) -> bytes:
+    """``size`` bytes from the start of a new open of ``path``: no fstat and
+    no read past the end, so the kernel neither refreshes the attributes nor
+    checks the size before it answers from its page cache. Only the mount's
+    own answer to the open (keep the pages or not) and its invalidations
+    stand between a stale page and the caller."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+def test_the_kernel_serves_no_stale_pages_after_another_mount_rewrites_a_file(cluster, tmp_path: Path) -> None:
+    """A's second read of an unchanged file comes from the kernel's page
+    cache (no read reaches mount A) and its read-only close sends no flush;
+    after B rewrites the file in place with bytes of the same size, A's next
+    open reads B's bytes: with A's lease revoked, with the file still open
+    on A across the change, and with A frozen while B changed it (its lease
+    lapsed unacknowledged)."""
+    pair = Pair(cluster, tmp_path)
+    size = 70_000
+    try:
+        a, b = pair.a.path / pair.name / "f", pair.b.path / pair.name / "f"
+        b.write_bytes(os.urandom(size))
+
+        def rewrite() -> bytes:
+            data = os.urandom(size)
+            with open(b, "r+b") as f:
+                f.write(data)
+            return data
+
+        data = rewrite()
+        assert _pread(a, size) == data
+        reads, flushes = pair.ops("read"), pair.ops("flush")
+        assert _pread(a, size) == data
+        assert (pair.ops("read"), pair.ops("flush")) == (reads, flushes)
+
+        data = rewrite()
+        assert _pread(a, size) == data
+
+        held = os.open(a, os.O_RDONLY)
+        try:
+            assert os.pread(held, size, 0) == data
+            data = rewrite()
+            assert _pread(a, size) == data
+        finally:
+            os.close(held)
+
+        assert _pread(a, size) == data
+        os.kill(pair.a.pid, signal.SIGSTOP)
+        try:
+            data = rewrite()
+        finally:
+            os.kill(pair.a.pid, signal.SIGCONT)
+        assert _pread(a, size) == data
+    finally:
         pair.stop()
