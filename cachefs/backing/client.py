@@ -338,84 +338,91 @@ class BackingClient:
         def durable() -> bool:
             return _durable(placed, policy.write_quorum)
 
-        async with trio.open_nursery() as nursery:
-            watchdog = trio.CancelScope()
+        try:
+            async with trio.open_nursery() as nursery:
+                watchdog = trio.CancelScope()
 
-            def launch(index: int, node: str) -> None:
-                tried[index].add(node)
-                inflight.add((index, node))  # counted at once, so plan() does not pick it twice
-                load[node] += 1
-                nursery.start_soon(write, index, node)
+                def launch(index: int, node: str) -> None:
+                    tried[index].add(node)
+                    inflight.add((index, node))  # counted at once, so plan() does not pick it twice
+                    load[node] += 1
+                    nursery.start_soon(write, index, node)
 
-            async def write(index: int, node: str) -> None:
-                nonlocal ack_at
-                try:
-                    await self.write_shard(node, volume, key, index, header, shards[index])
-                except CacheFSError as exc:
-                    errors[(index, node)] = exc
-                    load[node] -= 1
-                    suspect.add(node)
-                    if not isinstance(exc, NoSpace):
-                        self._suspect[node] = trio.current_time() + self.suspect_for
-                    plan()
-                    return
-                else:
-                    placed.setdefault(index, set()).add(node)
-                    if not first_ack.is_set():
-                        ack_at = trio.current_time()
-                        first_ack.set()
-                    if durable() and nursery.cancel_scope.deadline == math.inf:
-                        # Durable enough: give the stragglers a grace period, no more.
-                        elapsed = trio.current_time() - began
-                        nursery.cancel_scope.deadline = trio.current_time() + max(self.put_grace, 2 * elapsed)
-                finally:
-                    inflight.discard((index, node))
-                    if not inflight:
-                        watchdog.cancel()
-
-            def plan() -> None:
-                """Start handoffs until placed + hopeful writes would be durable."""
-                if durable():
-                    return
-                hopeful = {i: set(nodes) for i, nodes in placed.items()}
-                for i, node in inflight:
-                    if node not in suspect:
-                        hopeful.setdefault(i, set()).add(node)
-                for index in range(policy.n):
-                    if _durable(hopeful, policy.write_quorum):
-                        return
-                    if hopeful.get(index) or len(tried[index]) > self.HANDOFF_TRIES:
-                        continue
-                    node = self._substitute(key, index, pg, tried[index], suspect, load)
-                    if node is None:
-                        continue
-                    hopeful[index] = {node}
-                    self.stats["handoffs_started"] += 1
-                    launch(index, node)
-
-            async def watch() -> None:
-                """Suspect PG members still silent after the handoff delay, and hand off."""
-                with watchdog:
-                    await first_ack.wait()
-                    delay = max(self.put_grace, 3 * (ack_at - began))
-                    while not durable():
-                        await trio.sleep(delay)
-                        slow = {node for _index, node in inflight} - suspect
-                        suspect.update(slow)
-                        until = trio.current_time() + self.suspect_for
-                        for node in slow:
-                            self._suspect[node] = max(self._suspect.get(node, 0.0), until)
+                async def write(index: int, node: str) -> None:
+                    nonlocal ack_at
+                    try:
+                        await self.write_shard(node, volume, key, index, header, shards[index])
+                    except CacheFSError as exc:
+                        errors[(index, node)] = exc
+                        load[node] -= 1
+                        suspect.add(node)
+                        if not isinstance(exc, NoSpace):
+                            self._suspect[node] = trio.current_time() + self.suspect_for
                         plan()
+                        return
+                    else:
+                        placed.setdefault(index, set()).add(node)
+                        if not first_ack.is_set():
+                            ack_at = trio.current_time()
+                            first_ack.set()
+                        if durable() and nursery.cancel_scope.deadline == math.inf:
+                            # Durable enough: give the stragglers a grace period, no more.
+                            elapsed = trio.current_time() - began
+                            nursery.cancel_scope.deadline = trio.current_time() + max(self.put_grace, 2 * elapsed)
+                    finally:
+                        inflight.discard((index, node))
+                        if not inflight:
+                            watchdog.cancel()
 
-            for index in range(policy.n):
-                if self._usable(pg[index]):
-                    launch(index, pg[index])
-                else:
-                    tried[index].add(pg[index])
-            nursery.start_soon(watch)
-            plan()
-            if not inflight:
-                watchdog.cancel()
+                def plan() -> None:
+                    """Start handoffs until placed + hopeful writes would be durable."""
+                    if durable():
+                        return
+                    hopeful = {i: set(nodes) for i, nodes in placed.items()}
+                    for i, node in inflight:
+                        if node not in suspect:
+                            hopeful.setdefault(i, set()).add(node)
+                    for index in range(policy.n):
+                        if _durable(hopeful, policy.write_quorum):
+                            return
+                        if hopeful.get(index) or len(tried[index]) > self.HANDOFF_TRIES:
+                            continue
+                        node = self._substitute(key, index, pg, tried[index], suspect, load)
+                        if node is None:
+                            continue
+                        hopeful[index] = {node}
+                        self.stats["handoffs_started"] += 1
+                        launch(index, node)
+
+                async def watch() -> None:
+                    """Suspect PG members still silent after the handoff delay, and hand off."""
+                    with watchdog:
+                        await first_ack.wait()
+                        delay = max(self.put_grace, 3 * (ack_at - began))
+                        while not durable():
+                            await trio.sleep(delay)
+                            slow = {node for _index, node in inflight} - suspect
+                            suspect.update(slow)
+                            until = trio.current_time() + self.suspect_for
+                            for node in slow:
+                                self._suspect[node] = max(self._suspect.get(node, 0.0), until)
+                            plan()
+
+                for index in range(policy.n):
+                    if self._usable(pg[index]):
+                        launch(index, pg[index])
+                    else:
+                        tried[index].add(pg[index])
+                nursery.start_soon(watch)
+                plan()
+                if not inflight:
+                    watchdog.cancel()
+        finally:
+            # launch, write and plan name one another (closure cells), a cycle
+            # that would keep the shards until the cyclic collector ran: tens
+            # of MiB of a mount's heap between two collections (cachefs/heap.py).
+            shards.clear()
+            launch = write = plan = None  # type: ignore[assignment]
 
         if not durable():
             await self._undo(volume, key, placed)
