@@ -17,6 +17,12 @@ reading the whole chunk), reads the chunk's slice list and, past
    tries again on the new list, a few times, since a writer still committing
    would otherwise leave the chunk uncompacted once it stops.
 
+Memory: one chunk's bytes at a time for the whole mount (a chunk is up to
+64 MiB, and a burst of small writes to many files would otherwise read as
+many chunks at once), and its blocks upload under the writers' upload
+limit, so a compaction holds at most a chunk and the uploads the writers
+may hold anyway (docs/deploy.md, "Memory of a mount").
+
 One compaction at a time per chunk. A commit that arrives while one runs is
 remembered, and the chunk is looked at again once it ends, so the writer's
 last commit is never swallowed by a compaction that lost its race to it. A
@@ -51,12 +57,15 @@ class Compactor:
     """Background compaction of one volume's chunks (see module docstring)."""
 
     def __init__(
-        self, session: Session, reader: Reader, *, nursery: Spawner, threshold: int
+        self, session: Session, reader: Reader, *, nursery: Spawner, threshold: int,
+        upload_limit: trio.Semaphore | None = None,
     ) -> None:
         self.session = session
         self.reader = reader
         self.threshold = threshold
         self._nursery = nursery
+        self._upload_limit = upload_limit if upload_limit is not None else trio.Semaphore(8)
+        self._chunk_memory = trio.Lock()  # one chunk's bytes in memory at a time
         self._running: set[tuple[int, int]] = set()
         self._again: set[tuple[int, int]] = set()  # committed to while a compaction of it ran
 
@@ -93,8 +102,9 @@ class Compactor:
             CacheFSError: reading, storing or swapping failed (nothing is lost).
         """
         for _attempt in range(ATTEMPTS):
-            if await self._once(inode, chunk):
-                return
+            async with self._chunk_memory:
+                if await self._once(inode, chunk):
+                    return
 
     async def _once(self, inode: Inode, chunk: int) -> bool:
         """One attempt; False when the chunk changed under it."""
@@ -112,8 +122,9 @@ class Compactor:
         short: list[int] = []
 
         async def store(index: int, data: memoryview) -> None:
-            if await session.store_block(BlockKey(slice_id, index), data):
-                short.append(index)
+            async with self._upload_limit:
+                if await session.store_block(BlockKey(slice_id, index), data):
+                    short.append(index)
 
         await run_all(
             functools.partial(store, index, view[start:end])

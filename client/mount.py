@@ -564,15 +564,17 @@ async def _on_signals(engine: Volume, stopping: _Stopping) -> None:
 
 
 async def _trim_heap() -> None:
-    """Give freed heap pages back once a second when due; in a thread, since
-    a trim of a few hundred MiB of heap takes 10-40 ms."""
+    """Give freed heap pages back when due (looked at every ``TRIM_CHECK``
+    seconds, here); the trim in a thread, since one of a few hundred MiB of
+    heap takes 10-40 ms."""
     trimmer = heap.HeapTrimmer()
     if not trimmer.available:
         log.info("no malloc_trim in this libc: freed heap pages stay resident")
         return
     while True:
-        await trio.sleep(1.0)
-        await trio.to_thread.run_sync(trimmer.check)
+        await trio.sleep(heap.TRIM_CHECK)
+        if trimmer.due():
+            await trio.to_thread.run_sync(trimmer.trim)
 
 
 def _write_pid(mountpoint: str, meta_addrs: list[str]) -> None:

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 SEQ_SLACK = 256 * 1024
 TOUCH_MEMORY = 8192
+PREFETCH_PARALLEL = 8  # readahead block fetches in flight, for the whole mount
 
 
 async def _run(jobs: list[Callable[[], Awaitable[None]]]) -> None:
@@ -117,7 +118,7 @@ class Reader:
         *,
         nursery: Spawner,
         readahead_max: int,
-        max_parallel: int = 8,
+        max_parallel: int = PREFETCH_PARALLEL,
     ) -> None:
         self.source = source
         self.l1 = l1

@@ -131,10 +131,11 @@ class Volume:
         self.reader = Reader(
             source, self.l1, nursery=self.nursery, readahead_max=options.readahead_max
         )
-        self.compactor = Compactor(
-            session, self.reader, nursery=self.nursery, threshold=options.compact_after
-        )
         self._upload_limit = trio.Semaphore(options.upload_parallel)
+        self.compactor = Compactor(
+            session, self.reader, nursery=self.nursery, threshold=options.compact_after,
+            upload_limit=self._upload_limit,
+        )
         self.write_stats = WriteStats()
         self.write_budget = WriteBudget(options.write_buffer_total)
         self.spilled = 0  # files not committed at unmount, their data spilled

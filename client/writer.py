@@ -276,8 +276,10 @@ class FileWriter:
         run = pending.run
         committed = False
         try:
-            data = bytes(run.data)
-            view = memoryview(data)
+            # The run's own buffer: a sealed run is never written again, so
+            # its blocks are stored from it without a copy of the whole run
+            # (each block is copied once more, for its shards, while it uploads).
+            view = memoryview(run.data)
             for attempt in range(1, SLICE_ATTEMPTS + 1):
                 if self.error is not None:
                     break
@@ -285,7 +287,7 @@ class FileWriter:
                 short: list[int] = []  # blocks stored short: the commit queues them for repair
                 await run_all(
                     functools.partial(self._store, BlockKey(slice_id, index), view[start:end], short)
-                    for index, start, end in slice_blocks(len(data), self.sink.block_size)
+                    for index, start, end in slice_blocks(len(view), self.sink.block_size)
                 )
                 if previous is not None:
                     await previous.committed.wait()
@@ -294,7 +296,7 @@ class FileWriter:
                 started = time.monotonic()
                 try:
                     attr = await self.sink.write_slice(
-                        self.inode.ino, run.chunk, slice_id, run.pos, len(data), 0, time.time_ns(),
+                        self.inode.ino, run.chunk, slice_id, run.pos, len(view), 0, time.time_ns(),
                         tuple(sorted(short)),
                     )
                 except SliceExpired:
