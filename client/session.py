@@ -237,7 +237,10 @@ class Session:
         return lock
 
     def _unlock_idle(self, ino: int, lock: trio.Lock) -> None:
-        if ino not in self._open and not lock.statistics().tasks_waiting:
+        """Called last while holding ``lock`` (no await after it): with no
+        one waiting for it, the inode's next open or release may take the
+        fast path again."""
+        if not lock.statistics().tasks_waiting:
             self._open_locks.pop(ino, None)
 
     async def open(self, ino: int) -> Attr | None:
@@ -247,18 +250,28 @@ class Session:
         lease's answer and the leader is not told (it revokes the lease
         before anyone unlinks or changes the file, and hears of the open
         then); else the open is announced (``LeaseOpen``: the leader checks
-        the inode is a regular file that still exists) and leased."""
+        the inode is a regular file that still exists) and leased.
+
+        The fast path (an open here already, or a valid lease) takes no
+        lock and yields to no other task: a second read of a small file
+        costs its open a few dictionary lookups. The inode's lock is held
+        only by an announce or a release in flight, which it waits for."""
+        if ino not in self._open_locks:  # nothing in flight: no await from here to the return
+            count = self._open.get(ino, 0)
+            attr = None if count else self._open_leased(ino)
+            if count or attr is not None:
+                self._open[ino] = count + 1
+                return attr
         lock = self._lock(ino)
         attr = None
         async with lock:
-            count = self._open.get(ino, 0)
-            if not count:
-                try:
+            try:
+                count = self._open.get(ino, 0)
+                if not count:
                     attr = self._open_leased(ino) or await self._announce_open(ino)
-                except BaseException:
-                    self._unlock_idle(ino, lock)
-                    raise
-            self._open[ino] = count + 1
+                self._open[ino] = count + 1
+            finally:
+                self._unlock_idle(ino, lock)
         return attr
 
     def leased_attr(self, ino: int) -> Attr | None:
@@ -285,15 +298,24 @@ class Session:
 
     async def release(self, ino: int) -> None:
         """Uncount an open; the last one is announced to the leader, if it
-        knows of the open."""
-        lock = self._lock(ino)
-        async with lock:
+        knows of the open. Without an RPC (not the last, or unannounced)
+        and nothing in flight, no lock and no await, as in :meth:`open`."""
+        if ino not in self._open_locks:  # no await from here to the return
             count = self._open.get(ino, 0)
             if count > 1:
                 self._open[ino] = count - 1
                 return
-            self._open.pop(ino, None)
+            if not count or (self.leases is not None and not self.leases.closed(ino)):
+                self._open.pop(ino, None)
+                return
+        lock = self._lock(ino)
+        async with lock:
             try:
+                count = self._open.get(ino, 0)
+                if count > 1:
+                    self._open[ino] = count - 1
+                    return
+                self._open.pop(ino, None)
                 if count and (self.leases is None or self.leases.closed(ino)):
                     await self.meta.query(Q.Release(self.volume, ino, self.session_id))
             finally:
