@@ -1250,6 +1250,26 @@ class RemoveNode(Command[int]):
             raise InvalidArgument("node id must be 1..128 characters")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrainNode(Command[dict[str, Any]]):
+    """``cachefs datanode drain``: datanode ``node_id`` leaves the placement
+    groups (``drain``) or comes back; its shards stay readable where they are
+    until repair moves them (datanode/drain.py). Refused if too few datanodes
+    would be left for a volume's policy. Reply: the node as the map shows it."""
+
+    TAG: ClassVar[int] = 73
+    NAME: ClassVar[str] = "drain_node"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    MUTATES_VOLUME: ClassVar[bool] = False
+    node_id: str
+    drain: bool = True
+
+    def validate(self) -> None:
+        if not 1 <= len(self.node_id) <= 128:
+            raise InvalidArgument("node id must be 1..128 characters")
+
+
 def check_addr(addr: str) -> str:
     """``host:port`` with a port in 1..65535."""
     host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")

@@ -35,6 +35,7 @@ from cachefs.membership import Registrar, persistent_node_id
 from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
+from .drain import drain_command, remove_command
 from .service import DatanodeService
 from .shardstore import ShardStore, check_volume
 
@@ -80,11 +81,11 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
                 nursery.cancel_scope.cancel()
 
 
-@click.command("datanode")
-@click.option("--zone", required=True, help="Failure domain (rack, AZ) of this datanode.")
-@click.option("--data-dir", required=True, type=click.Path(file_okay=False),
-              help="Directory that holds the shards (created if missing).")
-@click.option("--capacity", required=True, type=SIZE, help="Bytes this datanode may store, e.g. 500G.")
+@click.group("datanode", invoke_without_command=True)
+@click.option("--zone", help="Failure domain (rack, AZ) of this datanode. Required to run one.")
+@click.option("--data-dir", type=click.Path(file_okay=False),
+              help="Directory that holds the shards (created if missing). Required to run one.")
+@click.option("--capacity", type=SIZE, help="Bytes this datanode may store, e.g. 500G. Required to run one.")
 @click.option("--listen", type=ADDR, default="127.0.0.1:7300", show_default=True,
               help="host:port to serve on (port 0: any free port).")
 @click.option("--advertise", type=ADDR, default=None,
@@ -97,11 +98,20 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
 @click.option("--no-fsync", is_flag=True, help="Skip fsync (benchmarks only: not crash safe).")
 @daemon_options("datanode")
 @tls_options
-def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str | None,
+@click.pass_context
+def command(ctx: click.Context, zone: str | None, data_dir: str | None, capacity: int | None, listen: str,
+            advertise: str | None,
             meta: list[str] | None, node_id: str | None, heartbeat: float, no_fsync: bool,
             secret_file: str | None, insecure: bool, log_level: str, log_format: str, log_file: str | None,
             metrics_addr: MetricsAddr, no_metrics: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:
-    """Run a datanode: store erasure-coded or replicated shards on local disk."""
+    """Run a datanode: store erasure-coded or replicated shards on local disk (or,
+    with a subcommand, drain one or remove it from the cluster map)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    for value, name in ((zone, "--zone"), (data_dir, "--data-dir"), (capacity, "--capacity")):
+        if value is None:
+            raise click.UsageError(f"Missing option '{name}' (needed to run a datanode).")
+    assert zone is not None and data_dir is not None and capacity is not None
     setup_logging("datanode", log_level, log_format, log_file, stderr_too=True)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps
     secret = load_secret(secret_file, insecure, cluster=True)
@@ -120,3 +130,7 @@ def command(zone: str, data_dir: str, capacity: int, listen: str, advertise: str
     start_metrics(None if no_metrics else metrics_addr)
     trio.run(with_reload, lambda: serve(store, node_id=ident, zone=zone, listen=listen, advertise=advertise,
                                         secret=secret, meta=meta, heartbeat=heartbeat, tls=tls))
+
+
+command.add_command(drain_command)
+command.add_command(remove_command)

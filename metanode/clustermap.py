@@ -3,7 +3,10 @@
 Theory of operation. Joins, leaves and volume creation are log commands
 (``RegisterNode``, ``RemoveNode``, ``CreateVolume``), applied identically on
 every replica; each bumps ``epoch`` and recomputes the placement groups of
-every volume, so clients can tell a newer map from an older one. Heartbeats
+every volume, so clients can tell a newer map from an older one. A datanode
+marked *draining* (``DrainNode``) is left out of the placement groups but
+stays in the map, readable, until repair has moved its shards and it is
+removed (datanode/drain.py). Heartbeats
 are *soft* state: the leader records ``used`` and ``last_seen`` in memory
 only (a log entry per beat would swamp the log) and derives ``state`` from
 how long ago a node was last heard. A new leader starts every node's clock
@@ -38,6 +41,7 @@ class Node:
     used: int = 0
     last_seen: float = 0.0
     down: bool = False
+    draining: bool = False  # hard state: out of the placement groups (datanodes only)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +52,7 @@ class Node:
             "used": self.used,
             "state": "down" if self.down else "up",
             "last_seen": self.last_seen,
+            "draining": self.draining,
         }
 
 
@@ -130,6 +135,24 @@ class ClusterMap:
             self._place_all()
         return self.epoch
 
+    def set_draining(self, node_id: str, draining: bool) -> dict[str, Any]:
+        """Take datanode ``node_id`` out of the placement groups, or put it back."""
+        node = self.datanodes.get(node_id)
+        if node is None:
+            raise NotFound(f"no datanode {node_id}")
+        if node.draining == draining:
+            return node.to_dict()
+        if draining:
+            left = sum(1 for n in self.datanodes.values() if not n.draining and n.id != node_id)
+            for name, spec in sorted(self.volumes.items()):
+                if spec.width > left:
+                    raise InvalidArgument(f"draining {node_id} would leave {left} datanodes, and volume "
+                                          f"{name!r} ({spec.policy}) needs {spec.width}")  # fmt: skip
+        node.draining = draining
+        self.epoch += 1
+        self._place_all()
+        return node.to_dict()
+
     def add_volume(self, name: str, spec: VolumeSpec) -> None:
         if name in self.volumes:
             raise Exists(f"volume {name!r} exists")
@@ -153,7 +176,7 @@ class ClusterMap:
 
     def _place(self, name: str) -> None:
         spec = self.volumes[name]
-        nodes = [(n.id, n.zone, float(max(n.capacity, 1))) for n in self.datanodes.values()]
+        nodes = [(n.id, n.zone, float(max(n.capacity, 1))) for n in self.datanodes.values() if not n.draining]
         nodes.sort()
         self.pgs[name] = compute_pgs(nodes, spec.pg_count, spec.width, self.pgs.get(name))
 
@@ -207,7 +230,7 @@ class ClusterMap:
         """The hard (replicated) state only, for snapshots."""
         return [
             self.epoch,
-            [[n.id, n.addr, n.zone, n.capacity] for n in self.datanodes.values()],
+            [[n.id, n.addr, n.zone, n.capacity, n.draining] for n in self.datanodes.values()],
             [[n.id, n.addr, n.zone, n.capacity] for n in self.cachenodes.values()],
             [
                 [name, s.policy, s.compression, s.block_size, s.pg_count]
@@ -221,7 +244,7 @@ class ClusterMap:
         epoch, datanodes, cachenodes, volumes, pgs = raw
         return cls(
             epoch=epoch,
-            datanodes={n[0]: Node(*n) for n in datanodes},
+            datanodes={n[0]: Node(*n[:4], draining=len(n) > 4 and bool(n[4])) for n in datanodes},  # older: no flag
             cachenodes={n[0]: Node(*n) for n in cachenodes},
             volumes={v[0]: VolumeSpec(*v[1:]) for v in volumes},
             pgs={name: [list(pg) for pg in groups] for name, groups in pgs},

@@ -512,6 +512,7 @@ class MetaState:
             C.SealSlices: self._seal_slices,
             C.RegisterNode: self._register_node,
             C.RemoveNode: self._remove_node,
+            C.DrainNode: lambda cmd: self.cluster.set_draining(cmd.node_id, cmd.drain),
             C.LinkRepo: self._link_repo,
             C.UnlinkRepo: self._unlink_repo,
             C.ImportObjects: self._import_objects,

@@ -189,13 +189,14 @@ class BackingClient:
 
     def _substitute(self, key: BlockKey, index: int, pg: tuple[str, ...], tried: set[str],
                     suspect: set[str], load: Mapping[str, int]) -> str | None:
-        """The substitute for shard ``index`` of a put: up, not tried, in a zone
-        with no suspect node if possible, holding the fewest shards of the block."""
+        """The substitute for shard ``index`` of a put: up, not draining, not
+        tried, in a zone with no suspect node if possible, holding the fewest
+        shards of the block."""
         nodes = self.view.datanodes
         bad_zones = {nodes[n].zone for n in suspect if n in nodes}
         ranked = [(nodes[n].zone in bad_zones, load.get(n, 0), rank, n)
                   for rank, n in enumerate(self._substitutes(key, index, pg))
-                  if n not in tried and n not in suspect and self._usable(n)]
+                  if n not in tried and n not in suspect and self._usable(n) and not nodes[n].draining]
         return min(ranked)[3] if ranked else None
 
     async def _locate(self, volume: str, key: BlockKey) -> tuple[VolumePolicy, tuple[str, ...]]:

@@ -31,6 +31,7 @@ class DatanodeInfo:
     state: str = "up"
     capacity: int = 0
     used: int = 0
+    draining: bool = False  # readable, but out of the placement groups: no new shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ class ClusterView:
     def build(cls, datanodes: Iterable[DatanodeInfo], volumes: Mapping[str, tuple[VolumePolicy, int]],
               epoch: int = 0) -> ClusterView:
         nodes = list(datanodes)
-        placeable = [(d.id, d.zone, 1.0) for d in nodes if d.state == "up"]
+        placeable = [(d.id, d.zone, 1.0) for d in nodes if d.state == "up" and not d.draining]
         vols = [VolumeInfo(name, policy, tuple(tuple(pg) for pg in place_pgs(placeable, pg_count, policy.n)))
                 for name, (policy, pg_count) in volumes.items()]
         return cls(nodes, vols, epoch)
@@ -68,7 +69,7 @@ class ClusterView:
         """From the ``cluster_map()`` dict of docs/contracts.md."""
         try:
             nodes = [DatanodeInfo(str(n["id"]), str(n["addr"]), str(n["zone"]), str(n.get("state", "up")),
-                                  int(n.get("capacity", 0)), int(n.get("used", 0)))
+                                  int(n.get("capacity", 0)), int(n.get("used", 0)), bool(n.get("draining", False)))
                      for n in cmap.get("datanodes", [])]
             pgs = cmap.get("pgs", {})
             vols = [VolumeInfo(name, VolumePolicy.from_volume(v),
@@ -83,7 +84,7 @@ class ClusterView:
         return {
             "epoch": self.epoch,
             "datanodes": [{"id": d.id, "addr": d.addr, "zone": d.zone, "state": d.state,
-                           "capacity": d.capacity, "used": d.used, "last_seen": 0}
+                           "capacity": d.capacity, "used": d.used, "last_seen": 0, "draining": d.draining}
                           for d in self.datanodes.values()],
             "cachenodes": [],
             "volumes": {v.name: {"policy": str(v.policy), "compression": v.policy.compression,

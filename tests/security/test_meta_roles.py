@@ -32,7 +32,7 @@ TOKEN = "mount-token-of-t"
 # Who may call each metanode method. A new method fails here until its
 # author decides (the default is servers only).
 ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "purge_trash",
-              "list_trash", "list_repairs", "unreferenced_slices", "remove_node",
+              "list_trash", "list_repairs", "unreferenced_slices", "remove_node", "drain_node",
               "link_repo", "unlink_repo", "import_objects", "list_repo_links", "repo_pending", "dump_volume",
               "queue_repo_exports", "repo_export_done", "repo_exports",
               "restore_volume", "check_volume", "delete_volume", "drop_volume",
