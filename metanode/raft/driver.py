@@ -671,15 +671,30 @@ class RaftNode:
             # wait for one fsync, not for the next batch's too. What must
             # wait for the disk (votes, acknowledgements: ``rd.messages``)
             # still does. A snapshot to install comes first (the branch above).
+            #
+            # A follower (or candidate) has nothing else to do meanwhile: its
+            # next input is the answer to what this fsync promises (the
+            # leader keeps one call in flight to it), so it writes inline,
+            # without the thread hop (two wakeups on the commit path). A
+            # leader's loop must go on answering clients: a thread.
             started = time.perf_counter()
-            job = _InThread(self.storage.save, rd.entries, rd.hard_state, True)
-            if rd.snapshot is None:
-                self._apply_ready(rd)
-            try:
-                await job.result()
-            except OSError as exc:  # a full disk: nothing of it was written
-                self._storage_failed(self.storage.save, exc)
-                await self._durably(self.storage.save, rd.entries, rd.hard_state, True)
+            if not self.core.is_leader:
+                try:
+                    self.storage.save(rd.entries, rd.hard_state, True)
+                except OSError as exc:  # a full disk: nothing of it was written
+                    self._storage_failed(self.storage.save, exc)
+                    await self._durably(self.storage.save, rd.entries, rd.hard_state, True)
+                if rd.snapshot is None:
+                    self._apply_ready(rd)
+            else:
+                job = _InThread(self.storage.save, rd.entries, rd.hard_state, True)
+                if rd.snapshot is None:
+                    self._apply_ready(rd)
+                try:
+                    await job.result()
+                except OSError as exc:  # a full disk: nothing of it was written
+                    self._storage_failed(self.storage.save, exc)
+                    await self._durably(self.storage.save, rd.entries, rd.hard_state, True)
             self._m_fsync.observe(time.perf_counter() - started)
             self._m_sync_batch.observe(len(rd.entries))
         elif rd.hard_state is not None:
