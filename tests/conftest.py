@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,23 +100,10 @@ def _no_unexpected_warning_logs(request: pytest.FixtureRequest) -> Iterator[None
 @pytest.fixture(scope="session")
 def small_lab(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """1 metanode, 3 datanodes (ec:2+1), 1 cache node, metrics on: every kind of server, cheaply."""
-    from cachefs.lab.cluster import Lab, LabConfig
-    from cachefs.testing.ports import free_lab_base
+    from cachefs.testing.labs import running_lab
 
-    config = LabConfig(root=str(tmp_path_factory.mktemp("smalllab")), metanodes=1, datanodes=3, cachenodes=1,
-                       zones=3, policy="ec:2+1", metrics=True, data_capacity="2G", cache_capacity="256M",
-                       cache_memory="0")
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("smalllab"), metrics=True) as lab:
         yield lab
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.down()
 
 
 @pytest.fixture(scope="session")

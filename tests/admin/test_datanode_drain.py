@@ -12,7 +12,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,23 +28,10 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def lab(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from cachefs.lab.cluster import Lab, LabConfig
-    from cachefs.testing.ports import free_lab_base
+    from cachefs.testing.labs import running_lab
 
-    config = LabConfig(root=str(tmp_path_factory.mktemp("drainlab")), metanodes=1, datanodes=4, cachenodes=1,
-                       zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
-                       cache_memory="0")  # fmt: skip
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("drainlab"), datanodes=4) as lab:
         yield lab
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.down()
 
 
 def datanode_cli(lab: Any, *args: str) -> subprocess.CompletedProcess[str]:

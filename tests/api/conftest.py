@@ -10,34 +10,21 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cachefs.client.api import FileSystem, connect
+from cachefs.testing.labs import running_lab
 
 
 @pytest.fixture(scope="package")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from cachefs.lab.cluster import Lab, LabConfig
-    from cachefs.testing.ports import free_lab_base
 
-    root = tmp_path_factory.mktemp("apilab")
-    config = LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, policy="ec:2+1",
-                       metrics=False, data_capacity="4G", cache_capacity="1G", cache_memory="32M")
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        # Lab.start hands its children to the state file, not to a Popen it
-        # keeps; the dropped Popen's ResourceWarning is expected.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("apilab"), metanodes=3, cachenodes=2, data_capacity="4G",
+                     cache_capacity="1G", cache_memory="32M") as lab:  # fmt: skip
         yield lab
-    finally:
-        lab.down()
 
 
 @pytest.fixture(scope="package")

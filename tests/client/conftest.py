@@ -9,21 +9,21 @@ the test that caused it.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cachefs.testing.labs import running_lab
+
 REPO = Path(__file__).resolve().parents[2]
+
 
 def mounted(path: Path) -> bool:
     real = os.path.realpath(path)
@@ -163,36 +163,13 @@ class ClusterMount:
         assert not bad, self.log()
 
 
-@contextlib.contextmanager
-def lab_processes() -> Iterator[None]:
-    """Lab.start hands its children to the lab's state file, not to a Popen
-    object it keeps; the dropped Popen's ResourceWarning is expected here."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        try:
-            yield
-        finally:
-            gc.collect()  # any dropped Popen still in a cycle warns now, not in a later test
-
-
 @pytest.fixture(scope="session")
 def cluster(needs_fuse, tmp_path_factory):
     """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1)."""
-    from cachefs.lab.cluster import Lab, LabConfig
-    from cachefs.testing.ports import free_lab_base
 
-    root = tmp_path_factory.mktemp("cluster")
-    config = LabConfig(root=str(root), metanodes=3, datanodes=3, cachenodes=2, zones=3, policy="ec:2+1",
-                       metrics=False, data_capacity="8G", cache_capacity="2G", cache_memory="32M")
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        with lab_processes():
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("cluster"), metanodes=3, cachenodes=2, data_capacity="8G",
+                     cache_capacity="2G", cache_memory="32M") as lab:  # fmt: skip
         yield lab
-    finally:
-        with lab_processes():
-            lab.down()
 
 
 @pytest.fixture

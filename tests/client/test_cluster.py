@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from cachefs import queries as Q
+from cachefs.testing.labs import lab_processes
 from cachefs.testing.ports import free_port
 
-from .conftest import REPO, ClusterMount, lab_processes, mounted
+from .conftest import REPO, ClusterMount, mounted
 
 FIO_DIR = REPO / "bench" / "fio"
 

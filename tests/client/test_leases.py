@@ -22,9 +22,10 @@ from pathlib import Path
 
 from cachefs.client.compaction import COMPACT_DELAY
 from cachefs.metanode.leases import DEFAULT_TERM
+from cachefs.testing.labs import lab_processes
 from cachefs.testing.ports import free_port
 
-from .conftest import ClusterMount, lab_processes
+from .conftest import ClusterMount
 from .test_cluster import _leader
 
 

@@ -13,13 +13,11 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
-from cachefs.lab.cluster import Lab, LabConfig
-from cachefs.testing.ports import free_lab_base
+from cachefs.testing.labs import running_lab
 
 pytestmark = pytest.mark.needs_fuse
 
@@ -27,20 +25,10 @@ pytestmark = pytest.mark.needs_fuse
 @pytest.fixture(scope="module")
 def lab_mount(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("ctl")
-    config = LabConfig(root=str(root / "lab"), metanodes=1, datanodes=3, cachenodes=1, zones=3,
-                       policy="ec:2+1", data_capacity="2G", cache_capacity="256M", cache_memory="16M",
-                       mount_cache="64M")
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(root / "lab", metrics=True, cache_memory="16M", mount_cache="64M") as lab:
         mnt = root / "mnt"
         lab.mount(str(mnt), l2=False)
         yield mnt
-    finally:
-        lab.down()
 
 
 def _cachefs(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

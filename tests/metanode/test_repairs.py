@@ -7,7 +7,6 @@ import math
 import os
 import time
 import urllib.request
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +19,9 @@ from cachefs.backing.cluster import MetaClusterView
 from cachefs.backing.gc import record_block_keys
 from cachefs.client.api import connect
 from cachefs.ids import CHUNK_SIZE, BlockKey
-from cachefs.lab.cluster import Lab, LabConfig
+from cachefs.lab.cluster import Lab
 from cachefs.rpc import RpcPool
-from cachefs.testing.ports import free_lab_base
+from cachefs.testing.labs import running_lab
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,17 +30,9 @@ BOUND = 60.0  # seconds from the datanode's return to full redundancy
 
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Lab]:
-    config = LabConfig(root=str(tmp_path / "lab"), metanodes=1, datanodes=4, cachenodes=0, zones=2,
-                       policy="ec:2+2", metrics=True, data_capacity="2G")
-    config.base_port = free_lab_base(config)
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)  # Lab.start drops its Popen
-            lab.up(timeout=120)
+    with running_lab(tmp_path / "lab", datanodes=4, cachenodes=0, zones=2, policy="ec:2+2",
+                     metrics=True) as lab:  # fmt: skip
         yield lab
-    finally:
-        lab.down()
 
 
 def _under_replicated(lab: Lab) -> float | None:

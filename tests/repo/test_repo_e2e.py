@@ -15,7 +15,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ import boto3
 import pytest
 
 from cachefs.rpc import RpcPool
-from cachefs.testing.ports import free_lab_base, free_port
+from cachefs.testing.labs import running_lab
+from cachefs.testing.ports import free_port
 from cachefs.testing.s3server import SeaweedS3
 
 MiB = 1 << 20
@@ -63,26 +63,8 @@ def objects(s3: SeaweedS3) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def lab(needs_fuse, s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The nodes and the mount inherit the S3 credentials from the environment, as on a real host."""
-    from cachefs.lab.cluster import Lab, LabConfig
-
-    config = LabConfig(root=str(tmp_path_factory.mktemp("repolab")), metanodes=1, datanodes=3, cachenodes=1,
-                       zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
-                       cache_memory="0")
-    config.base_port = free_lab_base(config)
-    saved = dict(os.environ)
-    os.environ.update(s3.env())
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("repolab"), env=s3.env()) as lab:
         yield lab
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.down()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,8 @@ import pytest
 
 from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
-from cachefs.testing.ports import free_lab_base, free_port
+from cachefs.testing.labs import running_lab
+from cachefs.testing.ports import free_port
 from cachefs.testing.s3server import SeaweedS3
 
 MiB = 1 << 20
@@ -66,26 +66,8 @@ def objects(s3: SeaweedS3, prefix: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def lab(needs_fuse, s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Three metanodes (a leader to kill); every node has the S3 credentials, as on a real host."""
-    from cachefs.lab.cluster import Lab, LabConfig
-
-    config = LabConfig(root=str(tmp_path_factory.mktemp("exportlab")), metanodes=3, datanodes=3, cachenodes=1,
-                       zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
-                       cache_memory="0")
-    config.base_port = free_lab_base(config)
-    saved = dict(os.environ)
-    os.environ.update(s3.env())
-    lab = Lab(config)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.up(timeout=120)
+    with running_lab(tmp_path_factory.mktemp("exportlab"), metanodes=3, env=s3.env()) as lab:
         yield lab
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            lab.down()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

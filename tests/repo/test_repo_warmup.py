@@ -7,19 +7,17 @@ block from S3 once. ``--check`` says what each zone holds, fetching nothing.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from cachefs.rpc import RpcPool
-from cachefs.testing.ports import free_lab_base
+from cachefs.testing.labs import running_lab
 from cachefs.testing.s3server import SeaweedS3
 
 from .test_repo_e2e import client, repo_cli
@@ -31,27 +29,9 @@ BLOCKS = 3 + 1 + 1 + 1
 
 @pytest.fixture(scope="module")
 def lab(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SeaweedS3]]:
-    from cachefs.lab.cluster import Lab, LabConfig
-
-    with SeaweedS3(tmp_path_factory.mktemp("weed")) as s3:
-        config = LabConfig(root=str(tmp_path_factory.mktemp("warmlab")), metanodes=1, datanodes=3, cachenodes=3,
-                           zones=3, policy="ec:2+1", metrics=False, data_capacity="2G", cache_capacity="256M",
-                           cache_memory="0")  # fmt: skip
-        config.base_port = free_lab_base(config)
-        saved = dict(os.environ)
-        os.environ.update(s3.env())
-        lab = Lab(config)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ResourceWarning)
-                lab.up(timeout=120)
-            yield lab, s3
-        finally:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ResourceWarning)
-                lab.down()
-            os.environ.clear()
-            os.environ.update(saved)
+    with SeaweedS3(tmp_path_factory.mktemp("weed")) as s3, \
+            running_lab(tmp_path_factory.mktemp("warmlab"), cachenodes=3, env=s3.env()) as lab:
+        yield lab, s3
 
 
 def warmup(lab: Any, *args: str) -> str:
