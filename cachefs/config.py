@@ -180,6 +180,26 @@ def _apply(options: list[Any]) -> Any:
     return decorate
 
 
+class DaemonGroup(click.Group):
+    """A daemon's command that also has subcommands (``cachefs datanode drain``):
+    run without one, it needs the options in ``run_requires`` (parameter
+    names), which click cannot mark required on a group. :meth:`check_run` is
+    the one place that says so: the command calls it before it runs, and
+    validators that only parse a command line (``cachefs.testing.cliparse``)
+    call it too."""
+
+    def __init__(self, *args: Any, run_requires: tuple[str, ...] = (), **kwargs: Any) -> None:
+        kwargs.setdefault("invoke_without_command", True)
+        super().__init__(*args, **kwargs)
+        self.run_requires = run_requires
+
+    def check_run(self, ctx: click.Context) -> None:
+        """MissingParameter for the first option to run the daemon that ``ctx`` lacks."""
+        for param in self.params:
+            if param.name in self.run_requires and ctx.params.get(param.name) is None:
+                raise click.MissingParameter(ctx=ctx, param=param, message=f"needed to run a {self.name}")
+
+
 def daemon_options(kind: str) -> Any:
     """The options every daemon shares (secret, logging, metrics at ``kind``'s default port)."""
     options = [

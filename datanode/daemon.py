@@ -22,6 +22,7 @@ from cachefs.config import (
     ADDR,
     ADDRS,
     SIZE,
+    DaemonGroup,
     daemon_options,
     load_secret,
     load_tls,
@@ -81,7 +82,7 @@ async def serve(store: ShardStore, *, node_id: str, zone: str, listen: str, adve
                 nursery.cancel_scope.cancel()
 
 
-@click.group("datanode", invoke_without_command=True)
+@click.group("datanode", cls=DaemonGroup, run_requires=("zone", "data_dir", "capacity"))
 @click.option("--zone", help="Failure domain (rack, AZ) of this datanode. Required to run one.")
 @click.option("--data-dir", type=click.Path(file_okay=False),
               help="Directory that holds the shards (created if missing). Required to run one.")
@@ -108,9 +109,7 @@ def command(ctx: click.Context, zone: str | None, data_dir: str | None, capacity
     with a subcommand, drain one or remove it from the cluster map)."""
     if ctx.invoked_subcommand is not None:
         return
-    for value, name in ((zone, "--zone"), (data_dir, "--data-dir"), (capacity, "--capacity")):
-        if value is None:
-            raise click.UsageError(f"Missing option '{name}' (needed to run a datanode).")
+    ctx.command.check_run(ctx)  # type: ignore[attr-defined]
     assert zone is not None and data_dir is not None and capacity is not None
     setup_logging("datanode", log_level, log_format, log_file, stderr_too=True)
     keep_large_buffers()  # 1 MiB shard buffers: reuse heap memory instead of fresh mmaps

@@ -47,6 +47,7 @@ from cachefs.commands import check_addr
 from cachefs.config import (
     ADDR,
     SIZE,
+    DaemonGroup,
     daemon_options,
     load_secret,
     load_tls,
@@ -270,7 +271,7 @@ async def serve(
             nursery.cancel_scope.cancel()
 
 
-@click.group("metanode", invoke_without_command=True)
+@click.group("metanode", cls=DaemonGroup, run_requires=("node_id", "peers", "data_dir"))
 @click.option(
     "--id",
     "node_id",
@@ -389,9 +390,7 @@ def command(
     subcommand, change which metanodes there are)."""
     if ctx.invoked_subcommand is not None:
         return
-    for value, name in ((node_id, "--id"), (peers, "--peers"), (data_dir, "--data-dir")):
-        if value is None:
-            raise click.UsageError(f"Missing option '{name}' (needed to run a metanode).")
+    ctx.command.check_run(ctx)  # type: ignore[attr-defined]
     assert node_id is not None and peers is not None and data_dir is not None
     setup_logging("metanode", log_level, log_format, log_file, stderr_too=True)
     secret = load_secret(secret_file, insecure, cluster=True)

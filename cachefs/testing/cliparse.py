@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from cachefs.cli import main
+from cachefs.config import DaemonGroup
 
 
 @dataclass
@@ -50,4 +51,6 @@ def parse_cachefs(argv: list[str], env: dict[str, str], monkeypatch: Any) -> Par
         if isinstance(command, click.Group):
             ctx = click.Context(command, info_name=name, parent=ctx)
     sub_ctx = command.make_context(path[-1], list(args), parent=ctx)
+    if isinstance(command, DaemonGroup) and command is not main:  # it runs by itself: what that needs
+        command.check_run(sub_ctx)
     return Parsed(path, dict(sub_ctx.params))
