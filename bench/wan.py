@@ -535,12 +535,14 @@ __all__ = ["JuiceFS", "LinkProfile", "Relay", "S3Remote", "Testbed", "drop_page_
 
 
 def run_on_testbed(args: argparse.Namespace, prefix: str, measure: Callable[..., dict[str, Any]],
-                   show: Callable[[dict[str, Any]], None], *, with_juicefs: bool = True) -> None:
-    """A benchmark's main: ``measure(bed, args, work)`` on a fresh testbed in a new
-    directory under ``args.workdir``, then the testbed down and the directory gone
-    whatever happened, then the result printed (``--json`` or the tables)."""
+                   show: Callable[[dict[str, Any]], None], *, with_juicefs: bool = True,
+                   testbed: type[Testbed] | None = None) -> None:
+    """A benchmark's main: ``measure(bed, args, work)`` on a fresh testbed (``testbed``,
+    default :class:`Testbed`) in a new directory under ``args.workdir``, then the
+    testbed down and the directory gone whatever happened, then the result printed
+    (``--json`` or the tables)."""
     work = Path(tempfile.mkdtemp(prefix=prefix, dir=args.workdir))
-    bed = Testbed(work / "bed", args.base_port, with_juicefs=with_juicefs and juicefs_binary() is not None)
+    bed = (testbed or Testbed)(work / "bed", args.base_port, with_juicefs=with_juicefs and juicefs_binary() is not None)
     try:
         bed.up()
         result = measure(bed, args, work)
