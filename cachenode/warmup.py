@@ -10,7 +10,6 @@ LIST``, ``--pin-ttl``, and ``--background`` with ``warmup status`` and
 from __future__ import annotations
 
 import json
-import logging
 import ssl
 import sys
 import time
@@ -38,7 +37,6 @@ from cachefs.warming import (
 if TYPE_CHECKING:
     from cachefs.metanode.client import MetaClient
 
-log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- the command
 
