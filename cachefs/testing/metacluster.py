@@ -21,12 +21,22 @@ class MetaCluster:
     """``n`` ``cachefs metanode`` processes with data dirs under ``root``."""
 
     def __init__(self, root: Path, n: int = 3, *, extra: list[str] | None = None,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", peer_addrs: list[str] | None = None,
+                 node_extra: dict[int, list[str]] | None = None) -> None:
+        """``peer_addrs``: where the replicas reach each other, when that is
+        not where they listen (``addrs``), e.g. a relay in between;
+        ``node_extra``: more arguments for replica ``i`` alone."""
         self.root = root
         self.ports = free_ports(n)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
-        self.peers = ",".join(f"{i + 1}={a}" for i, a in enumerate(self.addrs))
+        self.peers = ",".join(f"{i + 1}={a}" for i, a in enumerate(peer_addrs or self.addrs))
         self.extra = extra or []
+        if peer_addrs:
+            self.extra_for = {i: ["--listen", a] for i, a in enumerate(self.addrs)}
+        else:
+            self.extra_for = {}
+        for i, more in (node_extra or {}).items():
+            self.extra_for[i] = [*self.extra_for.get(i, []), *more]
         self.log_level = log_level
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -48,6 +58,7 @@ class MetaCluster:
                 "--log-level",
                 self.log_level,
                 *self.extra,
+                *self.extra_for.get(i, []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -99,6 +99,16 @@ RAFT_SYNC_BATCH = Histogram("cachefs_raft_entries_per_sync",
                             "Log entries made durable by one WAL fdatasync (group commit: the "
                             "proposals batched per fsync, on the leader and on the followers)",
                             ["node"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
+# A proposal's way through this leader: appended (and sent) -> known committed
+# (in a Ready's committed entries) -> applied and answered. The difference of
+# the two is the state machine's share; the first is Raft's (fsyncs, acks).
+_LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.25, 1)
+RAFT_COMMIT_LATENCY = Histogram("cachefs_raft_propose_commit_seconds",
+                                "Leader: from a proposal's append to its entry being committed",
+                                ["node"], buckets=_LATENCY_BUCKETS)
+RAFT_APPLY_LATENCY = Histogram("cachefs_raft_propose_apply_seconds",
+                               "Leader: from a proposal's append to its apply result",
+                               ["node"], buckets=_LATENCY_BUCKETS)
 RAFT_SNAPSHOTS = Counter("cachefs_raft_snapshots_total", "Snapshots taken or installed", ["node"])
 RAFT_REBUILDING = Gauge("cachefs_raft_rebuilding",
                         "1 while this replica's disk is new or was lost and it has not caught up "
@@ -224,8 +234,8 @@ class RaftNode:
         self._ticks = 0
         self._proposals: list[tuple[bytes, _Waiter, Any]] = []
         self._read_requests: list[_Waiter] = []
-        # index -> (term, waiter, the proposer's decoded command or None)
-        self._proposed: dict[int, tuple[int, _Waiter, Any]] = {}
+        # index -> (term, waiter, the proposer's decoded command or None, when appended)
+        self._proposed: dict[int, tuple[int, _Waiter, Any, float]] = {}
         self._reads: dict[int, list[_Waiter]] = {}  # read seq -> waiters
         self._released: list[tuple[int, list[_Waiter]]] = []  # (index, waiters)
         self._outbox: dict[int, list[Message]] = {p: [] for p in peers if p != node_id}
@@ -254,6 +264,8 @@ class RaftNode:
         self._m_fsync = RAFT_FSYNC.labels(label)
         self._m_batch = RAFT_BATCH.labels(label)
         self._m_sync_batch = RAFT_SYNC_BATCH.labels(label)
+        self._m_commit_latency = RAFT_COMMIT_LATENCY.labels(label)
+        self._m_apply_latency = RAFT_APPLY_LATENCY.labels(label)
         self._m_snapshots = RAFT_SNAPSHOTS.labels(label)
         self._m_storage_errors = RAFT_STORAGE_ERRORS.labels(label)
         self._m_rebuilding = RAFT_REBUILDING.labels(label)
@@ -385,7 +397,7 @@ class RaftNode:
         # the entry before its waiter is in place.
         index, term = self.core.propose_membership(new)
         waiter = _Waiter()
-        self._proposed[index] = (term, waiter, None)
+        self._proposed[index] = (term, waiter, None, time.perf_counter())
         self._on_membership()
         self._wake.set()
         await waiter.wait()
@@ -644,8 +656,9 @@ class RaftNode:
                 self.stats["entries"] += len(props)
                 self._m_batch.observe(len(props))
                 proposed = self._proposed
+                now = time.perf_counter()
                 for k, (_, w, decoded) in enumerate(props, first):
-                    proposed[k] = (term, w, decoded)
+                    proposed[k] = (term, w, decoded, now)
         if self._read_requests:
             reads, self._read_requests = self._read_requests, []
             try:
@@ -731,8 +744,10 @@ class RaftNode:
 
     def _apply_ready(self, rd: Ready) -> None:
         """Apply ``rd``'s committed entries; serve the reads they release."""
-        for e in rd.committed_entries:
-            self._apply(e.index, e.term, e.kind, e.data)
+        if rd.committed_entries:
+            committed_at = time.perf_counter()  # (just after the Ready that says so)
+            for e in rd.committed_entries:
+                self._apply(e.index, e.term, e.kind, e.data, committed_at)
         for rs in rd.read_states:
             waiters = self._reads.pop(rs.seq, None)
             if waiters:
@@ -771,7 +786,8 @@ class RaftNode:
         log.error("raft node %d: %s failed (%s); retrying in %.2fs", self.id,
                   getattr(fn, "__name__", fn), exc, delay)
 
-    def _apply(self, index: int, term: int, kind: EntryKind, data: bytes) -> None:
+    def _apply(self, index: int, term: int, kind: EntryKind, data: bytes,
+               committed_at: float) -> None:
         error: CacheFSError | None = None
         result: Any = None
         waiting = self._proposed.pop(index, None)
@@ -787,7 +803,9 @@ class RaftNode:
         self.stats["applied"] += 1
         if waiting is None:
             return
-        wterm, waiter, _ = waiting
+        wterm, waiter, _, appended_at = waiting
+        self._m_commit_latency.observe(committed_at - appended_at)
+        self._m_apply_latency.observe(time.perf_counter() - appended_at)
         if wterm != term:
             waiter.fail(self._not_leader())  # our entry was overwritten
         elif error is not None:
@@ -810,7 +828,7 @@ class RaftNode:
                 for w in waiters:
                     w.fail(err)
             self._reads.clear()
-            for _, w, _ in self._proposed.values():
+            for _, w, _, _ in self._proposed.values():
                 w.fail(err)
             self._proposed.clear()
 
@@ -928,7 +946,7 @@ class RaftNode:
             w.fail(err)
         for w in self._read_requests:
             w.fail(err)
-        for _, w, _ in self._proposed.values():
+        for _, w, _, _ in self._proposed.values():
             w.fail(err)
         for waiters in self._reads.values():
             for w in waiters:
