@@ -1270,6 +1270,61 @@ class DrainNode(Command[dict[str, Any]]):
             raise InvalidArgument("node id must be 1..128 characters")
 
 
+# -- tree operations (cachefs tree clone / delete, see metanode/trees.py) ------------
+
+MAX_TREE_BATCH = 10_000  # entries one command handles: bounds the time one apply takes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloneEntry(Command[dict[str, Any]]):
+    """``cachefs tree clone``'s first step: ``src_parent/src_name`` is copied as
+    ``new_parent/new_name`` without copying data. A file gets a new inode
+    holding the same slice records (each slice gains a holder); a directory
+    an empty one with the same attributes (``CloneDir`` fills it). Reply:
+    ``{"ino", "is_dir", "bytes"}`` of the copy."""
+
+    TAG: ClassVar[int] = 74
+    NAME: ClassVar[str] = "clone_entry"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str
+    src_parent: int  # not named parent/name: the source is read, not changed (no lease revoked)
+    src_name: bytes
+    new_parent: int
+    new_name: bytes
+
+    def validate(self) -> None:
+        check_int(self.src_parent, "src_parent", 1)
+        check_int(self.new_parent, "new_parent", 1)
+        check_name(self.src_name)
+        check_name(self.new_name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloneDir(Command[dict[str, Any]]):
+    """Copy the entries of directory ``src`` after readdir cookie ``cookie``,
+    at most ``limit``, into the empty-so-far copy ``new_parent`` (as
+    ``CloneEntry`` copies one). Reply: ``{"cookie"}`` to go on from (0: the
+    directory is done), ``"entries"``, ``"bytes"`` and ``"dirs"``: the
+    ``[source, copy]`` inode pairs of the subdirectories, still to fill."""
+
+    TAG: ClassVar[int] = 75
+    NAME: ClassVar[str] = "clone_dir"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str
+    src: int
+    new_parent: int
+    cookie: int = 0
+    limit: int = 1000
+
+    def validate(self) -> None:
+        check_int(self.src, "src", 1)
+        check_int(self.new_parent, "new_parent", 1)
+        check_int(self.cookie, "cookie")
+        check_int(self.limit, "limit", 1, MAX_TREE_BATCH)
+
+
 def check_addr(addr: str) -> str:
     """``host:port`` with a port in 1..65535."""
     host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")

@@ -15,7 +15,9 @@ principles (walking dentries), never from the counters it is checking:
   listed orphan is such an inode;
 - per-directory subtree usage and the volume's byte count match a recount;
 - readdir cookies are unique, increasing in dict order and below
-  ``next_cookie``; slice records lie inside their chunk and inside the file.
+  ``next_cookie``; slice records lie inside their chunk and inside the file;
+- a slice held by several records (tree clone) is counted in ``shared``
+  exactly that many times less one, and no slice in the trash is held.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
         if inode.nlink != 2 + subdirs:
             p.append(f"{name}: dir {ino} nlink {inode.nlink}, expected {2 + subdirs}")
     total_bytes = 0
+    holders: Counter[int] = Counter()  # slice -> records holding it, in every file
     for ino, inode in inodes.items():
         n = links[ino]
         total_bytes += inode.stored
@@ -145,6 +148,8 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
                     p.append(f"{name}: inode {ino} uses unallocated slice {slice_id}")
                 if chunk * CHUNK_SIZE + pos + length > inode.size:
                     p.append(f"{name}: inode {ino} slice {slice_id} lies past the size")
+                if slice_id != HOLE and not is_repo_slice(slice_id):
+                    holders[slice_id] += 1
     if total_bytes != vol.used_bytes:
         p.append(f"{name}: used_bytes {vol.used_bytes}, recount {total_bytes}")
     p.extend(_check_tree(vol))
@@ -153,6 +158,13 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
             p.append(f"{name}: orphan {ino} is gone or still linked")
     if len(vol.trash) % struct.calcsize("<QIQ"):
         p.append(f"{name}: trash is not whole records")
+    shared = {sid: n - 1 for sid, n in holders.items() if n > 1}
+    if shared != vol.shared:
+        wrong = sorted(set(shared.items()) ^ set(vol.shared.items()))[:10]
+        p.append(f"{name}: shared slice counts differ from a recount of the records (slice, extra): {wrong}")
+    held_trash = sorted({rec[0] for rec in struct.iter_unpack("<QIQ", vol.trash)} & holders.keys())
+    if held_trash:
+        p.append(f"{name}: slices in the trash are still held by files: {held_trash[:10]}")
     if vol.repairs:  # a queued block's slice is in some file, or in the trash until its blocks go
         known = {rec[0] for rec in struct.iter_unpack("<QIQ", vol.trash)}
         for inode in inodes.values():

@@ -69,6 +69,15 @@ first, until the leader's repair service reports them whole
 (``RepairsDone``) or their slice leaves the trash (``PurgeTrash``: its
 blocks are gone).
 
+Shared slices: a tree clone (``metanode/trees.py``) copies files' slice
+records, so one slice may be held by records of several files; blocks are
+immutable, so writes to either copy make new slices and never change the
+other. ``Volume.shared`` counts, per such slice, its records beyond the
+first; every removal of a record goes through ``_trash``, which lowers that
+count and trashes the slice only when its last record goes. So the trash (and
+the collector, which deletes only trashed slices' blocks) never holds a
+slice a file still reads.
+
 Slice floor: ``SealSlices`` raises ``slice_floor``, below which no slice
 may be committed any more (``SliceExpired``), so a slice below it that
 nothing references now never will be, and the collector may delete its
@@ -259,6 +268,7 @@ class Volume:
         "token_hash",
         "repairs",
         "deleted_ns",
+        "shared",
     )
 
     def __init__(self, name: str, now: int) -> None:
@@ -272,6 +282,9 @@ class Volume:
         self.token_hash = ""  # sha256 hex of the mount token; "" = open volume
         self.repairs: dict[tuple[int, int], int] = {}  # (slice_id, block) stored short -> when queued
         self.deleted_ns = 0  # deleted (C.DeleteVolume): a tombstone until the trash is empty
+        # slice id -> records holding it beyond the first (tree clone); a slice
+        # held once, the usual case, is not listed (see "Shared slices" above)
+        self.shared: dict[int, int] = {}
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
         self.inodes[ROOT] = root
@@ -524,6 +537,8 @@ class MetaState:
             C.SubmitJob: self._submit_job,
             C.CancelJob: lambda cmd: self.jobs.cancel(cmd),
             C.JobProgress: lambda cmd: self.jobs.progress(cmd),
+            C.CloneEntry: self._clone_entry,
+            C.CloneDir: self._clone_dir,
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -807,9 +822,28 @@ class MetaState:
             parent.nlink -= 1
 
     def _trash(self, vol: Volume, slice_id: int, slice_size: int, now: int) -> None:
+        """A record of ``slice_id`` went: the slice goes to the trash unless
+        another record still holds it (then it has one holder fewer)."""
         # a hole record has no blocks; a repo slice's blocks are in its bucket
-        if slice_id != HOLE and not is_repo_slice(slice_id):
+        if slice_id == HOLE or is_repo_slice(slice_id):
+            return
+        extra = vol.shared.get(slice_id)
+        if extra is None:
             vol.trash += _TRASH.pack(slice_id, slice_size, now)
+        elif extra > 1:
+            vol.shared[slice_id] = extra - 1
+        else:
+            del vol.shared[slice_id]
+
+    @staticmethod
+    def share(vol: Volume, data: bytes | dict[int, bytes] | None) -> None:
+        """Every slice of the records ``data`` gains a holder (a file cloned
+        from them): the mirror of :meth:`_trash`."""
+        shared = vol.shared
+        for rec in _all_records(data):
+            sid = rec[1]
+            if sid != HOLE and not is_repo_slice(sid):
+                shared[sid] = shared.get(sid, 0) + 1
 
     @staticmethod
     def keeps(expect: int, keep: bool, ino: int) -> bool:
@@ -947,6 +981,16 @@ class MetaState:
             raise Busy(f"volume {cmd.volume!r} still has {len(vol.trash) // _TRASH.size} trashed slices")
         del self.volumes[cmd.volume]
         self.cluster.remove_volume(cmd.volume)
+
+    def _clone_entry(self, cmd: C.CloneEntry) -> dict[str, Any]:
+        from .trees import clone_entry  # trees.py builds on this module's types
+
+        return clone_entry(self, cmd)
+
+    def _clone_dir(self, cmd: C.CloneDir) -> dict[str, Any]:
+        from .trees import clone_dir
+
+        return clone_dir(self, cmd)
 
     def _restore_volume(self, cmd: C.RestoreVolume) -> dict[str, Any]:
         from .backup import parse, restore  # backup.py builds on this module's types

@@ -12,8 +12,8 @@ version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
 bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
 links and imported objects (none before). ``Inode.stored`` is not in the
 blob: loading sums it from the slice records.
-Fields added since (a volume's token hash and repair queue, the slice
-floor, the jobs table) are optional at the end of their list, so older
+Fields added since (a volume's token hash, repair queue and shared
+slices, the slice floor, the jobs table) are optional at the end of their list, so older
 snapshots load.
 """
 
@@ -153,6 +153,7 @@ def volume_row(vol: Volume) -> list[Any]:
         vol.token_hash,
         [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
         vol.deleted_ns,
+        [v for slice_id, extra in sorted(vol.shared.items()) for v in (slice_id, extra)],
     ]
 
 
@@ -164,6 +165,8 @@ def load_volume(row: list[Any], version: int = VERSION) -> Volume:
     flat = later[1] if len(later) > 1 else []  # older snapshots: no repair queue
     vol.repairs = {(flat[k], flat[k + 1]): flat[k + 2] for k in range(0, len(flat), 3)}
     vol.deleted_ns = later[2] if len(later) > 2 else 0  # older snapshots: no tombstones
+    shared = later[3] if len(later) > 3 else []  # older snapshots: no clones
+    vol.shared = dict(zip(shared[::2], shared[1::2], strict=True))
     vol.inodes.clear()
     vol.next_ino = next_ino
     vol.used_bytes = used_bytes

@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, str] = {
     "credential": "cachefs.cli.credential:credential",
     "repo": "cachefs.cli.repo:repo",
     "import": "cachefs.cli.ingest:command",
+    "tree": "cachefs.cli.tree:tree",
 }
 
 # Optional dependencies: the module a failed import names -> (the extra that installs it, a note).
