@@ -362,7 +362,7 @@ def finish_args(args: argparse.Namespace) -> None:
         if p not in PROFILES:
             raise SystemExit(f"unknown link profile {p!r}; choose from {', '.join(PROFILES)}")
     if args.quick:
-        args.files, args.classes, args.epochs = min(args.files, 48), min(args.classes, 4), 2
+        args.files, args.classes, args.epochs = min(args.files, 24), min(args.classes, 4), 2
         args.batch_size, args.profiles = 8, ["rtt2ms"]
 
 
