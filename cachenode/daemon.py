@@ -31,6 +31,7 @@ import trio
 from cachefs import sdnotify
 from cachefs.backing.codec import keep_large_buffers
 from cachefs.blockstore import BlockStore
+from cachefs.buffers import BufferPool
 from cachefs.config import (
     ADDR,
     ADDRS,
@@ -116,6 +117,7 @@ async def serve(
         own = as_credential(secret, f"cachenode-{node_id}")
         async with trio.open_nursery() as nursery, RpcPool(secret=own, tls=tls[1]) as pool:
             backing: Any = NoBacking()
+            buffers = BufferPool(keep=8)  # fill buffers, shared by the backing client and the service
             meta_client = None
             if meta:
                 from cachefs.backing.client import BackingClient
@@ -130,14 +132,14 @@ async def serve(
                 from cachefs.repo.source import RepoBlocks
 
                 # blocks of imported files come from their buckets, the rest from the datanodes
-                backing = RepoBlocks(BackingClient(pool, view, zone=zone), meta_client.query)
+                backing = RepoBlocks(BackingClient(pool, view, zone=zone, buffers=buffers), meta_client.query)
             peers = None
             if meta_client is not None:
                 peers = PeerZones(pool, zone, node_id, functools.partial(meta_client.query, ClusterMap()))
                 nursery.start_soon(peers.run)
             service = CacheService(
                 store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id,
-                peers=peers,
+                peers=peers, buffers=buffers,
             )  # fmt: skip
             server = RpcServer(service, name="cachenode", secret=secret, limits=Limits(), tls=tls[0])
             if rdma:

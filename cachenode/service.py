@@ -74,6 +74,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from cachefs.blockstore import BlockStore
+from cachefs.buffers import BufferPool
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.errors import (
     Busy,
@@ -265,8 +266,12 @@ class CacheService:
         node: str = "cachenode",
         expire_interval: float = 60.0,
         peers: PeerZones | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
+        """``buffers``: the pool ``backing`` takes its fill buffers from; a
+        finished fill's buffer is retired there (:mod:`cachefs.buffers`)."""
         self.store = store
+        self.buffers = buffers
         self.backing = backing
         self.peers = peers
         self._held_elsewhere: set[BlockKey] = set()  # fills served by another zone's node
@@ -326,8 +331,10 @@ class CacheService:
     # -- reads ------------------------------------------------------------------
 
     async def _read_cached(
-        self, key: BlockKey, offset: int, length: int
+        self, key: BlockKey, offset: int, length: int, *, inline: bool = True
     ) -> tuple[memoryview, int] | None:
+        """``inline=False``: the caller's inline try found the bytes on the
+        disk already; read them in a thread without asking the page cache again."""
         entry = self.store.lookup(key)
         if entry is None:
             return None
@@ -336,7 +343,7 @@ class CacheService:
             trio.to_thread.run_sync, self.store.read, key, offset, length, limiter=self._io_threads
         )
         try:
-            if span <= self.limits.inline_read_max or self.store.in_memory(key):
+            if inline and (span <= self.limits.inline_read_max or self.store.in_memory(key)):
                 try:
                     data = self.store.read(key, offset, length, nowait=True)
                 except WouldBlock:  # on the disk: not on the event loop
@@ -349,9 +356,12 @@ class CacheService:
         return None if data is None else (data, entry.size)
 
     async def read(
-        self, volume: str, key: BlockKey, offset: int = 0, length: int = -1, policy: str = "wait"
+        self, volume: str, key: BlockKey, offset: int = 0, length: int = -1, policy: str = "wait",
+        *, inline: bool = True,
     ) -> tuple[memoryview, int, bool]:
         """Bytes of a block, its size and whether it was a hit (no limits; for in-process use).
+
+        ``inline=False``: the caller tried the store inline already (``get``).
 
         Raises:
             CacheMiss: under ``fast-fail`` when the block is not cached.
@@ -362,7 +372,7 @@ class CacheService:
             raise InvalidArgument(f"miss policy must be one of {POLICIES}, got {policy!r}")
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range: offset={offset} length={length}")
-        cached = await self._read_cached(key, offset, length)
+        cached = await self._read_cached(key, offset, length, inline=inline)
         if cached is None and key not in self._fills and self.store.lookup(key) is not None:
             # Dropped under this read (found short here, or unlinked by a
             # reader that found it short) and filled again before it resumed:
@@ -496,6 +506,9 @@ class CacheService:
         except Exception:  # a bug must not end the node
             self.counters.backing_errors += 1
             log.exception("%s: storing %s failed unexpectedly", self.node, key.hex())
+        finally:
+            if self.buffers is not None:  # reused once its readers' views and the flight are gone
+                self.buffers.retire(data)
 
     async def _store(self, volume: str, key: BlockKey, data: Buffer) -> bool:
         try:
@@ -616,6 +629,7 @@ class CacheService:
         hit = self._inline_hit(block_key, offset, length)
         if hit is not None:
             return hit
+        # Not served inline (not cached, too long, on the disk or corrupt): _get does not try again.
         return self._get(volume, block_key, offset, length, policy, ctx)
 
     def _inline_hit(self, key: BlockKey, offset: int, length: int) -> Reply | None:
@@ -650,7 +664,7 @@ class CacheService:
         ctx: CallContext | None,
     ) -> Reply:
         with self._slot(ctx):
-            data, size, hit = await self.read(volume, key, offset, length, policy)
+            data, size, hit = await self.read(volume, key, offset, length, policy, inline=False)
         return Reply({"size": size, "hit": hit}, payload=data)
 
     @rpc_method(roles=CLIENTS)
@@ -736,5 +750,6 @@ class CacheService:
             "peeks_missed": c.peeks_missed,
             "held_elsewhere": c.held_elsewhere,
             "placed_elsewhere": c.placed_elsewhere,
+            **(self.buffers.stats if self.buffers is not None else {}),
             **(self.peers.stats if self.peers is not None else {}),
         }

@@ -32,7 +32,7 @@ class L1Cache:
 
     def __init__(self, capacity: int, recycle: Callable[[Block], None] | None = None) -> None:
         """``recycle``: given each evicted block as its last reference (see
-        :class:`.buffers.BufferPool`)."""
+        :class:`cachefs.buffers.BufferPool`)."""
         if capacity < 0:
             raise ValueError("L1 capacity must be >= 0")
         self.capacity = capacity

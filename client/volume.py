@@ -39,13 +39,13 @@ import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
+from cachefs.buffers import BufferPool
 from cachefs.errors import CacheFSError
 from cachefs.ids import BlockKey
 from cachefs.layout import Run
 from cachefs.messages import Attr
 from cachefs.tasks import TaskGuard
 
-from .buffers import BufferPool
 from .compaction import Compactor
 from .inodes import GHOSTS, Inode, InodeTable
 from .l1 import L1Cache

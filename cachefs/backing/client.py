@@ -38,7 +38,9 @@ against the block checksum. Either way each shard's bytes are received in
 their place in one buffer of the result (``RpcPool.call(into=...)``): no
 shard buffer is allocated and filled, and no block is joined from pieces
 (measured on a cache node's cold fills: those copies and zero fills were
-~7% of its CPU). Anything unexpected (a shard missing, slow, short or
+~7% of its CPU); with ``buffers`` (a cache node's), that buffer is one
+a finished fill retired (:mod:`cachefs.buffers`), not a fresh zeroed
+one. Anything unexpected (a shard missing, slow, short or
 corrupt, a compressed block) falls back to the whole-block read above,
 which reconstructs from parity.
 Which shards and offsets cover a range depends on the block's header (its
@@ -72,6 +74,7 @@ from prometheus_client import Counter
 from cachefs.backing.codec import BlockHeader, Codec, ShardRange
 from cachefs.backing.placement import handoff_order
 from cachefs.backing.policy import VolumePolicy
+from cachefs.buffers import BufferPool
 from cachefs.checksum import checksum
 from cachefs.errors import (
     CacheFSError,
@@ -143,8 +146,9 @@ class BackingClient:
 
     def __init__(self, pool: RpcPool, view: Any, *, zone: str | None = None, timeout: float = 10.0,
                  hedge_min: float = 0.02, hedge_max: float = 0.5, put_grace: float = 0.5,
-                 suspect_for: float = 5.0) -> None:
+                 suspect_for: float = 5.0, buffers: BufferPool | None = None) -> None:
         self.pool = pool
+        self.buffers = buffers  # where range reads take their result buffers (a cache node's fills)
         self.view = view
         self.zone = zone
         self.timeout = timeout
@@ -636,7 +640,8 @@ class BackingClient:
             if not plan:
                 raise _Fallback
             # A new buffer each round: a shard read given up on may still land in the old one.
-            buf = bytearray(sum(r.length for r in plan))
+            size = sum(r.length for r in plan)
+            buf = self.buffers.take(size) if self.buffers is not None else bytearray(size)
             view = memoryview(buf)
             places, at = [], 0
             for r in plan:

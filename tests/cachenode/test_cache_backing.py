@@ -12,6 +12,7 @@ import trio
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
 from cachefs.blockstore import BlockStore
+from cachefs.buffers import BufferPool
 from cachefs.cachenode.service import CacheService
 from cachefs.errors import NotFound
 from cachefs.ids import BlockKey
@@ -87,3 +88,38 @@ async def test_read_through_real_datanodes_then_hits_survive_backing_loss(
             nursery.cancel_scope.cancel()
     finally:
         datanodes.ensure_running()
+
+
+async def test_a_fill_buffer_is_used_again_only_once_nobody_holds_it(tmp_path: Path, datanodes: Datanodes) -> None:
+    """A finished fill's buffer receives a later block, never while a reader
+    still holds a view of it (the view keeps its bytes)."""
+    view = datanodes.view({"ec": VolumePolicy.parse("ec:2+1")}, pg_count=4)
+    rng = random.Random(22)
+    blocks = {BlockKey(4000 + i, 0): rng.randbytes(2 << 20) for i in range(3)}
+    store = BlockStore.open(tmp_path / "cache", 64 << 20)
+    buffers = BufferPool()
+    async with RpcPool(secret=SECRET) as pool, trio.open_nursery() as nursery:
+        backing = BackingClient(pool, view, buffers=buffers)
+        for key, data in blocks.items():
+            await backing.put_block("ec", key, data)
+        service = CacheService(store, backing, nursery=nursery, node="cn-buffers", buffers=buffers)
+
+        async def read_settled(key: BlockKey) -> memoryview:
+            """The block as a miss serves it (a view of the fill's buffer), once the fill is over."""
+            data, _size, hit = await service.read("ec", key)
+            assert not hit
+            flight = service._fills.get(key)
+            if flight is not None:
+                await flight.finished.wait()
+            del flight  # it holds the buffer too
+            return data
+
+        (k1, b1), (k2, b2), (k3, b3) = blocks.items()
+        v1 = await read_settled(k1)
+        v2 = await read_settled(k2)  # k1's buffer is retired, but v1 still sees it
+        assert buffers.stats["buffers_reused"] == 0 and bytes(v1) == b1 and bytes(v2) == b2
+        del v1, v2
+        v3 = await read_settled(k3)
+        assert buffers.stats["buffers_reused"] == 1 and bytes(v3) == b3
+        assert len(store) == 3 and bytes(store.read(k1) or b"") == b1  # what went to flash is intact
+        nursery.cancel_scope.cancel()

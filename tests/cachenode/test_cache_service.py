@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.cachenode.service import CacheLimits
 from cachefs.errors import Busy, CacheMiss, InvalidArgument, NotFound
 from cachefs.ids import BlockKey
+from cachefs.pagecache import WouldBlock
 from cachefs.rpc import RpcPool
 
 from .blockserver import cache_setup
@@ -143,6 +145,39 @@ async def test_corrupt_cached_block_is_refetched(tmp_path: Path) -> None:
         assert stats["corrupt"] == 1 and stats["corrupt_refetched"] == 1
         reply = await c.get(key, SIZE - 200, 200)
         assert reply.result["hit"] and bytes(reply.payload) == data[-200:]
+
+
+async def test_a_block_on_the_disk_is_asked_of_the_page_cache_once(tmp_path: Path) -> None:
+    """A hit that the page cache does not hold goes to a thread after one
+    RWF_NOWAIT try, not a second one on the way there."""
+    blocks = _blocks(1)
+    key, data = next(iter(blocks.items()))
+    async with cache_setup(tmp_path, blocks) as c:
+        await c.get(key)
+        await _until_cached(c.store, key)
+        fd = os.open(c.store.path(key), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the block is on the disk only
+        finally:
+            os.close(fd)
+        tries: list[bool] = []  # per page-cache try: whether it found the bytes
+        read = c.store.read
+
+        def spy(key: BlockKey, offset: int = 0, length: int = -1, *, nowait: bool = False) -> memoryview | None:
+            try:
+                data = read(key, offset, length, nowait=nowait)
+            except WouldBlock:
+                tries.append(False)
+                raise
+            if nowait:
+                tries.append(True)
+            return data
+
+        c.store.read = spy  # type: ignore[method-assign]
+        reply = await c.get(key, 4096, 4096)
+        assert reply.result["hit"] and bytes(reply.payload) == data[4096:8192]
+        assert tries == [False]
 
 
 async def test_request_limits_answer_busy(tmp_path: Path) -> None:

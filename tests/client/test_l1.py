@@ -7,7 +7,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.client.buffers import BufferPool
+from cachefs.buffers import BufferPool
 from cachefs.client.l1 import L1Cache
 from cachefs.ids import BlockKey
 
