@@ -99,6 +99,11 @@ class InodeTable:
     def __len__(self) -> int:
         return len(self._inodes)
 
+    @property
+    def ghosts(self) -> int:
+        """Inodes that left the table and keep their slice lists."""
+        return len(self._ghosts)
+
     def __contains__(self, ino: int) -> bool:
         return ino in self._inodes
 

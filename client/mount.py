@@ -88,9 +88,10 @@ from cachefs.transport import MODES, RdmaUnavailable
 
 from . import fallocate_hook, libfuse_ops, noflush_hook
 from .fs import CacheFS
+from .memory import MemoryBudget, upload_factor
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR
-from .volume import MAX_BACKGROUND, ClientOptions, Volume
+from .volume import FUSE_WORKERS, MAX_BACKGROUND, ClientOptions, Volume
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,7 @@ class MountCollector:
         self.engine = engine
         self.ops = ops
         self.calls = calls  # the RPC pool's round trips by method
+        self.memory: MemoryBudget | None = None  # the mount's bound, once it is set up
         self._registry: Any = None  # a CollectorRegistry of this collector alone, made on first use
 
     def text(self) -> bytes:
@@ -295,6 +297,24 @@ class MountCollector:
                 buckets, total = self.calls.histogram(method)
                 rpc.add_metric([method], buckets, total)
             yield rpc
+
+    def _memory(self, budget: MemoryBudget):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import GaugeMetricFamily
+
+        engine = self.engine
+        leases = engine.session.leases
+        parts = budget.parts(
+            inodes=len(engine.inodes), ghosts=engine.inodes.ghosts, leases=len(leases) if leases is not None else 0,
+            l2_blocks=len(engine.l2.store) if engine.l2 is not None else 0,
+        )
+        each = GaugeMetricFamily("cachefs_mount_memory_budget_bytes",
+                                 "The parts of the mount's memory bound (docs/deploy.md, Memory of a mount)",
+                                 labels=["part"])
+        for part, size in parts.items():
+            each.add_metric([part], size)
+        yield each
+        yield _gauge("cachefs_mount_memory_bound_bytes",
+                     "The most resident memory the mount may hold: the sum of its budgets", sum(parts.values()))
 
     def collect(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import (
@@ -377,6 +397,8 @@ class MountCollector:
         )
         rss.add_metric([], heap.rss())
         yield rss
+        if self.memory is not None:
+            yield from self._memory(self.memory)
         failed = CounterMetricFamily(
             "cachefs_mount_task_failures",
             "Background tasks that raised an unexpected exception (logged; the mount kept serving)",
@@ -474,8 +496,9 @@ async def run_fs(
                                   session.meta.addrs)
         engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
         engine.nursery.start_soon(_trim_heap, restart=True)
+        collector.memory = memory_budget(engine, heap.rss())  # set up, not yet serving
         try:
-            await pyfuse3.main()
+            await pyfuse3.main(max_tasks=options.fuse_workers)
         finally:
             with trio.CancelScope(shield=True):
                 await engine.flush_all(stopping.deadline())
@@ -488,6 +511,20 @@ async def run_fs(
         log.error("unmounted with %d file(s) not committed; their data is in spill files (see above)", engine.spilled)
         return 1
     return 0
+
+
+def memory_budget(engine: Volume, fixed: int) -> MemoryBudget:
+    """The mount's memory bound (:mod:`.memory`); ``fixed``: its resident size
+    once it is set up, before it serves."""
+    options, session = engine.options, engine.session
+    policy = None
+    with contextlib.suppress(CacheFSError):  # no placement groups yet: the widest layout
+        policy = session.view.policy(session.volume) if session.view is not None else None
+    return MemoryBudget(
+        fixed=fixed, l1=options.l1_bytes, write_buffers=options.write_buffer_total, block_size=engine.block_size,
+        upload_parallel=options.upload_parallel, upload_factor=upload_factor(policy),
+        fuse_workers=options.fuse_workers, l2=engine.l2 is not None,
+    )
 
 
 class _Stopping:
@@ -647,6 +684,13 @@ def _remove_pid(mountpoint: str) -> None:
     help="FUSE requests in flight in the background (async/direct I/O); 0: the kernel's 12.",
 )
 @click.option(
+    "--fuse-workers",
+    type=click.IntRange(1, 1024),
+    default=FUSE_WORKERS,
+    show_default=True,
+    help="FUSE requests served at once (pyfuse3 worker tasks, each with a 1 MiB receive buffer).",
+)
+@click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
     default=None,
@@ -730,6 +774,7 @@ def mount_command(
     write_through: bool,
     transport: str,
     max_background: int,
+    fuse_workers: int,
     cache_dir: str | None,
     cache_size: int,
     free_space_ratio: float,
@@ -768,6 +813,7 @@ def mount_command(
         transport=transport,
         read_only=read_only,
         max_background=max_background,
+        fuse_workers=fuse_workers,
         cache_dir=os.path.abspath(cache_dir) if cache_dir else "",
         cache_size=cache_size,
         free_space_ratio=free_space_ratio,

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_IDLE = 5.0  # seconds without a write before an open file's extents are uploaded
 MAX_BACKGROUND = 64  # FUSE background requests in flight (async/direct I/O); see mount.py
+FUSE_WORKERS = 99  # pyfuse3's own cap; each worker keeps a 1 MiB receive buffer (see memory.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class ClientOptions:
     entry_timeout: float = 1.0  # how long a resolved name is trusted
     attr_timeout: float = 1.0  # mount only: the kernel's attribute cache
     max_background: int = MAX_BACKGROUND  # mount only: FUSE background requests
+    fuse_workers: int = FUSE_WORKERS  # mount only: pyfuse3 worker tasks (requests served at once)
     cache_dir: str = ""  # L2 on local flash ("": none)
     cache_size: int = 10 << 30  # L2 capacity in bytes
     free_space_ratio: float = 0.1  # L2 keeps this share of its filesystem free
