@@ -1325,6 +1325,52 @@ class CloneDir(Command[dict[str, Any]]):
         check_int(self.limit, "limit", 1, MAX_TREE_BATCH)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeleteTree(Command[dict[str, Any]]):
+    """``cachefs tree delete``: directory ``parent/name`` leaves the namespace
+    at once (its usage with it) and is listed as being deleted; the leader
+    then frees its inodes in ``PurgeTree`` steps, in the background. Reply:
+    ``{"ino", "inodes"}``: the directory and how many inodes it holds, itself
+    included (``ListTreeDeletes`` shows how many are left)."""
+
+    TAG: ClassVar[int] = 76
+    NAME: ClassVar[str] = "delete_tree"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str
+    parent: int
+    name: bytes
+
+    def validate(self) -> None:
+        check_int(self.parent, "parent", 1)
+        check_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PurgeTree(Command[int]):
+    """Remove up to ``limit`` inodes of tree ``root`` being deleted, deepest
+    first (the order is the state machine's: ``metanode/trees.py``). ``inos``
+    (leader-stamped): what the leader expects it to remove, whose leases it
+    revoked; ``free``: those of its files that no session has open: a file
+    dropping its last link is freed only if listed, else kept as an orphan
+    (as ``Unlink``'s ``keep``). No ``NAME``: the leader proposes it. Reply:
+    how many inodes it removed."""
+
+    TAG: ClassVar[int] = 77
+    REPLY: ClassVar[Callable[[Any], Any]] = M.integer
+    volume: str
+    root: int
+    limit: int = 1000
+    inos: tuple[int, ...] = ()
+    free: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        check_int(self.root, "root", 1)
+        check_int(self.limit, "limit", 1, MAX_TREE_BATCH)
+        if len(self.inos) > 2 * MAX_TREE_BATCH or len(self.free) > MAX_TREE_BATCH:
+            raise InvalidArgument(f"at most {MAX_TREE_BATCH} inodes per purge")
+
+
 def check_addr(addr: str) -> str:
     """``host:port`` with a port in 1..65535."""
     host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")

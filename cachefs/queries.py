@@ -235,6 +235,20 @@ class ListQuotas(Query[list[dict[str, Any]]]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ListTreeDeletes(Query[list[dict[str, Any]]]):
+    """The trees of ``volume`` being deleted (``cachefs tree delete``), as
+    ``{ino, since_ns, inodes, left}``: inodes it held and has left."""
+
+    NAME: ClassVar[str] = "list_tree_deletes"
+    ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping_list
+    volume: str
+
+    def run(self, state: MetaState) -> list[dict[str, Any]]:
+        return state.tree_deletes(self.volume)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ListTrash(Query[list[M.TrashEntry]]):
     """Unreferenced slices for the garbage collector, oldest first."""
 

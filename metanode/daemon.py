@@ -245,6 +245,7 @@ async def serve(
             await nursery.start(server.serve, host, port)
             await nursery.start(service.run_housekeeping)
             await nursery.start(service.run_repo_polls)
+            await nursery.start(service.run_tree_deletes)
             ours = [peers[node_id], *(a for i, a in sorted(peers.items()) if i != node_id)]
             await nursery.start(run_jobs, service, pool, ours, node_id)
             if gc_interval > 0:

@@ -8,8 +8,8 @@ principles (walking dentries), never from the counters it is checking:
   root is named by exactly ``nlink`` dentries (directories: by one, with
   ``nlink == 2 + subdirectories``); the ``parent`` slot lists exactly the
   directories holding its links;
-- the directory graph is a tree rooted at inode 1 (no cycles, every
-  directory reachable);
+- the directory graph is a tree rooted at inode 1, and at each directory
+  being deleted (no cycles, every directory reachable);
 - inodes without links (orphans) are regular files listed in the volume's
   ``orphans`` (kept because the leader stamped them as maybe open), and every
   listed orphan is such an inode;
@@ -122,7 +122,7 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
                 p.append(f"{name}: the root is linked from a directory")
             continue
         if inode.is_dir:
-            if n != 1:
+            if n != (0 if ino in vol.doomed else 1):
                 p.append(f"{name}: dir {ino} has {n} links")
         elif inode.nlink != n:
             p.append(f"{name}: inode {ino} nlink {inode.nlink} but {n} dentries")
@@ -182,7 +182,10 @@ def _check_tree(vol: Volume) -> list[str]:
     inodes = vol.inodes
     seen: set[int] = set()
     order: list[int] = []  # directories, parents before children
-    stack = [ROOT]
+    for ino in vol.doomed:
+        if ino not in inodes or not inodes[ino].is_dir:
+            p.append(f"{vol.name}: tree {ino} being deleted is gone or not a directory")
+    stack = [ROOT, *(i for i in vol.doomed if i in inodes and inodes[i].is_dir)]  # each a root of its own
     while stack:
         ino = stack.pop()
         if ino in seen:

@@ -269,6 +269,7 @@ class Volume:
         "repairs",
         "deleted_ns",
         "shared",
+        "doomed",
     )
 
     def __init__(self, name: str, now: int) -> None:
@@ -285,6 +286,9 @@ class Volume:
         # slice id -> records holding it beyond the first (tree clone); a slice
         # held once, the usual case, is not listed (see "Shared slices" above)
         self.shared: dict[int, int] = {}
+        # directories being deleted (tree delete): out of the namespace, each
+        # the root of its own tree until PurgeTree empties it -> (since_ns, inodes)
+        self.doomed: dict[int, tuple[int, int]] = {}
         root = Inode(ROOT, _S_IFDIR | 0o755, 0, 0, now, Dir())
         root.nlink = 2
         self.inodes[ROOT] = root
@@ -539,6 +543,8 @@ class MetaState:
             C.JobProgress: lambda cmd: self.jobs.progress(cmd),
             C.CloneEntry: self._clone_entry,
             C.CloneDir: self._clone_dir,
+            C.DeleteTree: self._delete_tree,
+            C.PurgeTree: self._purge_tree,
         }
 
     # -- the state machine protocol ---------------------------------------------------
@@ -811,9 +817,14 @@ class MetaState:
         if child.is_dir:
             parent.nlink += 1
 
-    def _remove_entry(self, vol: Volume, parent: Inode, name: bytes, child: Inode) -> None:
+    def _remove_entry(self, vol: Volume, parent: Inode, name: bytes, child: Inode, last: bool = False) -> None:
+        """``last``: ``name`` is the directory's last entry, removed with
+        ``popitem``, which (unlike ``del``) leaves no hole for later walks."""
         d: Dir = parent.data
-        del d.entries[name]
+        if last:
+            d.entries.popitem()
+        else:
+            del d.entries[name]
         d.index = None
         dbytes, dinodes = self._contrib(child)
         self._charge(vol, parent.ino, -dbytes, -dinodes)
@@ -991,6 +1002,21 @@ class MetaState:
         from .trees import clone_dir
 
         return clone_dir(self, cmd)
+
+    def _delete_tree(self, cmd: C.DeleteTree) -> dict[str, Any]:
+        from .trees import delete_tree
+
+        return delete_tree(self, cmd)
+
+    def _purge_tree(self, cmd: C.PurgeTree) -> int:
+        from .trees import purge_tree
+
+        return purge_tree(self, cmd)
+
+    def tree_deletes(self, volume: str) -> list[dict[str, Any]]:
+        vol = self._vol(volume)
+        return [{"ino": ino, "since_ns": since, "inodes": total, "left": vol.inodes[ino].data.uinodes + 1}
+                for ino, (since, total) in vol.doomed.items()]  # fmt: skip
 
     def _restore_volume(self, cmd: C.RestoreVolume) -> dict[str, Any]:
         from .backup import parse, restore  # backup.py builds on this module's types

@@ -71,6 +71,7 @@ from .opentable import OpenTable
 from .raft.lease import ReadLease, lease_duration
 from .raft.snapshot_child import SnapshotChild, SnapshotChildFailed
 from .repos import LeaderRepos
+from .trees import purge_batch
 
 if TYPE_CHECKING:
     from .raft.driver import RaftNode
@@ -375,6 +376,47 @@ class MetaService:
                 if m is not None:
                     self.leases.end(m)
         return freed
+
+    async def run_tree_deletes(
+        self, interval: float = 0.5, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Purge the trees being deleted (``cachefs tree delete``), step after
+        step, while leader (``metanode/trees.py``)."""
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            try:
+                while await self.purge_trees():
+                    pass
+            except CacheFSError as exc:
+                log.info("tree delete paused, will go on: %s", exc)
+
+    async def purge_trees(self, limit: int = 1000) -> int:
+        """One ``PurgeTree`` step of every tree being deleted in a volume whose
+        opens are known; returns how many inodes they removed. A file is
+        freed only if no session has it open (else it is kept as an orphan)."""
+        self._check_leadership()
+        if not self._was_leader:
+            return 0
+        removed = 0
+        for name, vol in list(self.state.volumes.items()):
+            if not vol.doomed or vol.deleted_ns or not self.opens.settled(self.state, name):
+                continue
+            for root in list(vol.doomed):
+                # what the step will remove, read with no await before the command is built
+                batch = purge_batch(vol, root, limit)
+                inos = {c.ino for _d, _n, c in batch} | {d.ino for d, _n, _c in batch if d is not None}
+                files = [c.ino for _d, _n, c in batch if not c.is_dir]
+                cmd = C.PurgeTree(name, root, limit, tuple(sorted(inos)), now_ns=time.time_ns())
+                m = await self._revoke(cmd, None)
+                try:
+                    free = tuple(i for i in files if not self.opens.is_open(name, i))
+                    cmd = dataclasses.replace(cmd, free=free, now_ns=time.time_ns())
+                    removed += await self._propose_freeing(cmd, [(name, i) for i in free])
+                finally:
+                    if m is not None:
+                        self.leases.end(m)
+        return removed
 
     async def run_repo_polls(
         self, *, tick: float = 1.0, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -12,8 +12,8 @@ version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
 bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
 links and imported objects (none before). ``Inode.stored`` is not in the
 blob: loading sums it from the slice records.
-Fields added since (a volume's token hash, repair queue and shared
-slices, the slice floor, the jobs table) are optional at the end of their list, so older
+Fields added since (a volume's token hash, repair queue, shared
+slices and trees being deleted, the slice floor, the jobs table) are optional at the end of their list, so older
 snapshots load.
 """
 
@@ -154,6 +154,7 @@ def volume_row(vol: Volume) -> list[Any]:
         [v for (slice_id, index), t in vol.repairs.items() for v in (slice_id, index, t)],
         vol.deleted_ns,
         [v for slice_id, extra in sorted(vol.shared.items()) for v in (slice_id, extra)],
+        [v for ino, (since, total) in vol.doomed.items() for v in (ino, since, total)],
     ]
 
 
@@ -167,6 +168,8 @@ def load_volume(row: list[Any], version: int = VERSION) -> Volume:
     vol.deleted_ns = later[2] if len(later) > 2 else 0  # older snapshots: no tombstones
     shared = later[3] if len(later) > 3 else []  # older snapshots: no clones
     vol.shared = dict(zip(shared[::2], shared[1::2], strict=True))
+    doomed = later[4] if len(later) > 4 else []  # older snapshots: no tree deletes
+    vol.doomed = {doomed[k]: (doomed[k + 1], doomed[k + 2]) for k in range(0, len(doomed), 3)}
     vol.inodes.clear()
     vol.next_ino = next_ino
     vol.used_bytes = used_bytes

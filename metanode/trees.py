@@ -1,4 +1,5 @@
-"""Tree operations of the state machine: metadata-only clones (``cachefs tree clone``).
+"""Tree operations of the state machine: metadata-only clones (``cachefs tree
+clone``) and deletes in the background (``cachefs tree delete``).
 
 Theory of operation
 -------------------
@@ -30,6 +31,18 @@ owns): a step that meets one, or a source or destination inside a linked
 directory, is refused. Copies count in quotas and in the volume's usage as
 their sources do (JuiceFS counts clones so too): a clone of a subtree needs
 the room the subtree takes, and deleting either copy frees it again.
+
+A tree delete is fast for the caller however big the tree: ``DeleteTree``
+takes the directory out of the namespace in one step (its usage leaves its
+ancestors' with it) and lists it in ``Volume.doomed``, where it is a root of
+its own, unreachable by path. The leader then proposes ``PurgeTree`` steps
+(``MetaService.run_tree_deletes``), each removing up to ``limit`` inodes
+deepest first, until the tree is gone; the list is replicated, so a new
+leader goes on where the old one stopped. Files leave as an unlink leaves
+them: their slices go to the trash (the collector deletes the blocks of
+those no other file holds), or, if a session may have them open (the leader
+did not list them in ``free``), they stay as orphans until the last close.
+The directory's subtree usage, kept as always, says how much is left.
 """
 
 from __future__ import annotations
@@ -37,12 +50,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cachefs import commands as C
-from cachefs.errors import Exists, InvalidArgument, NoSpace, NotFound, NotPermitted, NotSupported
+from cachefs.errors import (
+    Exists,
+    InvalidArgument,
+    NoSpace,
+    NotADirectory,
+    NotFound,
+    NotPermitted,
+    NotSupported,
+)
 from cachefs.ids import is_repo_slice
 
 from .namespace import (
     _S_IFDIR,
     _S_IFREG,
+    INO_MASK,
     LINK_MAX,
     MAX_INO,
     Dir,
@@ -160,3 +182,75 @@ def clone_dir(state: MetaState, cmd: C.CloneDir) -> dict[str, Any]:
         state._touch(dst, cmd.now_ns)
     more = len(page) == cmd.limit
     return {"cookie": page[-1].cookie if more else 0, "entries": len(sources), "bytes": nbytes, "dirs": dirs}
+
+
+# -- tree delete -------------------------------------------------------------------
+
+Removal = tuple[Inode | None, bytes, Inode]  # (directory, name, inode it names); None: the tree's root
+
+
+def delete_tree(state: MetaState, cmd: C.DeleteTree) -> dict[str, Any]:
+    vol = state._vol(cmd.volume)
+    parent = state._dir(vol, cmd.parent)
+    ino = state._lookup_ino(parent.data, cmd.name)
+    if ino is None:
+        raise NotFound(f"no {cmd.name!r} in directory {cmd.parent}")
+    tree = vol.inodes[ino]
+    if not tree.is_dir:
+        raise NotADirectory(f"{cmd.name!r} is not a directory (tree delete takes a directory; unlink a file)")
+    _check_outside_links(state, vol, tree.ino, "the directory")
+    state._remove_entry(vol, parent, cmd.name, tree)
+    state._touch(parent, cmd.now_ns)
+    total = tree.data.uinodes + 1
+    vol.doomed[tree.ino] = (cmd.now_ns, total)
+    return {"ino": tree.ino, "inodes": total}
+
+
+def purge_batch(vol: Volume, root: int, limit: int) -> list[Removal]:
+    """The next ``limit`` removals of tree ``root``, deepest first: every
+    directory after everything in it, each directory's entries from its last
+    (so that removing them is ``dict.popitem``, which keeps a dict that lost a
+    million entries cheap to walk; ``del`` from the front would leave every
+    later walk stepping over the holes). O(limit + depth)."""
+    inodes = vol.inodes
+    top = inodes[root]
+    out: list[Removal] = []
+    # (directory, its name in its parent, entries still to look at, last first)
+    stack: list[tuple[Inode, bytes, Any]] = [(top, b"", reversed(top.data.entries.items()))]
+    while stack:
+        d, d_name, entries = stack[-1]
+        for name, packed in entries:
+            child = inodes[packed & INO_MASK]
+            if child.is_dir and child.data.entries:
+                stack.append((child, name, reversed(child.data.entries.items())))
+                break
+            out.append((d, name, child))
+            if len(out) == limit:
+                return out
+        else:
+            stack.pop()
+            out.append((stack[-1][0] if stack else None, d_name, d))
+            if len(out) == limit:
+                return out
+    return out
+
+
+def purge_tree(state: MetaState, cmd: C.PurgeTree) -> int:
+    vol = state._vol(cmd.volume)
+    if cmd.root not in vol.doomed:
+        raise NotFound(f"no tree {cmd.root} is being deleted in volume {cmd.volume!r}")
+    free = set(cmd.free)
+    removed = 0
+    for d, name, child in purge_batch(vol, cmd.root, cmd.limit):
+        removed += 1
+        if d is None:  # the root, empty now
+            del vol.doomed[child.ino]
+            del vol.inodes[child.ino]
+            continue
+        state._remove_entry(vol, d, name, child, last=next(reversed(d.data.entries)) == name)  # always last
+        if child.is_dir:
+            child.nlink = 0
+            del vol.inodes[child.ino]
+        else:
+            state._drop_link(vol, child, cmd.now_ns, keep=child.ino not in free)
+    return removed

@@ -1,5 +1,6 @@
-"""``cachefs tree clone SRC DST``: a metadata-only copy-on-write copy of a
-directory (a dataset version), in the Backend.AI FSOp spirit.
+"""``cachefs tree clone SRC DST`` and ``cachefs tree delete PATH``, in the
+Backend.AI FSOp spirit: a metadata-only copy-on-write copy of a directory (a
+dataset version), and a delete done by the metanodes.
 
 The metanodes do the copying (``metanode/trees.py``): this command walks the
 source tree, one ``CloneDir`` step (up to ``BATCH`` entries, one log entry)
@@ -8,6 +9,11 @@ which the metanodes keep per directory) are done. The copy is built under a
 hidden name beside DST (``.DST.cachefs-clone-XXXXXXXX``) and renamed to DST
 when complete, so DST appears whole or not at all; an interrupted clone
 leaves the hidden copy, which the error names.
+
+A delete is one ``DeleteTree`` (the directory leaves the namespace at once);
+the leader frees the inodes in batches in the background whether or not this
+command waits, which it does (unless ``--background``) polling how many are
+left. Blocks are the garbage collector's, as after any unlink.
 
 ``SRC`` and ``DST`` are paths inside one cachefs mount, or with ``--volume``
 and ``--meta`` paths inside that volume. A client credential of the volume
@@ -97,6 +103,30 @@ async def clone_tree(mc: MetaClient, volume: str, src: str, dst: str, progress: 
         exc.message = f"{exc.message} (the partial copy is {where}: remove it with cachefs tree delete)"
         raise
     return {**out, "entries": done, "seconds": round(time.monotonic() - started, 3)}
+
+
+async def delete_tree(mc: MetaClient, volume: str, path: str, progress: Progress | None = None, *,
+                      background: bool = False, poll: float = 0.2) -> dict[str, Any]:  # fmt: skip
+    """Delete directory ``path`` of ``volume``: it leaves the namespace at
+    once, and the metanodes free its inodes in the background; unless
+    ``background``, wait (showing progress) until they have. What ``--json`` prints."""
+    started = time.monotonic()
+    parent_path, name = _split(path)
+    if not name:
+        raise InvalidArgument("cannot delete the root of a volume (cachefs volume delete deletes a volume)")
+    parent = await mc.resolve(volume, parent_path)
+    begun = await mc.mutate(C.DeleteTree(volume, parent.ino, name))
+    total, left = begun["inodes"], begun["inodes"]
+    while not background and left:
+        if progress is not None:
+            progress(total - left, total)
+        await trio.sleep(poll)
+        rows = [r for r in await mc.query(Q.ListTreeDeletes(volume)) if r["ino"] == begun["ino"]]
+        left = rows[0]["left"] if rows else 0
+    if progress is not None and not background:
+        progress(total, total)
+    return {"volume": volume, "path": path, "inodes": total, "done": not left,
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 @contextlib.contextmanager
@@ -192,3 +222,27 @@ def clone(src: str, dst: str, volume: str | None, meta: list[str] | None, as_jso
     else:
         click.echo(f"cloned {src} as {dst}: {out['entries']} entries, {out['bytes']} bytes shared, "
                    f"in {out['seconds']:.1f} s")
+
+
+@tree.command("delete")
+@click.argument("path")
+@click.option("--background", is_flag=True, help="Return once PATH is gone from the namespace; "
+              "the metanodes free its inodes after (their blocks go through cachefs gc).")  # fmt: skip
+@_with_options
+def delete(path: str, background: bool, volume: str | None, meta: list[str] | None, as_json: bool, quiet: bool,
+           secret_file: str | None, insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
+           tls_ca: str | None) -> None:  # fmt: skip
+    """Delete directory PATH and everything in it, on the metanodes: PATH is
+    gone at once, its inodes are freed in batches (progress shown), and the
+    blocks no other file holds go to the garbage collector."""
+    setup_logging("tree", log_level)
+    volume, (inner,), meta = _target((path,), volume, meta)
+    with _bar(not quiet and not as_json and not background, "delete") as progress:
+        out = _run(secret_file, insecure, (tls_cert, tls_key, tls_ca), meta,
+                   lambda mc: delete_tree(mc, volume, inner, progress, background=background))  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(out))
+    elif out["done"]:
+        click.echo(f"deleted {path}: {out['inodes']} inodes, in {out['seconds']:.1f} s")
+    else:
+        click.echo(f"{path} is gone; the metanodes are freeing its {out['inodes']} inodes in the background")

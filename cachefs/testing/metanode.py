@@ -140,6 +140,7 @@ async def local_metanode(
         meta.service.node = LocalRaft(meta.state, meta.addr)  # type: ignore[assignment]
         await nursery.start(meta.service.run_housekeeping, housekeeping)
         await nursery.start(functools.partial(meta.service.run_repo_polls, tick=min(housekeeping, 1.0)))
+        await nursery.start(meta.service.run_tree_deletes, min(housekeeping, 0.5))
         try:
             yield meta
         finally:

@@ -92,6 +92,20 @@ def test_clone_shares_blocks_and_gc_frees_only_what_no_copy_holds(small_lab) -> 
         assert r.returncode == 0 and report["healthy"] and not report["lost"], r.stdout
         assert contents(src) == expect_src and contents(dst) == expect_dst
         assert contents(mp / "sub-copy") == {k[4:]: v for k, v in original.items() if k.startswith("sub/")}
+
+        # tree delete: v1 goes at once, the leader frees it; an open file of it still reads
+        with open(src / "sub" / "s5", "rb") as held:
+            r = run("tree", "delete", str(src), "--json", "--secret-file", str(small_lab.credential_file("admin")))
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["done"] and out["inodes"] == 25, out  # the 26 cloned less deep/d, unlinked since
+            assert not src.exists()
+            assert held.read() == original["sub/s5"]
+        r = admin(small_lab, "gc", "--volume", VOLUME, "--grace", "0", "--delete")
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = admin(small_lab, "fsck", VOLUME, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["healthy"], r.stdout
+        assert contents(dst) == expect_dst
     finally:
         run("umount", str(mp))
         if os.path.ismount(mp):

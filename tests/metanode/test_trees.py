@@ -205,3 +205,72 @@ def test_random_edits_of_clones_keep_every_held_slice_out_of_the_trash(ops) -> N
         ns.check()  # the invariants: shared counts recount, no held slice in the trash
     held = {s for d in {e.attr.ino for e in ns.state.readdir(VOL, 1, 0, 100)} for s in _slices(ns, d)}
     assert not held & trashed(ns)
+
+
+# -- tree delete ---------------------------------------------------------------------
+
+
+def purge_all(ns: Driver, root: int, limit: int = 3, keep: frozenset[int] = frozenset()) -> int:
+    """The leader's loop (MetaService.purge_trees), with the files in ``keep`` open."""
+    from cachefs.metanode.trees import purge_batch
+
+    steps = 0
+    while root in ns.state.volumes[VOL].doomed:
+        batch = purge_batch(ns.state.volumes[VOL], root, limit)
+        free = tuple(c.ino for _d, _n, c in batch if not c.is_dir and c.ino not in keep)
+        assert ns.do(C.PurgeTree, VOL, root, limit, (), free) == len(batch)
+        ns.check()  # after every step: usage, links, the tree being deleted is a root
+        steps += 1
+    return steps
+
+
+def test_a_deleted_tree_leaves_at_once_and_is_purged_deepest_first(tree) -> None:
+    ns, ino = tree
+    usage = ns.state.usage(VOL, ino["data"])
+    done = ns.do(C.DeleteTree, VOL, 1, b"data")
+    assert done == {"ino": ino["data"], "inodes": usage.inodes + 1}
+    assert errno_of(ns.state.lookup, VOL, 1, b"data") == errno.ENOENT
+    assert ns.state.usage(VOL, 1)[:2] == (0, 0)
+    [row] = ns.state.tree_deletes(VOL)
+    assert row == {"ino": ino["data"], "since_ns": row["since_ns"], "inodes": usage.inodes + 1,
+                   "left": usage.inodes + 1} and row["since_ns"] > 0
+    ns.check()
+    again = MetaState()
+    again.restore(ns.state.snapshot())  # mid-delete: the list is in the snapshot
+    assert again.volumes[VOL].doomed == ns.state.volumes[VOL].doomed
+    steps = purge_all(ns, ino["data"])
+    assert steps == -(-(usage.inodes + 1) // 3)
+    assert ns.state.tree_deletes(VOL) == [] and set(ns.state.volumes[VOL].inodes) == {1}
+    assert trashed(ns) == {1, 2, 3, 4}
+    assert ns.state.volumes[VOL].used_bytes == 0
+
+
+def test_a_deleted_clone_keeps_the_slices_its_source_holds(tree) -> None:
+    ns, ino = tree
+    clone(ns, 1, b"data", 1, b"v2")
+    v2 = ns.state.lookup(VOL, 1, b"v2").ino
+    ns.do(C.DeleteTree, VOL, 1, b"v2")
+    purge_all(ns, v2, limit=1000)
+    assert trashed(ns) == set() and ns.state.volumes[VOL].shared == {}
+    assert records(ns, ino["f"]) == [[(1, 0, 1000, 0), (2, 500, 1000, 0)], [(3, 0, 10, 0)]]
+    ns.check()
+
+
+def test_open_files_of_a_deleted_tree_stay_as_orphans(tree) -> None:
+    ns, ino = tree
+    ns.do(C.DeleteTree, VOL, 1, b"data")
+    purge_all(ns, ino["data"], keep=frozenset({ino["g"]}))
+    vol = ns.state.volumes[VOL]
+    assert vol.orphans == {ino["g"]} and 4 not in trashed(ns)
+    assert ns.state.read_chunk(VOL, ino["g"], 0) == [(4, 0, 300, 0)]  # still readable by whoever has it open
+    ns.do(C.PurgeOrphans, VOL, (ino["g"],))
+    assert 4 in trashed(ns)
+    ns.check()
+
+
+def test_tree_delete_refusals(tree) -> None:
+    ns, ino = tree
+    assert errno_of(ns.do, C.DeleteTree, VOL, ino["data"], b"f") == errno.ENOTDIR
+    assert errno_of(ns.do, C.DeleteTree, VOL, 1, b"nope") == errno.ENOENT
+    assert errno_of(ns.do, C.PurgeTree, VOL, ino["data"], 10) == errno.ENOENT  # not being deleted
+    ns.check()

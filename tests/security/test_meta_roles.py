@@ -43,7 +43,7 @@ FOR_CLIENTS = {"mount_volume", "close_session", "setattr", "mknod", "mkdir", "sy
                "lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "read_chunk",
                "get_usage", "list_volumes", "cluster_map", "open", "release", "session_heartbeat",
                "lease_lookup", "lease_getattr", "lease_open", "load_dir", "lease_poll", "repo_object",
-               "submit_job", "cancel_job", "list_jobs", "clone_entry", "clone_dir"}
+               "submit_job", "cancel_job", "list_jobs", "clone_entry", "clone_dir", "delete_tree", "list_tree_deletes"}
 FOR_ANYONE = {"meta_status"}
 # Client methods that name no volume or session: what they touch is global
 # (slice ids) or their answer is cut down to the caller's volumes.
