@@ -386,6 +386,24 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         await self.engine.fallocate(inode, mode, offset, length)
 
+    async def lseek(self, inode: int, offset: int, whence: int) -> tuple[int, int]:
+        """FUSE_LSEEK, which the kernel sends for SEEK_DATA and SEEK_HOLE only
+        (pyfuse3 has no handler: :mod:`.lseek_hook` calls this); the errno
+        to answer (0 for success) and the offset found."""
+        try:
+            return 0, await self._lseek(inode, offset, whence)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno, 0
+
+    @_fuse
+    async def _lseek(self, inode: int, offset: int, whence: int) -> int:
+        if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        found = await self.engine.seek(inode, offset, data=whence == os.SEEK_DATA)
+        if found is None:
+            raise pyfuse3.FUSEError(errno.ENXIO)
+        return found
+
     @_fuse
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         return await self.meta.query(Q.ReadLink(self.vol, inode))

@@ -30,6 +30,7 @@ mapping and kernel cache invalidation (:mod:`.fs`); paths, file objects and
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from .inodes import GHOSTS, Inode, InodeTable
 from .l1 import L1Cache
 from .l2 import CachedBlocks, L2Cache
 from .reader import Reader
+from .seek import seek_offset
 from .session import Session
 from .spill import DEFAULT_SPILL_DIR, spill
 from .writer import FileWriter, WriteBudget, WriteStats
@@ -207,6 +209,18 @@ class Volume:
         inode.chunks.clear()
         inode.layout += 1
         return inode
+
+    async def seek(self, ino: int, offset: int, data: bool) -> int | None:
+        """SEEK_DATA (``data``) or SEEK_HOLE from ``offset`` (:mod:`.seek`):
+        pending writes commit first, so they count as data. None: ENXIO."""
+        inode = self.inodes.get(ino)  # the kernel asks for an open file: its inode is here
+        if inode is None:
+            inode = self.inodes.update(await self.session.meta.query(Q.GetAttr(self.session.volume, ino)))
+        try:
+            await self.flush(inode)
+            return await seek_offset(functools.partial(self.reader.slices, inode), inode.attr.size, offset, data)
+        finally:
+            self.inodes.drop_if_idle(inode)
 
     async def read_early(self, inode: Inode, first_block: bool) -> None:
         """Fetch chunk 0's slice list, and with ``first_block`` the first block
