@@ -23,6 +23,17 @@ and must, in this order:
    applied index reaches theirs;
 5. call ``advance(ready)``.
 
+A leader may instead write asynchronously (etcd's async storage writes): do
+1 and 4, start the write, call ``accept(ready)`` and go on (the next Ready
+may come at once: its entries follow), then, once the write is on disk,
+send ``ready.messages`` and call ``persisted(ready)``, Readys in the order
+they were taken. Its followers' acknowledgements may then commit an entry
+before its own write of it ends: the leader counts its own log only up to
+``persisted``, so a quorum of other disks holds what it commits, as Raft
+requires, and its fsync leaves the commit path whenever two followers are
+quicker. A Ready with a snapshot, and every Ready of a non-leader, goes the
+synchronous way (``advance``), once no write is under way (``writing``).
+
 Roles::
 
               timeout            pre-vote quorum          vote quorum
@@ -35,7 +46,7 @@ Roles::
 Safety rules kept here (Raft paper section in brackets): one vote per term
 [5.2]; a vote only for an up-to-date log [5.4.1]; commit by counting only an
 entry of the current term [5.4.2]; the leader counts its own log only once it
-is on disk (``advance``). Liveness extras: pre-vote and check-quorum, so a
+is on disk (``advance`` or ``persisted``). Liveness extras: pre-vote and check-quorum, so a
 node cut off from the majority cannot depose a healthy leader when it returns
 (followers in contact with a leader ignore votes for a newer term, the
 "lease", and so does a replica in its first election timeout after a restart,
@@ -340,7 +351,9 @@ class RaftCore:
         self.term = hs.term
         self.vote = hs.vote
         self.lead = NONE
-        self._persisted = dataclasses.replace(hs, commit=self.log.committed)
+        self._persisted = dataclasses.replace(hs, commit=self.log.committed)  # on disk
+        self._handed = self._persisted  # in a Ready already, maybe still being written
+        self._writing: deque[Ready] = deque()  # accepted, not persisted yet, oldest first
         self.rebuilding = hs.rebuilding
         # A new disk is a new cluster's, or a replica's whose disk was lost:
         # ask the peers before anything else (``_finish_discovery``). Not one
@@ -536,8 +549,8 @@ class RaftCore:
             out.messages
             or out.eager
             or out.read_states
-            or self._hard_state() != self._persisted
-            or self.log.stable < self.log.last_index()
+            or self._hard_state() != self._handed
+            or self.log.in_progress < self.log.last_index()
             or self.log.pending_snapshot is not None
             or self.log.committed > self.log.applied
             or self._soft_state() != self._soft
@@ -548,13 +561,13 @@ class RaftCore:
             raise AssertionError("ready() called twice without advance()")
         hs = self._hard_state()
         entries = tuple(self.log.unstable_entries())
-        hard = hs if hs != self._persisted else None
+        hard = hs if hs != self._handed else None
         must_sync = (
             bool(entries)
             or (
                 hard is not None
                 and dataclasses.replace(hs, commit=0)
-                != dataclasses.replace(self._persisted, commit=0)
+                != dataclasses.replace(self._handed, commit=0)
             )
             or self.log.pending_snapshot is not None
         )
@@ -578,22 +591,71 @@ class RaftCore:
         return rd
 
     def advance(self, rd: Ready) -> None:
-        """The driver has done everything ``rd`` asked for."""
+        """The driver has done everything ``rd`` asked for, its write included.
+
+        Raises:
+            AssertionError: ``rd`` is not the current Ready, or a write is
+                still under way (``persisted`` those first).
+        """
+        if self._writing:
+            raise AssertionError("advance() while writes are under way: persisted() them first")
+        self._accepted(rd)
+        if rd.snapshot is not None:
+            self.snapshot = rd.snapshot
+            self.log.snapshot_persisted(rd.snapshot.meta.index)
+        self._durable(rd)
+
+    def accept(self, rd: Ready) -> None:
+        """(A leader) the driver has sent ``rd.eager_messages``, applied
+        ``rd``'s committed entries and started its write; ``persisted(rd)``
+        follows once the write is on disk. See the module docstring.
+
+        Raises:
+            AssertionError: ``rd`` is not the current Ready, or holds a
+                snapshot (that one is installed synchronously).
+        """
+        if rd.snapshot is not None:
+            raise AssertionError("a Ready with a snapshot is advanced synchronously")
+        self._accepted(rd)
+        self._writing.append(rd)
+
+    def persisted(self, rd: Ready) -> None:
+        """An accepted Ready's write is on disk (and its ``messages`` sent).
+
+        Raises:
+            AssertionError: ``rd`` is not the oldest accepted Ready.
+        """
+        if not self._writing or self._writing[0] is not rd:
+            raise AssertionError("persisted() out of order, or for a Ready not accepted")
+        self._writing.popleft()
+        self._durable(rd)
+
+    @property
+    def writing(self) -> int:
+        """Accepted Readys whose write is still under way."""
+        return len(self._writing)
+
+    def _accepted(self, rd: Ready) -> None:
         if rd is not self._in_ready:
             raise AssertionError("advance() with a Ready that is not the current one")
         self._in_ready = None
         if rd.hard_state is not None:
+            self._handed = rd.hard_state
+        if rd.entries:
+            self.log.in_progress_to(rd.entries[-1].index)
+        if rd.committed_entries:
+            self.log.applied_to(rd.committed_entries[-1].index)
+
+    def _durable(self, rd: Ready) -> None:
+        """``rd``'s write is on disk: only now does the leader count its own
+        log in a quorum (and send what rests on the term and vote)."""
+        if rd.hard_state is not None:
             self._persisted = rd.hard_state
-        if rd.snapshot is not None:
-            self.snapshot = rd.snapshot
-            self.log.snapshot_persisted(rd.snapshot.meta.index)
         if rd.entries:
             last = rd.entries[-1]
             self.log.stable_to(last.index, last.term)
-        if rd.committed_entries:
-            self.log.applied_to(rd.committed_entries[-1].index)
-        if self.role is Role.LEADER and rd.entries and self._maybe_commit():
-            self._bcast_append(send_empty=False)
+            if self.role is Role.LEADER and self._maybe_commit():
+                self._bcast_append(send_empty=False)
 
     def snapshot_meta(self, index: int) -> SnapshotMeta:
         """Metadata for a state machine snapshot taken at applied ``index``."""

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -161,6 +162,73 @@ class _InThread:
         self._outcome.unwrap()
 
 
+class _WalWriter:
+    """A leader's WAL writes (``RaftCore.accept``), in order, in one worker thread.
+
+    Readys queued while one is being written go in together: a write each,
+    then one fdatasync for all of them (group commit across Readys). Each
+    batch ends with ``done(readys, error, seconds)`` on the trio thread, in
+    order. A write that fails (a full disk: ``RaftStorage.save`` leaves
+    nothing of it behind) is retried in the thread, logged through
+    ``failed``; anything else (a failed fdatasync, ``IOFailure``) is handed
+    to ``done`` and stops the node.
+    """
+
+    def __init__(self, storage: RaftStorage,
+                 done: Callable[[list[Ready], BaseException | None, float], None],
+                 failed: Callable[[Callable[..., None], OSError, float], None]) -> None:
+        self._storage = storage
+        self._done = done
+        self._failed = failed
+        self._jobs: queue.SimpleQueue[Ready | None] = queue.SimpleQueue()
+        self._token = trio.lowlevel.current_trio_token()
+        self._stopped = trio.Event()
+        trio.lowlevel.start_thread_soon(
+            self._work, lambda _: self._token.run_sync_soon(self._stopped.set))
+
+    def submit(self, rd: Ready) -> None:
+        self._jobs.put(rd)
+
+    async def stop(self) -> None:
+        """Finish what was submitted, then end the thread (shielded: the
+        WAL must not be closed under a write)."""
+        self._jobs.put(None)
+        with trio.CancelScope(shield=True):
+            await self._stopped.wait()
+
+    def _work(self) -> None:
+        jobs = self._jobs
+        while True:
+            batch = [jobs.get()]
+            while not jobs.empty():
+                batch.append(jobs.get_nowait())
+            readys = [rd for rd in batch if rd is not None]
+            started = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                sync = any(rd.must_sync for rd in readys)
+                for k, rd in enumerate(readys):
+                    self._save(rd, sync and k == len(readys) - 1)
+            except BaseException as exc:  # handed to the loop, which stops the node
+                error = exc
+            if readys:
+                self._token.run_sync_soon(self._done, readys, error,
+                                          time.perf_counter() - started)
+            if batch[-1] is None or error is not None:
+                return
+
+    def _save(self, rd: Ready, sync: bool) -> None:
+        delay = 0.05
+        while True:
+            try:
+                self._storage.save(rd.entries, rd.hard_state, sync)
+                return
+            except OSError as exc:
+                self._failed(self._storage.save, exc, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+
 class _Answer:
     """A ``raft_step(answer=True)`` call's reply, filled by the loop."""
 
@@ -245,6 +313,9 @@ class RaftNode:
         self._stepped: list[_Answer] = []  # those calls, for the loop's next drain
         self._plain_peers: set[int] = set()  # peers that refused ``answer`` (older versions)
         self._scope: trio.CancelScope | None = None
+        self._writer: _WalWriter | None = None  # the leader's WAL writes (``_write_async``)
+        self._written: list[tuple[list[Ready], BaseException | None, float]] = []
+        self._written_wake = trio.Event()
         self._xfer_out = 0
         self._receiver = transfer.SnapshotReceiver(storage.data_dir, dconfig.max_snapshot)
         self._refused_quiet = 0  # refusals not logged yet (one log line a second)
@@ -590,6 +661,8 @@ class RaftNode:
             with trio.CancelScope() as self._scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    self._writer = _WalWriter(self.storage, self._on_written,
+                                              self._storage_failed)
                     nursery.start_soon(self._ticker)
                     for peer in self._outbox:
                         nursery.start_soon(self._sender, peer)
@@ -603,6 +676,8 @@ class RaftNode:
             self._closed = True
             self._fail_all(Unavailable(f"raft node {self.id} stopped"))
             self._receiver.close()
+            if self._writer is not None:
+                await self._writer.stop()
             self.storage.close()
 
     async def _ticker(self) -> None:
@@ -621,11 +696,15 @@ class RaftNode:
             while True:
                 self._wake = trio.Event()  # an input after this sets the new one
                 if self._snap_ready is not None:
+                    await self._flush()  # the WAL is rewritten: no write may be under way
                     await self._compact()
                 stepped, self._stepped = self._stepped, []  # with the inbox: no await between
+                self._take_written()
                 self._drain()
                 ready = core.has_ready()
                 if ready:
+                    if core.writing and not self._writes_async():
+                        await self._flush()  # the synchronous way waits for the writes before
                     await self._handle_ready(core.ready())
                 for pending in stepped:  # their answers are queued: the replies may go
                     self._answered(pending)
@@ -667,9 +746,63 @@ class RaftNode:
                 for w in reads:
                     w.fail(self._not_leader())
 
+    def _writes_async(self) -> bool:
+        """Whether the next Ready is written in the background (``RaftCore.accept``):
+        a leader's, without a snapshot to install."""
+        return self.core.is_leader and self.core.log.pending_snapshot is None
+
+    def _on_written(self, readys: list[Ready], error: BaseException | None,
+                    seconds: float) -> None:
+        """(The writer, on the trio thread) a batch of accepted Readys is on disk."""
+        self._written.append((readys, error, seconds))
+        self._written_wake.set()
+        self._wake.set()
+
+    def _take_written(self) -> None:
+        """Tell the core what the writer made durable; send what waited for it.
+
+        Raises:
+            whatever the write raised besides a full disk (``IOFailure``):
+            the node stops, as it would inline.
+        """
+        written, self._written = self._written, []
+        for readys, error, seconds in written:
+            if error is not None:
+                raise error
+            self._m_fsync.observe(seconds)
+            self._m_sync_batch.observe(sum(len(rd.entries) for rd in readys))
+            for rd in readys:
+                self._send(rd.messages)
+                self.core.persisted(rd)
+
+    async def _flush(self) -> None:
+        """Wait until no write is under way (the synchronous way, compaction)."""
+        while self.core.writing:
+            await self._written_wake.wait()
+            self._written_wake = trio.Event()
+            self._take_written()
+
+    async def _write_async(self, rd: Ready) -> None:
+        """A leader's Ready: its write goes to the writer thread and the loop
+        goes on; followers' acks may commit its entries before the write ends
+        (the core counts the leader's own log only once ``persisted``)."""
+        assert self._writer is not None
+        self._writer.submit(rd)
+        self._apply_ready(rd)
+        if rd.soft_state is not None:
+            self._on_soft_state(rd)
+        self.core.accept(rd)
+        self._after_ready()
+        if self._snapshot_due():
+            await self._flush()  # no apply meanwhile: the state is still at self.applied
+            self._maybe_snapshot()
+
     async def _handle_ready(self, rd: Ready) -> None:
         self.stats["readys"] += 1
         self._send(rd.eager_messages)
+        if self.core.writing or (rd.must_sync and self._writes_async()):
+            await self._write_async(rd)
+            return
         if rd.snapshot is not None:
             snap = rd.snapshot
             async with self._snap_lock:
@@ -691,7 +824,7 @@ class RaftNode:
             # without the thread hop (two wakeups on the commit path). A
             # leader's loop must go on answering clients: a thread.
             started = time.perf_counter()
-            if not self.core.is_leader:
+            if not self.core.is_leader:  # (a leader's goes to ``_write_async``: a snapshot's)
                 try:
                     self.storage.save(rd.entries, rd.hard_state, True)
                 except OSError as exc:  # a full disk: nothing of it was written
@@ -730,16 +863,26 @@ class RaftNode:
         if rd.soft_state is not None:  # after applying: what committed still answers
             self._on_soft_state(rd)
         self.core.advance(rd)
+        self._after_ready()
+        self._maybe_snapshot()
+
+    def _after_ready(self) -> None:
         if self.core.conf_index != self._conf_index:
             self._on_membership()
         if (self.core.discovering, self.core.rebuilding) != self._disk_state:
             self._report_disk_state()
         self._m_commit.set(self.core.committed)
         self._m_applied.set(self.applied)
-        if (
-            not self.snapshotting
-            and self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries
-        ):
+
+    def _snapshot_due(self) -> bool:
+        return (not self.snapshotting
+                and self.core.applied - self.core.log.snap_index >= self.dconfig.snapshot_entries)
+
+    def _maybe_snapshot(self) -> None:
+        # A snapshot covers only entries on our own disk (the log is
+        # compacted up to it): a leader may apply what its followers hold
+        # before its own write ends, and a rewritten tail waits for its write.
+        if self._snapshot_due() and self.core.log.stable >= self.applied:
             self._start_snapshot()
 
     def _apply_ready(self, rd: Ready) -> None:

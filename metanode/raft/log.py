@@ -2,20 +2,26 @@
 
 Theory of operation::
 
-      snapshot            stable (on disk)        unstable (not yet on disk)
-    [ .. snap_index ] [ first_index .. stable ] [ stable+1 .. last_index ]
+      snapshot        stable (on disk)   being written        not handed out yet
+    [ .. snap_index ] [ first .. stable ] [ .. in_progress ] [ in_progress+1 .. last_index ]
                               applied <= committed <= last_index
 
-``entries[k]`` has index ``snap_index + 1 + k``. A conflicting append cuts the
-tail and pulls ``stable`` back, so a rewritten suffix is handed to the driver
-again (the WAL replays "entry i" as "cut after i-1, then append", see
-``storage.py``). ``pending_snapshot`` is a snapshot received from a leader that
-the driver has not persisted yet; while it is set, the log starts after it.
+``entries[k]`` has index ``snap_index + 1 + k``. The driver is handed the
+entries after ``in_progress`` (a Ready), and says when they are on disk
+(``stable_to``); a driver that writes asynchronously has some in between. A
+conflicting append cuts the tail and pulls ``stable`` and ``in_progress``
+back, so a rewritten suffix is handed to the driver again (the WAL replays
+"entry i" as "cut after i-1, then append", see ``storage.py``).
+``pending_snapshot`` is a snapshot received from a leader that the driver has
+not persisted yet; while it is set, the log starts after it.
 
 Invariants (checked by the simulation tests, kept by every method here):
-``snap_index <= applied <= committed <= last_index`` (``committed`` may run
-ahead of ``stable`` only on a follower, and the driver persists before it
-applies), entry indices are contiguous.
+``snap_index <= applied <= committed <= last_index``,
+``stable <= in_progress <= last_index``, entry indices are contiguous.
+``committed`` may run ahead of ``stable``: on a follower (the leader's
+commit index; the driver persists before it applies), and on a leader
+whose own write is still under way when its followers' acknowledgements
+already make a quorum.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class RaftLog:
         "snap_term",
         "entries",
         "stable",
+        "in_progress",
         "committed",
         "applied",
         "pending_snapshot",
@@ -48,6 +55,7 @@ class RaftLog:
             if e.index != snap_index + 1 + k:
                 raise ValueError(f"log entries not contiguous at {e.index}")
         self.stable = self.last_index()  # what we were built from is on disk
+        self.in_progress = self.stable
         self.committed = min(max(committed, snap_index), self.last_index())
         self.applied = snap_index
         self.pending_snapshot: Snapshot | None = None
@@ -92,11 +100,12 @@ class RaftLog:
         return out
 
     def unstable_entries(self) -> list[Entry]:
-        return self.entries[self.stable - self.snap_index :]
+        """Entries not handed to the driver yet (``in_progress`` onwards)."""
+        return self.entries[self.in_progress - self.snap_index :]
 
     def committed_to_apply(self) -> list[Entry]:
-        """Committed entries not applied yet (all on disk by the time the
-        driver applies them: it persists a Ready before applying it)."""
+        """Committed entries not applied yet: on a quorum's disks, though a
+        leader's own write of them may still be under way (``in_progress``)."""
         base = self.snap_index + 1
         return self.entries[self.applied + 1 - base : self.committed + 1 - base]
 
@@ -135,8 +144,8 @@ class RaftLog:
             raise AssertionError(f"append after {after} leaves a gap after {self.last_index()}")
         del self.entries[after - self.snap_index :]
         self.entries.extend(entries)
-        if self.stable > after:
-            self.stable = after
+        self.stable = min(self.stable, after)
+        self.in_progress = min(self.in_progress, after)
 
     def maybe_append(
         self, prev_index: int, prev_term: int, leader_commit: int, entries: tuple[Entry, ...]
@@ -167,6 +176,10 @@ class RaftLog:
             return True
         return False
 
+    def in_progress_to(self, index: int) -> None:
+        """The driver took the entries up to ``index`` to write."""
+        self.in_progress = max(self.in_progress, index)
+
     def stable_to(self, index: int, term: int) -> None:
         """The driver persisted entries up to ``(index, term)``; ignored if the
         tail was rewritten since (the new one is still unstable)."""
@@ -183,7 +196,7 @@ class RaftLog:
         self.snap_index = snapshot.meta.index
         self.snap_term = snapshot.meta.term
         self.entries = []
-        self.stable = self.snap_index
+        self.stable = self.in_progress = self.snap_index
         self.committed = self.snap_index
         self.applied = self.snap_index  # the driver restores the state machine first
         self.pending_snapshot = snapshot

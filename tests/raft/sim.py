@@ -16,7 +16,9 @@ learner, removes one, or replaces one; once the membership has changed, a
 lost disk is handled the way it must be then, by replacing that replica
 with a new one (rebuilding in place asks the first configuration's peers). Each node handles ``Ready`` the way ``driver.RaftNode``
 does: eager messages, write, sync (a separate event, so crashes can land in
-between), messages, apply, advance.
+between), messages, apply, advance; or, for a leader with ``async_writes``
+(``RaftCore.accept``), eager messages, write, apply, accept, and go on, the
+sync landing later (``persisted``; a crash before it loses the write).
 
 After every event :class:`Checker` verifies election safety, log matching,
 leader completeness and state machine safety incrementally; client operations
@@ -174,6 +176,7 @@ class Params:
     crash_weight: int = 2
     disk_weight: int = 0  # mid-WAL corruption, and wiped disks
     disk_delay: int = 4  # max time units an fsync takes
+    async_writes: bool = False  # leaders write in the background (RaftCore.accept)
     drift: int = 0  # each node's tick period is TICK +- drift
     snapshot_every: int = 0  # 0: never
     fault_time: int = 600
@@ -283,6 +286,8 @@ class SimNode:
         self.paused_until = 0
         self.tick_period = TICK
         self.busy: Ready | None = None
+        self.writing: list[tuple[Ready, int]] = []  # accepted Readys and where their writes end
+        self.disk_delay: int | None = None  # this disk's fsync time, if not the sim's random one
         self.pending: dict[int, tuple[int, Op]] = {}  # index -> (term, op)
         # read seq -> (get op, local clock when the read-index round began, lease epoch)
         self.reads: dict[int, tuple[Op, float, tuple[int, int]]] = {}
@@ -326,6 +331,7 @@ class SimNode:
             self.applied = snap.meta.index
         self.alive = True
         self.busy = None
+        self.writing = []
         self.inbox = []
         self.paused_until = 0
         self.lease = ReadLease(sim.lease_duration)  # a new process remembers no lease
@@ -351,6 +357,7 @@ class SimNode:
         self.alive = False
         self.disk.crash(self.sim.rng)
         self.busy = None
+        self.writing = []
         self.inbox = []
         self.pending.clear()
         self.reads.clear()
@@ -423,6 +430,8 @@ class SimNode:
                                               f"{exc}") from None
             if not self.core.has_ready():
                 return
+            if self.core.writing and not self._writes_async():
+                return  # the synchronous way waits for the writes (``write_synced`` resumes)
             rd = self.core.ready()
             sim.checker.on_ready(self, rd)
             if rd.soft_state is not None and rd.soft_state.role is not Role.LEADER:
@@ -435,11 +444,48 @@ class SimNode:
                 self.disk.snapshot = storage.encode_snapshot(rd.snapshot)
                 self.disk.replace_wal(storage.encode_base(rd.snapshot.meta.index, rd.snapshot.meta.term))
             self.disk.append(storage.encode_ready(rd.entries, rd.hard_state))
+            if self.core.writing or (rd.must_sync and self._writes_async()):
+                self.write_async(rd)
+                continue
             if rd.must_sync and sim.rng.random() < 0.7:
                 self.busy = rd
-                sim.schedule(sim.rng.randint(1, sim.params.disk_delay), self.synced, rd)
+                sim.schedule(self._fsync_time(), self.synced, rd)
                 return
             self.finish(rd)
+
+    def _fsync_time(self) -> int:
+        return self.disk_delay or self.sim.rng.randint(1, self.sim.params.disk_delay)
+
+    def _writes_async(self) -> bool:
+        core = self.core
+        return self.sim.params.async_writes and core.is_leader and core.log.pending_snapshot is None
+
+    def write_async(self, rd: Ready) -> None:
+        """What ``driver.RaftNode._write_async`` does: the write is under
+        way (not synced: a crash may lose it), the node applies and goes on."""
+        self.writing.append((rd, len(self.disk.wal)))
+        self.apply(rd)
+        self.core.accept(rd)
+        self.sim.schedule(self._fsync_time(), self.write_synced, rd)
+
+    def write_synced(self, rd: Ready) -> None:
+        """An fsync ended: it covers every write before it in the file."""
+        if not self.alive or all(r is not rd for r, _ in self.writing):
+            return  # crashed meanwhile, or an earlier fsync covered it
+        if self.paused_until > self.sim.now:
+            self.sim.schedule(self.paused_until - self.sim.now, self.write_synced, rd)
+            return
+        self.disk.syncs += 1
+        while self.writing:
+            r, end = self.writing.pop(0)
+            self.disk.synced = max(self.disk.synced, end)
+            for m in r.messages:
+                self.sim.send(m)
+            self.core.persisted(r)
+            if r is rd:
+                break
+        self.maybe_snapshot()
+        self.process()
 
     def synced(self, rd: Ready) -> None:
         if self.busy is not rd or not self.alive:
@@ -458,6 +504,12 @@ class SimNode:
             self.disk.syncs += 1
         for m in rd.messages:
             sim.send(m)
+        self.apply(rd)
+        self.core.advance(rd)
+        self.maybe_snapshot()
+
+    def apply(self, rd: Ready) -> None:
+        sim = self.sim
         if rd.snapshot is not None:
             self.sm.restore(rd.snapshot.data)
             self.applied = rd.snapshot.meta.index
@@ -487,9 +539,12 @@ class SimNode:
                 else:
                     still.append((index, op, started, epoch))
             self.released = still
-        self.core.advance(rd)
-        every = sim.params.snapshot_every
-        if every and self.core.applied - self.core.log.snap_index >= every:
+
+    def maybe_snapshot(self) -> None:
+        """Only of entries on this disk, with no write under way (the driver's rule)."""
+        every, core = self.sim.params.snapshot_every, self.core
+        if (every and core.applied - core.log.snap_index >= every and not core.writing
+                and core.log.stable >= core.applied):
             self.take_snapshot()
 
     def take_snapshot(self) -> None:
