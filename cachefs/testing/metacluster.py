@@ -16,6 +16,8 @@ from cachefs.errors import CacheFSError
 from cachefs.rpc import RpcPool
 from cachefs.testing.ports import free_ports
 
+START_GUARD = 120.0  # seconds the replicas may take to answer at all (process start under load)
+
 
 class MetaCluster:
     """``n`` ``cachefs metanode`` processes with data dirs under ``root``."""
@@ -93,16 +95,27 @@ class MetaCluster:
         """Index of the replica that leads, once one does and every running replica answers.
 
         Two replicas elect a leader while a slow third may still be starting:
-        tests that talk to a follower need it listening.
+        tests that talk to a follower need it listening. ``timeout`` is the
+        election's and counts from when every running replica answers: on a
+        loaded machine starting the processes alone can take longer than that
+        (``START_GUARD`` is the hang guard while some do not answer yet).
         """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline: float | None = None
+        while True:
             statuses = {i: await self.status(pool, i) for i in self.procs}
             leaders = [i for i, st in statuses.items() if st and st["is_leader"]]
             if leaders and all(statuses.values()):
                 return leaders[0]
+            now = time.monotonic()
+            if deadline is None and all(statuses.values()):
+                deadline = now + timeout
+            if deadline is not None and now > deadline:
+                raise TimeoutError(f"no metanode leader within {timeout:.0f} s of every replica answering")
+            if now - started > START_GUARD:
+                silent = sorted(i for i, st in statuses.items() if not st)
+                raise TimeoutError(f"metanodes {silent} still not answering after {START_GUARD:.0f} s")
             for i, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"metanode {i} exited: see {self.root / f'meta{i}.log'}")
             await trio.sleep(0.1)
-        raise TimeoutError("no metanode leader")
