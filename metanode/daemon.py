@@ -61,6 +61,7 @@ from cachefs.metrics import MetricsAddr, start_metrics
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from . import members
+from .leases import DEFAULT_TERM
 from .namespace import MetaState
 from .raft.driver import DriverConfig, RaftNode
 from .repairs import REPAIR_INTERVAL, REPAIR_RATE, run_repairs
@@ -217,12 +218,14 @@ async def serve(
     repair_rate: int = REPAIR_RATE,
     tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
     join: bool = False,
+    lease_term: float = DEFAULT_TERM,
 ) -> None:
     """Run the replica until SIGINT/SIGTERM; ``tls`` is load_tls's (server, client) pair."""
     host, port = parse_addr(listen)
     state = MetaState()
     service = MetaService(
-        state, session_timeout=session_timeout, node_timeout=node_timeout, read_lease=read_lease
+        state, session_timeout=session_timeout, node_timeout=node_timeout, read_lease=read_lease,
+        lease_term=lease_term,
     )
     NAMESPACE.service = service
     server = RpcServer(service, name="metanode", secret=secret, limits=Limits(), tls=tls[0])
@@ -316,6 +319,15 @@ async def serve(
     help="Seconds without a heartbeat before a node shows as down.",
 )
 @click.option(
+    "--lease-term",
+    type=click.FloatRange(1, 600),
+    default=DEFAULT_TERM,
+    show_default=True,
+    help="Seconds a client's metadata lease lasts without a renewal: the longest a frozen or "
+    "cut-off mount can delay another's change, and a new leader's wait for leases it does "
+    "not know (shorter: more renewals).",
+)
+@click.option(
     "--snapshot-entries",
     type=click.IntRange(100),
     default=DriverConfig().snapshot_entries,
@@ -371,6 +383,7 @@ def command(
     listen: str | None,
     session_timeout: float,
     node_timeout: float,
+    lease_term: float,
     snapshot_entries: int,
     read_lease: bool,
     gc_interval: float,
@@ -429,6 +442,7 @@ def command(
         repair_rate,
         tls,
         join,
+        lease_term,
     ))
 
 

@@ -103,6 +103,8 @@ class LabConfig:
     s3: bool = False  # a SeaweedFS S3 server (ROOT/s3) with a demo bucket linked at /demo
     s3_endpoint: str = ""
     s3_pid: int | None = None
+    # Further `cachefs metanode` options of every replica (tests: a shorter --lease-term or --node-timeout).
+    metanode_options: list[str] = field(default_factory=list)
 
 
 class Lab:
@@ -234,7 +236,8 @@ class Lab:
             index = node.name.removeprefix("meta")
             peers = ",".join(f"{m.name.removeprefix('meta')}={m.addr}" for m in self.of_kind("metanode"))
             return [*base, "metanode", "--id", index, "--peers", peers, "--data-dir", d,
-                    "--listen", node.addr, *(["--join"] if node.join else []), *common]
+                    "--listen", node.addr, *(["--join"] if node.join else []), *self.config.metanode_options,
+                    *common]
         if node.kind == "datanode":
             return [*base, "datanode", "--zone", node.zone, "--data-dir", d, "--capacity",
                     self.config.data_capacity, "--listen", node.addr, "--meta", meta,

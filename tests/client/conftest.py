@@ -23,6 +23,11 @@ import pytest
 from cachefs.testing.labs import running_lab
 
 REPO = Path(__file__).resolve().parents[2]
+# The metadata lease term of ``cluster`` (the metanodes' default is 8 s): what
+# a frozen mount can delay another's change by, so the tests that wait one
+# out wait this long; still far longer than the mounts' 0.5 s attribute and
+# entry timeouts, so what they answer from memory is answered under a lease.
+LEASE_TERM = 3.0
 
 
 def mounted(path: Path) -> bool:
@@ -165,10 +170,11 @@ class ClusterMount:
 
 @pytest.fixture(scope="session")
 def cluster(needs_fuse, tmp_path_factory):
-    """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1)."""
+    """A cluster of real processes (3 metanodes, 3 datanodes, 2 cache nodes; ec:2+1; leases of LEASE_TERM)."""
 
     with running_lab(tmp_path_factory.mktemp("cluster"), metanodes=3, cachenodes=2, data_capacity="8G",
-                     cache_capacity="2G", cache_memory="32M") as lab:  # fmt: skip
+                     cache_capacity="2G", cache_memory="32M",
+                     metanode_options=["--lease-term", str(LEASE_TERM)]) as lab:  # fmt: skip
         yield lab
 
 

@@ -28,6 +28,7 @@ from cachefs.testing.metacluster import MetaCluster
         (["--id", "1", "--peers", "x=127.0.0.1:5"], "ID=host:port"),
         (["--id", "1", "--peers", "1=127.0.0.1:5,1=127.0.0.1:6"], "given twice"),
         (["--id", "0", "--peers", "1=127.0.0.1:5"], "--id"),
+        (["--id", "1", "--peers", "1=127.0.0.1:5", "--lease-term", "0.5"], "'--lease-term': 0.5 is not in the range"),
     ],
 )
 def test_metanode_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
