@@ -1,19 +1,22 @@
-"""fsx and pjdfstest against a fresh lab mount, by hand (issue 16's conformance runs).
+"""fsx, pjdfstest and seek_sanity_test against a fresh lab mount, by hand (issue 16's conformance runs).
 
-    python -m bench.posix_soak --fsx PATH [--fsx-ops 20000] [--pjdfstest DIR] [--keep]
+    python -m bench.posix_soak --fsx PATH [--fsx-ops 20000] [--pjdfstest DIR] [--seek-sanity PATH] [--keep]
 
-Neither tool is packaged for Debian 12 and this machine reaches no source
-host, so both are built by hand elsewhere and named here: ``--fsx`` an fsx
+None of these is packaged for Debian 12 and this machine reaches no source
+host, so they are built by hand elsewhere and named here: ``--fsx`` an fsx
 binary (xfstests' ``ltp/fsx``, or LTP's), ``--pjdfstest`` a built
 pjdfstest checkout (its ``pjdfstest`` binary and ``tests/``; run under
-``prove``, as root). The script starts a lab of its own (3 metanodes, 3
-datanodes, 2 cache nodes, ec:2+1, free ports, a fresh directory), mounts
+``prove``, as root), ``--seek-sanity`` xfstests' ``src/seek_sanity_test``
+(the body of generic/285 and generic/436: SEEK_DATA and SEEK_HOLE over
+holes, dirty and unwritten pages, and files of 8 GiB to 16 TiB). The
+script starts a lab of its own (3 metanodes, 3 datanodes, 2 cache nodes,
+ec:2+1, free ports, a fresh directory), mounts
 its volume, runs fsx in a directory of the mount (a seeded run of
 ``--fsx-ops`` operations through read/write, no mmap; fsx probes the
 fallocate modes itself and leaves out those the mount rejects, as
-COLLAPSE_RANGE and INSERT_RANGE) and pjdfstest in another, prints each
-tool's verdict and the tail of its output, unmounts and takes the lab
-down. Exit status 0 when every tool that ran passed.
+COLLAPSE_RANGE and INSERT_RANGE), pjdfstest and seek_sanity_test each
+in another, prints each tool's verdict and the tail of its output,
+unmounts and takes the lab down. Exit status 0 when every tool that ran passed.
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ def main() -> int:
     ap.add_argument("--fsx-ops", type=int, default=20000)
     ap.add_argument("--fsx-seed", type=int, default=1)
     ap.add_argument("--pjdfstest", help="a built pjdfstest checkout")
+    ap.add_argument("--seek-sanity", help="xfstests' src/seek_sanity_test binary")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per tool")
     ap.add_argument("--keep", action="store_true", help="keep the lab directory (logs) afterwards")
     args = ap.parse_args()
-    if not args.fsx and not args.pjdfstest:
-        ap.error("nothing to run: give --fsx and/or --pjdfstest")
+    if not (args.fsx or args.pjdfstest or args.seek_sanity):
+        ap.error("nothing to run: give --fsx, --pjdfstest or --seek-sanity")
     if args.pjdfstest and not shutil.which("prove"):
         ap.error("pjdfstest runs under prove (Debian: perl)")
     root = Path(tempfile.mkdtemp(prefix="cachefs-soak-"))
@@ -83,6 +87,12 @@ def main() -> int:
                 tests = Path(args.pjdfstest).resolve() / "tests"
                 ok, out = run(["prove", "-r", str(tests)], work, args.timeout)
                 verdicts["pjdfstest"] = ok
+                print("\n".join(out.splitlines()[-TAIL:]))
+            if args.seek_sanity:
+                work = mnt / "seek"
+                work.mkdir()
+                ok, out = run([args.seek_sanity, str(work / "seek.file")], work, args.timeout)
+                verdicts["seek_sanity_test"] = ok and "fail" not in out.lower()
                 print("\n".join(out.splitlines()[-TAIL:]))
         finally:
             subprocess.run([sys.executable, "-m", "cachefs.cli", "umount", str(mnt)], check=False, timeout=180)

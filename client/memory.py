@@ -3,10 +3,12 @@
 A mount's resident size is its fixed overhead plus what its budgets let it
 hold: L1, the write buffers, and a bounded number of things in flight. Each
 budget is a limit the code enforces (a semaphore, a byte budget, a capped
-pool), so their sum is a bound, not an estimate; the metadata kept per
-inode and lease is counted at a measured cost per object. The mount exports
-the parts and their sum (``cachefs_mount_memory_bound_bytes``), and the soak
-test (tests/client/test_memory.py) holds its resident size to that sum.
+pool or worker count); the metadata kept per inode and lease is counted at
+a measured cost per object, and what no budget covers (RPC state, small
+objects) is taken not to grow with traffic beyond the heap slack. The
+mount exports the parts and their sum (``cachefs_mount_memory_bound_bytes``),
+and the soak test (tests/client/test_memory.py) holds its resident size to
+that sum, which checks those assumptions.
 
 The parts:
 
