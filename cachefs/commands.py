@@ -633,14 +633,16 @@ class Link(Command[M.Attr]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unlink(Command[None]):
+class Unlink(Command[M.Attr]):
     """``expect``/``keep`` (leader-stamped): whether the inode this drops is
     still open somewhere (see ``metanode.namespace.MetaState.keeps`` and
-    ``metanode.opentable.OpenTable``)."""
+    ``metanode.opentable.OpenTable``). Answers the directory's attributes
+    after the removal."""
 
     TAG: ClassVar[int] = 15
     NAME: ClassVar[str] = "unlink"
     ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
     name: bytes
@@ -654,10 +656,13 @@ class Unlink(Command[None]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Rmdir(Command[None]):
+class Rmdir(Command[M.Attr]):
+    """Answers the directory's attributes after the removal, as ``Unlink``."""
+
     TAG: ClassVar[int] = 16
     NAME: ClassVar[str] = "rmdir"
     ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Attr.from_wire
     volume: str
     parent: int
     name: bytes

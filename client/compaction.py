@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import trio
 
@@ -70,7 +71,19 @@ class Compactor:
         self._again: set[tuple[int, int]] = set()  # committed to while a compaction of it ran
 
     def schedule(self, inode: Inode, chunk: int, version: int) -> None:
-        """A commit to ``chunk`` of ``inode`` (the writer's ``on_commit``)."""
+        """A commit to ``chunk`` of ``inode`` (the writer's ``on_commit``). A
+        file created here and leased since has no more slices in the chunk
+        than our commits to it (``Inode.born``): below the threshold there
+        is nothing to look at, and no slice list is read. Skipping is always
+        safe: a compaction swaps only the exact list it read."""
+        if inode.born is not None:
+            leases = self.session.leases
+            if leases is not None and leases.get(inode.ino, time.monotonic()) is inode.born:
+                inode.commits[chunk] = inode.commits.get(chunk, 0) + 1
+                if inode.commits[chunk] < self.threshold:
+                    return
+            else:
+                inode.born = None  # the lease went: others may have written the file
         key = (inode.ino, chunk)
         if key in self._running:
             self._again.add(key)

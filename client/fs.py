@@ -251,6 +251,9 @@ class CacheFS(pyfuse3.Operations):
         parent = leases.get(parent_inode, now)
         if parent is not None:
             ino = parent.entries.get(name)
+            if ino is None and parent.complete:  # every name of the directory is known: not this one
+                leases.stats["hits"] += 1
+                raise pyfuse3.FUSEError(errno.ENOENT)
             child = leases.get(ino, now) if ino is not None else None
             if child is not None and child.attr is not None:
                 leases.stats["hits"] += 1
@@ -427,7 +430,7 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
         return self._learn(
-            await self.session.mutate(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
+            await self.session.create(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
         )
 
     @_fuse
@@ -540,6 +543,8 @@ class CacheFS(pyfuse3.Operations):
             # The kernel never hears of this inode: take the lookup back.
             self.inodes.forget(attr.ino, 1)
             raise
+        if not attr.size:  # empty as of its lease (see Compactor.schedule)
+            node.born, node.commits = self.leases.get(attr.ino, time.monotonic()), {}
         fh = self._open_handle(node, flags)
         return self._file_info(fh, node, flags), self._entry(node)
 

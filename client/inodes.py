@@ -56,6 +56,13 @@ class Inode:
     # and when they were last voided (a getxattr older than that is not kept).
     xattrs: dict[bytes, tuple[float, bytes | None]] = field(default_factory=dict)
     xattrs_voided: float = 0.0
+    # A file created here empty: the lease it was created under (an object
+    # of the session's LeaseCache) and our commits per chunk since. While
+    # that very lease is held no one else wrote the file, so a chunk has at
+    # most that many slices, and the compactor need not read its list to
+    # know it is below the threshold. None once anything else changed it.
+    born: object | None = None
+    commits: dict[int, int] = field(default_factory=dict)
 
     @property
     def ino(self) -> int:

@@ -349,6 +349,7 @@ class LeaseCache:
         attr: Attr | None = None,
         others: Iterable[Attr] = (),
         rejected: bool = False,
+        removed: bool = False,
     ) -> None:
         """Our change was answered (or failed): the attributes of its inodes
         are stale, unless ``attr`` (its answer) is one's and no other own
@@ -365,7 +366,10 @@ class LeaseCache:
         everything we knew stays: forgetting a name here would leave the next
         change of it unable to name the inode it resolves to, and the leader
         would revoke our own lease on that inode while our kernel holds its
-        lock for that change (the revocation then lapses: a lease term)."""
+        lock for that change (the revocation then lapses: a lease term).
+        ``removed``: the change removed the names (an unlink or rmdir that
+        succeeded): a directory known ``complete`` stays so, unless another
+        own change of it overlapped."""
         alone: set[int] = set()
         for ino, began in zip(change.kept, change.began, strict=True):
             if self._busy[ino] == 1 and self._own[ino] == began:
@@ -396,7 +400,7 @@ class LeaseCache:
                 lease.entries[name] = attr.ino  # a create or link: the name is that inode now
             else:
                 lease.entries.pop(name, None)
-                lease.complete = False
+                lease.complete = lease.complete and removed and parent in alone
 
     def closed(self, ino: int) -> bool:
         """The last open of ``ino`` here ended: whether the leader must hear

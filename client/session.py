@@ -377,7 +377,8 @@ class Session:
         """Apply our own change: with leases, the leader leaves ours on what
         it changes alone (it revokes everyone else's), and we forget what
         the change makes stale. An open of those inodes the leader does not
-        know of is reported with it (an unlink must see it)."""
+        know of is reported with it (an unlink must see it). An unlink or
+        rmdir answers the directory's attributes, which the lease keeps."""
         leases = self.leases
         refs = C.inode_refs(cmd) if leases is not None else None
         if refs is None or leases is None:
@@ -396,7 +397,11 @@ class Session:
             rejected = exc.remote and isinstance(exc, REJECTIONS)
             raise
         finally:
-            leases.end_mutation(change, entries, result if isinstance(result, Attr) else None, rejected=rejected)
+            attr = result if isinstance(result, Attr) else None
+            if attr is not None and isinstance(cmd, C.Unlink | C.Rmdir):  # removed: the directory's attributes
+                leases.end_mutation(change, entries, None, (attr,), removed=True)
+            else:
+                leases.end_mutation(change, entries, attr, rejected=rejected)
 
     def _named(self, refs: C.Refs) -> set[int]:
         """The inodes a change names, and those its names resolve to here."""
@@ -409,11 +414,13 @@ class Session:
                 named.add(lease.entries[name])
         return named
 
-    async def create(self, cmd: C.Mknod) -> Attr:
+    async def create(self, cmd: C.Mknod | C.Mkdir) -> Attr:
         """Create a regular file in one round trip: the answer carries a lease
         on it (so that its open, which follows, is answered here and never
         announced, and the kernel's getxattr of it too) and its directory's
-        attributes (which the kernel asks for next)."""
+        attributes (which the kernel asks for next). A new directory's lease
+        says it is empty (``complete``): the lookup before each create in it
+        is answered here."""
         leases = self.leases
         refs = C.inode_refs(cmd)
         if leases is None or refs is None:
@@ -428,6 +435,7 @@ class Session:
             lease = leases.accept(ticket, created.grant, time.monotonic()).get(created.attr.ino)
             if lease is not None:
                 lease.attr, lease.bare = created.attr, created.bare
+                lease.complete = created.attr.is_dir  # granted only while empty
             return created.attr
         except CacheFSError as exc:
             if not exc.remote:

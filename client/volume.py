@@ -196,6 +196,7 @@ class Volume:
         if "size" in changes:
             inode.chunks.clear()
             inode.layout += 1
+            inode.born = None  # a truncate cuts slices: not only our commits any more
         return inode
 
     async def fallocate(self, ino: int, mode: int, offset: int, length: int) -> Inode:
@@ -208,6 +209,7 @@ class Volume:
         inode = self.inodes.update(await self.session.mutate(change))
         inode.chunks.clear()
         inode.layout += 1
+        inode.born = None  # a hole record is a slice that no commit counted
         return inode
 
     async def seek(self, ino: int, offset: int, data: bool) -> int | None:

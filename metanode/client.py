@@ -122,11 +122,12 @@ class MetaClient:
         return type(cmd).REPLY(await self.call(cmd.NAME, args, deadline=deadline))
 
     async def create(
-        self, cmd: C.Mknod, lease: tuple[str, tuple[int, ...], tuple[int, ...]]
+        self, cmd: C.Mknod | C.Mkdir, lease: tuple[str, tuple[int, ...], tuple[int, ...]]
     ) -> M.Created:
-        """Create a regular file as :meth:`mutate` does, and have the answer
-        carry a lease on it for the session of ``lease`` (with the file's and
-        its directory's attributes, and whether it has extended attributes)."""
+        """Create a regular file or a directory as :meth:`mutate` does, and
+        have the answer carry a lease on it for the session of ``lease``
+        (with its and its directory's attributes, and whether it has
+        extended attributes; a directory is leased only while empty)."""
         args = {
             "a": cmd.to_request(self.client_id, next(self._seq)),
             "lease": [lease[0], list(lease[1]), list(lease[2])],

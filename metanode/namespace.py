@@ -1194,7 +1194,9 @@ class MetaState:
         self._touch(parent, cmd.now_ns)
         return self.attr(inode)
 
-    def _unlink(self, cmd: C.Unlink) -> None:
+    def _unlink(self, cmd: C.Unlink) -> Attr:
+        """The directory's attributes after the removal (the session that
+        removed the name keeps them under its lease: the kernel asks next)."""
         vol = self._vol(cmd.volume)
         parent = self._dir(vol, cmd.parent)
         ino = self._lookup_ino(parent.data, cmd.name)
@@ -1206,8 +1208,10 @@ class MetaState:
         self._remove_entry(vol, parent, cmd.name, child)
         self._touch(parent, cmd.now_ns)
         self._drop_link(vol, child, cmd.now_ns, self.keeps(cmd.expect, cmd.keep, ino))
+        return self.attr(parent)
 
-    def _rmdir(self, cmd: C.Rmdir) -> None:
+    def _rmdir(self, cmd: C.Rmdir) -> Attr:
+        """The directory's attributes after the removal, as :meth:`_unlink`."""
         vol = self._vol(cmd.volume)
         parent = self._dir(vol, cmd.parent)
         ino = self._lookup_ino(parent.data, cmd.name)
@@ -1221,6 +1225,7 @@ class MetaState:
         self._remove_entry(vol, parent, cmd.name, child)
         self._touch(parent, cmd.now_ns)
         self._drop_link(vol, child, cmd.now_ns)
+        return self.attr(parent)
 
     def _is_ancestor(self, vol: Volume, ancestor: int, ino: int) -> bool:
         return any(inode.ino == ancestor for inode in self._ancestors(vol, ino))

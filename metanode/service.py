@@ -512,11 +512,11 @@ class MetaService:
         commands that take one (it never enters the log); ``lease``:
         ``[session, kept, opens]`` of the mutating session (see
         :meth:`_mutator`); ``grant``: a create of a regular file that
-        answers with a lease on it (:meth:`_created`)."""
+        answers with a lease on it, or of a directory (:meth:`_created`)."""
         if token is not None and type(cmd) not in self._TAKES_TOKEN:
             raise InvalidArgument(f"{cmd.NAME} takes no token")
-        if grant and (type(cmd) is not C.Mknod or lease is None):
-            raise InvalidArgument("grant is for a Mknod that names its session's lease")
+        if grant and (type(cmd) not in (C.Mknod, C.Mkdir) or lease is None):
+            raise InvalidArgument("grant is for a Mknod or Mkdir that names its session's lease")
         hook = self._COMMAND_HOOKS.get(type(cmd))
         m = await self._revoke(cmd, lease)
         try:
@@ -531,18 +531,21 @@ class MetaService:
             return await self._created(cmd, M.Attr.from_wire(result), lease)
         return result
 
-    async def _created(self, cmd: C.Mknod, attr: M.Attr, lease: list) -> M.Created:
+    async def _created(self, cmd: C.Mknod | C.Mkdir, attr: M.Attr, lease: list) -> M.Created:
         """A create's answer with a lease on the new file for its session, so
         that its open, its first getxattr and its directory's getattr need
         no round trip. Read as the confirmed leader, with no await between
         the read and the grant (as every leased read); no lease when the
-        file is gone or changing already."""
+        file is gone or changing already. A new directory is leased only
+        while it is still empty: the grant says so, and the session then
+        knows every name in it (none), so the lookup before each create
+        in it is answered from memory."""
         state = await self._read()
         vol = state.volumes.get(cmd.volume)
         inode = vol.inodes.get(attr.ino) if vol is not None else None
         dir_inode = vol.inodes.get(cmd.parent) if vol is not None else None
         parent = state.attr(dir_inode) if dir_inode is not None else None  # an rmdir after an unlink
-        if inode is None or not attr.is_reg:
+        if inode is None or not (attr.is_reg or (attr.is_dir and not inode.data.entries)):
             return M.Created(attr, parent, False, M.Grant(self.leases.leader_term, 0, ()))
         session = lease[0]
         s = state.sessions.get(session)
@@ -683,8 +686,8 @@ class MetaService:
         self._wake.set()  # housekeeping ends the opens and leases of sessions it closed (--force)
         return result
 
-    async def _unlink(self, cmd: C.Unlink, token: None) -> None:
-        await self._propose_drop(cmd, cmd.volume, cmd.parent, cmd.name)
+    async def _unlink(self, cmd: C.Unlink, token: None) -> Any:
+        return await self._propose_drop(cmd, cmd.volume, cmd.parent, cmd.name)
 
     async def _rename(self, cmd: C.Rename, token: None) -> None:
         if cmd.flags & C.RENAME_EXCHANGE:  # drops nothing

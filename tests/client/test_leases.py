@@ -185,13 +185,17 @@ def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_t
     the mount, the kernel's getxattr of security.capability is answered
     from the lease) and brings the directory's attributes; the commit at
     the file's end trashes nothing (the open stays unannounced), and its
-    answer keeps the file's attributes; the compactor reads each new file's
-    slice list once. B still sees each file, and A's own stat of it is answered
-    from memory."""
+    answer keeps the file's attributes; the compactor knows a file created
+    here has one slice and reads no slice list. The directory was made
+    here, so its lease says it was empty and the kernel's lookup before
+    each create is answered from memory. Unlinks are one trip each: the
+    names are known, and the answer brings the directory's attributes
+    that the kernel asks next. B still sees each file, and B's create in
+    A's directory is seen by A's next lookup (it revoked A's lease)."""
     pair = Pair(cluster, tmp_path)
     try:
-        a, b = pair.a.path / pair.name, pair.b.path / pair.name
-        os.stat(a)
+        os.mkdir(pair.a.path / pair.name / "d")
+        a, b = pair.a.path / pair.name / "d", pair.b.path / pair.name / "d"
         files = {f"f{i:02d}": os.urandom(100 + 997 * i) for i in range(20)}
         before = pair.rpcs()
         for name, data in files.items():
@@ -203,14 +207,30 @@ def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_t
         sent = {m: n - before.get(m, 0) for m, n in pair.rpcs().items() if n > before.get(m, 0)}
         assert sent.get("mknod") == len(files), sent
         assert sent.get("write_slice") == len(files), sent
-        for method in ("lease_open", "open", "getxattr", "lease_getattr", "getattr", "release"):
+        for method in ("lease_open", "open", "getxattr", "lease_getattr", "getattr", "release", "read_chunk",
+                       "lease_lookup", "lookup"):  # fmt: skip
             assert method not in sent, sent
-        assert sent.get("read_chunk", 0) <= len(files), sent  # the compactor's look at each new file
-        assert sent.get("lease_lookup", 0) <= len(files) + 2, sent  # the kernel's lookup before each create
         for name, data in files.items():
             assert (b / name).read_bytes() == data
         (b / "f00").write_bytes(b"changed by b")  # revokes A's lease on the file it created
         assert (a / "f00").read_bytes() == b"changed by b"
+
+        os.mkdir(pair.a.path / pair.name / "e")
+        e = pair.a.path / pair.name / "e"
+        for name in files:
+            (e / name).write_bytes(b"x")
+        before = pair.rpcs()
+        for name in files:
+            os.unlink(e / name)
+        sent = {m: n - before.get(m, 0) for m, n in pair.rpcs().items() if n > before.get(m, 0)}
+        assert sent.get("unlink") == len(files), sent
+        for method in ("lease_lookup", "lookup", "lease_getattr", "getattr"):
+            assert method not in sent, sent
+        assert os.listdir(pair.b.path / pair.name / "e") == []
+        assert not (e / "f01").exists()  # still answered from memory: the directory is known empty
+        (pair.b.path / pair.name / "e" / "late").write_bytes(b"from b")  # revokes A's lease on e
+        assert (e / "late").read_bytes() == b"from b"
+        assert os.listdir(e) == ["late"]
     finally:
         pair.stop()
 

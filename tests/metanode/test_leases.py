@@ -281,8 +281,13 @@ async def test_a_create_answers_with_a_lease_on_the_new_file_that_a_change_revok
         await a_client.query(Q.LeasePoll(a, acks=(rev,), wait_ms=0))  # and the change goes on
     other = await b_client.create(C.Mknod(VOL, 1, b"g", 0o100644), (a, (), ()))
     assert other.grant.inos == ()  # not b's session: no lease for it
+    d = await a_client.create(C.Mkdir(VOL, 1, b"d", 0o755), (a, (1,), ()))
+    assert d.attr.is_dir and d.grant.inos == (d.attr.ino,)  # empty when granted: the lease says so
+    gone = await b_client.mutate(C.Unlink(VOL, 1, b"g"))
+    assert gone.ino == 1 and gone.mtime_ns > d.parent.mtime_ns  # the directory, after the removal
+    assert (await b_client.mutate(C.Rmdir(VOL, 1, b"d"))).mtime_ns > gone.mtime_ns
     with pytest.raises(CacheFSError) as info:
-        cmd = C.Mkdir(VOL, 1, b"d", 0o755)
+        cmd = C.Symlink(VOL, 1, b"s", b"target")
         await a_client.call(cmd.NAME, {"a": cmd.to_request(a_client.client_id, 10**6), "lease": [a, [], []], "grant": True})
     assert info.value.errno == errno.EINVAL
 
