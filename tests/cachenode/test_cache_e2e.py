@@ -73,7 +73,9 @@ class Datanode:
             self.proc.wait(timeout=10)
 
 
-async def _until(what: str, check, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+async def _until(what: str, check, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+    """The first true value of ``check()``; ``timeout`` is a hang guard (under load the
+    daemons alone can take 20 s and more to start and register)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = await check()

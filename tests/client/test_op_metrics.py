@@ -70,13 +70,17 @@ def test_a_mount_times_every_op_and_counts_errors_by_errno(needs_fuse, tmp_path:
 
 
 def test_the_timing_costs_a_few_hundred_nanoseconds_per_op() -> None:
-    """What ``_fuse`` adds to every request: two clock reads and one observe."""
+    """What ``_fuse`` adds to every request: two clock reads and one observe.
+    Timed in this thread's CPU time, the best of five rounds: on a shared
+    machine wall time also counts the rounds the scheduler gave to others."""
     ops = OpStats()
-    n = 200_000
-    started = time.perf_counter()
-    for _ in range(n):
-        t0 = time.perf_counter()
-        ops.observe("read", time.perf_counter() - t0)
-    per_op = (time.perf_counter() - started) / n
-    assert sum(ops.counts["read"]) == n
+    n, rounds = 40_000, 5
+    per_op = float("inf")
+    for _ in range(rounds):
+        started = time.thread_time()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ops.observe("read", time.perf_counter() - t0)
+        per_op = min(per_op, (time.thread_time() - started) / n)
+    assert sum(ops.counts["read"]) == n * rounds
     assert per_op < 5e-6, f"{per_op * 1e9:.0f} ns per op"
