@@ -52,7 +52,7 @@ from cachefs.queries import ClusterMap
 from cachefs.rpc import Limits, RpcPool, RpcServer, parse_addr
 
 from .admission import SecondMissAdmission
-from .peers import PeerZones
+from .peers import HANDOFF_WINDOW, PeerZones
 from .service import CacheLimits, CacheService
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ async def serve(
     admission: SecondMissAdmission | None,
     rdma: bool = True,
     tls: tuple[ssl.SSLContext | None, ssl.SSLContext | None] = (None, None),
+    handoff_window: float = HANDOFF_WINDOW,
 ) -> None:
     """Run the cache node until SIGINT/SIGTERM, then drain calls in flight.
 
@@ -135,7 +136,8 @@ async def serve(
                 backing = RepoBlocks(BackingClient(pool, view, zone=zone, buffers=buffers), meta_client.query)
             peers = None
             if meta_client is not None:
-                peers = PeerZones(pool, zone, node_id, functools.partial(meta_client.query, ClusterMap()))
+                peers = PeerZones(pool, zone, node_id, functools.partial(meta_client.query, ClusterMap()),
+                                  handoff_window=handoff_window)  # fmt: skip
                 nursery.start_soon(peers.run)
             service = CacheService(
                 store, backing, nursery=nursery, limits=limits, admission=admission, node=node_id,
@@ -281,6 +283,14 @@ def _parse_ttl(values: tuple[str, ...]) -> dict[str, float]:
     help="Concurrent whole-block fetches from backing storage.",
 )
 @click.option(
+    "--handoff-window",
+    type=click.FloatRange(0),
+    default=HANDOFF_WINDOW,
+    show_default=True,
+    help="Seconds after a ring change in this zone in which a miss asks the block's previous owner "
+    "first (0: never; the hit rate then drops by the share of keys that moved).",
+)
+@click.option(
     "--rdma/--no-rdma",
     default=True,
     show_default=True,
@@ -304,6 +314,7 @@ def command(
     max_requests: int,
     max_per_client: int,
     max_backing_fetches: int,
+    handoff_window: float,
     rdma: bool,
     secret_file: str | None,
     insecure: bool,
@@ -365,6 +376,7 @@ def command(
                 admission=SecondMissAdmission(window=admission_window) if admission else None,
                 rdma=rdma,
                 tls=tls,
+                handoff_window=handoff_window,
             )
         )
     finally:

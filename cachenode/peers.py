@@ -36,6 +36,23 @@ whatever the map of the moment says about zones and liveness. A source
 must be a cache node of the cluster map: a client cannot point a cache
 node at an address of its choosing.
 
+Ring changes in the node's own zone (a node joins, or leaves the ring):
+consistent hashing moves about 1/N of the keys to new owners, which hold
+none of them, and left at that the hit rate drops by that share at once and
+recovers only as backing storage refills them. So for ``handoff_window``
+seconds after a change of its zone's members, a fill first asks the key's
+owner on the ring *before* the change (``peek``, with the same patience as
+the next zone), and a block found there is stored here: it moves to its new
+owner on first read instead of being fetched again (the fill behind a
+``wait`` read, which is what clients send). A node's first map counts as
+such a change (the ring before is the map without it): that is a node
+joining. The keys that did not move have this node as their owner before,
+so they cost nothing; nor do owners the map shows empty (``used`` 0: a
+cluster starting cold, where every node's first map looks like a join).
+A change also makes every peer worth asking again (its run of misses is
+forgotten). Blocks handed over are stored as warm-up blocks are
+(past admission): the previous owner had admitted them.
+
 The cluster map is refreshed every ``MAP_REFRESH`` seconds.
 """
 
@@ -43,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -61,6 +79,7 @@ PEEK_SAMPLE = 16  # then one miss in this many still asks it
 PUT_TIMEOUT = 10.0
 COPY_TIMEOUT = 10.0  # a warm-up's copy from the node it names: throughput, not latency
 MAP_REFRESH = 5.0
+HANDOFF_WINDOW = 1800.0  # seconds after a ring change in which fills ask the previous owner
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
 
@@ -73,8 +92,18 @@ class PeerZones:
         zone: str,
         node_id: str,
         cluster_map: Callable[[], Awaitable[Mapping[str, Any]]],
+        *,
+        handoff_window: float = HANDOFF_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.handoff_window = handoff_window
+        self._clock = clock
+        self._members: frozenset[str] | None = None  # up nodes of our zone in the last map
+        self._last_map: Mapping[str, Any] = {}
+        self._previous: CacheRouter | None = None  # the rings before the last change of our zone's
+        self._previous_until = -math.inf
+        self._previous_empty: set[str] = set()
         self.zone = zone
         self.node_id = node_id
         self._cluster_map = cluster_map
@@ -84,9 +113,21 @@ class PeerZones:
         self._missed: dict[str, int] = {}  # addr -> misses in a row (peeked or skipped), see above
         self._refreshed_at = -math.inf
         self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0,
-                      "peeks_skipped": 0, "sources_refused": 0}  # fmt: skip
+                      "peeks_skipped": 0, "sources_refused": 0, "handoff_hits": 0, "handoff_misses": 0}  # fmt: skip
 
     def update(self, cmap: Mapping[str, Any]) -> None:
+        nodes = cmap.get("cachenodes", [])
+        members = frozenset(str(n["id"]) for n in nodes if n.get("zone") == self.zone and n.get("state", "up") == "up")
+        if members != self._members and self.handoff_window > 0 and self.node_id in members:
+            # our first map: the ring as it was before we joined; else the map before this one
+            before = ({**cmap, "cachenodes": [n for n in nodes if n.get("id") != self.node_id]}
+                      if self._members is None else self._last_map)  # fmt: skip
+            self._previous = CacheRouter(before, self.zone)
+            self._previous_until = self._clock() + self.handoff_window
+            # an owner the map shows empty has nothing to hand over (a cluster starting cold)
+            self._previous_empty = {str(n["addr"]) for n in before.get("cachenodes", []) if n.get("used", 1) == 0}
+            self._missed.clear()  # a ring change makes every peer worth asking again
+        self._members, self._last_map = members, dict(cmap)  # a copy: a caller may reuse its dict
         self.router.update(cmap)
         self._known = {str(n["addr"]) for n in cmap.get("cachenodes", []) if n.get("id") != self.node_id}
         self.stats["peer_zones"] = len(set(self.router.rings) - {self.zone})
@@ -122,18 +163,47 @@ class PeerZones:
                 return node.addr
         return None
 
-    async def get(self, volume: str, key: BlockKey) -> Any:
-        """The block from the next zone's owner if it holds it, else None."""
-        await self._peer_known()
-        addr = self._next_owner(key)
-        if addr is None:
-            return None
+    def _patient(self, addr: str) -> bool:
+        """Whether to peek ``addr`` now (see the module docstring: a peer that
+        keeps missing is asked on one miss in ``PEEK_SAMPLE``)."""
         missed = self._missed.get(addr, 0)
         if missed >= PEEK_PATIENCE and missed % PEEK_SAMPLE:
             self._missed[addr] = missed + 1
             self.stats["peeks_skipped"] += 1
+            return False
+        return True
+
+    async def get(self, volume: str, key: BlockKey) -> Any:
+        """The block from the next zone's owner if it holds it, else None."""
+        await self._peer_known()
+        addr = self._next_owner(key)
+        if addr is None or not self._patient(addr):
             return None
         return await self._peek(addr, volume, key, PEEK_TIMEOUT)
+
+    def _previous_owner(self, key: BlockKey) -> str | None:
+        """The owner of ``key`` in our zone before its last ring change, if that
+        was not us and is within the handoff window."""
+        previous = self._previous
+        if previous is None or self._clock() > self._previous_until:
+            return None
+        ring = previous.rings.get(self.zone)
+        node = ring.owner(key) if ring is not None else None
+        if node is None or node.id == self.node_id or node.addr in self._previous_empty:
+            return None
+        if previous.is_down(node.addr) or self.router.is_down(node.addr):
+            return None
+        return node.addr
+
+    async def get_previous(self, volume: str, key: BlockKey) -> Any:
+        """The block from its owner before our zone's last ring change, if it
+        holds it (the block moved to us), else None."""
+        addr = self._previous_owner(key)
+        if addr is None or not self._patient(addr):
+            return None
+        held = await self._peek(addr, volume, key, PEEK_TIMEOUT, router=self._previous)
+        self.stats["handoff_hits" if held is not None else "handoff_misses"] += 1
+        return held
 
     async def get_from(self, addr: str, volume: str, key: BlockKey) -> Any:
         """The block from the cache node ``addr`` (a warm-up's source) if it
@@ -149,7 +219,10 @@ class PeerZones:
     def is_peer(self, addr: str) -> bool:
         return addr in self._known
 
-    async def _peek(self, addr: str, volume: str, key: BlockKey, timeout: float) -> Any:
+    async def _peek(self, addr: str, volume: str, key: BlockKey, timeout: float,
+                    router: CacheRouter | None = None) -> Any:  # fmt: skip
+        """``router``: where a peer that does not answer is marked down (a
+        previous owner may be in no current map)."""
         missed = self._missed.get(addr, 0)
         args = {"volume": volume, "key": key.to_bytes(), "policy": "peek"}
         try:
@@ -161,7 +234,7 @@ class PeerZones:
         except _DOWN as exc:
             self.stats["peer_errors"] += 1
             log.info("peer cache node %s is not answering (%s); reading around it", addr, exc)
-            self.router.mark_down(addr)
+            (router or self.router).mark_down(addr)
             return None
         except CacheFSError as exc:
             self.stats["peer_errors"] += 1

@@ -34,7 +34,9 @@ choice: start the fill, answer ``CacheMiss`` at once; the client reads backing
 storage itself, so a cold cache never adds a round trip) and ``peek`` (answer
 ``CacheMiss``, fill nothing: what another zone's node asks, see below).
 
-Other zones (:mod:`.peers`, with ``peers``): a fill first asks the key's
+Other cache nodes (:mod:`.peers`, with ``peers``): after a ring change in
+this node's zone, a fill first asks the key's owner before the change and
+keeps what it holds (the block moved here); then it asks the key's
 owner in the next zone (``peek``) and serves what it holds without storing it
 here; a fill that would evict here goes to that owner instead while it has
 room. The zones' capacities so add up to the tier's.
@@ -275,6 +277,7 @@ class CacheService:
         self.backing = backing
         self.peers = peers
         self._held_elsewhere: set[BlockKey] = set()  # fills served by another zone's node
+        self._handed_over: set[BlockKey] = set()  # fills served by the owner before a ring change
         self._keeping = 0  # bytes of fills on their way to flash (or to the next zone)
         self.limits = limits
         self.admission = admission
@@ -443,6 +446,10 @@ class CacheService:
             if source is not None:
                 held = await self.peers.get_from(source, volume, key)
             if held is None:
+                held = await self.peers.get_previous(volume, key)
+                if held is not None:  # the block's owner before a ring change: it moves here
+                    self._handed_over.add(key)
+                    return held
                 held = await self.peers.get(volume, key)
             if held is not None:
                 self._held_elsewhere.add(key)
@@ -480,11 +487,13 @@ class CacheService:
         lets it in, and here only if it came from backing storage and fits
         without evicting, or the next zone has no room for it. ``started``:
         when the fill began (its fetch included, for the fill latency)."""
+        handed_over = key in self._handed_over  # admitted by its previous owner already
+        self._handed_over.discard(key)
         try:
             if key in self._held_elsewhere:
                 self._held_elsewhere.discard(key)
                 self.counters.held_elsewhere += 1
-            elif bypass_admission or self.admission is None or self.admission.admit(key):
+            elif bypass_admission or handed_over or self.admission is None or self.admission.admit(key):
                 self.counters.admitted += 1
                 need = len(data) + HEADER_ROOM
                 # Fills being written count too: they have not reserved their room yet.
