@@ -9,20 +9,27 @@ SEEK_HOLE with the size: no holes at all.
 
 One answer differs from ext4's on purpose: a ZERO_RANGE is a hole record
 here, as a PUNCH_HOLE is (both read as zeros and store nothing), while ext4
-keeps the range allocated and answers it as data.
+keeps the range allocated and answers it as data. Without a mount, the
+answers from random slice lists (writes and hole records over three
+chunks) are checked against a model of the file's 4 KiB blocks.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 from pathlib import Path
 
 import pytest
+import trio
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from cachefs.client.seek import GRAIN, seek_offset
+from cachefs.layout import HOLE, Slice
 
 from .test_fallocate import KEEP_SIZE, PUNCH_HOLE, ZERO_RANGE, fallocate, is_ext4
-
-pytestmark = pytest.mark.needs_fuse
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 64 * MiB
@@ -71,6 +78,7 @@ def answers(fd: int, size: int) -> list[tuple[int, str, int | str]]:
     return seen
 
 
+@pytest.mark.needs_fuse
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_seek_data_and_hole_as_on_ext4(module_mnt: Path, tmp_path: Path, layout: str) -> None:
     if not is_ext4(tmp_path):
@@ -95,6 +103,7 @@ def test_seek_data_and_hole_as_on_ext4(module_mnt: Path, tmp_path: Path, layout:
     assert got[2] == expect[2]
 
 
+@pytest.mark.needs_fuse
 def test_a_zeroed_range_is_a_hole(module_mnt: Path) -> None:
     fd = make(module_mnt / "seek-zeroed", [("write", 0, 512 * KiB), (ZERO_RANGE, 128 * KiB, 128 * KiB),
                                            (ZERO_RANGE, 400_000, 5000)])  # fmt: skip
@@ -105,3 +114,57 @@ def test_a_zeroed_range_is_a_hole(module_mnt: Path) -> None:
         assert os.pread(fd, 128 * KiB, 128 * KiB) == bytes(128 * KiB)
     finally:
         os.close(fd)
+
+
+# The answers from slice lists alone, against a model of the file block by block.
+SPAN = 3 * CHUNK  # the file's reach: three chunks, so answers cross chunk boundaries
+runs = st.tuples(st.integers(0, SPAN - 1), st.integers(1, 3 * MiB), st.booleans())  # (offset, length, hole)
+
+
+def model(writes: list[tuple[int, int, bool]], size: int) -> list[bool]:
+    """Whether each 4 KiB block of the file holds a byte of data: the newest
+    run over each byte decides, as the slice lists' commit order does."""
+    cuts = sorted({0, size} | {p for offset, length, _ in writes for p in (offset, offset + length) if p < size})
+    blocks = [False] * (-(-size // GRAIN))
+    for lo, hi in itertools.pairwise(cuts):
+        newest = None
+        for offset, length, hole in writes:
+            if offset <= lo < offset + length:
+                newest = hole
+        if newest is False:
+            for b in range(lo // GRAIN, (hi - 1) // GRAIN + 1):
+                blocks[b] = True
+    return blocks
+
+
+def expected(blocks: list[bool], size: int, offset: int, data: bool) -> int | None:
+    if offset >= size:
+        return None
+    for b in range(offset // GRAIN, len(blocks)):
+        if blocks[b] == data:
+            return max(offset, b * GRAIN) if data else min(max(offset, b * GRAIN), size)
+    return None if data else size
+
+
+@settings(max_examples=100, deadline=None)
+@example(2 * CHUNK, [(CHUNK - GRAIN, 2 * GRAIN, False)], [CHUNK - GRAIN])  # data across a chunk edge
+@given(st.integers(1, SPAN), st.lists(runs, max_size=6), st.lists(st.integers(0, SPAN + GRAIN), max_size=8))
+def test_seek_answers_match_a_block_model(size: int, runs: list[tuple[int, int, bool]], offsets: list[int]) -> None:
+    writes = [(offset, min(length, size - offset), hole) for offset, length, hole in runs if offset < size]
+    lists: dict[int, list[Slice]] = {}
+    for n, (offset, length, hole) in enumerate(writes, start=1):
+        end = offset + length
+        while offset < end:  # a run is cut at chunk edges, as the writer cuts slices
+            chunk, pos = divmod(offset, CHUNK)
+            cut = min(end, (chunk + 1) * CHUNK)
+            lists.setdefault(chunk, []).append(Slice(HOLE if hole else n, pos, cut - offset))
+            offset = cut
+
+    async def slices(chunk: int) -> list[Slice]:
+        return lists.get(chunk, [])
+
+    blocks = model(writes, size)
+    for offset in offsets:
+        for data in (True, False):
+            got = trio.run(seek_offset, slices, size, offset, data)
+            assert got == expected(blocks, size, offset, data), (offset, data)
