@@ -2,8 +2,7 @@
 
 pyfuse3 (3.5) leaves libfuse's ``lseek`` operation unset: libfuse answers
 ENOSYS, and the kernel then answers every SEEK_DATA with the offset asked
-and every SEEK_HOLE with the file's size (all data, no holes), so tools
-that skip holes (cp, tar, rsync, qemu-img) copy every zero. :func:`install`
+and every SEEK_HOLE with the file's size: all data, no holes. :func:`install`
 sets that operation in the running session's table (:mod:`.libfuse_ops`),
 as :mod:`.fallocate_hook` does for fallocate: the request runs as a task of
 the mount and is answered with ``fuse_reply_lseek`` or ``fuse_reply_err``.
