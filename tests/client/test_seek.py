@@ -168,4 +168,3 @@ def test_seek_answers_match_a_block_model(size: int, runs: list[tuple[int, int, 
         for data in (True, False):
             got = trio.run(seek_offset, slices, size, offset, data)
             assert got == expected(blocks, size, offset, data), (offset, data)
-
