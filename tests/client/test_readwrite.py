@@ -22,7 +22,7 @@ from cachefs import queries as Q
 from cachefs.client.inodes import Inode
 from cachefs.client.l1 import L1Cache
 from cachefs.client.l2 import CachedBlocks, L2Cache
-from cachefs.client.reader import Reader
+from cachefs.client.reader import Readahead, Reader
 from cachefs.client.writer import FileWriter, WriteBudget
 from cachefs.errors import FileTooLarge, IOFailure, NotFound, QuotaExceeded, Unavailable
 from cachefs.ids import BlockKey
@@ -178,6 +178,29 @@ async def test_sequential_reader_prefetches_whole_blocks(nursery) -> None:
     assert len(src.fetches) - before <= 4
     # Readahead efficiency: the blocks read so far were prefetched, and used.
     assert 4 <= reader.stats["prefetches_used"] <= reader.stats["prefetches"]
+
+
+def test_readahead_is_started_once_per_block_the_window_reaches() -> None:
+    """A stream of small reads asks for each block once, when the window's end
+    first reaches it; a random read starts over; a grown file gets its new blocks."""
+    ra = Readahead(BLOCK, 4 * BLOCK)
+    size = 64 * BLOCK
+    started = []
+    for off in range(0, 8 * BLOCK, 16 * 1024):
+        assert ra.on_read(off, 16 * 1024)
+        due = ra.due(off + 16 * 1024, size)
+        if due is not None:
+            started.append(due)
+    assert started[0] == (16 * 1024, 2 * BLOCK)  # the first read: the window is one block
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(started))  # no block asked for twice
+    assert started[-1][1] == 12 * BLOCK  # the last read's end plus the 4-block window, rounded up
+    assert len(started) <= 8 + 3  # about one per block read, not one per read (256)
+    assert not ra.on_read(40 * BLOCK, 4096) and ra.due(40 * BLOCK + 4096, size) is None  # random: none
+    assert ra.on_read(40 * BLOCK + 4096, 4096) and ra.due(40 * BLOCK + 8192, size) == (40 * BLOCK + 8192, 42 * BLOCK)
+    ra = Readahead(BLOCK, 4 * BLOCK)
+    assert ra.on_read(0, BLOCK) and ra.due(BLOCK, 2 * BLOCK) == (BLOCK, 2 * BLOCK)  # stops at the end
+    assert ra.on_read(BLOCK, 100) and ra.due(BLOCK + 100, 2 * BLOCK) is None
+    assert ra.due(BLOCK + 100, 3 * BLOCK) == (2 * BLOCK, 3 * BLOCK)  # the file grew: its new block
 
 
 async def test_random_reader_fetches_only_its_ranges(nursery) -> None:
