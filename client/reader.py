@@ -45,6 +45,7 @@ from cachefs.ids import CHUNK_SIZE, BlockKey
 from cachefs.layout import (
     HOLE,
     BlockPart,
+    ChunkMap,
     Run,
     Slice,
     chunk_ranges,
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 SEQ_SLACK = 256 * 1024
 TOUCH_MEMORY = 8192
 PREFETCH_PARALLEL = 8  # readahead block fetches in flight, for the whole mount
+MAPS_KEPT = 4096  # resolved chunk maps kept (oldest out)
 
 
 async def _run(jobs: list[Callable[[], Awaitable[None]]]) -> None:
@@ -148,6 +150,7 @@ class Reader:
         self._blocks: SingleFlight[BlockKey, Block] = SingleFlight()
         self._lists: SingleFlight[tuple[int, int, tuple[int, int]], list[Slice]] = SingleFlight()
         self._touched: OrderedDict[BlockKey, None] = OrderedDict()
+        self._maps: OrderedDict[int, tuple[list[Slice], ChunkMap]] = OrderedDict()  # see _chunk_map
         self._prefetch_limit = trio.Semaphore(max_parallel)
         # Blocks prefetched and not read yet, for readahead efficiency
         # (prefetches_used / prefetches); bounded, oldest forgotten.
@@ -248,10 +251,10 @@ class Reader:
         chunk, pos = divmod(offset, CHUNK_SIZE)
         if (end - 1) // CHUNK_SIZE != chunk:
             return None
-        segs = resolve(await self.slices(inode, chunk), pos, pos + end - offset)
-        if len(segs) != 1 or segs[0].slice_id == HOLE:
-            return None  # (resolve tiles the range exactly, holes included)
-        parts = segment_blocks(segs[0], self.source.block_size)
+        seg = self._chunk_map(await self.slices(inode, chunk)).covering(pos, pos + end - offset)
+        if seg is None:
+            return None  # a hole or a slice boundary inside: _fill's general path
+        parts = segment_blocks(seg, self.source.block_size)
         if len(parts) != 1:
             return None
         part = parts[0]
@@ -265,6 +268,19 @@ class Reader:
         if self._whole(part.key, sequential):
             return memoryview(await self._read_block(part.key))[lo:hi]
         return await self._fetch_range(part)
+
+    def _chunk_map(self, slices: list[Slice]) -> ChunkMap:
+        """The resolved map of a cached slice list (lists are never changed in
+        place: a new version is a new list, and the entry keeps its list
+        alive, so an id is not reused while its entry lasts)."""
+        known = self._maps.get(id(slices))
+        if known is not None and known[0] is slices:
+            return known[1]
+        chunk_map = ChunkMap(slices)
+        self._maps[id(slices)] = (slices, chunk_map)
+        if len(self._maps) > MAPS_KEPT:
+            self._maps.popitem(last=False)
+        return chunk_map
 
     async def _fill(
         self, inode: Inode, offset: int, view: memoryview, sequential: bool, pending: list[Run]

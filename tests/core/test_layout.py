@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from cachefs.ids import BlockKey
 from cachefs.layout import (
     HOLE,
+    ChunkMap,
     Slice,
     WritePlan,
     chunk_ranges,
@@ -65,6 +66,17 @@ def test_resolve_matches_bytewise_model(raw, start, length) -> None:
             ]
         got += piece
     assert bytes(got) == bytes(model[start:end])
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=slices_st, start=st.integers(0, CHUNK - 1), length=st.integers(1, CHUNK))
+def test_chunk_map_covering_is_resolve_of_one_segment(raw, start, length) -> None:
+    end = min(CHUNK, start + length)
+    slices = [Slice(HOLE if hole else n, pos, min(ln, CHUNK - pos), off)
+              for n, (pos, ln, off, hole) in enumerate(raw, start=1)]  # fmt: skip
+    segs = resolve(slices, start, end)
+    one = segs[0] if len(segs) == 1 and segs[0].slice_id != HOLE else None
+    assert ChunkMap(slices, CHUNK).covering(start, end) == one
 
 
 def test_segment_blocks_names_only_needed_ranges() -> None:
