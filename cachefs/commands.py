@@ -382,9 +382,21 @@ class CreateVolume(Command[dict[str, Any]]):
     # client with the cluster secret mounts it). The default keeps older log
     # entries open.
     token_hash: str = ""
+    # "s3://bucket/prefix/": its blocks are objects there, not shards on the
+    # datanodes (cachefs/backing/objects.py); endpoint and region of the store.
+    backing: str = ""
+    backing_endpoint: str = ""
+    backing_region: str = ""
 
     def validate(self) -> None:
         _check_token_hash(self.token_hash)
+        if self.backing:
+            check_backing(self.backing, self.backing_endpoint, self.backing_region)
+            if self.compression != "none":
+                raise InvalidArgument(f"volume {self.name!r}: blocks in an object store are kept as they are "
+                                      "(no --compression)")
+        elif self.backing_endpoint or self.backing_region:
+            raise InvalidArgument("an endpoint or region for the backing store needs --backing s3://BUCKET/PREFIX")
         if not _VOLUME_NAME.match(self.name):
             raise InvalidArgument(f"volume name {self.name!r}: use 1-64 of [A-Za-z0-9_.-]")
         check_int(self.block_size, "block_size", 4096, CHUNK_SIZE)
@@ -1012,6 +1024,14 @@ def check_repo_target(bucket: str, prefix: str, endpoint: str, region: str) -> N
         raise InvalidArgument(f"endpoint must be http(s)://host[:port], got {endpoint!r}")
     if len(region) > 64:
         raise InvalidArgument("region is longer than 64 characters")
+
+
+def check_backing(url: str, endpoint: str, region: str) -> None:
+    """A volume's object store, written canonically: ``s3://bucket/`` or ``s3://bucket/prefix/``."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if not url.startswith("s3://") or (prefix and not prefix.endswith("/")) or "//" in prefix:
+        raise InvalidArgument(f"backing must be written s3://BUCKET/ or s3://BUCKET/PREFIX/, got {url!r}")
+    check_repo_target(bucket, prefix, endpoint, region)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

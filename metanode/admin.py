@@ -13,6 +13,7 @@ import click
 from cachefs import commands as C
 from cachefs import messages as M
 from cachefs import queries as Q
+from cachefs.backing.objects import ObjectBlocks, ObjectTarget
 from cachefs.commands import check_policy
 from cachefs.config import SIZE, tls_options
 from cachefs.errors import CacheFSError
@@ -34,9 +35,9 @@ def volume() -> None:
 @click.argument("name")
 @click.option(
     "--policy",
-    default="ec:4+2",
-    show_default=True,
-    help="Redundancy: ec:K+M (erasure coded) or replica:N.",
+    default=None,
+    help="Redundancy: ec:K+M (erasure coded) or replica:N.  [default: ec:4+2; with --backing the "
+    "store's own, recorded as replica:1]",
 )
 @click.option(
     "--compression",
@@ -70,18 +71,30 @@ def volume() -> None:
     is_flag=True,
     help="Any client credential for it may mount it (the default without --token-file).",
 )
+@click.option(
+    "--backing",
+    default="",
+    metavar="s3://BUCKET/PREFIX",
+    help="Keep the volume's blocks as objects there instead of on the datanodes (AWS credentials the "
+    "standard way on the mounts, cache nodes and metanodes; see cachefs/backing/objects.py).",
+)
+@click.option("--endpoint", default="", help="With --backing: endpoint URL of an S3-compatible store (default: AWS).")
+@click.option("--region", default="", help="With --backing: the store's region.")
 @_meta
 @_secret
 @_insecure
 @tls_options
 def create(
     name: str,
-    policy: str,
+    policy: str | None,
     compression: str,
     block_size: int,
     pg_count: int,
     token_file: str | None,
     open_: bool,
+    backing: str,
+    endpoint: str,
+    region: str,
     meta: list[str],
     secret_file: str | None,
     insecure: bool,
@@ -91,14 +104,27 @@ def create(
 ) -> None:
     """Create volume NAME."""
     token = _access(token_file, open_)
+    target = None
     try:
-        policy = check_policy(policy, compression, block_size)
-        cmd = C.CreateVolume(name, policy, compression, block_size, pg_count)  # validates all
+        if backing:
+            from cachefs.repo.url import S3Url
+
+            if policy not in (None, "replica:1"):
+                raise click.UsageError(f"--policy {policy}: with --backing the store keeps the blocks redundant")
+            backing = str(S3Url.parse(backing))
+            target = ObjectTarget.from_volume({"backing": backing, "endpoint": endpoint, "region": region})
+        policy = check_policy(policy or ("replica:1" if backing else "ec:4+2"), compression, block_size)
+        cmd = C.CreateVolume(name, policy, compression, block_size, pg_count, backing=backing,
+                             backing_endpoint=endpoint, backing_region=region)  # validates all
     except CacheFSError as exc:
-        raise click.BadParameter(exc.message, param_hint="NAME/--policy/--block-size") from None
-    spec = _run(
-        meta, secret_file, insecure, lambda mc: mc.mutate(cmd, token=token), (tls_cert, tls_key, tls_ca)
-    )
+        raise click.BadParameter(exc.message, param_hint="NAME/--policy/--block-size/--backing") from None
+
+    async def create(mc: MetaClient) -> Any:
+        if target is not None:  # with this machine's credentials: a misconfigured store fails here, not at a write
+            await ObjectBlocks().store(name, target).list_page(target.prefix, limit=1)
+        return await mc.mutate(cmd, token=token)
+
+    spec = _run(meta, secret_file, insecure, create, (tls_cert, tls_key, tls_ca))
     click.echo(f"created volume {name}: {json.dumps(spec)}")
 
 
@@ -178,7 +204,7 @@ def list_(as_json: bool, meta: list[str], secret_file: str | None, insecure: boo
     for name, v in sorted(vols.items()):
         table.add_row(
             name,
-            v["policy"],
+            v.get("backing") or v["policy"],
             v["compression"],
             str(v["block_size"]),
             str(v["pg_count"]),

@@ -63,7 +63,7 @@ def dump_volume(state: MetaState, name: str) -> bytes:
     vol = state.volumes[name]
     spec = state.cluster.volumes[name]
     body = [
-        [spec.policy, spec.compression, spec.block_size, spec.pg_count],
+        spec.row(),
         state.cluster.pgs.get(name, []),
         state.next_slice,
         state.slice_floor,
@@ -112,7 +112,8 @@ def parse(data: bytes, what: str = "backup") -> Backup:
     spec = backup.spec
     try:  # the checks a volume creation makes, on the name and the spec
         C.CreateVolume(
-            backup.volume.name, spec.policy, spec.compression, spec.block_size, spec.pg_count
+            backup.volume.name, spec.policy, spec.compression, spec.block_size, spec.pg_count,
+            backing=spec.backing, backing_endpoint=spec.endpoint, backing_region=spec.region,
         )
     except CacheFSError as exc:
         raise InvalidArgument(f"{what} is corrupt: {exc.message}") from None

@@ -58,22 +58,39 @@ class Node:
 
 @dataclass(slots=True)
 class VolumeSpec:
+    """``backing``: ``s3://bucket/prefix/`` when the volume keeps its blocks as
+    objects there (with the store's endpoint and region) instead of on the
+    datanodes; such a volume has no placement groups."""
+
     policy: str
     compression: str
     block_size: int
     pg_count: int
+    backing: str = ""
+    endpoint: str = ""
+    region: str = ""
 
     @property
     def width(self) -> int:
-        return VolumePolicy.parse(self.policy).n
+        """Datanodes a block of it needs (none when it lives in an object store)."""
+        return 0 if self.backing else VolumePolicy.parse(self.policy).n
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "policy": self.policy,
             "compression": self.compression,
             "block_size": self.block_size,
             "pg_count": self.pg_count,
         }
+        if self.backing:
+            out.update(backing=self.backing, endpoint=self.endpoint, region=self.region)
+        return out
+
+    def row(self) -> list[Any]:
+        """Its fields for snapshots and dumps (the backing ones only when set:
+        older rows have four fields)."""
+        head = [self.policy, self.compression, self.block_size, self.pg_count]
+        return [*head, self.backing, self.endpoint, self.region] if self.backing else head
 
 
 def compute_pgs(
@@ -169,6 +186,9 @@ class ClusterMap:
         spec = self.volumes.get(name)
         if spec is None:
             raise NotFound(f"no volume {name!r}")
+        if spec.backing and compression != "none":
+            raise InvalidArgument(f"volume {name!r} keeps its blocks in {spec.backing} as they are: "
+                                  "it cannot compress them")
         if spec.compression != compression:
             spec.compression = compression
             self.epoch += 1
@@ -176,6 +196,9 @@ class ClusterMap:
 
     def _place(self, name: str) -> None:
         spec = self.volumes[name]
+        if spec.backing:
+            self.pgs[name] = []  # its blocks are objects in a store, not shards on datanodes
+            return
         nodes = [(n.id, n.zone, float(max(n.capacity, 1))) for n in self.datanodes.values() if not n.draining]
         nodes.sort()
         self.pgs[name] = compute_pgs(nodes, spec.pg_count, spec.width, self.pgs.get(name))
@@ -232,10 +255,7 @@ class ClusterMap:
             self.epoch,
             [[n.id, n.addr, n.zone, n.capacity, n.draining] for n in self.datanodes.values()],
             [[n.id, n.addr, n.zone, n.capacity] for n in self.cachenodes.values()],
-            [
-                [name, s.policy, s.compression, s.block_size, s.pg_count]
-                for name, s in self.volumes.items()
-            ],
+            [[name, *s.row()] for name, s in self.volumes.items()],
             [[name, pgs] for name, pgs in self.pgs.items()],
         ]
 

@@ -752,7 +752,10 @@ class MetaState:
             d.uinodes += dinodes
 
     def _overhead(self, vol: Volume) -> float:
+        """Datanode bytes per byte stored in the volume (none for one in an object store)."""
         spec = self.cluster.volumes.get(vol.name)
+        if spec is not None and spec.backing:
+            return 0.0
         return storage_overhead(spec.policy) if spec is not None else 1.0
 
     def _raw_used(self) -> float:
@@ -765,8 +768,10 @@ class MetaState:
         capacity, _ = self.cluster.capacity()
         if not capacity:
             return
-        used = self._raw_used()
         need = dbytes * self._overhead(vol)
+        if not need:
+            return  # its bytes go to an object store, whose space is its own
+        used = self._raw_used()
         if used + need > capacity:
             raise NoSpace(
                 f"storing {dbytes} more bytes needs {need:.0f} of the datanodes' {capacity}; "
@@ -949,11 +954,24 @@ class MetaState:
             raise Exists(f"volume {cmd.name!r} is deleted but its blocks are still being collected (see cachefs gc)")
         if cmd.name in self.volumes:
             raise Exists(f"volume {cmd.name!r} exists")
-        spec = VolumeSpec(cmd.policy, cmd.compression, cmd.block_size, cmd.pg_count)
+        if cmd.backing:
+            self._check_backing_is_its_own(cmd)
+        spec = VolumeSpec(cmd.policy, cmd.compression, cmd.block_size, cmd.pg_count, cmd.backing,
+                          cmd.backing_endpoint, cmd.backing_region)  # fmt: skip
         self.cluster.add_volume(cmd.name, spec)
         vol = self.volumes[cmd.name] = Volume(cmd.name, cmd.now_ns)
         vol.token_hash = cmd.token_hash
         return spec.to_dict()
+
+    def _check_backing_is_its_own(self, cmd: C.CreateVolume) -> None:
+        """No two volumes share a store's prefix, one inside the other: gc
+        deletes the objects under a volume's prefix that it does not reference."""
+        for name, other in self.cluster.volumes.items():
+            if not other.backing or other.endpoint != cmd.backing_endpoint:
+                continue
+            if other.backing.startswith(cmd.backing) or cmd.backing.startswith(other.backing):
+                raise Exists(f"volume {name!r} keeps its blocks in {other.backing}: volume {cmd.name!r} "
+                             f"needs a prefix of its own, not {cmd.backing}")
 
     def _delete_volume(self, cmd: C.DeleteVolume) -> dict[str, Any]:
         """See :class:`~cachefs.commands.DeleteVolume`."""
@@ -2022,8 +2040,8 @@ class MetaState:
         vol = self._vol(volume)
         capacity, _reported = self.cluster.capacity()
         bsize = 4096
-        if capacity:  # in this volume's bytes: the datanodes' raw bytes over its overhead
-            overhead = self._overhead(vol)
+        overhead = self._overhead(vol)
+        if capacity and overhead:  # in this volume's bytes: the datanodes' raw bytes over its overhead
             total = int(capacity / overhead)
             free = max(int((capacity - self._raw_used()) / overhead), 0)
         else:

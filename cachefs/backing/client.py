@@ -53,6 +53,10 @@ their first few handoff substitutes, then on the datanodes outside the PG:
 after a join or leave the map moves slots at once but the shards only move
 when repair runs.
 
+Volumes whose blocks live in an object store (``--backing s3://...``, see
+:mod:`cachefs.backing.objects`) have no placement groups: their puts, gets
+and deletes go to :attr:`BackingClient.objects`, one object per block.
+
 Errors: ``NotFound`` when enough datanodes deny having the block that an
 acknowledged write cannot exist; ``Unavailable`` when too few shards can be
 read; ``Corrupt`` when shards decode to bytes that fail the block checksum.
@@ -72,6 +76,7 @@ import trio
 from prometheus_client import Counter
 
 from cachefs.backing.codec import BlockHeader, Codec, ShardRange
+from cachefs.backing.objects import ObjectBlocks, ObjectTarget
 from cachefs.backing.placement import handoff_order
 from cachefs.backing.policy import VolumePolicy
 from cachefs.buffers import BufferPool
@@ -162,6 +167,7 @@ class BackingClient:
         self._codecs: dict[VolumePolicy, Codec] = {}
         self._latency = 0.05  # EWMA of shard read latency, seconds
         self._headers: collections.OrderedDict[tuple[str, BlockKey], BlockHeader] = collections.OrderedDict()
+        self.objects = ObjectBlocks()
 
     # -- helpers --------------------------------------------------------------
 
@@ -202,6 +208,18 @@ class BackingClient:
                   for rank, n in enumerate(self._substitutes(key, index, pg))
                   if n not in tried and n not in suspect and self._usable(n) and not nodes[n].draining]
         return min(ranked)[3] if ranked else None
+
+    async def object_target(self, volume: str) -> ObjectTarget | None:
+        """The object store of a volume whose blocks are objects; None for one on
+        the datanodes (refreshing the view once, as :meth:`_locate` does)."""
+        try:
+            return self.view.target(volume)
+        except NotFound:
+            refresh = getattr(self.view, "refresh", None)
+            if refresh is None:
+                raise
+            await refresh()
+            return self.view.target(volume)
 
     async def _locate(self, volume: str, key: BlockKey) -> tuple[VolumePolicy, tuple[str, ...]]:
         """Policy and placement group; a view that can refresh is refreshed once
@@ -325,9 +343,12 @@ class BackingClient:
             NoSpace: the same, because datanodes are full.
             NotFound: unknown volume.
         """
+        if (target := await self.object_target(volume)) is not None:
+            _check_size(data, self.view.policy(volume).block_size)
+            await self.objects.put(volume, target, key, data)
+            return []
         policy, pg = await self._locate(volume, key)
-        if len(data) > policy.block_size:
-            raise InvalidArgument(f"block of {len(data)} bytes is over the volume's block size {policy.block_size}")
+        _check_size(data, policy.block_size)
         header, shards = self.codec(policy).encode(data)
         placed: dict[int, set[str]] = {}  # index -> nodes holding it durably
         inflight: set[tuple[int, str]] = set()
@@ -482,6 +503,8 @@ class BackingClient:
             NotFound: every datanode answered and none had a shard.
             Unavailable: some datanode did not answer (retry later).
         """
+        if (target := await self.object_target(volume)) is not None:
+            return await self.objects.delete(volume, target, key)
         policy, pg = await self._locate(volume, key)
         removed: list[int] = []
         # Handed-off shards too (best effort: repair removes any left behind).
@@ -514,6 +537,8 @@ class BackingClient:
         """
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range offset={offset} length={length}")
+        if (target := await self.object_target(volume)) is not None:
+            return await self.objects.get(volume, target, key, offset, length)
         policy, pg = await self._locate(volume, key)
         codec = self.codec(policy)
         whole = offset == 0 and length == -1
@@ -686,6 +711,11 @@ class BackingClient:
 
 class _Fallback(Exception):
     """A range read could not be served from data shards alone."""
+
+
+def _check_size(data: bytes | bytearray | memoryview, block_size: int) -> None:
+    if len(data) > block_size:
+        raise InvalidArgument(f"block of {len(data)} bytes is over the volume's block size {block_size}")
 
 
 def _job(fn: Callable[..., Awaitable[_Shard]], *args: Any) -> Callable[[], Awaitable[_Shard]]:

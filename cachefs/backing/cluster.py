@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from cachefs.backing.objects import ObjectTarget
 from cachefs.backing.placement import pg_of, place_pgs
 from cachefs.backing.policy import VolumePolicy
 from cachefs.errors import CacheFSError, InvalidArgument, NotFound, Unavailable
@@ -39,6 +40,7 @@ class VolumeInfo:
     name: str
     policy: VolumePolicy
     pgs: tuple[tuple[str, ...], ...]
+    target: ObjectTarget | None = None  # its blocks are objects there (and it has no pgs)
 
 
 class ClusterView:
@@ -73,7 +75,8 @@ class ClusterView:
                      for n in cmap.get("datanodes", [])]
             pgs = cmap.get("pgs", {})
             vols = [VolumeInfo(name, VolumePolicy.from_volume(v),
-                               tuple(tuple(str(n) for n in pg) for pg in pgs.get(name, [])))
+                               tuple(tuple(str(n) for n in pg) for pg in pgs.get(name, [])),
+                               ObjectTarget.from_volume(v))
                     for name, v in cmap.get("volumes", {}).items()]
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed cluster map: {exc!r}") from exc
@@ -88,7 +91,9 @@ class ClusterView:
                           for d in self.datanodes.values()],
             "cachenodes": [],
             "volumes": {v.name: {"policy": str(v.policy), "compression": v.policy.compression,
-                                 "block_size": v.policy.block_size, "pg_count": len(v.pgs)}
+                                 "block_size": v.policy.block_size, "pg_count": len(v.pgs),
+                                 **({"backing": v.target.url, "endpoint": v.target.endpoint,
+                                     "region": v.target.region} if v.target else {})}
                         for v in self.volumes.values()},
             "pgs": {v.name: [list(pg) for pg in v.pgs] for v in self.volumes.values()},
         }
@@ -97,19 +102,29 @@ class ClusterView:
         info = self.volumes.get(volume)
         if info is None:
             raise NotFound(f"no volume {volume!r} in the cluster map")
-        if not info.pgs:
+        if not info.pgs and info.target is None:
             raise Unavailable(f"volume {volume!r} has no placement groups yet")
         return info
 
     def policy(self, volume: str) -> VolumePolicy:
         return self.volume(volume).policy
 
+    def target(self, volume: str) -> ObjectTarget | None:
+        """The object store that holds the volume's blocks; None: the datanodes
+        (placement groups or not). NotFound if the map does not know the volume."""
+        info = self.volumes.get(volume)
+        if info is None:
+            raise NotFound(f"no volume {volume!r} in the cluster map")
+        return info.target
+
     def pgs(self, volume: str) -> tuple[tuple[str, ...], ...]:
         return self.volume(volume).pgs
 
     def placement(self, volume: str, key: BlockKey) -> tuple[str, ...]:
-        pgs = self.pgs(volume)
-        return pgs[pg_of(key, len(pgs))]
+        info = self.volume(volume)
+        if info.target is not None:
+            raise InvalidArgument(f"volume {volume!r} keeps its blocks in {info.target.url}, not on datanodes")
+        return info.pgs[pg_of(key, len(info.pgs))]
 
 
 class MetaClusterView:
@@ -139,6 +154,9 @@ class MetaClusterView:
 
     def policy(self, volume: str) -> VolumePolicy:
         return self.current.policy(volume)
+
+    def target(self, volume: str) -> ObjectTarget | None:
+        return self.current.target(volume)
 
     def pgs(self, volume: str) -> tuple[tuple[str, ...], ...]:
         return self.current.pgs(volume)

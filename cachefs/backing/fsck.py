@@ -49,7 +49,7 @@ from typing import Any
 from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.backing.repair import Repairer, RepairReport
-from cachefs.errors import CacheFSError
+from cachefs.errors import CacheFSError, InvalidArgument
 from cachefs.ids import CHUNK_SIZE, BlockKey, is_repo_slice
 from cachefs.layout import HOLE, resolve, segment_blocks
 from cachefs.tasks import run_all
@@ -114,6 +114,9 @@ class Fsck:
         report.metadata = await self.meta.query(Q.CheckVolume(volume))
         await self.view.refresh()
         policy = self.view.policy(volume)
+        if (target := self.view.target(volume)) is not None:
+            raise InvalidArgument(f"volume {volume!r} keeps its blocks in {target.url}: its store keeps them "
+                                  "intact; cachefs gc --check reports any that are missing")
         files = await self._walk(volume, policy.block_size, report)
         needed: dict[BlockKey, list[int]] = defaultdict(list)  # key -> inos
         for ino, f in files.items():

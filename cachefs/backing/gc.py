@@ -55,6 +55,11 @@ shards, and reports *missing* blocks (referenced, with no shard anywhere),
 flight, files open but unlinked, or leaks), and of those the *leaked* ones
 (below the floor: the next sweep deletes them). It changes nothing.
 
+A volume whose blocks are objects in a store (``--backing s3://``,
+:mod:`cachefs.backing.objects`) is collected, checked and swept the same
+way, with its prefix's listing in place of the datanodes' and one DELETE
+per block.
+
 A deleted volume (``cachefs volume delete``, ``C.DeleteVolume``) is a
 tombstone whose trash holds every slice it had: collection and sweeps treat
 it as any volume, and the first sweep that finds none of its shards on the
@@ -83,6 +88,7 @@ import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
+from cachefs.backing.objects import ObjectTarget
 from cachefs.errors import CacheFSError, NotFound
 from cachefs.ids import CHUNK_SIZE, BlockKey, is_repo_slice
 from cachefs.layout import HOLE, Slice
@@ -226,11 +232,8 @@ class GarbageCollector:
         for entry in await self.meta.query(Q.ListTrash(volume, 100_000)):
             trashed.add(entry.slice_id)
         stored: set[BlockKey] = set()
-        for addr in datanode_addrs:
-            try:
-                stored |= await self._inventory(addr, volume)
-            except CacheFSError as exc:
-                report.errors.append(f"listing {addr}: {exc}")
+        for keys in (await self._stored(volume, datanode_addrs, report.errors)).values():
+            stored |= keys
         referenced_slices = {k.slice_id for k in referenced}
         report.referenced_blocks = len(referenced)
         report.stored_blocks = len(stored)
@@ -254,12 +257,9 @@ class GarbageCollector:
         everything now and then, for puts that landed after a sweep). With
         ``delete`` false, count the leaked shards and change nothing."""
         report = report or GcReport(volume, deleted=delete)
-        stored: dict[str, set[BlockKey]] = {}
-        for addr in datanode_addrs:
-            try:
-                stored[addr] = await self._inventory(addr, volume)
-            except CacheFSError as exc:  # safe to go on: what is leaked is the metanodes' answer
-                report.errors.append(f"listing {addr}: {exc}")
+        target = await self._target(volume)
+        # Safe to go on past a listing that failed: what is leaked is the metanodes' answer.
+        stored = await self._stored(volume, datanode_addrs, report.errors)
         leaked = await self._unreferenced(
             volume, {k.slice_id for keys in stored.values() for k in keys if k.slice_id >= since})
 
@@ -271,6 +271,14 @@ class GarbageCollector:
 
         async def delete_shards(addr: str, key: BlockKey) -> None:
             async with self._limit:
+                if target is not None:  # the block's object
+                    try:
+                        await self.backing.delete_block(volume, key)
+                    except CacheFSError as exc:
+                        report.errors.append(f"deleting {key.hex()} from {addr}: {exc}")
+                    else:
+                        report.leaked_blocks_deleted += 1
+                    return
                 try:
                     reply = await self.backing.pool.call(
                         addr, "delete", {"volume": volume, "key": key.to_bytes(), "index": -1}, timeout=60.0)
@@ -306,6 +314,28 @@ class GarbageCollector:
             page = tuple(ids[start:start + Q.MAX_UNREFERENCED_ASK])
             out.update((await self.meta.query(Q.Unreferenced(volume, page))).slice_ids)
         return out
+
+    async def _stored(self, volume: str, datanode_addrs: list[str], errors: list[str]) -> dict[str, set[BlockKey]]:
+        """The blocks of ``volume`` where they are stored: each datanode's (by
+        address), or for a volume in an object store its prefix's (by URL).
+        A listing that fails is left out and reported in ``errors``."""
+        target = await self._target(volume)
+        stored: dict[str, set[BlockKey]] = {}
+        for where in [target.url] if target is not None else datanode_addrs:
+            try:
+                stored[where] = (await self.backing.objects.inventory(volume, target) if target is not None
+                                 else await self._inventory(where, volume))  # fmt: skip
+            except CacheFSError as exc:
+                errors.append(f"listing {where}: {exc}")
+        return stored
+
+    async def _target(self, volume: str) -> ObjectTarget | None:
+        """The volume's object store; None for one on the datanodes, or one the
+        cluster map no longer has (dropped: only datanodes may hold what is left)."""
+        try:
+            return await self.backing.object_target(volume)
+        except NotFound:
+            return None
 
     async def _inventory(self, addr: str, volume: str) -> set[BlockKey]:
         keys: set[BlockKey] = set()

@@ -434,8 +434,9 @@ class Lab:
 
     # ------------------------------------------------------------ mount
 
-    def mount(self, mountpoint: str, *extra: str, l2: bool = True, name: str = "mount") -> None:
-        """Mount the lab volume (zone z1) with an L2 of ``mount_cache`` bytes
+    def mount(self, mountpoint: str, *extra: str, l2: bool = True, name: str = "mount",
+              volume: str = VOLUME) -> None:  # fmt: skip
+        """Mount the lab volume (or ``volume``) in zone z1 with an L2 of ``mount_cache`` bytes
         under the lab's root, unless ``l2`` is false (tests of the cache
         tier itself, whose reads must reach it) or ``extra`` names one.
 
@@ -448,7 +449,7 @@ class Lab:
         if l2 and "--cache-dir" not in extra:
             extra = ("--cache-dir", str(self.root / f"{name}-l2"), "--cache-size", self.config.mount_cache, *extra)
         logf = self.log_path(name)
-        argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), VOLUME, mountpoint,
+        argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(self.meta_addrs), volume, mountpoint,
                 "--background", "--zone", "z1", "--allow-other", "--secret-file", str(self.credential_file("client")),
                 "--log-file", str(logf), "--spill-dir", str(self.root / ("spill" if main else f"{name}-spill")),
                 *self.tls_args(), *(self._mount_metrics() if main else ["--no-metrics"]), *extra]

@@ -142,12 +142,25 @@ class S3Store:
             raise Unavailable(f"{self.name}: {key!r} [{start}, {end}) came back {len(data)} bytes")
         return data
 
-
-    async def put(self, key: str, data: bytes) -> str:
-        """Store ``data`` as ``key`` in one PUT; returns the object's ETag."""
-        what = f"exporting {key!r}"
-        reply = await self._call(what, self._client.put_object, Bucket=self.bucket, Key=key, Body=data)
+    async def put(self, key: str, data: bytes, *, what: str = "", metadata: dict[str, str] | None = None) -> str:
+        """Store ``data`` as ``key`` in one PUT (with user ``metadata``); returns
+        the object's ETag once the store has acknowledged it."""
+        reply = await self._call(what or f"exporting {key!r}", self._client.put_object, Bucket=self.bucket,
+                                 Key=key, Body=data, Metadata=metadata or {})  # fmt: skip
         return str(reply.get("ETag", ""))
+
+    async def get(self, key: str, start: int = 0, end: int = -1, *, what: str = "") -> tuple[bytes, dict[str, str]]:
+        """Bytes ``[start, end)`` of ``key`` (``end`` -1: to its end) and its user
+        metadata, unconditioned (for objects that are never rewritten); hedged
+        as :meth:`get_range`. A missing key is NotFound."""
+
+        def get() -> tuple[bytes, dict[str, str]]:
+            ranged = {} if start == 0 and end < 0 else {"Range": f"bytes={start}-{'' if end < 0 else end - 1}"}
+            reply = self._client.get_object(Bucket=self.bucket, Key=key, **ranged)
+            with reply["Body"] as body:
+                return body.read(), dict(reply.get("Metadata", {}))
+
+        return await hedged(lambda: self._call(what or f"getting {key!r}", get), self.latencies, self._hedge)
 
     async def start_upload(self, key: str) -> str:
         """Begin a multipart upload of ``key``; returns its upload id."""

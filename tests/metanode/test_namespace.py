@@ -427,6 +427,37 @@ def test_volumes_and_cluster_map() -> None:
     ns.check()
 
 
+def test_a_volume_in_an_object_store_has_no_pgs_and_a_prefix_of_its_own() -> None:
+    ns = Driver()
+    s3 = {"backing": "s3://bkt/vols/a/", "backing_endpoint": "http://127.0.0.1:9000"}
+    for bad in ({"backing": "s3://bkt/no-slash"}, {"backing": "http://bkt/a/"}, {"backing": "s3://B/a/"},
+                {"backing_endpoint": "http://127.0.0.1:9000"}, {**s3, "backing_endpoint": "ftp://x"}):
+        assert errno_of(ns.do, C.CreateVolume, "a", "replica:1", "none", 4 << 20, 8, **bad) == errno.EINVAL
+    assert errno_of(ns.do, C.CreateVolume, "a", "replica:1", "zstd", 4 << 20, 8, **s3) == errno.EINVAL
+    for i in range(3):
+        ns.do(C.RegisterNode, "datanode", f"dn{i}", f"127.0.0.1:{7000 + i}", f"z{i}", 1 << 20)
+    ns.do(C.CreateVolume, "a", "replica:1", "none", 4 << 20, 8, **s3)
+    m = ns.state.cluster.to_dict()
+    assert m["pgs"]["a"] == [] and m["volumes"]["a"]["backing"] == "s3://bkt/vols/a/"
+    assert m["volumes"]["a"]["endpoint"] == "http://127.0.0.1:9000"
+    for overlapping in ("s3://bkt/vols/", "s3://bkt/vols/a/b/", "s3://bkt/vols/a/"):
+        assert errno_of(ns.do, C.CreateVolume, "b", "replica:1", "none", 4 << 20, 8,
+                        **{**s3, "backing": overlapping}) == errno.EEXIST  # fmt: skip
+    ns.do(C.CreateVolume, "b", "replica:1", "none", 4 << 20, 8, **{**s3, "backing": "s3://bkt/vols/b/"})
+    ns.do(C.CreateVolume, "c", "replica:1", "none", 4 << 20, 8, backing="s3://bkt/vols/a/")  # another store
+    assert errno_of(ns.do, C.SetVolumeCompression, "a", "zstd") == errno.EINVAL
+    f = ns.do(C.Mknod, "a", 1, b"f", 0o100644, 0, 0, 0)
+    sid = ns.do(C.AllocSlices, 1)
+    ns.do(C.WriteSlice, "a", f.ino, 0, sid, 0, 60 << 20, 0, 1)  # more than the datanodes hold: not theirs to hold
+    assert ns.state.statfs("a").used_bytes == 60 << 20
+    for i in range(3):  # none of its volumes needs a datanode
+        assert ns.do(C.DrainNode, f"dn{i}", True)["draining"]
+    copy = MetaState()
+    copy.restore(ns.state.snapshot())
+    assert copy.cluster.to_dict()["volumes"] == ns.state.cluster.to_dict()["volumes"]
+    ns.check()
+
+
 def test_enospc_when_the_datanodes_are_full() -> None:
     """Stored bytes times the storage overhead (replica:3) against the
     datanodes' capacity; sizes and shrinking cost nothing."""
