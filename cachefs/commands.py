@@ -1183,6 +1183,39 @@ class QueueExports(Command[dict[str, int]]):
             raise InvalidArgument(f"bad path in the link {self.path!r}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReleaseFile(Command[dict[str, int]]):
+    """``cachefs repo release``: file ``ino``, named ``name`` in directory
+    ``parent`` under link ``link_id``, whose content at ``version`` is the
+    object of its key with ``etag`` (the caller compared them), reads from
+    then on from that object: its slices go to the trash (gc deletes their
+    blocks from backing storage) and a repo slice of the object takes their
+    place, as if it had been imported. Refused if the file changed since
+    ``version``, was renamed, or has an export queued. Reply: ``{released:
+    bytes no longer stored}``."""
+
+    TAG: ClassVar[int] = 57
+    NAME: ClassVar[str] = "repo_release_file"
+    ROLES: ClassVar[frozenset[str]] = ADMINS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.mapping
+    volume: str  # the link's (named, so leases on the file are revoked as for any change of it)
+    link_id: int
+    parent: int
+    name: bytes
+    ino: int
+    version: int
+    etag: str
+
+    def validate(self) -> None:
+        check_int(self.link_id, "link_id", 1, U32)
+        check_int(self.parent, "parent", 1)
+        check_int(self.ino, "ino", 1)
+        check_int(self.version, "version", 0)
+        check_name(self.name)
+        if not self.etag or len(self.etag) > 256:
+            raise InvalidArgument(f"bad ETag {self.etag!r}")
+
+
 EXPORT_OUTCOMES = ("done", "failed", "dropped")
 
 

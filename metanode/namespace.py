@@ -535,6 +535,7 @@ class MetaState:
             C.ImportObjects: self._import_objects,
             C.QueueExports: self._queue_exports,
             C.ExportDone: self._export_done,
+            C.ReleaseFile: self._release_file,
             C.RestoreVolume: self._restore_volume,
             C.DeleteVolume: self._delete_volume,
             C.DropVolume: self._drop_volume,
@@ -1626,6 +1627,41 @@ class MetaState:
 
     def _export_done(self, cmd: C.ExportDone) -> dict[str, bool]:
         return exports.export_done(self._repo_link(cmd.link_id), cmd)
+
+    def _release_file(self, cmd: C.ReleaseFile) -> dict[str, int]:
+        """See :class:`~cachefs.commands.ReleaseFile`. The file's content,
+        size, mtime and version stay: only where its bytes are read from
+        changes. A reader holding the old slice list reads the old blocks
+        until gc deletes them (a grace later), then reads the list again."""
+        link = self._repo_link(cmd.link_id)
+        if link.volume != cmd.volume:
+            raise InvalidArgument(f"repository link {link.id} is not in volume {cmd.volume!r}")
+        vol = self._vol(link.volume)
+        parent = self._dir(vol, cmd.parent)
+        if self._lookup_ino(parent.data, cmd.name) != cmd.ino:
+            raise Stale(f"{cmd.name!r} in directory {cmd.parent} is no longer inode {cmd.ino}")
+        inode = vol.inodes[cmd.ino]
+        if _kind(inode.mode) != _S_IFREG or inode.nlink != 1:
+            raise InvalidArgument(f"inode {cmd.ino}: only a regular file with one name can be released")
+        if inode.version != cmd.version:
+            raise Stale(f"inode {cmd.ino} changed since its content was compared with the bucket's object")
+        if cmd.ino in link.puts:
+            raise Busy(f"inode {cmd.ino} has an export queued: the bucket does not have its content yet")
+        key = exports.key_of(self, vol, link, cmd.parent, cmd.name)
+        if key is None:
+            raise InvalidArgument(f"inode {cmd.ino} is not under repository link {link.id}")
+        if link.owns(self, inode):
+            return {"released": 0}  # its content is the bucket's already
+        released = inode.stored
+        for rec in _all_records(inode.data):
+            self._trash(vol, rec[1], rec[5], cmd.now_ns)  # repo slices have no blocks to trash
+            self.repo_objects.pop(rec[1], None)
+        self._store(vol, inode, -inode.stored)
+        inode.data = None
+        self._set_repo_content(vol, link, inode, key[len(link.prefix):], inode.size, cmd.etag)
+        if not inode.size:
+            link.empties.add(inode.ino)
+        return {"released": released}
 
     def _repo_link(self, link_id: int) -> RepoLink:
         link = self.links.get(link_id)

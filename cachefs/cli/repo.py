@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import click
@@ -17,7 +18,7 @@ import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
-from cachefs.config import tls_options
+from cachefs.config import DURATION, tls_options
 from cachefs.errors import CacheFSError, Exists, NotADirectory, NotFound
 from cachefs.metanode.client import MetaClient
 from cachefs.metanode.cliopts import insecure_option, meta_option, run_admin, secret_option
@@ -252,6 +253,53 @@ def export(volume: str, path: str, wait: bool, timeout: float, as_json: bool, me
                    f"now {result['pending']} pending, {result['failed']} failed, {result['done']} done")  # fmt: skip
     if wait and (result["failed"] or result["pending"]):
         sys.exit(1)
+
+
+@repo.command("release")
+@click.argument("volume")
+@click.argument("path")
+@click.option("--older-than", type=DURATION, required=True,
+              help="Release only files last modified at least this long ago (e.g. 7d, 12h, 0).")
+@click.option("--json", "as_json", is_flag=True)
+@meta_option
+@secret_option
+@insecure_option
+@tls_options
+def release(volume: str, path: str, older_than: int, as_json: bool, meta: list[str], secret_file: str | None,
+            insecure: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> None:  # fmt: skip
+    """Release the exported files under PATH (a linked directory, one inside it, or a file) of VOLUME:
+    each whose object in the bucket is its content gives its blocks back to gc and reads from the
+    bucket through the cache tier from then on (cachefs/repo/release.py). Files written since their
+    export, or with one queued, keep their blocks."""
+    from cachefs.backing.client import BackingClient
+    from cachefs.backing.cluster import MetaClusterView
+    from cachefs.repo.exporter import Exporter
+    from cachefs.repo.release import Releaser
+    from cachefs.repo.source import RepoBlocks
+
+    async def go(mc: MetaClient) -> dict[str, Any]:
+        lk, inside = await link_above(mc, volume, path)
+        parent, name, attr = lk["ino"], b"", await mc.query(Q.GetAttr(volume, lk["ino"]))
+        for part in [p for p in inside.split("/") if p]:
+            parent, name = attr.ino, C.check_name(part.encode())
+            attr = await mc.query(Q.Lookup(volume, parent, name))
+        key = lk["prefix"] + inside.strip("/") + ("/" if attr.is_dir and inside.strip("/") else "")
+        view = MetaClusterView(mc)
+        await view.refresh()
+        blocks = RepoBlocks(BackingClient(mc.pool, view), mc.query)
+        exporter = Exporter(mc.query, mc.mutate, blocks, lambda v: view.policy(v).block_size)
+        store = S3Store(lk["bucket"], name=f"repository link {lk['id']} ({lk['url']})",
+                        endpoint=lk["endpoint"], region=lk["region"])  # fmt: skip
+        releaser = Releaser(mc.query, mc.mutate, exporter, lk, store)
+        return {"link": lk["id"], **await releaser.run(parent, name, attr, key, time.time_ns() - older_than * 10**9)}
+
+    result = run_admin(meta, secret_file, insecure, go, (tls_cert, tls_key, tls_ca))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"{volume}:{path}: {result['released']} files released ({result['released_bytes']:,} bytes for gc), "
+                   f"{result['in_bucket']} read from the bucket already, {result['differs']} differ from their "
+                   f"object, {result['too_new']} too new, {result['refused']} changed meanwhile")  # fmt: skip
 
 
 async def link_above(mc: MetaClient, volume: str, path: str) -> tuple[dict[str, Any], str]:

@@ -140,7 +140,7 @@ class Exporter:
                 attr = await self._query(Q.GetAttr(volume, ino))
             except NotFound:
                 raise _Gone from None
-            await self.upload(store, key, self._read(volume, ino, attr.size), attr.size)
+            await self.upload(store, key, self.read(volume, ino, attr.size), attr.size)
 
         try:
             return await self._attempt(store, key, upload)
@@ -166,7 +166,7 @@ class Exporter:
                     log.info("%s: could not abort the upload of %r: %s", store.name, key, exc)
             raise
 
-    async def _read(self, volume: str, ino: int, size: int) -> AsyncIterator[bytes]:
+    async def read(self, volume: str, ino: int, size: int) -> AsyncIterator[bytes]:
         """The file's first ``size`` bytes, in pieces of ``part_size``."""
         bs = self._block_size(volume)
         buf = bytearray()

@@ -124,6 +124,14 @@ class S3Store:
         token = page.get("NextContinuationToken", "") if page.get("IsTruncated") else ""
         return objects, prefixes, token
 
+    async def head(self, key: str) -> ObjectInfo | None:
+        """The object ``key`` as a listing shows it; None if there is none."""
+        try:
+            reply = await self._call(f"looking up {key!r}", self._client.head_object, Bucket=self.bucket, Key=key)
+        except NotFound:
+            return None
+        return ObjectInfo(key, int(reply["ContentLength"]), _ns(reply["LastModified"]), reply.get("ETag", ""))
+
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``; a GET
         slower than the recent 95th percentile is sent again (hedged)."""

@@ -7,7 +7,8 @@ import pytest
 
 from cachefs import commands as C
 from cachefs import queries as Q
-from cachefs.errors import InvalidArgument
+from cachefs.errors import Busy, InvalidArgument, Stale
+from cachefs.ids import is_repo_slice
 from cachefs.metanode.exports import CREATED_WAIT_NS
 from cachefs.metanode.namespace import MetaState
 
@@ -124,3 +125,38 @@ def test_the_queue_survives_a_snapshot(ns: Driver) -> None:
     assert Q.RepoExports(link).run(other) == queue(ns, link)
     h = Driver(other, client="u").create(d, b"c")  # the restored replica goes on queueing
     assert h.ino in other.links[link].puts
+
+
+def test_a_released_file_reads_from_its_object_and_only_as_it_was_compared(ns: Driver) -> None:
+    link, d = linked(ns, "new")
+    f = ns.create(d, b"f.bin")
+    ns.write(f.ino, 0, 0, 1000)
+    (put,) = queue(ns, link)["puts"]
+    rel = (VOL, link, d, b"f.bin", f.ino)
+    version = ns.state.getattr(VOL, f.ino).version
+    with pytest.raises(Busy, match="export queued"):
+        ns.do(C.ReleaseFile, *rel, version, '"etag"')
+    ns.do(C.ExportDone, link, f.ino, put[1], put[2])
+    with pytest.raises(Stale, match="changed since"):
+        ns.do(C.ReleaseFile, *rel, version - 1, '"etag"')
+    with pytest.raises(Stale, match="no longer inode"):
+        ns.do(C.ReleaseFile, VOL, link, d, b"other", f.ino, version, '"etag"')
+    outside = ns.create(1, b"out.bin")
+    ns.write(outside.ino, 0, 0, 10)
+    with pytest.raises(InvalidArgument, match="not under repository link"):
+        ns.do(C.ReleaseFile, VOL, link, 1, b"out.bin", outside.ino, ns.state.getattr(VOL, outside.ino).version, '"e"')
+    (old,) = [row[0] for row in Q.ReadChunk(VOL, f.ino, 0).run(ns.state)]
+    used = ns.state.volumes[VOL].used_bytes
+    trash = len(ns.state.volumes[VOL].trash)
+    assert ns.do(C.ReleaseFile, *rel, version, '"etag"') == {"released": 1000}
+    assert ns.state.volumes[VOL].used_bytes == used - 1000 and len(ns.state.volumes[VOL].trash) > trash
+    assert {e.slice_id for e in Q.ListTrash(VOL, 100).run(ns.state)} >= {old}
+    (new,) = Q.ReadChunk(VOL, f.ino, 0).run(ns.state)
+    assert is_repo_slice(new[0]) and new[2] == 1000
+    obj = ns.state.repo_object(VOL, new[0])
+    assert (obj["key"], obj["etag"], obj["size"]) == ("pre/f.bin", '"etag"', 1000)
+    attr = ns.state.getattr(VOL, f.ino)
+    assert (attr.size, attr.version) == (1000, version)  # the same bytes: nothing for readers to drop
+    assert ns.do(C.ReleaseFile, *rel, version, '"etag"') == {"released": 0}  # the bucket's already
+    assert queue(ns, link)["puts"] == []
+    ns.check()

@@ -31,7 +31,9 @@ from typing import Any
 import boto3
 import pytest
 
+from cachefs import queries as Q
 from cachefs.errors import CacheFSError
+from cachefs.ids import BlockKey, is_repo_slice
 from cachefs.rpc import RpcPool
 from cachefs.testing.labs import running_lab
 from cachefs.testing.ports import free_port
@@ -164,6 +166,71 @@ def test_repo_export_uploads_what_auto_export_did_not(s3, lab, mnt) -> None:
     assert objects(s3, "manual/") == {"a/x.bin": b"x" * 5000, "b.bin": b"b"}
     bad = repo_cli(lab, "export", "lab", "/export-not-there")
     assert bad.returncode != 0 and "not-there" in bad.stderr
+
+
+async def slices_of(lab: Any, path: str) -> set[int]:
+    """The slice ids of file ``path`` of the lab volume."""
+    async with RpcPool(secret=lab.credential("admin")) as pool:
+        mc = lab.meta_client(pool)
+        ino = 1
+        for part in path.strip("/").split("/"):
+            attr = await mc.query(Q.Lookup("lab", ino, part.encode()))
+            ino = attr.ino
+        return {s.id for chunk in range(-(-attr.size // (64 * MiB)))
+                for s in await mc.query(Q.ReadChunk("lab", ino, chunk))}  # fmt: skip
+
+
+async def stored_slices(lab: Any) -> set[int]:
+    """Slice ids with a shard of the lab volume on some datanode."""
+    async with RpcPool(secret=lab.credential("admin")) as pool:
+        out: set[int] = set()
+        for node in lab.of_kind("datanode"):
+            cursor = ""
+            while True:
+                reply = await pool.call(node.addr, "list", {"volume": "lab", "cursor": cursor, "limit": 10_000},
+                                        timeout=30)  # fmt: skip
+                out |= {BlockKey.from_bytes(bytes(k)).slice_id for k, _i, _s in reply.result["shards"]}
+                cursor = reply.result["cursor"]
+                if not cursor:
+                    break
+        return out
+
+
+def test_repo_release_gives_exported_files_blocks_back_and_they_read_from_the_bucket(s3, lab, mnt) -> None:
+    out = repo_cli(lab, "link", "lab", "/rel", f"s3://{BUCKET}/rel", "--endpoint", s3.endpoint,
+                   "--auto-export", "new,changed")
+    assert out.returncode == 0, out.stderr
+    data = {"old/big.bin": os.urandom(20 * MiB + 7),  # a multipart upload (16 MiB parts)
+            "old/small.bin": os.urandom(300_000), "old/differs.bin": os.urandom(5000), "new.bin": b"new"}
+    for name, body in data.items():
+        write(mnt / "rel" / name, body)
+    wait_for("the exports", exported(lab, "/rel"))
+    bucket(s3).put_object(Bucket=BUCKET, Key="rel/old/differs.bin", Body=os.urandom(5000))  # not the file's bytes
+    week_ago = time.time() - 8 * 86400
+    for name in ("old/big.bin", "old/small.bin", "old/differs.bin"):
+        os.utime(mnt / "rel" / name, (week_ago, week_ago))
+    released = {name: lab.run(slices_of, lab, "/rel/" + name) for name in ("old/big.bin", "old/small.bin")}
+    assert set().union(*released.values()) <= lab.run(stored_slices, lab)
+
+    out = repo_cli(lab, "release", "lab", "/rel", "--older-than", "7d", "--json")
+    assert out.returncode == 0, out.stderr
+    counts = json.loads(out.stdout)
+    assert counts == {"link": counts["link"], "released": 2, "in_bucket": 0, "differs": 1, "too_new": 1,
+                      "refused": 0, "released_bytes": len(data["old/big.bin"]) + len(data["old/small.bin"])}
+    for name in released:
+        assert all(is_repo_slice(sid) for sid in lab.run(slices_of, lab, "/rel/" + name))
+    again = json.loads(repo_cli(lab, "release", "lab", "/rel/old/big.bin", "--older-than", "0", "--json").stdout)
+    assert (again["released"], again["in_bucket"]) == (0, 1)
+
+    gc = subprocess.run([sys.executable, "-m", "cachefs.cli", "gc", "--delete", "--grace", "0", "--volume", "lab",
+                         "--meta", ",".join(lab.meta_addrs), "--secret-file", str(lab.credential_file("admin"))],
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert gc.returncode == 0, gc.stderr
+    assert not set().union(*released.values()) & lab.run(stored_slices, lab)  # their blocks left the datanodes
+    lab.umount()  # a fresh mount: no L1 or page cache of the old blocks
+    lab.mount(str(mnt), "--attr-timeout", "0", "--entry-timeout", "0", l2=False)
+    for name, body in data.items():
+        assert (mnt / "rel" / name).read_bytes() == body  # the released two through the cache node, from S3
 
 
 class Proxy:
