@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -557,12 +557,9 @@ class SimNode:
             + storage.encode_ready(self.core.stable_entries(), self.core.persisted_hard_state()))
 
 
-@dataclass(order=True)
-class _Event:
-    at: int
-    seq: int
-    fn: Any = field(compare=False)
-    arg: Any = field(compare=False)
+# An event: (at, seq, fn, arg). A plain tuple, so the heap compares in C; seq is
+# unique, so fn and arg are never compared.
+_Event = tuple[int, int, Any, Any]
 
 
 class Sim:
@@ -659,14 +656,13 @@ class Sim:
     # -- event queue
     def schedule(self, delay: int, fn: Any, arg: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._queue, _Event(self.now + delay, self._seq, fn, arg))
+        heapq.heappush(self._queue, (self.now + delay, self._seq, fn, arg))
 
     def run_until(self, t: int, stop: Any = None) -> bool:
-        while self._queue and self._queue[0].at <= t:
-            ev = heapq.heappop(self._queue)
-            self.now = ev.at
+        while self._queue and self._queue[0][0] <= t:
+            self.now, _, fn, arg = heapq.heappop(self._queue)
             self.events += 1
-            ev.fn(ev.arg)
+            fn(arg)
             if stop is not None and stop():
                 return True
         self.now = t
@@ -851,7 +847,7 @@ class Sim:
             self.schedule(self.rng.randint(TICK, 4 * TICK), self._operator, None)
         self.run_until(p.fault_time)
         # Heal everything and require progress: liveness after the storm.
-        self._queue = [e for e in self._queue if e.fn != self._fault]
+        self._queue = [e for e in self._queue if e[2] != self._fault]
         heapq.heapify(self._queue)
         self.blocked = set()
         self.loss = 0.0
