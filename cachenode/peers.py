@@ -113,7 +113,7 @@ class PeerZones:
         self._missed: dict[str, int] = {}  # addr -> misses in a row (peeked or skipped), see above
         self._refreshed_at = -math.inf
         self.stats = {"peer_zones": 0, "peer_hits": 0, "peer_misses": 0, "peer_errors": 0, "peer_puts": 0,
-                      "peeks_skipped": 0, "sources_refused": 0, "handoff_hits": 0, "handoff_misses": 0}  # fmt: skip
+                      "peeks_skipped": 0, "sources_refused": 0, "handoff_hits": 0, "handoff_misses": 0, "zone_nodes": 0}  # fmt: skip
 
     def update(self, cmap: Mapping[str, Any]) -> None:
         nodes = cmap.get("cachenodes", [])
@@ -127,6 +127,7 @@ class PeerZones:
             # an owner the map shows empty has nothing to hand over (a cluster starting cold)
             self._previous_empty = {str(n["addr"]) for n in before.get("cachenodes", []) if n.get("used", 1) == 0}
             self._missed.clear()  # a ring change makes every peer worth asking again
+        self.stats["zone_nodes"] = len(members)
         self._members, self._last_map = members, dict(cmap)  # a copy: a caller may reuse its dict
         self.router.update(cmap)
         self._known = {str(n["addr"]) for n in cmap.get("cachenodes", []) if n.get("id") != self.node_id}

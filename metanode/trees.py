@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachefs import commands as C
 from cachefs.errors import (
+    Busy,
     Exists,
     InvalidArgument,
     NoSpace,
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
     from .namespace import MetaState, Volume
 
 
-def _check_outside_links(state: MetaState, vol: Volume, dir_ino: int, what: str) -> None:
+def _check_outside_links(state: MetaState, vol: Volume, dir_ino: int, what: str, op: str = "tree clone") -> None:
     """Refuse a directory inside (or at) a directory linked to S3."""
     linked = {link.ino: link.id for link in state.links.values() if link.volume == vol.name}
     if not linked:
@@ -85,7 +86,7 @@ def _check_outside_links(state: MetaState, vol: Volume, dir_ino: int, what: str)
     for inode in state._ancestors(vol, dir_ino):
         if inode.ino in linked:
             raise NotSupported(f"{what} is inside a directory linked to S3 (link {linked[inode.ino]}): "
-                               "tree clone does not copy imported files")  # fmt: skip
+                               f"{op} does not handle imported files")  # fmt: skip
 
 
 def _check_cloneable(src: Inode, name: bytes) -> None:
@@ -146,7 +147,7 @@ def clone_entry(state: MetaState, cmd: C.CloneEntry) -> dict[str, Any]:
     if ino is None:
         raise NotFound(f"no {cmd.src_name!r} in directory {cmd.src_parent}")
     src = vol.inodes[ino]
-    _check_outside_links(state, vol, parent.ino, "the source")
+    _check_outside_links(state, vol, src.ino if src.is_dir else parent.ino, "the source")
     _check_outside_links(state, vol, dst.ino, "the destination")
     _check_cloneable(src, cmd.src_name)
     if src.is_dir and state._is_ancestor(vol, src.ino, dst.ino):
@@ -198,7 +199,11 @@ def delete_tree(state: MetaState, cmd: C.DeleteTree) -> dict[str, Any]:
     tree = vol.inodes[ino]
     if not tree.is_dir:
         raise NotADirectory(f"{cmd.name!r} is not a directory (tree delete takes a directory; unlink a file)")
-    _check_outside_links(state, vol, tree.ino, "the directory")
+    _check_outside_links(state, vol, tree.ino, "the directory", "tree delete")
+    inside = sorted(link.id for link in state.links.values()
+                    if link.volume == vol.name and state._is_ancestor(vol, tree.ino, link.ino))  # fmt: skip
+    if inside:
+        raise Busy(f"{cmd.name!r} holds directories linked to S3 (links {inside}): unlink them first")
     state._remove_entry(vol, parent, cmd.name, tree)
     state._touch(parent, cmd.now_ns)
     total = tree.data.uinodes + 1

@@ -105,6 +105,7 @@ class LabConfig:
     s3_pid: int | None = None
     # Further `cachefs metanode` options of every replica (tests: a shorter --lease-term or --node-timeout).
     metanode_options: list[str] = field(default_factory=list)
+    cachenode_options: list[str] = field(default_factory=list)  # likewise for `cachefs cachenode`
 
 
 class Lab:
@@ -244,7 +245,8 @@ class Lab:
                     "--node-id", node.name, "--heartbeat", "1", *common]
         return [*base, "cachenode", "--zone", node.zone, "--cache-dir", d, "--capacity",
                 self.config.cache_capacity, "--memory", self.config.cache_memory, "--listen",
-                node.addr, "--meta", meta, "--node-id", node.name, "--heartbeat", "1", *common]
+                node.addr, "--meta", meta, "--node-id", node.name, "--heartbeat", "1",
+                *self.config.cachenode_options, *common]
 
     # ------------------------------------------------------------ processes
 

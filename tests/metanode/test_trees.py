@@ -274,3 +274,17 @@ def test_tree_delete_refusals(tree) -> None:
     assert errno_of(ns.do, C.DeleteTree, VOL, 1, b"nope") == errno.ENOENT
     assert errno_of(ns.do, C.PurgeTree, VOL, ino["data"], 10) == errno.ENOENT  # not being deleted
     ns.check()
+
+
+def test_trees_linked_to_s3_are_refused() -> None:
+    ns = Driver().volume()
+    top = ns.mkdir(1, b"top").ino
+    repo = ns.mkdir(top, b"repo").ino
+    ns.do(C.LinkRepo, VOL, repo, "bkt", "pre/", "http://127.0.0.1:9000")
+    ns.mkdir(repo, b"inner")
+    assert errno_of(ns.do, C.CloneEntry, VOL, top, b"repo", 1, b"x") == errno.EOPNOTSUPP
+    x = ns.do(C.CloneEntry, VOL, 1, b"top", 1, b"x")["ino"]  # the top alone is fine...
+    assert errno_of(ns.do, C.CloneDir, VOL, repo, x, 0, 10) == errno.EOPNOTSUPP  # ...its linked part is not
+    assert errno_of(ns.do, C.DeleteTree, VOL, repo, b"inner") == errno.EOPNOTSUPP
+    assert errno_of(ns.do, C.DeleteTree, VOL, 1, b"top") == errno.EBUSY  # holds a link
+    ns.check()
