@@ -20,7 +20,7 @@ def test_config_reference_matches_the_cli() -> None:
 def test_every_option_and_its_help_is_in_the_reference() -> None:
     text = DOC.read_text()
     for path, flag, words in (("cachefs datanode", "--capacity SIZE", "Bytes this datanode may store"),
-                              ("cachefs volume create", "--policy TEXT", "[default: ec:4+2]"),
+                              ("cachefs volume create", "--policy TEXT", "[default: ec:4+2;"),
                               ("cachefs mount", "--allow-other", "default_permissions")):  # fmt: skip
         section = text.split(f"## `{path}`\n", 1)[1].split("\n## ", 1)[0]
         row = next(line for line in section.splitlines() if line.startswith(f"| `{flag}`"))
