@@ -435,17 +435,18 @@ async def serve(
     token: str | None = None,
     allow_other: bool = False,
     mount_flags: tuple[str, ...] = (),
+    connect_timeout: float = CONNECT_TIMEOUT,
 ) -> int:
     """Run one mount until it is unmounted or signalled; returns an exit status."""
     async with RpcPool(secret=secret, tls=tls) as pool:
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
+            with trio.fail_after(connect_timeout):
                 session = await Session.connect(
                     pool, meta_addrs, volume, zone=zone, transport=options.transport, token=token
                 )
         except trio.TooSlowError:
             ready(
-                f"cannot reach the metanodes at {','.join(meta_addrs)} within {CONNECT_TIMEOUT:.0f}s"
+                f"cannot reach the metanodes at {','.join(meta_addrs)} within {connect_timeout:g}s"
             )
             return 1
         except CacheFSError as exc:
@@ -722,6 +723,14 @@ def _remove_pid(mountpoint: str) -> None:
     show_default=True,
     help="Where data that could not be committed at unmount is kept.",
 )
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=CONNECT_TIMEOUT,
+    show_default=True,
+    help="Seconds to keep trying the metanodes when mounting (they may still be starting) before "
+    "giving up.",
+)
 @click.option("--zone", default="", help="Zone of this node (its cache ring is tried first).")
 @click.option("--read-only", is_flag=True, help="Mount read-only.")
 @click.option(
@@ -782,6 +791,7 @@ def mount_command(
     free_space_ratio: float,
     unmount_timeout: float,
     spill_dir: str,
+    connect_timeout: float,
     zone: str,
     read_only: bool,
     allow_other: bool,
@@ -828,7 +838,7 @@ def mount_command(
             main = functools.partial(
                 serve, meta_addrs, volume, mountpoint, options, secret=secret, zone=zone, ready=ready,
                 metrics=None if no_metrics else metrics_addr, tls=tls, token=token, allow_other=allow_other,
-                mount_flags=mount_flags,
+                mount_flags=mount_flags, connect_timeout=connect_timeout,
             )
             return trio.run(main)
         finally:

@@ -220,8 +220,8 @@ def test_mount_errors_are_clear(cluster, tmp_path: Path) -> None:
     bad.write_text("not-the-secret\n")
     r = run(meta, "lab", str(mp), "-d", "--secret-file", str(bad))
     assert r.returncode != 0 and "refused the cluster secret" in r.stderr, r.stderr
-    r = run("127.0.0.1:9", "lab", str(mp), "-d", "--insecure")
-    assert r.returncode != 0 and "cannot reach the metanodes at 127.0.0.1:9" in r.stderr, r.stderr
+    r = run("127.0.0.1:9", "lab", str(mp), "-d", "--insecure", "--connect-timeout", "1")  # default: 10 s
+    assert r.returncode != 0 and "cannot reach the metanodes at 127.0.0.1:9 within 1s" in r.stderr, r.stderr
     assert not mounted(mp)
 
 
