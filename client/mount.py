@@ -484,21 +484,25 @@ async def run_fs(
             nursery.cancel_scope.cancel()
             await session.close()
             return 1
-        _hook_libfuse(front, engine)  # before any request
-        collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
-        front.control.render_stats = collector.text
-        if metrics is not None:
-            from prometheus_client import REGISTRY
-
-            REGISTRY.register(collector)
-            start_metrics(metrics)
         stopping = _Stopping(options.unmount_timeout)
-        engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background,
-                                  session.meta.addrs)
-        engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
-        engine.nursery.start_soon(_trim_heap, restart=True)
-        collector.memory = memory_budget(engine, heap.rss())  # set up, not yet serving
-        try:
+        try:  # from here on, whatever fails unmounts (else a stat of the mount point waits forever)
+            _hook_libfuse(front, engine)  # before any request
+            collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
+            front.control.render_stats = collector.text
+            if metrics is not None:
+                from prometheus_client import REGISTRY
+
+                REGISTRY.register(collector)
+                try:
+                    start_metrics(metrics)
+                except OSError as exc:  # a --metrics-addr that is taken
+                    ready(str(exc))
+                    return 1
+            engine.nursery.start_soon(_announce, nursery, mountpoint, ready, options.max_background,
+                                      session.meta.addrs)
+            engine.nursery.start_soon(_on_signals, engine, stopping, restart=True)
+            engine.nursery.start_soon(_trim_heap, restart=True)
+            collector.memory = memory_budget(engine, heap.rss())  # set up, not yet serving
             await pyfuse3.main(max_tasks=options.fuse_workers)
         finally:
             with trio.CancelScope(shield=True):

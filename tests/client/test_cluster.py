@@ -412,3 +412,29 @@ def test_compaction_keeps_what_another_mount_appended(cluster, tmp_path: Path) -
     finally:
         c.stop()
     c.check_log()
+
+
+def test_a_taken_metrics_port_fails_the_mount_and_unmounts(cluster, tmp_path: Path) -> None:
+    """A --metrics-addr already in use fails the mount with an error naming
+    it, and leaves nothing mounted. Before, the failure came after the FUSE
+    mount and before its loop: the process then hung in a stat of its own
+    mount point, and ``cachefs mount -d`` waited forever."""
+    import socket
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(cluster.meta_addrs), "lab", str(mnt), "-d",
+                "--secret-file", str(cluster.secret_file), "--log-file", str(tmp_path / "mount.log"),
+                "--metrics-addr", f"127.0.0.1:{port}"]  # fmt: skip
+        try:
+            proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+        finally:
+            if mounted(mnt):
+                subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+    assert proc.returncode != 0
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert not mounted(mnt)
