@@ -50,6 +50,8 @@ async def test_a_clone_stopped_by_a_quota_names_its_partial_copy_which_tree_dele
         assert (await mc.query(Q.GetUsage("v", limited.ino)))[:2] == (0, 0)
         out = await clone_tree(mc, "v", "/src", "/copy")
         assert out["entries"] == 7 and out["bytes"] == 5000
+        with pytest.raises(CacheFSError, match="/copy exists"):
+            await clone_tree(mc, "v", "/src", "/copy")
         meta.check()
 
 
