@@ -230,6 +230,7 @@ class Progress:
         "inflight",
         "pending_snapshot",
         "snapshot_elapsed",
+        "sent_commit",
     )
 
     def __init__(self, next_index: int) -> None:
@@ -241,6 +242,7 @@ class Progress:
         self.inflight: deque[int] = deque()
         self.pending_snapshot = 0
         self.snapshot_elapsed = 0
+        self.sent_commit = -1  # the commit index the last Append since the last tick carried
 
     def paused(self, max_inflight: int) -> bool:
         if self.state is _PState.PROBE:
@@ -988,7 +990,7 @@ class RaftCore:
                         self._send_append(to)
         if self.heartbeat_elapsed >= self.config.heartbeat_tick:
             self.heartbeat_elapsed = 0
-            self._bcast_heartbeat()
+            self._bcast_heartbeat(skip_busy=True)
 
     def _step_leader(self, m: Message) -> None:
         pr = self.prs.get(m.src)
@@ -1066,6 +1068,7 @@ class RaftCore:
         if not entries and not send_empty:
             return False
         self._send(Append(self.term, self.id, to, prev, prev_term, tuple(entries), log.committed))
+        pr.sent_commit = log.committed
         if pr.state is _PState.REPLICATE and entries:
             pr.next = entries[-1].index + 1
             pr.inflight.append(entries[-1].index)
@@ -1087,10 +1090,21 @@ class RaftCore:
         for to in self.prs:
             self._send_append(to, send_empty)
 
-    def _bcast_heartbeat(self) -> None:
+    def _bcast_heartbeat(self, skip_busy: bool = False) -> None:
+        """With ``skip_busy`` (the heartbeat tick), not to a follower that
+        takes our Appends (REPLICATE) and was sent one since the last tick
+        with the commit index as it is now: that told it all a heartbeat
+        would, and its answer tells us it is there. A probed follower gets
+        its heartbeats: one whose disk was wiped is found by their answer.
+        Read-index rounds go to every follower: their answers confirm the
+        read."""
         commit = self.log.committed
         ctx = self._read_seq
         for to, pr in self.prs.items():
+            busy = pr.state is _PState.REPLICATE and pr.sent_commit == commit
+            pr.sent_commit = -1
+            if skip_busy and busy:
+                continue
             self._send(Heartbeat(self.term, self.id, to, min(pr.match, commit), ctx))
 
     def _committed_in_term(self) -> bool:

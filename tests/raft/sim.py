@@ -462,28 +462,39 @@ class SimNode:
 
     def write_async(self, rd: Ready) -> None:
         """What ``driver.RaftNode._write_async`` does: the write is under
-        way (not synced: a crash may lose it), the node applies and goes on."""
+        way (not synced: a crash may lose it), the node applies and goes on.
+        A write without an fsync is done when the writes before it are."""
         self.writing.append((rd, len(self.disk.wal)))
+        if self.core.committed > self.core.log.stable:
+            self.sim.early_commits += 1
         self.apply(rd)
         self.core.accept(rd)
-        self.sim.schedule(self._fsync_time(), self.write_synced, rd)
+        if rd.must_sync:
+            # Often the slowest disk of all (it serves the clients too): so
+            # the followers' acks come first and commit what it lacks.
+            delay = self._fsync_time() * self.sim.rng.choice((1, 4))
+            self.sim.schedule(delay, self.write_synced, rd)
+        # (else a write came before it: this one is done when that one is)
 
     def write_synced(self, rd: Ready) -> None:
-        """An fsync ended: it covers every write before it in the file."""
+        """An fsync ended: it covers every write before it in the file, and
+        the writes after it that need no fsync are done too."""
         if not self.alive or all(r is not rd for r, _ in self.writing):
             return  # crashed meanwhile, or an earlier fsync covered it
         if self.paused_until > self.sim.now:
             self.sim.schedule(self.paused_until - self.sim.now, self.write_synced, rd)
             return
-        self.disk.syncs += 1
-        while self.writing:
+        if rd.must_sync:
+            self.disk.syncs += 1
+        covered = True
+        while self.writing and (covered or not self.writing[0][0].must_sync):
             r, end = self.writing.pop(0)
-            self.disk.synced = max(self.disk.synced, end)
+            if covered:
+                self.disk.synced = max(self.disk.synced, end)
             for m in r.messages:
                 self.sim.send(m)
             self.core.persisted(r)
-            if r is rd:
-                break
+            covered = covered and r is not rd
         self.maybe_snapshot()
         self.process()
 
@@ -581,6 +592,7 @@ class Sim:
         self.lease_duration = params.lease_fraction * params.election_tick * TICK
         self.lease_reads = 0
         self.damaged = 0  # WALs damaged before their tail
+        self.early_commits = 0  # leaders' commits past their own synced log (async writes)
         self.rebuilds = 0  # replicas started from an empty disk after a wipe or a refusal
         self.history: list[Op] = []
         self.clients = [Client(c) for c in range(params.clients)]

@@ -378,3 +378,28 @@ def test_a_restarted_replica_keeps_its_lease_promise() -> None:
     fresh = RaftCore(2, [1, 2, 3], rng=random.Random(0), config=CFG)
     fresh.step(Vote(1, 3, 2, 0, 0))
     assert fresh.term == 1 and fresh.vote == 3
+
+
+def test_no_heartbeat_to_a_follower_that_appends_keep_busy() -> None:
+    """A heartbeat tick skips the followers an Append went to since the
+    last tick with the commit index as it is (here each tick comes while
+    the newest proposal is in flight); once proposals stop, heartbeats
+    resume with the commit index, and a read-index round asks everyone."""
+    net = Net(3)
+    leader = net.elect(1)
+    net.sent.clear()
+    for k in range(10):
+        leader.propose([b"x%d" % k])
+        net.tick()
+    assert not any(isinstance(m, Heartbeat) for m in net.sent)
+    net.sent.clear()
+    net.tick(2)
+    beats = [m for m in net.sent if isinstance(m, Heartbeat)]
+    assert {m.dst for m in beats} == {2, 3}
+    assert all(m.commit == leader.committed for m in beats)
+    assert all(c.committed == leader.committed for c in net.cores.values())
+    net.sent.clear()
+    leader.propose([b"y"])
+    leader.read_index()
+    net.settle()
+    assert {m.dst for m in net.sent if isinstance(m, Heartbeat)} == {2, 3}
