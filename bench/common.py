@@ -29,7 +29,9 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
-def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(port: int, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Until something listens on ``port``; ``proc`` exiting first is an error at once.
+    ``timeout`` is a hang guard: on a loaded machine a server alone can take 20 s to start."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
