@@ -54,7 +54,7 @@ class PowerCutDisk:
         """The durable namespace: what the directory would hold after a power cut now."""
         return self.backing / "tree"
 
-    def mount(self, timeout: float = 20.0) -> None:
+    def mount(self, timeout: float = 60.0) -> None:
         """Start the layer and wait until the mount answers (see :meth:`start`, :meth:`wait`)."""
         self.start()
         self.wait(timeout)
@@ -70,11 +70,12 @@ class PowerCutDisk:
                 [sys.executable, "-m", "cachefs.testing.powercutfs", str(self.backing), str(self.mountpoint)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def wait(self, timeout: float = 20.0) -> None:
+    def wait(self, timeout: float = 60.0) -> None:
         """Until the started layer is mounted.
 
         Raises:
-            RuntimeError: the layer exited or did not mount within ``timeout``.
+            RuntimeError: the layer exited or did not mount within ``timeout``
+                (a hang guard: under load a process alone can take 20 s to start).
         """
         if self.proc is None:
             raise RuntimeError(f"{self.mountpoint}: the power-cut layer was not started")
