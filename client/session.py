@@ -469,7 +469,14 @@ class Session:
 
     async def store_block(self, key: BlockKey, data: bytes | memoryview) -> bool:
         """Store a block durably; True when some shards are left for repair (the
-        commit of its slice must say so)."""
+        commit of its slice must say so).
+
+        ``data`` (a view of the writer's run) is copied once, here, when the
+        mount keeps the block: the codec needs ``bytes`` and would copy it
+        itself, and L1 and L2 keep that same copy (``on_block_stored``).
+        """
+        if self.on_block_stored is not None:
+            data = bytes(data)
         short = await self.backing.put_block(self.volume, key, data)
         if self.on_block_stored is not None:
             self.on_block_stored(key, data)

@@ -329,8 +329,9 @@ class Volume:
         wrote is what it reads next (JuiceFS keeps written blocks in its cache too)."""
         to_l1 = len(data) <= self.l1.capacity  # else L1 would drop it: spare the copy
         if to_l1 or self.l2 is not None:
-            # One copy for both: ``data`` is a view of the writer's whole run.
-            block = bytes(data)
+            # One copy for both, the one the session made for the codec
+            # (Session.store_block); a view of the writer's run is copied here.
+            block = data if isinstance(data, bytes) else bytes(data)
             if to_l1:
                 self.l1.put(key, block, cold=True)
             if self.l2 is not None:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cachefs.buffers import BufferPool
 from cachefs.client.l1 import L1Cache
+from cachefs.client.session import Session
 from cachefs.ids import BlockKey
 
 ops_st = st.lists(
@@ -91,3 +92,24 @@ def test_an_evicted_block_someone_still_reads_is_not_used_again() -> None:
     l1.put(BlockKey(2, 5), bytes(MiB))  # blocks 2 and 3 go: only L1 held them
     l1.put(BlockKey(2, 6), bytes(MiB))  # the view goes
     assert pool.stats["buffers_kept"] == 2
+
+
+async def test_a_stored_block_is_copied_once_for_the_codec_and_l1() -> None:
+    """The session hands the codec bytes (which it would otherwise copy itself)
+    and gives L1 and L2 that same copy, not a second one."""
+
+    class Backing:  # BackingClient.put_block's shape: records what it was given
+        def __init__(self) -> None:
+            self.got: list[object] = []
+
+        async def put_block(self, volume: str, key: BlockKey, data: object) -> list[object]:
+            self.got.append(data)
+            return []
+
+    backing = Backing()
+    session = Session(None, "v", "s", {}, zone="z1", transport=None, backing=backing)  # type: ignore[arg-type]
+    kept: list[object] = []
+    session.on_block_stored = lambda key, data: kept.append(data)
+    run = bytearray(b"x" * 1000)
+    assert await session.store_block(BlockKey(1, 0), memoryview(run)[:500]) is False
+    assert type(backing.got[0]) is bytes and kept[0] is backing.got[0] and kept[0] == b"x" * 500
