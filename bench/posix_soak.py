@@ -59,6 +59,7 @@ def main() -> int:
     if args.pjdfstest and not shutil.which("prove"):
         ap.error("pjdfstest runs under prove (Debian: perl)")
     root = Path(tempfile.mkdtemp(prefix="cachefs-soak-"))
+    root.chmod(0o755)  # pjdfstest works as other users too: they must reach the mount point
     config = LabConfig(root=str(root / "lab"), metanodes=3, datanodes=3, cachenodes=2, zones=3, policy="ec:2+1",
                        metrics=False, data_capacity="8G", cache_capacity="2G", cache_memory="32M")  # fmt: skip
     config.base_port = free_lab_base(config)
@@ -69,7 +70,8 @@ def main() -> int:
     lab.up(timeout=120)
     try:
         mount = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(lab.meta_addrs), "lab", str(mnt), "-d",
-                 "--secret-file", str(lab.secret_file), "--log-file", str(root / "mount.log"), "--zone", "z1"]  # fmt: skip
+                 "--secret-file", str(lab.secret_file), "--log-file", str(root / "mount.log"), "--zone", "z1",
+                 "--allow-other"]  # fmt: skip  # pjdfstest's other users, under the kernel's permission checks
         subprocess.run(mount, check=True, timeout=120)
         try:
             if args.fsx:
