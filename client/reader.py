@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 SEQ_SLACK = 256 * 1024
 TOUCH_MEMORY = 8192
 PREFETCH_PARALLEL = 8  # readahead block fetches in flight, for the whole mount
-MAPS_KEPT = 4096  # resolved chunk maps kept (oldest out)
+MAPS_KEPT = 1024  # resolved chunk maps kept, oldest out (64 GiB of chunks; up to ~10 KiB each for a list of 64 slices)
 
 
 async def _run(jobs: list[Callable[[], Awaitable[None]]]) -> None:
