@@ -246,3 +246,27 @@ def delete(path: str, background: bool, volume: str | None, meta: list[str] | No
         click.echo(f"deleted {path}: {out['inodes']} inodes, in {out['seconds']:.1f} s")
     else:
         click.echo(f"{path} is gone; the metanodes are freeing its {out['inodes']} inodes in the background")
+
+
+@tree.command("status")
+@click.argument("path", required=False)
+@_with_options
+def status(path: str | None, volume: str | None, meta: list[str] | None, as_json: bool, quiet: bool,
+           secret_file: str | None, insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
+           tls_ca: str | None) -> None:  # fmt: skip
+    """The tree deletes still going on in the volume (of the mount PATH is in, or --volume)."""
+    del quiet
+    setup_logging("tree", log_level)
+    if not volume and path is None:
+        raise click.UsageError("give a PATH inside a mount, or --volume and --meta")
+    volume, _inner, meta = _target((path or "/",), volume, meta)
+    rows = _run(secret_file, insecure, (tls_cert, tls_key, tls_ca), meta,
+                lambda mc: mc.query(Q.ListTreeDeletes(volume)))  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo(f"{volume}: no tree deletes in progress")
+    for r in rows:
+        click.echo(f"{volume}: tree {r['ino']}: {r['inodes'] - r['left']} of {r['inodes']} inodes freed, "
+                   f"{r['left']} left (since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(r['since_ns'] / 1e9))} UTC)")
