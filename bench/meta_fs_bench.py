@@ -15,6 +15,9 @@ Phases, each timed over all processes (files/s):
   are counted over it: ``meta_rpcs_per_file_warm_epoch``;
 - ``unlink``: remove every file.
 
+On cachefs the client RPCs per file are counted over ``create`` and ``unlink``
+too (``meta_rpcs_per_file_create``, ``meta_rpcs_per_file_unlink``).
+
 Then ``mixed``, a dbench-style run: N clients, each in its own directory for a
 bounded time, create files in a few writes, fsync every fourth, stat, read
 back, rename, list the directory and unlink the oldest (MB/s moved and ops/s).
@@ -55,6 +58,7 @@ MIXED_WINDOW = 8  # files a mixed client keeps before it unlinks the oldest
 # Metanode methods no client sends: Raft among the replicas, and the storage nodes' registration and
 # heartbeats (cluster_map stays in: clients and storage nodes both ask it, and the metrics do not say who).
 PEER = ("raft_", "node_heartbeat", "register_node")
+COUNTED = {"create": "rpcs_per_file_create", "read_warm": "rpcs_per_file_warm", "unlink": "rpcs_per_file_unlink"}
 
 
 def _phase(phase: str, root: str, dirs: list[int], per_dir: int, size: int) -> int:
@@ -84,8 +88,9 @@ def run_target(root: Path, procs: int, files: int, ndirs: int, size: int,
                count_rpcs: Callable[[], dict[str, float]] | None = None,
                rpcs: dict[str, float] | None = None) -> dict[str, float]:
     """files/s of every phase on one directory tree with ``procs`` processes. With
-    ``count_rpcs`` (calls so far by method) also ``rpcs_per_file_warm``, the client
-    calls of the warm read per file; ``rpcs`` gets them by method."""
+    ``count_rpcs`` (calls so far by method) also the client calls per file of the
+    phases in ``COUNTED`` (``rpcs_per_file_warm``: the warm read); ``rpcs`` gets the
+    warm read's by method."""
     per_dir = max(1, files // ndirs)
     for d in range(ndirs):
         (root / f"d{d:04d}").mkdir(parents=True, exist_ok=True)
@@ -96,16 +101,17 @@ def run_target(root: Path, procs: int, files: int, ndirs: int, size: int,
         for phase in PHASES:
             if phase in ("read_cold", "read_warm"):
                 drop_page_cache()
-            before = count_rpcs() if count_rpcs is not None and phase == "read_warm" else {}
+            counted = count_rpcs is not None and phase in COUNTED
+            before = count_rpcs() if count_rpcs is not None and counted else {}
             started = time.perf_counter()
             done = sum(pool.map(_phase, [phase] * procs, [str(root)] * procs, shares,
                                 [per_dir] * procs, [size] * procs))
             out[phase] = done / (time.perf_counter() - started)
-            if count_rpcs is not None and phase == "read_warm":
+            if count_rpcs is not None and counted:
                 grown = {m: v - before.get(m, 0.0) for m, v in count_rpcs().items() if not m.startswith(PEER)}
                 grown = {m: v for m, v in grown.items() if v}
-                out["rpcs_per_file_warm"] = sum(grown.values()) / done
-                if rpcs is not None:
+                out[COUNTED[phase]] = sum(grown.values()) / done
+                if rpcs is not None and phase == "read_warm":
                     rpcs.update(grown)
     shutil.rmtree(root, ignore_errors=True)
     return out
@@ -242,6 +248,8 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
             result[f"meta_{phase}_p4_vs_juicefs"] = ratio(med("cachefs", phase, 4), jfs(phase, 4))
             result[f"meta_{phase}_p4_vs_local"] = ratio(med("cachefs", phase, 4), med("local", phase, 4))
     result["meta_rpcs_per_file_warm_epoch"] = med("cachefs", "rpcs_per_file_warm", 1)
+    result["meta_rpcs_per_file_create"] = med("cachefs", "rpcs_per_file_create", 1)
+    result["meta_rpcs_per_file_unlink"] = med("cachefs", "rpcs_per_file_unlink", 1)
     result["warm_epoch_rpcs_by_method"] = warm_rpcs
     if args.meta_mixed_seconds > 0:
         n = args.meta_mixed_clients

@@ -685,10 +685,11 @@ class Rmdir(Command[M.Attr]):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Rename(Command[None]):
+class Rename(Command[M.Renamed | None]):
     TAG: ClassVar[int] = 17
     NAME: ClassVar[str] = "rename"
     ROLES: ClassVar[frozenset[str]] = CLIENTS
+    REPLY: ClassVar[Callable[[Any], Any]] = M.Renamed.from_wire
     volume: str
     parent: int
     name: bytes

@@ -64,6 +64,24 @@ class Attr(NamedTuple):
         return self._replace(size=size)
 
 
+class Renamed(NamedTuple):
+    """A rename's answer: the moved inode's attributes and its old and new
+    directories', after the move. None for an exchange, and for a rename
+    onto another link of the same inode (it moves nothing)."""
+
+    attr: Attr
+    parent: Attr
+    new_parent: Attr
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Renamed | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, list | tuple) or len(raw) != 3:
+            raise IOFailure(f"malformed rename answer from metanode: {raw!r:.200}")
+        return cls(*map(Attr.from_wire, raw))
+
+
 class DirEntry(NamedTuple):
     """One ``readdir`` row: pass ``cookie`` back to continue after this entry."""
 

@@ -349,7 +349,7 @@ class LeaseCache:
         attr: Attr | None = None,
         others: Iterable[Attr] = (),
         rejected: bool = False,
-        removed: bool = False,
+        outcome: tuple[int | None, ...] | None = None,
     ) -> None:
         """Our change was answered (or failed): the attributes of its inodes
         are stale, unless ``attr`` (its answer) is one's and no other own
@@ -367,9 +367,11 @@ class LeaseCache:
         change of it unable to name the inode it resolves to, and the leader
         would revoke our own lease on that inode while our kernel holds its
         lock for that change (the revocation then lapses: a lease term).
-        ``removed``: the change removed the names (an unlink or rmdir that
-        succeeded): a directory known ``complete`` stays so, unless another
-        own change of it overlapped."""
+        ``outcome``: what each of ``names`` is after a change that
+        succeeded and said so (None: no such name; an unlink's name, a
+        rename's old one; else its inode: a rename's new name): kept where
+        no other own change of the directory overlapped, and a directory
+        known ``complete`` stays so."""
         alone: set[int] = set()
         for ino, began in zip(change.kept, change.began, strict=True):
             if self._busy[ino] == 1 and self._own[ino] == began:
@@ -391,16 +393,22 @@ class LeaseCache:
             lease = self._held.get(other.ino)
             if lease is not None and other.ino in alone:
                 lease.attr = other
-        for parent, name in () if rejected else names:
+        for i, (parent, name) in enumerate(() if rejected else names):
             lease = self._held.get(parent)
             if lease is None:
                 continue
             lease.kernel_names.add(name)
-            if parent in alone and attr is not None:
+            if parent in alone and outcome is not None:
+                now_ino = outcome[i]
+                if now_ino is None:
+                    lease.entries.pop(name, None)
+                else:
+                    lease.entries[name] = now_ino
+            elif parent in alone and attr is not None:
                 lease.entries[name] = attr.ino  # a create or link: the name is that inode now
             else:
                 lease.entries.pop(name, None)
-                lease.complete = lease.complete and removed and parent in alone
+                lease.complete = False
 
     def closed(self, ino: int) -> bool:
         """The last open of ``ino`` here ended: whether the leader must hear

@@ -56,7 +56,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import Attr, LeasedAttr
+from cachefs.messages import Attr, LeasedAttr, Renamed
 from cachefs.metanode.client import MetaClient
 from cachefs.repo.source import RepoBlocks
 from cachefs.ring import CacheRouter
@@ -378,7 +378,8 @@ class Session:
         it changes alone (it revokes everyone else's), and we forget what
         the change makes stale. An open of those inodes the leader does not
         know of is reported with it (an unlink must see it). An unlink or
-        rmdir answers the directory's attributes, which the lease keeps."""
+        rmdir answers the directory's attributes and a rename the moved
+        inode's and both directories', which the leases keep."""
         leases = self.leases
         refs = C.inode_refs(cmd) if leases is not None else None
         if refs is None or leases is None:
@@ -398,8 +399,10 @@ class Session:
             raise
         finally:
             attr = result if isinstance(result, Attr) else None
-            if attr is not None and isinstance(cmd, C.Unlink | C.Rmdir):  # removed: the directory's attributes
-                leases.end_mutation(change, entries, None, (attr,), removed=True)
+            if isinstance(result, Renamed):  # the moved inode's and both directories' attributes
+                leases.end_mutation(change, entries, None, result, outcome=(None, result.attr.ino))
+            elif attr is not None and isinstance(cmd, C.Unlink | C.Rmdir):  # the directory's attributes
+                leases.end_mutation(change, entries, None, (attr,), outcome=(None,))
             else:
                 leases.end_mutation(change, entries, attr, rejected=rejected)
 

@@ -130,6 +130,7 @@ from cachefs.messages import (
     FsStats,
     LoadedEntry,
     MountInfo,
+    Renamed,
     RepairEntry,
     TrashEntry,
     Unreferenced,
@@ -1249,7 +1250,10 @@ class MetaState:
     def _is_ancestor(self, vol: Volume, ancestor: int, ino: int) -> bool:
         return any(inode.ino == ancestor for inode in self._ancestors(vol, ino))
 
-    def _rename(self, cmd: C.Rename) -> None:
+    def _rename(self, cmd: C.Rename) -> Renamed | None:
+        """The moved inode's and both directories' attributes after the move
+        (the session that moved it keeps them under its leases), or None
+        when nothing moved (an exchange, two links of one inode)."""
         if cmd.new_volume is not None and cmd.new_volume != cmd.volume:
             raise CrossDevice("rename across volumes")
         vol = self._vol(cmd.volume)
@@ -1266,11 +1270,11 @@ class MetaState:
             if dst is None:
                 raise NotFound(f"no {cmd.new_name!r} in directory {cmd.new_parent}")
             self._exchange(vol, cmd, src_dir, src, dst_dir, dst)
-            return
+            return None
         if dst is not None and cmd.flags & C.RENAME_NOREPLACE:
             raise Exists(f"{cmd.new_name!r} exists in directory {cmd.new_parent}")
         if dst is src:
-            return  # two links of one inode: POSIX says do nothing
+            return None  # two links of one inode: POSIX says do nothing
         if src.is_dir and self._is_ancestor(vol, src.ino, dst_dir.ino):
             raise InvalidArgument("cannot move a directory into its own subtree")
         if dst is not None:
@@ -1303,6 +1307,7 @@ class MetaState:
         src.ctime = now
         self._touch(src_dir, now)
         self._touch(dst_dir, now)
+        return Renamed(self.attr(src), self.attr(src_dir), self.attr(dst_dir))
 
     def _replace_entry(
         self, vol: Volume, parent: Inode, name: bytes, old: Inode, new: Inode

@@ -689,11 +689,10 @@ class MetaService:
     async def _unlink(self, cmd: C.Unlink, token: None) -> Any:
         return await self._propose_drop(cmd, cmd.volume, cmd.parent, cmd.name)
 
-    async def _rename(self, cmd: C.Rename, token: None) -> None:
+    async def _rename(self, cmd: C.Rename, token: None) -> Any:
         if cmd.flags & C.RENAME_EXCHANGE:  # drops nothing
-            await self._propose(cmd)
-        else:
-            await self._propose_drop(cmd, cmd.volume, cmd.new_parent, cmd.new_name)
+            return await self._propose(cmd)
+        return await self._propose_drop(cmd, cmd.volume, cmd.new_parent, cmd.new_name)
 
     async def _after_listing(self, volume: str, ino: int, read: Callable[[MetaService, Any], Any], q: Any) -> Any:
         await self._read()  # a follower says NotLeader here, before touching S3

@@ -190,8 +190,9 @@ def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_t
     here, so its lease says it was empty and the kernel's lookup before
     each create is answered from memory. Unlinks are one trip each: the
     names are known, and the answer brings the directory's attributes
-    that the kernel asks next. B still sees each file, and B's create in
-    A's directory is seen by A's next lookup (it revoked A's lease)."""
+    that the kernel asks next; so are renames (the answer brings the
+    file's too). B still sees each file, and B's create in A's directory
+    is seen by A's next lookup (it revoked A's lease)."""
     pair = Pair(cluster, tmp_path)
     try:
         os.mkdir(pair.a.path / pair.name / "d")
@@ -228,9 +229,18 @@ def test_a_created_file_is_opened_and_closed_and_stated_with_no_round_trip_but_t
             assert method not in sent, sent
         assert os.listdir(pair.b.path / pair.name / "e") == []
         assert not (e / "f01").exists()  # still answered from memory: the directory is known empty
+
+        (e / "r0").write_bytes(b"renamed")
+        before = pair.rpcs()
+        os.rename(e / "r0", e / "r1")
+        assert os.stat(e / "r1").st_size == 7 and not (e / "r0").exists()
+        sent = {m: n - before.get(m, 0) for m, n in pair.rpcs().items() if n > before.get(m, 0)}
+        assert sent.get("rename") == 1, sent  # it brings the file's and the directory's attributes
+        for method in ("lease_lookup", "lookup", "lease_getattr", "getattr"):
+            assert method not in sent, sent
         (pair.b.path / pair.name / "e" / "late").write_bytes(b"from b")  # revokes A's lease on e
         assert (e / "late").read_bytes() == b"from b"
-        assert os.listdir(e) == ["late"]
+        assert sorted(os.listdir(e)) == ["late", "r1"] and (e / "r1").read_bytes() == b"renamed"
     finally:
         pair.stop()
 

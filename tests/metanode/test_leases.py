@@ -283,7 +283,10 @@ async def test_a_create_answers_with_a_lease_on_the_new_file_that_a_change_revok
     assert other.grant.inos == ()  # not b's session: no lease for it
     d = await a_client.create(C.Mkdir(VOL, 1, b"d", 0o755), (a, (1,), ()))
     assert d.attr.is_dir and d.grant.inos == (d.attr.ino,)  # empty when granted: the lease says so
-    gone = await b_client.mutate(C.Unlink(VOL, 1, b"g"))
+    moved = await b_client.mutate(C.Rename(VOL, 1, b"g", 1, b"h"))
+    assert (moved.attr.ino, moved.parent.ino, moved.new_parent.ino) == (other.attr.ino, 1, 1)
+    assert moved.attr.ctime_ns == moved.parent.mtime_ns == moved.new_parent.mtime_ns  # after the move
+    gone = await b_client.mutate(C.Unlink(VOL, 1, b"h"))
     assert gone.ino == 1 and gone.mtime_ns > d.parent.mtime_ns  # the directory, after the removal
     assert (await b_client.mutate(C.Rmdir(VOL, 1, b"d"))).mtime_ns > gone.mtime_ns
     with pytest.raises(CacheFSError) as info:
