@@ -34,7 +34,7 @@ TOKEN = "mount-token-of-t"
 ADMIN_ONLY = {"create_volume", "set_volume", "set_volume_access", "set_quota", "purge_trash",
               "list_trash", "list_repairs", "unreferenced_slices", "remove_node", "drain_node",
               "link_repo", "unlink_repo", "import_objects", "list_repo_links", "repo_pending", "dump_volume",
-              "queue_repo_exports", "repo_export_done", "repo_exports",
+              "queue_repo_exports", "repo_export_done", "repo_exports", "repo_release_file",
               "restore_volume", "check_volume", "delete_volume", "drop_volume",
               "list_quotas", "metanode_add", "metanode_remove", "meta_sessions"}
 SERVER_ONLY = {"register_node", "node_heartbeat", "raft_step", "raft_snapshot"}
