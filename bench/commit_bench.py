@@ -71,7 +71,7 @@ def _pct(values: list[float], q: float) -> float:
 # Leaf frames where a thread waits rather than works (py-spy --nonblocking
 # cannot always tell): left out of the shares.
 _IDLE = ("EpollIOManager.get_events", "_PollLikeSelector.select", "WorkerThread._work",
-         "wait_task_rescheduled")
+         "wait_task_rescheduled", "_WalWriter._work")  # (the last: waiting for a job)
 
 
 def _hot(raw: Path, top: int = 15) -> list[tuple[str, float]]:
