@@ -6,11 +6,14 @@ Inputs (peer messages from the ``raft_step`` RPC handler, client proposals
 and read requests, ticks from a ticker task) are appended to plain lists and
 wake the single loop task. The loop drains *all* pending inputs into the core
 (no await while draining, so it is atomic), then handles Readys one at a time
-as ``core.py`` prescribes: eager messages out, one WAL write + fsync in a
-worker thread, messages out, apply, advance. Whatever arrives during the
-fsync waits for the next round, so proposals that arrive together become one
-log append and share one fsync (group commit), and a busy leader batches
-more per round the busier it gets.
+as ``core.py`` prescribes: eager messages out, one WAL write + fsync,
+messages out, apply, advance. Proposals that arrive together become one log
+append and share one fsync (group commit). A leader does not wait for its
+own write: its Readys go to one writer thread (``_WalWriter``, see
+``RaftCore.accept``), where those that queue behind a write share its fsync,
+and the loop goes on stepping acks, applying and answering, so the
+followers' acks can commit an entry before the leader's own fsync ends.
+Everything else waits for those writes first (``_flush``).
 
 Each peer has a sender task that ships everything queued for it in one
 ``raft_step`` call (bulk payload, msgpack batch), one call at a time, so what
@@ -824,7 +827,7 @@ class RaftNode:
             # without the thread hop (two wakeups on the commit path). A
             # leader's loop must go on answering clients: a thread.
             started = time.perf_counter()
-            if not self.core.is_leader:  # (a leader's goes to ``_write_async``: a snapshot's)
+            if not self.core.is_leader:  # (a leader gets here only with a snapshot to install)
                 try:
                     self.storage.save(rd.entries, rd.hard_state, True)
                 except OSError as exc:  # a full disk: nothing of it was written
