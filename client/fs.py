@@ -246,6 +246,8 @@ class CacheFS(pyfuse3.Operations):
             return self._control_entry(self.control.attr(control.DIR_INO))
         if is_control(parent_inode):
             return self._control_entry(self.control.lookup(parent_inode, name))
+        if len(name) > C.NAME_MAX:  # as ext4 answers (pjdfstest */02.t): no such name can exist
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         leases = self.leases
         now = time.monotonic()
         parent = leases.get(parent_inode, now)

@@ -34,6 +34,18 @@ def test_lookup_missing(mnt: Path) -> None:
         os.stat(mnt / "nope" / "deeper")
 
 
+def test_a_name_past_name_max_is_too_long(mnt: Path) -> None:
+    """As on ext4 (pjdfstest chmod/02, chown/02, truncate/02, link/02 found
+    it): a lookup of a 256-byte name is ENAMETOOLONG, not ENOENT."""
+    long = "x" * 256
+    for call in (os.stat, lambda p: os.chmod(p, 0o600), lambda p: os.truncate(p, 1)):
+        with pytest.raises(OSError) as raised:
+            call(mnt / long)
+        assert raised.value.errno == errno.ENAMETOOLONG
+    (mnt / ("y" * 255)).write_bytes(b"ok")  # NAME_MAX itself is fine
+    assert (mnt / ("y" * 255)).read_bytes() == b"ok"
+
+
 def test_overwrite_append_and_truncate_flags(mnt: Path) -> None:
     p = mnt / "f"
     p.write_bytes(b"a" * 10_000)
