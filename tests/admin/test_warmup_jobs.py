@@ -28,7 +28,9 @@ from cachefs.rpc import RpcPool
 pytestmark = [pytest.mark.slow, pytest.mark.needs_fuse]
 
 MiB = 1 << 20
-FILES = 16  # one 4 MiB block each; the tests hold a job mid-run by SIGSTOPping the cache nodes
+# One 4 MiB block each. With --threads 1 a job runs for well over one progress
+# report (0.25 s): with 16 the first report could already be the last.
+FILES = 48
 
 
 @pytest.fixture(scope="module")
@@ -123,22 +125,14 @@ def cached_blocks(lab: Any, name: str) -> int:
 
 
 @contextlib.contextmanager
-def caches_stopped(lab: Any) -> Iterator[None]:
-    """SIGSTOP every cache node (a running job cannot finish meanwhile), SIGCONT those still there after."""
-    nodes = lab.of_kind("cachenode")
-    for node in nodes:
-        os.kill(node.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for node in nodes:
-            if node.pid:
-                os.kill(node.pid, signal.SIGCONT)
-
-
-def until_warming(lab: Any, job: int) -> dict[str, Any]:
-    """The job as soon as it has warmed something, polled from here (a CLI takes a second to start)."""
+def held_mid_job(lab: Any, job: int) -> Iterator[dict[str, Any]]:
+    """The job as soon as it has warmed something, with every cache node
+    SIGSTOPped the moment that is seen (so it cannot finish meanwhile, however
+    fast it would be), SIGCONTed (those still there) after. Polled from here:
+    a CLI takes a second to start."""
     from cachefs import queries as Q
+
+    nodes = lab.of_kind("cachenode")
 
     async def poll() -> dict[str, Any]:
         async with RpcPool(secret=lab.credential("client")) as pool:
@@ -146,9 +140,16 @@ def until_warming(lab: Any, job: int) -> dict[str, Any]:
             with trio.fail_after(120):
                 while (st := (await mc.query(Q.ListJobs(job)))[0])["bytes_done"] == 0:
                     await trio.sleep(0.02)
+            for node in nodes:
+                os.kill(node.pid, signal.SIGSTOP)
             return st
 
-    return lab.run(poll)
+    try:
+        yield lab.run(poll)
+    finally:
+        for node in nodes:
+            if node.pid:
+                os.kill(node.pid, signal.SIGCONT)
 
 
 def submit(lab: Any, *args: str) -> dict[str, Any]:
@@ -162,8 +163,7 @@ def test_a_background_job_survives_a_kill_9_of_the_leader_that_runs_it(lab) -> N
     assert pins(lab) == 0
     job = submit(lab, "--threads", "1", "--pin-ttl", "1h", "/jobs")
     assert job["state"] == "queued" and job["paths"] == ["/jobs"] and job["pin_ttl"] == 3600
-    until_warming(lab, job["id"])
-    with caches_stopped(lab):  # so the kill lands mid-job, however fast the job would be
+    with held_mid_job(lab, job["id"]):  # so the kill lands mid-job
         running = job_status(lab, job["id"])
         assert running["state"] == "running" and running["bytes_done"] < running["bytes_total"], running
         name, node_id = leader(lab)
@@ -191,8 +191,7 @@ def test_cancel_stops_a_running_job_and_bad_requests_name_what_is_wrong(lab) -> 
     assert warmup(lab, "--evict", "/jobs").returncode == 0
 
     job = submit(lab, "--threads", "1", "/jobs")
-    seen = until_warming(lab, job["id"])
-    with caches_stopped(lab):  # the job cannot finish before the cancel lands
+    with held_mid_job(lab, job["id"]) as seen:  # the job cannot finish before the cancel lands
         r = warmup(lab, "cancel", str(job["id"]))
     assert r.returncode == 0 and f"job {job['id']}: cancelled" in r.stdout, r.stdout + r.stderr
     assert seen["state"] == "running", seen
@@ -223,8 +222,7 @@ def test_cancel_stops_a_running_job_and_bad_requests_name_what_is_wrong(lab) -> 
 def test_a_job_goes_on_past_a_cache_node_killed_under_it(lab) -> None:
     assert warmup(lab, "--evict", "/jobs").returncode == 0
     job = submit(lab, "--threads", "1", "/jobs")
-    until_warming(lab, job["id"])
-    with caches_stopped(lab):  # the job cannot finish before the kill lands
+    with held_mid_job(lab, job["id"]):  # the job cannot finish before the kill lands
         lab.kill("cache2")  # its blocks fail, and go to cache1 once the leader has it down
     try:
         done = wait_for(lab, job["id"], lambda st: st["state"] in ("done", "failed", "cancelled"))
