@@ -38,16 +38,18 @@ def run_admin(
     insecure: bool,
     fn: Callable[[MetaClient], Awaitable[Any]],
     tls_files: tuple[str | None, str | None, str | None] = (None, None, None),
+    deadline: float = 15.0,
 ) -> Any:
-    """Run ``fn`` with a client of the metanodes at ``meta``; a CacheFSError
-    becomes a ClickException (its message, no traceback)."""
+    """Run ``fn`` with a client of the metanodes at ``meta`` (``deadline``
+    per call); a CacheFSError becomes a ClickException (its message, no
+    traceback)."""
     secret = load_secret(secret_file, insecure)
     _, tls = load_tls(*tls_files)
 
     async def go() -> tuple[Any, CacheFSError | None]:
         async with RpcPool(secret=secret, tls=tls) as pool:
             try:  # caught inside the pool's nursery, so it is not wrapped in a group
-                return await fn(MetaClient(pool, meta, deadline=15.0)), None
+                return await fn(MetaClient(pool, meta, deadline=deadline)), None
             except CacheFSError as exc:
                 return None, exc
 

@@ -6,7 +6,7 @@ The metanodes do the copying (``metanode/trees.py``): this command walks the
 source tree, one ``CloneDir`` step (up to ``BATCH`` entries, one log entry)
 at a time, and shows how many of the source's entries (its inode count,
 which the metanodes keep per directory) are done. The copy is built under a
-hidden name beside DST (``.DST.cachefs-clone-XXXXXXXX``) and renamed to DST
+hidden name beside DST (``.DST.cachefs-clone-`` and 8 random hex digits) and renamed to DST
 when complete, so DST appears whole or not at all; an interrupted clone
 leaves the hidden copy, which the error names.
 
@@ -36,12 +36,14 @@ import trio
 
 from cachefs import commands as C
 from cachefs import queries as Q
-from cachefs.config import ADDRS, load_secret, load_tls, setup_logging, tls_options
+from cachefs.config import ADDRS, setup_logging, tls_options
 from cachefs.errors import CacheFSError, Exists, InvalidArgument, NotFound
 from cachefs.metanode.client import MetaClient
-from cachefs.rpc import RpcPool
+from cachefs.metanode.cliopts import run_admin
 
 from .info import locate_in_mount
+
+CALL_DEADLINE = 30.0  # per metanode call: a clone or purge step of 1,000 entries is one Raft entry
 
 BATCH = 1000  # entries per CloneDir: a few ms of apply on every replica
 Progress = Callable[[int, int], None]  # (entries done, entries in all)
@@ -165,21 +167,6 @@ def _target(paths: tuple[str, ...], volume: str | None, meta: list[str] | None) 
     return found[0][0], inners, meta or found[0][2]
 
 
-def _run(secret_file: str | None, insecure: bool, tls_files: tuple[str | None, str | None, str | None],
-         meta: list[str], fn: Callable[[MetaClient], Any]) -> Any:  # fmt: skip
-    secret = load_secret(secret_file, insecure)
-    _, tls = load_tls(*tls_files)
-
-    async def go() -> Any:
-        async with RpcPool(secret=secret, tls=tls) as pool:
-            return await fn(MetaClient(pool, meta, deadline=30.0))
-
-    try:
-        return trio.run(go)
-    except CacheFSError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
 _options = [
     click.option("--volume", help="The volume the paths are in (with --meta; default: the mount they are inside)."),
     click.option("--meta", type=ADDRS, envvar="CACHEFS_META", help="Metanode addresses (default: the mount's)."),
@@ -215,8 +202,9 @@ def clone(src: str, dst: str, volume: str | None, meta: list[str] | None, as_jso
     setup_logging("tree", log_level)
     volume, (inner_src, inner_dst), meta = _target((src, dst), volume, meta)
     with _bar(not quiet and not as_json, "clone") as progress:
-        out = _run(secret_file, insecure, (tls_cert, tls_key, tls_ca), meta,
-                   lambda mc: clone_tree(mc, volume, inner_src, inner_dst, progress))  # fmt: skip
+        out = run_admin(meta, secret_file, insecure,
+                        lambda mc: clone_tree(mc, volume, inner_src, inner_dst, progress),
+                        (tls_cert, tls_key, tls_ca), deadline=CALL_DEADLINE)  # fmt: skip
     if as_json:
         click.echo(json.dumps(out))
     else:
@@ -238,8 +226,9 @@ def delete(path: str, background: bool, volume: str | None, meta: list[str] | No
     setup_logging("tree", log_level)
     volume, (inner,), meta = _target((path,), volume, meta)
     with _bar(not quiet and not as_json and not background, "delete") as progress:
-        out = _run(secret_file, insecure, (tls_cert, tls_key, tls_ca), meta,
-                   lambda mc: delete_tree(mc, volume, inner, progress, background=background))  # fmt: skip
+        out = run_admin(meta, secret_file, insecure,
+                        lambda mc: delete_tree(mc, volume, inner, progress, background=background),
+                        (tls_cert, tls_key, tls_ca), deadline=CALL_DEADLINE)  # fmt: skip
     if as_json:
         click.echo(json.dumps(out))
     elif out["done"]:
@@ -260,8 +249,8 @@ def status(path: str | None, volume: str | None, meta: list[str] | None, as_json
     if not volume and path is None:
         raise click.UsageError("give a PATH inside a mount, or --volume and --meta")
     volume, _inner, meta = _target((path or "/",), volume, meta)
-    rows = _run(secret_file, insecure, (tls_cert, tls_key, tls_ca), meta,
-                lambda mc: mc.query(Q.ListTreeDeletes(volume)))  # fmt: skip
+    rows = run_admin(meta, secret_file, insecure, lambda mc: mc.query(Q.ListTreeDeletes(volume)),
+                     (tls_cert, tls_key, tls_ca), deadline=CALL_DEADLINE)  # fmt: skip
     if as_json:
         click.echo(json.dumps(rows))
         return
