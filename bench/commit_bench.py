@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, print_table
+from bench.common import create_volume_once_elected, emit, print_table
 from bench.wan import LinkProfile, Relay
 from cachefs import commands as C
 from cachefs.testing.metacluster import MetaCluster
@@ -98,13 +98,7 @@ async def _loop(addr: str, seconds: float) -> list[float]:
 
     async with RpcPool(secret=None) as pool:
         mc = MetaClient(pool, [addr], deadline=60.0)
-        with trio.fail_after(60):
-            while True:
-                try:
-                    await mc.mutate(C.CreateVolume(VOL, "replica:3"))
-                    break
-                except Exception:  # noqa: BLE001 - the cluster is still electing
-                    await trio.sleep(0.2)
+        await create_volume_once_elected(mc, VOL)
         d = (await mc.mutate(C.Mkdir(VOL, 1, b"d", 0o755))).ino
         for k in range(200):  # warm up: connections, the leader's first snapshot of nothing
             await mc.mutate(C.Mknod(VOL, d, b"w%d" % k, 0o100644))

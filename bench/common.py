@@ -60,6 +60,23 @@ def stop(proc: subprocess.Popen, timeout: float = 5.0) -> None:
             proc.wait()
 
 
+async def create_volume_once_elected(mc: Any, volume: str, policy: str = "replica:3",
+                                     timeout: float = 60.0) -> None:
+    """Create ``volume`` through the MetaClient ``mc`` of a cluster just
+    started, trying again while it is still electing its first leader."""
+    import trio
+
+    from cachefs import commands as C
+
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                await mc.mutate(C.CreateVolume(volume, policy))
+                return
+            except Exception:  # noqa: BLE001 - the cluster is still electing
+                await trio.sleep(0.2)
+
+
 def print_table(title: str, columns: list[str], rows: list[list[Any]], note: str = "") -> None:
     """A rich table on a terminal or a plain one when piped."""
     from rich.console import Console

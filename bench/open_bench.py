@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from bench.common import emit, median, print_table, ratio
+from bench.common import create_volume_once_elected, emit, median, print_table, ratio
 from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.testing.metacluster import MetaCluster
@@ -35,13 +35,7 @@ async def _bench(addrs: list[str], files: int) -> dict[str, Any]:
 
     async with RpcPool(secret=None) as pool:
         mc = MetaClient(pool, addrs, deadline=60.0)
-        with trio.fail_after(60):
-            while True:
-                try:
-                    await mc.mutate(C.CreateVolume(VOL, "replica:3"))
-                    break
-                except Exception:  # noqa: BLE001 - the cluster is still electing
-                    await trio.sleep(0.2)
+        await create_volume_once_elected(mc, VOL)
         session = (await mc.mount_volume(VOL)).session
         mknod: list[float] = []
         inos = []
