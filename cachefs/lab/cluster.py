@@ -42,7 +42,7 @@ from cachefs.credentials import Credential
 from cachefs.errors import CacheFSError
 from cachefs.lab import netns, prometheus, s3demo
 from cachefs.lab.pki import make_pki
-from cachefs.lab.s3demo import DEMO_BUCKET, DEMO_PREFIX
+from cachefs.lab.s3demo import DEMO_BUCKET, DEMO_PREFIX, S3_VOLUME, S3_VOLUME_BACKING
 from cachefs.metanode.client import MetaClient
 from cachefs.rpc import RpcPool
 from cachefs.testing import s3server
@@ -100,7 +100,7 @@ class LabConfig:
     prometheus_pid: int | None = None
     netns: str = ""  # subnet of the lab's network namespaces (cachefs/netns.py); "": all on 127.0.0.1
     tls: bool = False  # mutual TLS on every link, certificates under ROOT/tls
-    s3: bool = False  # a SeaweedFS S3 server (ROOT/s3) with a demo bucket linked at /demo
+    s3: bool = False  # a SeaweedFS S3 server (ROOT/s3): a demo bucket linked at /demo, volume lab-s3 in it
     s3_endpoint: str = ""
     s3_pid: int | None = None
     # Further `cachefs metanode` options of every replica (tests: a shorter --lease-term or --node-timeout).
@@ -187,7 +187,7 @@ class Lab:
         return Credential.from_json(self.credential_file(role).read_text(), str(self.credential_file(role)))
 
     def _issue_credentials(self) -> None:
-        for role, volumes in (("admin", ()), ("client", (VOLUME,))):
+        for role, volumes in (("admin", ()), ("client", (VOLUME, S3_VOLUME))):
             path = self.credential_file(role)
             if not path.exists():
                 cred = Credential.issue(self.secret, role, f"lab-{role}", volumes)
@@ -280,13 +280,17 @@ class Lab:
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child
         argv = self.network.wrap(name, self._argv(node)) if self.config.netns else self._argv(node)
-        env = {**os.environ, **s3server.credentials_env()} if self.config.s3 else None  # S3 reads: its identity
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env(),
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
         logf.close()
         self._procs[name] = proc
         node.pid = proc.pid
         self.save()
+
+    def _env(self) -> dict[str, str] | None:
+        """A node's or mount's environment: with --s3, the store's identity (linked
+        reads, lab-s3's blocks) in the standard AWS variables."""
+        return {**os.environ, **s3server.credentials_env()} if self.config.s3 else None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one node (SIGKILL by default: the fault tests' kill -9)."""
@@ -338,7 +342,7 @@ class Lab:
         if self.config.prometheus and not (self.config.prometheus_pid and _alive(self.config.prometheus_pid)):
             self._start_prometheus()
         if s3_new:
-            self.run(self._link_demo)
+            self.run(self._s3_demo)
 
     def _start_s3(self) -> None:
         if self.config.netns:
@@ -353,8 +357,9 @@ class Lab:
         self.config.s3_pid, self.config.s3_endpoint = server.proc.pid, server.endpoint
         self.save()
 
-    async def _link_demo(self) -> None:
-        """A small bucket of JPEG-sized objects in class folders, linked at /demo of the lab volume."""
+    async def _s3_demo(self) -> None:
+        """A small bucket of JPEG-sized objects in class folders, linked at /demo of the lab volume,
+        and the volume ``lab-s3`` whose blocks are objects in the store (``volume create --backing``)."""
         import boto3
 
         from cachefs import commands as C
@@ -375,6 +380,10 @@ class Lab:
                             endpoint=self.config.s3_endpoint, region=env["AWS_DEFAULT_REGION"])  # fmt: skip
             async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
                 mc = self.meta_client(pool)
+                if S3_VOLUME not in (await mc.query(Q.ClusterMap()))["volumes"]:  # open, as the lab volume
+                    await mc.mutate(CreateVolume(S3_VOLUME, "replica:1", backing=S3_VOLUME_BACKING,
+                                                 backing_endpoint=self.config.s3_endpoint,
+                                                 backing_region=env["AWS_DEFAULT_REGION"]))  # fmt: skip
                 ino = await resolve(mc, VOLUME, "/demo", create=True)
                 link = await mc.mutate(C.LinkRepo(VOLUME, ino, DEMO_BUCKET, DEMO_PREFIX, self.config.s3_endpoint,
                                                   env["AWS_DEFAULT_REGION"]))  # fmt: skip
@@ -458,7 +467,7 @@ class Lab:
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
         with open(logf, "ab") as out:
-            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60)
+            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60, env=self._env())
         if result.returncode != 0:
             tail = logf.read_text(errors="replace").splitlines()[-10:]
             raise LabError(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))
@@ -546,7 +555,7 @@ class Lab:
         return f"loss {net.loss_of(name):g}%" if net.loss_of(name) else "up"
 
     async def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"nodes": [], "leader": None, "cache": []}
+        out: dict[str, Any] = {"nodes": [], "leader": None, "cache": [], "volumes": {}}
         async with RpcPool(secret=self.credential("admin"), tls=self.client_tls()) as pool:
             for node in self.nodes:
                 alive = bool(node.pid and _alive(node.pid))
@@ -560,8 +569,9 @@ class Lab:
                                      **({"link": self._link_state(node.name)} if self.config.netns else {})})
             meta = self.meta_client(pool, deadline=3.0)
             try:
-                await meta.query(Q.ClusterMap())
+                cmap = await meta.query(Q.ClusterMap())
                 out["leader"] = meta.leader
+                out["volumes"] = {name: v.get("backing") or v["policy"] for name, v in cmap["volumes"].items()}
             except CacheFSError:
                 pass
             for node in self.of_kind("cachenode"):

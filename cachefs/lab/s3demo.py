@@ -5,6 +5,9 @@
 Puts ``DEMO_OBJECTS`` JPEG-sized objects in class folders under
 ``s3://demo/train/`` with the credentials of the environment (the standard
 AWS chain), creating the bucket first; running it again puts the same keys.
+It also creates the (empty) bucket of the lab's S3-backed volume
+``S3_VOLUME``, whose blocks are objects under ``s3://blocks/lab-s3/``
+(``cachefs volume create --backing``).
 """
 
 from __future__ import annotations
@@ -16,14 +19,23 @@ from typing import Any
 DEMO_BUCKET = "demo"
 DEMO_PREFIX = "train/"
 DEMO_OBJECTS = 30
+S3_VOLUME = "lab-s3"  # the lab's volume whose blocks are objects (volume create --backing)
+S3_VOLUME_BUCKET = "blocks"
+S3_VOLUME_BACKING = f"s3://{S3_VOLUME_BUCKET}/{S3_VOLUME}/"
+
+
+def _create_bucket(client: Any, bucket: str) -> None:
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
 
 
 def fill(client: Any) -> None:
-    """Create the demo bucket (if missing) and put its objects, with a boto3 S3 ``client``."""
-    try:
-        client.create_bucket(Bucket=DEMO_BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    """Create the demo bucket and the S3-backed volume's (if missing) and put
+    the demo's objects, with a boto3 S3 ``client``."""
+    _create_bucket(client, DEMO_BUCKET)
+    _create_bucket(client, S3_VOLUME_BUCKET)
     for i in range(DEMO_OBJECTS):
         body = secrets.token_bytes(20_000 + 977 * i)
         client.put_object(Bucket=DEMO_BUCKET, Key=f"{DEMO_PREFIX}class{i % 3}/img{i:03d}.jpg", Body=body)
@@ -36,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", required=True, help="the S3 endpoint URL, e.g. http://s3:8333")
     args = parser.parse_args(argv)
     fill(boto3.client("s3", endpoint_url=args.endpoint))
-    print(f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}: {DEMO_OBJECTS} objects")
+    print(f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}: {DEMO_OBJECTS} objects; s3://{S3_VOLUME_BUCKET}/ for {S3_VOLUME}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from cachefs.config import parse_size
+from cachefs.lab import s3demo
 from cachefs.lab.cluster import VOLUME, Lab, LabConfig
 from cachefs.metrics import DEFAULT_PORTS, MetricsAddr
 from cachefs.testing.cliparse import Parsed, parse_cachefs
@@ -149,8 +150,6 @@ def test_every_command_line_parses_with_the_real_cli(services, monkeypatch):
 
 def test_the_s3_demo_links_the_lab_s_demo_bucket(services, monkeypatch):
     """The s3-demo job fills the bucket `lab up --s3` fills and links it where the lab does."""
-    from cachefs.lab import s3demo
-
     job = services["s3-demo"]
     lines = command_lines(job, "s3-demo")
     [fill] = [argv for argv in lines if argv[0] == "python"]
@@ -168,8 +167,20 @@ def test_the_s3_demo_links_the_lab_s_demo_bucket(services, monkeypatch):
     keys = env_file_vars(ROOT / "s3-credentials.env")
     assert (identity["accessKey"], identity["secretKey"]) == (keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"])
     for name, svc in services.items():
-        if svc.get("labels", {}).get("cachefs.kind") in (*DAEMON_KINDS,) or name == "s3-demo":
+        if svc.get("labels", {}).get("cachefs.kind") in (*DAEMON_KINDS,) or name in ("s3-demo", "s3-volume"):
             assert service_env(svc)["AWS_ACCESS_KEY_ID"] == keys["AWS_ACCESS_KEY_ID"], name
+
+
+def test_the_s3_volume_job_creates_the_lab_s_s3_backed_volume(services, monkeypatch):
+    """As `lab up --s3`: the volume lab-s3 keeps its blocks under s3://blocks/lab-s3/ of
+    the bucket the s3-demo job creates, and the client's credential may mount it."""
+    job = services["s3-volume"]
+    parsed = [parse_cachefs(argv, service_env(job), monkeypatch)
+              for argv in command_lines(job, "s3-volume") if argv[0] == "cachefs"]  # fmt: skip
+    [create] = [p for p in parsed if p.path == ["volume", "create"]]
+    assert create.params["name"] == s3demo.S3_VOLUME and create.params["backing"] == s3demo.S3_VOLUME_BACKING
+    assert create.params["endpoint"] == f"http://{services['s3']['hostname']}:8333"
+    assert "s3-demo" in job["depends_on"]  # which makes the bucket
 
 
 def test_the_validator_rejects_what_the_cli_rejects(services, monkeypatch):
@@ -216,13 +227,14 @@ def test_only_the_daemons_hold_the_secret_and_the_rest_a_least_credential(servic
     for name, svc in services.items():
         env = service_env(svc)
         assert "--insecure" not in str(svc.get("command")), f"{name} runs insecure"
-        if name in ("volume-init", "client", "s3-demo"):
+        if name in ("volume-init", "client", "s3-demo", "s3-volume"):
             assert "CACHEFS_SECRET" not in env, f"{name} must not get the cluster secret"
             (volume,) = [v for v in svc.get("volumes", []) if v.endswith(":/credentials:ro")]
             path = env["CACHEFS_SECRET_FILE"]
             role, volumes = issued[f"/credentials/{volume.split('-')[0]}/{path.rsplit('/', 1)[1]}"]
-            assert (name, role, volumes) in {("volume-init", "admin", ()), ("client", "client", (VOLUME,)),
-                                             ("s3-demo", "admin", ())}  # fmt: skip
+            assert (name, role, volumes) in {("volume-init", "admin", ()), ("s3-demo", "admin", ()),
+                                             ("s3-volume", "admin", ()),
+                                             ("client", "client", (VOLUME, s3demo.S3_VOLUME))}  # fmt: skip
             continue
         if name in ("prometheus", "s3"):  # /metrics and the object store need no credential of ours
             assert not env and "env_file" not in svc, f"{name} must not get the cluster secret"
@@ -300,7 +312,8 @@ def test_dependencies_and_restart_policies(services):
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
             assert dep in services, f"{name} depends on unknown service {dep}"
-            want = "service_completed_successfully" if dep in ("volume-init", "credentials") else "service_healthy"
+            jobs = ("volume-init", "credentials", "s3-demo")
+            want = "service_completed_successfully" if dep in jobs else "service_healthy"
             assert cond["condition"] == want, f"{name} -> {dep}"
         kind = svc.get("labels", {}).get("cachefs.kind")
         restart = svc.get("restart")

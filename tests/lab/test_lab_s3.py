@@ -1,10 +1,12 @@
 """``cachefs lab up --s3``: a SeaweedFS server beside the lab, a demo bucket
-filled and linked at /demo, read through the mount byte for byte; ``lab down``
-stops the server too."""
+filled and linked at /demo, read through the mount byte for byte; the volume
+lab-s3 keeps what is written to it as objects in the store and shows in
+``lab status``; ``lab down`` stops the server too."""
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -12,7 +14,13 @@ import boto3
 import pytest
 
 from cachefs.lab.cluster import Lab, LabConfig, _alive
-from cachefs.lab.s3demo import DEMO_BUCKET, DEMO_OBJECTS
+from cachefs.lab.s3demo import (
+    DEMO_BUCKET,
+    DEMO_OBJECTS,
+    S3_VOLUME,
+    S3_VOLUME_BACKING,
+    S3_VOLUME_BUCKET,
+)
 from cachefs.testing.ports import free_lab_base
 from cachefs.testing.s3server import credentials_env
 
@@ -43,6 +51,19 @@ def test_lab_up_s3_links_a_demo_bucket_that_reads_back_through_the_mount(needs_f
         for p in files:  # every byte, read through the cache node from the bucket
             key = "train/" + str(p.relative_to(mnt / "demo"))
             assert p.read_bytes() == s3.get_object(Bucket=DEMO_BUCKET, Key=key)["Body"].read()
+        lab.umount()
+
+        assert lab.run(lab.status)["volumes"] == {"lab": "ec:2+1", S3_VOLUME: S3_VOLUME_BACKING}
+        body = os.urandom(3 << 20)
+        lab.mount(str(mnt), l2=False, volume=S3_VOLUME)
+        with open(mnt / "written", "wb") as f:
+            f.write(body)
+            os.fsync(f.fileno())
+        lab.umount()
+        stored = s3.list_objects_v2(Bucket=S3_VOLUME_BUCKET, Prefix=f"{S3_VOLUME}/")["Contents"]
+        assert len(stored) == 1 and stored[0]["Size"] == len(body)  # one 4 MiB block
+        lab.mount(str(mnt), l2=False, volume=S3_VOLUME)
+        assert (mnt / "written").read_bytes() == body
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
