@@ -3,7 +3,7 @@
 A reply is a frozen ``NamedTuple``: the field order written in the class is
 its wire encoding (msgpack packs a tuple as an array, so the metanode sends
 what its state machine returned without converting it, and an attribute
-reply costs 12 integers, not 12 keys). Readers decode a reply once, at the
+reply costs 13 integers, not 13 keys). Readers decode a reply once, at the
 edge (``MetaClient`` calls the decoder its command or query names): a
 malformed answer from a metanode becomes an ``IOFailure`` there, never a
 half-built object deeper in.
@@ -46,10 +46,17 @@ class Attr(NamedTuple):
     rdev: int = 0
     generation: int = 0
     version: int = 0
+    # st_blocks (512-byte units): the slices its records hold, each in 4 KiB
+    # blocks (``Inode.blocks``; the bytes quotas and statfs count), not its
+    # size, so du is right and cp and tar look for a sparse file's holes
+    blocks: int = 0
 
     @classmethod
     def from_wire(cls, raw: Any) -> Attr:
-        _ints(raw, 12, "attributes")
+        if isinstance(raw, list | tuple) and len(raw) == 12:  # a metanode from before ``blocks``
+            _ints(raw, 12, "attributes")
+            return cls._make((*raw, (raw[5] + 511) // 512))
+        _ints(raw, 13, "attributes")
         return cls._make(raw)
 
     @property
@@ -59,9 +66,6 @@ class Attr(NamedTuple):
     @property
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.mode)
-
-    def with_size(self, size: int) -> Attr:
-        return self._replace(size=size)
 
 
 class Renamed(NamedTuple):

@@ -93,7 +93,7 @@ def entry_attributes(
     e.st_rdev = attr.rdev
     e.st_size = attr.size
     e.st_blksize = block_size
-    e.st_blocks = (attr.size + 511) // 512
+    e.st_blocks = attr.blocks
     e.st_atime_ns = attr.atime_ns
     e.st_mtime_ns = attr.mtime_ns
     e.st_ctime_ns = attr.ctime_ns
@@ -196,8 +196,10 @@ class CacheFS(pyfuse3.Operations):
         self, inode: Inode, attr_timeout: float | None = None, entry_timeout: float | None = None
     ) -> pyfuse3.EntryAttributes:
         attr = inode.attr
-        if inode.writer is not None and inode.size != attr.size:
-            attr = attr.with_size(inode.size)
+        writer = inode.writer
+        if writer is not None and (writer.buffered or inode.size != attr.size):
+            # bytes written here and not yet committed count as ext4's delayed allocations do
+            attr = attr._replace(size=inode.size, blocks=attr.blocks + (writer.buffered + 4095) // 4096 * 8)
         return entry_attributes(
             attr,
             self.options.attr_timeout if attr_timeout is None else attr_timeout,

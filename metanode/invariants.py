@@ -38,7 +38,7 @@ from .namespace import (
     Volume,
     _all_records,
     _kind,
-    stored_bytes,
+    stored_counts,
     unpack_repo_object,
 )
 
@@ -115,8 +115,9 @@ def _check_volume(state: MetaState, vol: Volume) -> list[str]:
     for ino, inode in inodes.items():
         n = links[ino]
         total_bytes += inode.stored
-        if inode.stored != stored_bytes(inode):
-            p.append(f"{name}: inode {ino} stored {inode.stored}, recount {stored_bytes(inode)}")
+        recount = stored_counts(inode)
+        if (inode.stored, inode.blocks) != recount:
+            p.append(f"{name}: inode {ino} stored {inode.stored} bytes in {inode.blocks} blocks, recount {recount}")
         if ino == ROOT:
             if n:
                 p.append(f"{name}: the root is linked from a directory")

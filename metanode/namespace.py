@@ -49,6 +49,10 @@ directory is checked against the growth of its subtree before any change
 (EDQUOT). The datanodes' capacity (ENOSPC, ``statfs``) counts the same bytes
 times each volume's storage overhead (``ec:4+2`` stores 1.5 bytes per byte,
 ``replica:3`` three).
+``Inode.blocks`` counts the same records for ``st_blocks``, each in 4 KiB
+blocks rounded up (as ext4 allocates a write), so ``du`` and ``cp --sparse``
+see what is stored without a walk of the records at getattr; an imported
+object's records count the range they read from its bucket.
 
 Unlinked but open: which files are open is soft state on the leader
 (``opentable.OpenTable``), not replicated: open and release add no log entry.
@@ -215,6 +219,7 @@ class Inode:
         "xattrs",
         "data",
         "stored",
+        "blocks",
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int, data: Any) -> None:
@@ -232,6 +237,7 @@ class Inode:
         self.xattrs: dict[bytes, bytes] | None = None
         self.data = data
         self.stored = 0  # bytes of the slices its records hold (regular files)
+        self.blocks = 0  # the same records in 4 KiB blocks, each rounded up (st_blocks / 8)
 
     @property
     def is_dir(self) -> bool:
@@ -460,12 +466,26 @@ def _kind(mode: int) -> int:
     return mode & _S_IFMT
 
 
-def stored_bytes(inode: Inode) -> int:
-    """What a file's slice records hold in the datanodes (``Inode.stored``
-    recounted): each record's slice size; 0 for anything but a file."""
+def stored_counts(inode: Inode) -> tuple[int, int]:
+    """``Inode.stored`` and ``Inode.blocks`` recounted from the records: each
+    record's slice size, and its 4 KiB blocks; (0, 0) for anything but a file."""
     if _kind(inode.mode) != _S_IFREG:
-        return 0
-    return sum(rec[5] for rec in _all_records(inode.data))
+        return 0, 0
+    nbytes = nblocks = 0
+    for rec in _all_records(inode.data):
+        nbytes += rec[5]
+        nblocks += _rec_blocks(rec[1], rec[3], rec[5])
+    return nbytes, nblocks
+
+
+def _rec_blocks(slice_id: int, length: int, slice_size: int) -> int:
+    """The 4 KiB blocks a record counts in ``Inode.blocks``: its slice's; for
+    an imported object's record (no bytes here) the range it reads."""
+    return ((length if is_repo_slice(slice_id) else slice_size) + 4095) >> 12
+
+
+def _recs_blocks(recs: Iterable[Rec]) -> int:
+    return sum(_rec_blocks(r[0], r[2], r[4]) for r in recs)
 
 
 @functools.cache
@@ -903,6 +923,12 @@ class MetaState:
         for p in inode.parents():
             self._charge(vol, p, delta, 0)
 
+    @staticmethod
+    def _put_chunk(inode: Inode, chunk: int, old: list[Rec], new: list[Rec]) -> None:
+        """Replace a chunk's records ``old`` with ``new``, keeping ``Inode.blocks``."""
+        inode.blocks += _recs_blocks(new) - _recs_blocks(old)
+        inode.data = _store_chunk(inode.data, chunk, new)
+
     def _check_store(self, vol: Volume, inode: Inode, delta: int) -> None:
         """Quotas and capacity for a file storing ``delta`` more bytes."""
         if delta <= 0:
@@ -946,6 +972,7 @@ class MetaState:
                 rdev,
                 0,  # generation: inode numbers are never reused
                 inode.version,
+                DIR_SIZE // 512 if kind == _S_IFDIR else inode.blocks * 8,
             ),
         )
 
@@ -1404,7 +1431,8 @@ class MetaState:
             for chunk in chunks:
                 cut = size - chunk * CHUNK_SIZE  # bytes of this chunk that stay
                 keep: list[Rec] = []
-                for slice_id, pos, length, offset, ssize in _chunk_records(inode.data, chunk):
+                recs = _chunk_records(inode.data, chunk)
+                for slice_id, pos, length, offset, ssize in recs:
                     if pos >= cut:
                         self._trash(vol, slice_id, ssize, now)
                         self._store(vol, inode, -ssize)
@@ -1412,7 +1440,7 @@ class MetaState:
                         keep.append((slice_id, pos, cut - pos, offset, ssize))
                     else:
                         keep.append((slice_id, pos, length, offset, ssize))
-                inode.data = _store_chunk(inode.data, chunk, keep)
+                self._put_chunk(inode, chunk, recs, keep)
         if size != inode.size:
             inode.version += 1
         inode.size = size
@@ -1481,7 +1509,8 @@ class MetaState:
         keep: list[Rec] = []
         gone: list[Rec] = []
         lo, hi = cmd.pos, cmd.pos + cmd.length
-        for rec in _chunk_records(inode.data, cmd.chunk):
+        recs = _chunk_records(inode.data, cmd.chunk)
+        for rec in recs:
             (gone if lo <= rec[1] and rec[1] + rec[2] <= hi else keep).append(rec)  # fully overwritten
         ssize = cmd.offset + cmd.length
         delta = ssize - sum(rec[4] for rec in gone)
@@ -1489,7 +1518,7 @@ class MetaState:
         for rec in gone:
             self._trash(vol, rec[0], rec[4], cmd.now_ns)
         keep.append((cmd.slice_id, cmd.pos, cmd.length, cmd.offset, ssize))
-        inode.data = _store_chunk(inode.data, cmd.chunk, keep)
+        self._put_chunk(inode, cmd.chunk, recs, keep)
         self._store(vol, inode, delta)
         inode.size = max(inode.size, end)
         inode.version += 1
@@ -1518,9 +1547,7 @@ class MetaState:
         self._check_store(vol, inode, delta)
         for rec in recs:
             self._trash(vol, rec[0], rec[4], cmd.now_ns)
-        inode.data = _store_chunk(
-            inode.data, cmd.chunk, [(cmd.slice_id, 0, cmd.length, 0, cmd.length)]
-        )
+        self._put_chunk(inode, cmd.chunk, recs, [(cmd.slice_id, 0, cmd.length, 0, cmd.length)])
         self._store(vol, inode, delta)
         self._queue_repairs(vol, cmd.slice_id, cmd.short, cmd.now_ns)
         return self.attr(inode)
@@ -1561,14 +1588,15 @@ class MetaState:
             a, b = max(lo, base) - base, min(hi, base + CHUNK_SIZE) - base
             keep: list[Rec] = []
             freed = 0
-            for rec in _chunk_records(inode.data, chunk):
+            recs = _chunk_records(inode.data, chunk)
+            for rec in recs:
                 if a <= rec[1] and rec[1] + rec[2] <= b:  # wholly inside: gone
                     self._trash(vol, rec[0], rec[4], now)
                     freed += rec[4]
                 else:
                     keep.append(rec)
             keep.append((HOLE, a, b - a, 0, 0))
-            inode.data = _store_chunk(inode.data, chunk, keep)
+            self._put_chunk(inode, chunk, recs, keep)
             self._store(vol, inode, -freed)
 
     def _purge_trash(self, cmd: C.PurgeTrash) -> int:
@@ -1909,6 +1937,7 @@ class MetaState:
     ) -> None:
         """Point a file at a new repo slice: one record per chunk, no stored bytes."""
         inode.size = size
+        inode.blocks = (size + 4095) >> 12  # its records' (chunks are whole 4 KiB blocks)
         if not size:
             return
         sid = REPO_SLICE_BIT | self.next_repo

@@ -10,8 +10,8 @@ by default, see ``raft/snapshot_child.py``): inodes are one flat list of
 counts per volume) still loads; version 4 keeps the orphan list instead;
 version 5 counts usage (``used_bytes``, directories' ``ubytes``) in stored
 bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
-links and imported objects (none before). ``Inode.stored`` is not in the
-blob: loading sums it from the slice records.
+links and imported objects (none before). ``Inode.stored`` and ``Inode.blocks`` are not
+in the blob: loading counts them from the slice records.
 Fields added since (a volume's token hash, repair queue, shared
 slices and trees being deleted, the slice floor, the jobs table) are optional at the end of their list, so older
 snapshots load.
@@ -40,10 +40,10 @@ from .namespace import (
     RepoLink,
     Session,
     Volume,
-    stored_bytes,
+    stored_counts,
 )
 
-_SLOTS = Inode.__slots__[: Inode.__slots__.index("data") + 1]  # not ``stored``
+_SLOTS = Inode.__slots__[: Inode.__slots__.index("data") + 1]  # not ``stored``, ``blocks``
 _FIELDS = operator.attrgetter(*_SLOTS)
 _NFIELDS = len(_SLOTS)
 VERSION = 6
@@ -207,7 +207,7 @@ def load_volume(row: list[Any], version: int = VERSION) -> Volume:
         inode.version = iversion
         inode.parent = parent  # int, or {dir: links} (msgpack keeps dict order)
         inode.xattrs = xattrs
-        inode.stored = stored_bytes(inode)
+        inode.stored, inode.blocks = stored_counts(inode)
         vol.inodes[ino] = inode
         if nlink == 0 and mode & _S_IFMT == _S_IFREG:
             vol.orphans.add(ino)  # version 3 kept open counts; 4 the list

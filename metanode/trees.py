@@ -131,7 +131,7 @@ def _copy(state: MetaState, vol: Volume, dst: Inode, name: bytes, src: Inode, no
     if kind == _S_IFDIR:
         copy.nlink = 2
     elif kind == _S_IFREG:
-        copy.stored = src.stored
+        copy.stored, copy.blocks = src.stored, src.blocks
         vol.used_bytes += src.stored
         state.share(vol, data)
     vol.inodes[copy.ino] = copy

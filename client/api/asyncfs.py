@@ -95,7 +95,7 @@ def to_stat(attr: Attr, block_size: int = 4096) -> os.stat_result:
             "st_atime": attr.atime_ns / 1e9, "st_mtime": attr.mtime_ns / 1e9,
             "st_ctime": attr.ctime_ns / 1e9, "st_atime_ns": attr.atime_ns,
             "st_mtime_ns": attr.mtime_ns, "st_ctime_ns": attr.ctime_ns,
-            "st_blksize": block_size, "st_blocks": (attr.size + 511) // 512, "st_rdev": attr.rdev,
+            "st_blksize": block_size, "st_blocks": attr.blocks, "st_rdev": attr.rdev,
         },
     )  # fmt: skip
 

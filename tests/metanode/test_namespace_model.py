@@ -2,9 +2,12 @@
 
 The model is a deliberately naive namespace (dicts of names, sizes and link
 counts, no usage counters, no packing); after every step the outcome (result
-or errno) must match, every inode's type/size/nlink must match, listings must
-match, and the fsck-style checker must find nothing. Snapshot/restore is one
-of the steps, so persistence is exercised mid-sequence too.
+or errno) must match, every inode's type/size/nlink/blocks must match, listings
+must match, and the fsck-style checker must find nothing. Snapshot/restore is
+one of the steps, so persistence is exercised mid-sequence too. A file's
+blocks are its writes' slices, each in 4 KiB blocks: the model keeps each
+write, and drops one only when a later write or a punched hole covers it
+whole or a truncate starts at or before it (a cut record keeps its slice).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Model:
         self.parent: dict[int, int] = {1: 0}
         self.size: dict[int, int] = {1: 0}
         self.nlink: dict[int, int] = {}
+        self.writes: dict[int, list[list[int]]] = {}  # file -> [chunk, pos, length, slice size]
         self.opens: dict[int, int] = {}
         self.next_ino = 2
 
@@ -66,6 +70,43 @@ class Model:
         self.nlink[ino] -= 1
         if self.nlink[ino] == 0 and not self.opens.get(ino):
             del self.kind[ino], self.nlink[ino], self.size[ino]
+            self.writes.pop(ino, None)
+
+    def blocks(self, ino: int) -> int:
+        if self.kind[ino] == "d":
+            return 8
+        return sum((w[3] + 4095) // 4096 * 8 for w in self.writes.get(ino, ()))
+
+    def write(self, ino: int, chunk: int, pos: int, length: int) -> None:
+        self.regular(ino)
+        self.size[ino] = max(self.size[ino], chunk * CHUNK_SIZE + pos + length)
+        self.drop_covered(ino, chunk * CHUNK_SIZE + pos, chunk * CHUNK_SIZE + pos + length)
+        self.writes.setdefault(ino, []).append([chunk, pos, length, length])
+
+    def drop_covered(self, ino: int, lo: int, hi: int) -> None:
+        kept = []
+        for w in self.writes.get(ino, []):
+            start = w[0] * CHUNK_SIZE + w[1]
+            if not lo <= start <= start + w[2] <= hi:
+                kept.append(w)
+        self.writes[ino] = kept
+
+    def truncate(self, ino: int, size: int) -> None:
+        self.regular(ino)
+        kept = []
+        for chunk, pos, length, ssize in self.writes.get(ino, []):
+            cut = size - chunk * CHUNK_SIZE
+            if pos < cut:
+                kept.append([chunk, pos, min(length, cut - pos), ssize])
+        self.writes[ino] = kept
+        self.size[ino] = size
+
+    def punch(self, ino: int, lo: int, hi: int) -> None:
+        self.regular(ino)
+        hi = min(hi, self.size[ino])
+        for chunk in range(lo // CHUNK_SIZE, (hi - 1) // CHUNK_SIZE + 1):  # a hole stops at its chunk's edges
+            base = chunk * CHUNK_SIZE
+            self.drop_covered(ino, max(lo, base), min(hi, base + CHUNK_SIZE))
 
     def unlink(self, parent: int, name: bytes, want_dir: bool) -> None:
         d = self.dir(parent)
@@ -252,19 +293,20 @@ class NamespaceMachine(RuleBasedStateMachine):
     def write(self, data, chunk, pos, length) -> None:
         ino = self.files(data)
         got = outcome(self.ns.write, ino, chunk, pos, length)
-        want = outcome(self.model.regular, ino)
-        if not want:
-            self.model.size[ino] = max(self.model.size[ino], chunk * CHUNK_SIZE + pos + length)
-        self.same(got, want)
+        self.same(got, outcome(self.model.write, ino, chunk, pos, length))
 
     @rule(data=st.data(), size=st.sampled_from([0, 50, CHUNK_SIZE + 20, 3 * CHUNK_SIZE]))
     def truncate(self, data, size) -> None:
         ino = self.files(data)
         got = outcome(self.ns.do, C.SetAttr, VOL, ino, None, None, None, size)
-        want = outcome(self.model.regular, ino)
-        if not want:
-            self.model.size[ino] = size
-        self.same(got, want)
+        self.same(got, outcome(self.model.truncate, ino, size))
+
+    @rule(data=st.data(), chunk=st.integers(0, 2), pos=st.integers(0, 120), length=st.integers(1, 120))
+    def punch(self, data, chunk, pos, length) -> None:
+        ino = self.files(data)
+        lo = chunk * CHUNK_SIZE + pos
+        got = outcome(self.ns.do, C.Fallocate, VOL, ino, C.FALLOC_FL_PUNCH_HOLE | C.FALLOC_FL_KEEP_SIZE, lo, length)
+        self.same(got, outcome(self.model.punch, ino, lo, lo + length))
 
     @rule(data=st.data())
     def open(self, data) -> None:
@@ -288,6 +330,7 @@ class NamespaceMachine(RuleBasedStateMachine):
             del self.model.opens[ino]
             if self.model.kind.get(ino) != "d" and self.model.nlink.get(ino) == 0:
                 del self.model.kind[ino], self.model.nlink[ino], self.model.size[ino]
+                self.model.writes.pop(ino, None)
 
     @rule()
     def snapshot_restore(self) -> None:
@@ -310,6 +353,7 @@ class NamespaceMachine(RuleBasedStateMachine):
             else:
                 assert attr.size == self.model.size[ino]
                 assert attr.nlink == self.model.nlink[ino]
+            assert attr.blocks == self.model.blocks(ino)
         self.ns.check()
 
 

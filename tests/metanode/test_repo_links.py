@@ -63,6 +63,9 @@ def test_import_makes_files_whose_blocks_are_repo_slices(ns: Driver) -> None:
         "link": ns.state.repo_links()[0], "key": "pre/x/y/b.bin", "etag": '"e2"', "size": big,
         "block_size": 4 << 20}  # fmt: skip
     assert ns.state.statfs(VOL).used_bytes == 0  # the bytes are in the bucket, not on the datanodes
+    assert b.blocks == (big + 4095) // 4096 * 8  # but du counts them, as stored (in the bucket)
+    ns.do(C.SetAttr, VOL, b.ino, None, None, None, CHUNK_SIZE + 1)  # a cut record counts what it reads
+    assert path(ns, d, b"x", b"y", b"b.bin").blocks == (CHUNK_SIZE + 4096) // 4096 * 8
     assert ns.state.repo_pending(link) == {"": "x/y/b.bin"} and ns.state.repo_links()[0]["objects"] == 3
     ns.check()
 
