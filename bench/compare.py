@@ -77,12 +77,21 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
         bed.umount_cachefs(mnt)
         bed.mount_cachefs(mnt, l1_size=args.l1_size, l2=l2_dir if l2 else None)
 
+    groups = [g for g in ("big", "big4") if g in (args.fio_only or fc.CASES)]
+    big_targets = []  # JuiceFS default and tuned, interleaved with the others in the big cases
+    if bed.juicefs is not None and groups:
+        big_targets.append(fc.BigTarget("juicefs", bed.juicefs.mountpoint / "fio-big"))
+        if (tuned := bed.start_juicefs_tuned()) is not None:  # the better-configured peer
+            _progress("fio: JuiceFS tuned (" + " ".join(JUICEFS_TUNED) + ") for the big cases")
+            big_targets.append(fc.BigTarget("juicefs_tuned", tuned.mountpoint / "fio-big"))
     ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
                             l1_size=args.l1_size,
                             big_size=args.fio_big_size, runtime=args.fio_runtime, workdir=str(work),
-                            mount=str(mnt), lab=False, remount=remount, only=args.fio_only)
+                            mount=str(mnt), lab=False, remount=remount, only=args.fio_only,
+                            big_targets=big_targets)
     try:
-        _progress(f"fio: local disk, passthrough and cachefs ({args.fio_size}, {args.repeat} repeat(s))")
+        _progress(f"fio: local disk, passthrough, cachefs and, in the big cases, JuiceFS ({args.fio_size}, "
+                  f"{args.repeat} repeat(s))")
         result = fc.measure(ns)
     finally:
         bed.umount_cachefs(mnt)
@@ -115,21 +124,7 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
             record("juicefs_rand_128k", fc.fio("rand-read-128k.fio", d, size, args.fio_runtime)["read"])
         for _ in range(args.repeat):
             record("juicefs_tutorial", fc.fio("tutorial-randrw.fio", d, tut, args.fio_runtime)["total"])
-        big = fc.parse_size(args.fio_big_size)
-        groups = [g for g in ("big", "big4") if g in (args.fio_only or fc.CASES)]
-        for group in groups:
-            for _ in range(args.repeat):
-                fc.big_cases(d / group, big, args.fio_runtime, record, "juicefs", files=group == "big4")
         shutil.rmtree(d, ignore_errors=True)
-        tuned = bed.start_juicefs_tuned() if groups else None
-        if tuned is not None:  # the better-configured peer, for the working sets larger than L1
-            _progress("fio: JuiceFS tuned (" + " ".join(JUICEFS_TUNED) + ")")
-            d = tuned.mountpoint / "fio"
-            for group in groups:
-                for _ in range(args.repeat):
-                    fc.big_cases(d / group, big, args.fio_runtime, record, "juicefs_tuned",
-                                 files=group == "big4")
-            shutil.rmtree(d, ignore_errors=True)
     med = {name: round(median(values), 1) for name, values in runs.items()}
     result["median_mib_s"] = med
     result["link"] = RTT2.describe()

@@ -20,8 +20,11 @@ Cases (each repeated, medians reported):
   every byte), *re-read* (page cache allowed), random 4 KiB / 128 KiB reads,
   sequential write, and the tutorial job.
 
-The ratios in ``--json`` compare cachefs with the references measured in the
-same run. Needs root (drop_caches, FUSE mounts) and fio.
+The working sets larger than L1 (``--only big,big4``) interleave their
+targets (``big_rounds``): each of ``--repeat`` rounds runs every read job on
+every target before the next job, so that a drift in the machine's load hits
+them alike; medians of the rounds are reported. The ratios in ``--json``
+compare cachefs with the references measured in the same run. Needs root (drop_caches, FUSE mounts) and fio.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,47 +144,63 @@ class Remount:
         return True
 
 
-def big_cases(
-    d: Path,
-    size: int,
-    runtime: int,
-    record: Callable[[str, float], None],
-    prefix: str,
-    *,
-    files: bool,
-    after_write: Callable[[], None] | None = None,
-) -> None:
-    """The working sets larger than L1 on one target, page cache dropped
-    before every read job (psync): one file of ``size`` (``files`` false:
-    ``PREFIX_big_*``) or ``BIG_JOBS`` files of ``size`` (``PREFIX_big4_*``):
-    the first read after the write, the second read, then random 4 KiB
-    (IOPS) and 128 KiB (MiB/s) reads with ``BIG_JOBS`` jobs. ``after_write``
-    runs between the write and the first read (cachefs: a remount, so that
-    L1 holds nothing and the blocks come from L2, as JuiceFS's from its disk
-    cache)."""
-    d.mkdir(parents=True, exist_ok=True)
-    name = f"{prefix}_big4" if files else f"{prefix}_big"
-    if files:
-        record(f"{name}_seq_write", fio("files-write-1m.fio", d, size, jobs=BIG_JOBS)["write"])
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            (d / "seqfile").unlink()
-        record(f"{name}_seq_write", fio("seq-write-1m.fio", d, size)["write"])
-    if after_write is not None:
-        after_write()
+@dataclass
+class BigTarget:
+    """A filesystem the working sets larger than L1 run on: its figures are
+    ``PREFIX_big_*`` and ``PREFIX_big4_*``, its files go under ``root`` (a
+    directory of its own), ``groups`` says which of big and big4 it runs, and
+    ``after_write(group)`` runs between a write and the first read (cachefs: a
+    remount, so that L1 holds nothing and the blocks come from L2, as
+    JuiceFS's from its disk cache)."""
 
-    def read(rw: str, bs: str, jobs: int, cap: int) -> dict[str, float]:
-        drop_caches()
-        if files:
-            return fio("files-read.fio", d, size, cap, jobs=jobs, RW=rw, BS=bs)
-        job = {"read": "seq-read-1m.fio", "4k": "rand-read-4k.fio", "128k": "rand-read-128k.fio"}
-        return fio(job[rw if rw == "read" else bs], d, size, cap, jobs=jobs)
+    prefix: str
+    root: Path
+    groups: tuple[str, ...] = ("big", "big4")
+    after_write: Callable[[str], None] | None = None
 
-    seq_jobs = BIG_JOBS if files else 1
-    record(f"{name}_seq_first", read("read", "1M", seq_jobs, 3600)["read"])
-    record(f"{name}_seq_second", read("read", "1M", seq_jobs, 3600)["read"])
-    record(f"{name}_rand4k_iops", read("randread", "4k", BIG_JOBS, runtime)["read_iops"])
-    record(f"{name}_rand128k", read("randread", "128k", BIG_JOBS, runtime)["read"])
+
+# The read jobs of a big case, in order: (figure, fio rw, bs, figure taken from fio's result).
+BIG_READS = (("seq_first", "read", "1M", "read"), ("seq_second", "read", "1M", "read"),
+             ("rand4k_iops", "randread", "4k", "read_iops"), ("rand128k", "randread", "128k", "read"))
+
+
+def big_rounds(targets: list[BigTarget], groups: list[str], size: int, runtime: int, repeat: int,
+               record: Callable[[str, float], None]) -> None:  # fmt: skip
+    """The working sets larger than L1: one file of ``size`` (big) or
+    ``BIG_JOBS`` files of ``size`` (big4), written, then read with the page
+    cache dropped before every job (psync): the first read after the write,
+    the second read, random 4 KiB (IOPS) and 128 KiB (MiB/s) with
+    ``BIG_JOBS`` jobs. Targets are interleaved: each of ``repeat`` rounds
+    writes new files on every target, then runs each job on every target
+    before the next job, and starts with the next target than the round
+    before, so that a drift in the machine's load hits every target alike
+    and the medians compare."""
+    for r in range(repeat):
+        order = targets[r % len(targets) :] + targets[: r % len(targets)]
+        for group in groups:
+            files = group == "big4"
+            on = [t for t in order if group in t.groups]
+            for t in on:
+                d = t.root / group
+                shutil.rmtree(d, ignore_errors=True)  # new files: cachefs gives them new blocks
+                d.mkdir(parents=True)
+                job = "files-write-1m.fio" if files else "seq-write-1m.fio"
+                record(f"{t.prefix}_{group}_seq_write", fio(job, d, size, jobs=BIG_JOBS if files else 1)["write"])
+                if t.after_write is not None:
+                    t.after_write(group)
+            for name, rw, bs, figure in BIG_READS:
+                jobs = BIG_JOBS if files or rw == "randread" else 1
+                cap = runtime if rw == "randread" else 3600
+                for t in on:
+                    drop_caches()
+                    if files:
+                        out = fio("files-read.fio", t.root / group, size, cap, jobs=jobs, RW=rw, BS=bs)
+                    else:
+                        job = "seq-read-1m.fio" if rw == "read" else f"rand-read-{bs}.fio"
+                        out = fio(job, t.root / group, size, cap, jobs=jobs)
+                    record(f"{t.prefix}_{group}_{name}", out[figure])
+            for t in on:  # through the target: see passthroughfs._remember
+                shutil.rmtree(t.root / group, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -284,6 +304,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs.setdefault(name, []).append(value)
 
     work = Path(tempfile.mkdtemp(prefix="fio-compare-", dir=args.workdir))
+    groups = [g for g in ("big", "big4") if g in only]
     try:
         local = work / "local"
         local.mkdir()
@@ -292,23 +313,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(repeat):
                 fio("seq-read-1m.fio", local, size)  # warm the page cache
                 record("local_reread_seq", fio("seq-read-1m.fio", local, size)["read"])
-
-        with passthrough(local, work / "pt", keep_cache=False) as pt:
-            for _ in range(repeat if "seq" in only else 0):
-                fio("seq-read-1m.fio", local, size)  # the source in the page cache
-                record("passthrough_warm_seq", fio("seq-read-1m.fio", pt, size)["read"])
-            for _ in range(repeat if "tutorial" in only else 0):
-                record(
-                    "passthrough_tutorial",
-                    fio("tutorial-randrw.fio", pt, tut_size, args.runtime)["total"],
-                )
-            for group in ("big", "big4"):
-                for _ in range(repeat if group in only else 0):
-                    big_cases(pt / group, big, args.runtime, record, "passthrough",
-                              files=group == "big4")  # fmt: skip
-                shutil.rmtree(pt / group, ignore_errors=True)  # through it: see passthroughfs._remember
-        for _ in range(repeat if "big4" in only else 0):
-            big_cases(local / "big4", big, args.runtime, record, "local", files=True)
         if "seq" in only:
             with passthrough(local, work / "ptk", keep_cache=True) as ptk:
                 for _ in range(repeat):
@@ -317,10 +321,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "passthrough_keepcache_reread_seq",
                         fio("seq-read-1m.fio", ptk, size)["read"],
                     )
-        shutil.rmtree(local)
 
         remount = Remount()
-        with cachefs_mount(args, work / "cachefs", remount) as mnt:
+        # The passthrough stays mounted beside cachefs: the big cases interleave them.
+        with passthrough(local, work / "pt", keep_cache=False) as pt, \
+                cachefs_mount(args, work / "cachefs", remount) as mnt:  # fmt: skip
+            for _ in range(repeat if "seq" in only else 0):
+                fio("seq-read-1m.fio", local, size)  # the source in the page cache
+                record("passthrough_warm_seq", fio("seq-read-1m.fio", pt, size)["read"])
+            for _ in range(repeat if "tutorial" in only else 0):
+                record(
+                    "passthrough_tutorial",
+                    fio("tutorial-randrw.fio", pt, tut_size, args.runtime)["total"],
+                )
             bench_dir = mnt / f"fio-compare-{os.getpid()}"
             bench_dir.mkdir()
             try:
@@ -351,23 +364,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "cachefs_tutorial",
                         fio("tutorial-randrw.fio", bench_dir, tut_size, args.runtime)["total"],
                     )
-                for _ in range(repeat if "big" in only else 0):
 
-                    def cold_tier_then_remount() -> None:
-                        """The cold miss path: a mount without L2 reads what the
-                        other wrote (cache tier misses, backing storage reads)."""
-                        if remount(l2=False):
-                            drop_caches()
-                            cold = fio("seq-read-1m.fio", bench_dir / "big", big)["read"]
-                            record("cachefs_big_seq_cold_tier", cold)
-                            remount()
+                def cachefs_after_write(group: str) -> None:
+                    """An empty L1 before the first read; for one file first the cold
+                    miss path: a mount without L2 reads what the other wrote (cache
+                    tier misses, backing storage reads)."""
+                    if group == "big" and remount(l2=False):
+                        drop_caches()
+                        cold = fio("seq-read-1m.fio", bench_dir / "big", big)["read"]
+                        record("cachefs_big_seq_cold_tier", cold)
+                    remount()
 
-                    big_cases(bench_dir / "big", big, args.runtime, record, "cachefs",
-                              files=False, after_write=cold_tier_then_remount)  # fmt: skip
-                for _ in range(repeat if "big4" in only else 0):
-                    shutil.rmtree(bench_dir / "big4", ignore_errors=True)  # new files, new blocks
-                    big_cases(bench_dir / "big4", big, args.runtime, record, "cachefs",
-                              files=True, after_write=remount)  # fmt: skip
+                targets = [
+                    BigTarget("passthrough", pt / "pt-big"),
+                    BigTarget("local", local / "local-big", groups=("big4",)),
+                    BigTarget("cachefs", bench_dir, after_write=cachefs_after_write),
+                    *getattr(args, "big_targets", ()),  # bench.compare: JuiceFS
+                ]
+                big_rounds(targets, groups, big, args.runtime, repeat, record)
             finally:
                 shutil.rmtree(bench_dir, ignore_errors=True)
     finally:
