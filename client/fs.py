@@ -37,8 +37,11 @@ Rules every handler keeps:
   write); ``getattr`` answers from the lease, else asks the leader, and
   ``getxattr`` answers from the lease (what was read under it, or that a
   file created here has none), else from what the metanodes said less than
-  ``attr_timeout`` ago, so its staleness bound stays the one the kernel's
-  own attribute cache already has. An xattr change here voids that inode's.
+  ``attr_timeout`` ago (a create's answer says whether the file has any, so
+  the getxattr before each write to a new file costs no round trip even
+  when no lease came with it), so its staleness bound stays the one the
+  kernel's own attribute cache already has. An xattr change here voids that
+  inode's.
 """
 
 from __future__ import annotations
@@ -433,9 +436,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
-        return self._learn(
-            await self.session.create(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
-        )
+        attr, _ = await self.session.create(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
+        return self._learn(attr)
 
     @_fuse
     async def symlink(
@@ -537,7 +539,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
-        attr = await self.session.create(
+        asked = time.monotonic()
+        attr, bare = await self.session.create(
             C.Mknod(self.vol, parent_inode, name, mode | stat.S_IFREG, 0, uid, gid)
         )
         self.inodes.learn(attr)
@@ -549,6 +552,8 @@ class CacheFS(pyfuse3.Operations):
             raise
         if not attr.size:  # empty as of its lease (see Compactor.schedule)
             node.born, node.commits = self.leases.get(attr.ino, time.monotonic()), {}
+        if bare and node.xattrs_voided < asked:  # the kernel's getxattr before each write
+            node.bare = asked
         fh = self._open_handle(node, flags)
         return self._file_info(fh, node, flags), self._entry(node)
 
@@ -731,6 +736,8 @@ class CacheFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENODATA)
             return value
         if node is not None:
+            if node.bare and now - node.bare < self.options.attr_timeout:
+                raise pyfuse3.FUSEError(errno.ENODATA)
             hit = node.xattrs.get(name)
             if hit is not None and now - hit[0] < self.options.attr_timeout:
                 if hit[1] is None:

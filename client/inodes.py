@@ -56,6 +56,9 @@ class Inode:
     # and when they were last voided (a getxattr older than that is not kept).
     xattrs: dict[bytes, tuple[float, bytes | None]] = field(default_factory=dict)
     xattrs_voided: float = 0.0
+    # When the metanodes said it had no extended attributes at all (its
+    # create's answer, leased or not); 0.0: not known.
+    bare: float = 0.0
     # A file created here empty: the lease it was created under (an object
     # of the session's LeaseCache) and our commits per chunk since. While
     # that very lease is held no one else wrote the file, so a chunk has at
@@ -79,6 +82,7 @@ class Inode:
     def void_xattrs(self) -> None:
         self.xattrs.clear()
         self.xattrs_voided = time.monotonic()
+        self.bare = 0.0
 
     @property
     def size(self) -> int:

@@ -417,17 +417,18 @@ class Session:
                 named.add(lease.entries[name])
         return named
 
-    async def create(self, cmd: C.Mknod | C.Mkdir) -> Attr:
+    async def create(self, cmd: C.Mknod | C.Mkdir) -> tuple[Attr, bool]:
         """Create a regular file in one round trip: the answer carries a lease
         on it (so that its open, which follows, is answered here and never
         announced, and the kernel's getxattr of it too) and its directory's
         attributes (which the kernel asks for next). A new directory's lease
         says it is empty (``complete``): the lookup before each create in it
-        is answered here."""
+        is answered here. Returns the attributes and whether the new inode
+        had no extended attributes when the leader answered (leased or not)."""
         leases = self.leases
         refs = C.inode_refs(cmd)
         if leases is None or refs is None:
-            return await self.meta.mutate(cmd)
+            return await self.meta.mutate(cmd), False
         change = leases.begin_mutation(self._named(refs))
         entries = refs[2]
         ticket = leases.ticket(time.monotonic())
@@ -439,7 +440,7 @@ class Session:
             if lease is not None:
                 lease.attr, lease.bare = created.attr, created.bare
                 lease.complete = created.attr.is_dir  # granted only while empty
-            return created.attr
+            return created.attr, created.bare
         except CacheFSError as exc:
             if not exc.remote:
                 for ino in change.kept:

@@ -228,6 +228,30 @@ async def test_an_unexpected_exception_is_eio_and_the_handler_survives(
 # ---------------------------------------------------------------------- round trips
 
 
+async def test_writes_to_a_file_created_here_ask_no_getxattr_of_the_metanodes(fs: Mounted) -> None:
+    """The kernel asks getxattr("security.capability") before every write.
+    The create's answer says the new file has no extended attributes, and
+    the mount answers from that for ``attr_timeout`` even without a lease on
+    the file (the leader grants none while other changes are in flight);
+    an xattr change here voids it, and a later open asks again."""
+    ops = fs.ops
+    calls = ops.session.meta.pool.time_calls()
+    asked = lambda: sum(calls.counts.get("getxattr", ()))  # noqa: E731
+    info, attr = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
+    ops.leases.lose(attr.st_ino)  # as if none had been granted
+    for off in range(0, 40_000, 10_000):
+        with pytest.raises(pyfuse3.FUSEError) as exc_info:
+            await ops.getxattr(attr.st_ino, b"security.capability", CTX)
+        assert _errno(exc_info) == "ENODATA"
+        assert await ops.write(info.fh, off, b"x" * 10_000) == 10_000
+    assert asked() == 0
+    await ops.setxattr(attr.st_ino, b"security.capability", b"\x01", CTX)
+    assert await ops.getxattr(attr.st_ino, b"security.capability", CTX) == b"\x01"
+    assert asked() == 1
+    await ops.release(info.fh)
+    await ops.forget([(attr.st_ino, 1)])
+
+
 async def test_data_and_xattrs_written_through_the_handlers_read_back_after_reopen(
     fs: Mounted,
 ) -> None:
