@@ -55,10 +55,26 @@ is proposed (``MetaState.touched``), but mutations ahead of it in the log
 may change what a name resolves to by the time it applies. Such a change is
 itself a mutation that touches the inode it moves or links, so the apply
 hook (:meth:`applied`) marks every inode an apply touched while an older
-prediction is in flight, and no grant is made on a marked inode until every
-mutation predicted before that apply has ended. Hence at the apply of any
-mutation no lease other than its mutator's kept ones exists on what it
-actually changes.
+prediction is in flight, with the inodes that apply named (``named``: the
+directories whose entries it changed are among them). A marked inode is not
+granted while a mutation predicted before that apply is in flight and
+resolves names in one of those directories (its ``scope``: the parents of
+its ``(parent, name)`` entries; None, anywhere in the volume, for one that
+walks paths, an import). Why that is enough: say mutation M, predicted at
+clock c, resolves its entry ``(d, n)`` at its apply to an inode i it did not
+predict. The last apply X before M's that changed what ``(d, n)`` names
+came after c (else M predicted i) and named d, since a command changes
+entries only in directories it names (``commands.inode_refs``); and it
+touched i (it made ``(d, n)`` name i). So i was marked at X's apply, with d
+among the named, and M, in flight since before it, names d: no grant on i
+between X's apply and M's end. Leases on i granted before X began were
+revoked by X, and none was granted while X was in flight (``pending``).
+Hence at the apply of any mutation no lease other than its mutator's kept
+ones exists on what it actually changes. A mutation that names i itself
+(``ino``) predicted it: i is ``pending`` until it ends. A create in one
+directory therefore gets its lease while creates and commits elsewhere in
+the volume are in flight (an unscoped rule refused it whenever any older
+mutation of the volume was).
 
 Failover: a new leader (any change of term) knows no lease. Leases the old
 leader granted lapse at most ``term`` after it stopped confirming its
@@ -149,6 +165,7 @@ class Mutation:
     volume: str
     inos: frozenset[int]
     seq: int  # the apply clock when its inodes were predicted
+    scope: frozenset[int] | None  # directories it resolves names in (None: any)
     waits: dict[tuple[str, int], int] = field(default_factory=dict)  # -> revocation id
     possibly_open: list[tuple[str, int]] = field(default_factory=list)
 
@@ -168,7 +185,8 @@ class LeaseTable:
         # volume -> its mutations in flight, in begin order: seq never falls,
         # so the first is the oldest prediction (O(1), not a scan per apply).
         self._by_volume: dict[str, dict[int, Mutation]] = {}
-        self.marks: dict[str, dict[int, int]] = {}  # volume -> ino -> apply clock
+        # volume -> ino -> (apply clock, inodes named by the applies that marked it)
+        self.marks: dict[str, dict[int, tuple[int, frozenset[int]]]] = {}
         # volume -> (apply clock, ino) as marked, oldest first: what ``end`` unmarks.
         self._mark_order: dict[str, deque[tuple[int, int]]] = {}
         self.clock = 0  # counts applies (see Name resolution)
@@ -176,9 +194,12 @@ class LeaseTable:
         self.leader_term = 0
         self._ids = itertools.count(1)
         # Since start, across leaderships (metrics): leases granted (NONE ->
-        # HELD) and revocations begun (HELD -> REVOKING).
+        # HELD), revocations begun (HELD -> REVOKING), and grants refused
+        # because the inode was changing or its name could still move.
         self.granted = 0
         self.revoked = 0
+        self.refused_changing = 0
+        self.refused_moving = 0
 
     # -- the state machine ---------------------------------------------------------
 
@@ -251,14 +272,24 @@ class LeaseTable:
     # -- grants and polls ------------------------------------------------------------
 
     def grantable(self, volume: str, ino: int) -> bool:
-        """No mutation of ``ino`` is in flight, nor was it touched while one
-        predicted earlier still is (see Name resolution)."""
+        """No mutation of ``ino`` is in flight, nor can one predicted before
+        an apply that touched it still resolve a name to it (see Name
+        resolution)."""
         if (volume, ino) in self.pending:
+            self.refused_changing += 1
             return False
         marks = self.marks.get(volume)
-        if marks is None or ino not in marks:
+        mark = marks.get(ino) if marks is not None else None
+        if mark is None:
             return True
-        return marks[ino] < self._oldest_prediction(volume)
+        seq, named = mark
+        for m in self._by_volume.get(volume, {}).values():  # oldest prediction first
+            if m.seq > seq:
+                break
+            if m.scope is None or not m.scope.isdisjoint(named):
+                self.refused_moving += 1
+                return False
+        return True
 
     def _oldest_prediction(self, volume: str) -> int:
         inflight = self._by_volume.get(volume)
@@ -324,6 +355,7 @@ class LeaseTable:
         now: float,
         mutator: str | None = None,
         kept: Iterable[int] = (),
+        scope: Iterable[int] | None = None,
     ) -> tuple[Mutation, set[str]]:
         """A mutation of ``inos`` is about to be proposed: revoke every lease
         on them but the mutator's ``kept`` ones (it knows what it changes and
@@ -332,9 +364,11 @@ class LeaseTable:
         it). A kept lease being revoked for another mutation is not waited
         for either: that one still waits for the ack, and the holder's ack may
         wait for this one (its kernel holds the directory's lock while the
-        change is in flight). Returns the mutation and the sessions that now
-        have a revocation to hear about."""
-        m = Mutation(next(self._ids), volume, frozenset(inos), self.clock)
+        change is in flight). ``scope``: the directories in which it resolves
+        names when it applies (None: anywhere; see Name resolution). Returns
+        the mutation and the sessions that now have a revocation to hear about."""
+        m = Mutation(next(self._ids), volume, frozenset(inos), self.clock,
+                     None if scope is None else frozenset(scope))
         self.mutations[m.id] = m
         self._by_volume.setdefault(volume, {})[m.id] = m
         own = set(kept)
@@ -383,15 +417,20 @@ class LeaseTable:
         """Whether applies in ``volume`` must report what they touch (:meth:`applied`)."""
         return volume in self._by_volume
 
-    def applied(self, volume: str, inos: Iterable[int]) -> None:
-        """A command was applied that touched ``inos`` (see Name resolution)."""
+    def applied(self, volume: str, inos: Iterable[int], named: Iterable[int] | None = None) -> None:
+        """A command was applied that touched ``inos``, naming the inodes
+        ``named`` (default: ``inos``); see Name resolution."""
         seq = self.clock
         self.clock += 1
         if self._oldest_prediction(volume) <= seq:
+            inos = tuple(inos)
+            dirs = frozenset(inos if named is None else named)
             marks = self.marks.setdefault(volume, {})
             order = self._mark_order.setdefault(volume, deque())
             for ino in inos:
-                marks[ino] = seq
+                old = marks.get(ino)
+                # a later mark keeps what earlier ones named (their predictions may be in flight)
+                marks[ino] = (seq, dirs if old is None or old[1] <= dirs else old[1] | dirs)
                 order.append((seq, ino))
 
     def end(self, m: Mutation) -> None:
@@ -415,7 +454,8 @@ class LeaseTable:
             order = self._mark_order[m.volume]
             while order and order[0][0] < oldest:
                 seq, ino = order.popleft()
-                if marks.get(ino) == seq:  # not marked again since
+                mark = marks.get(ino)
+                if mark is not None and mark[0] == seq:  # not marked again since
                     del marks[ino]
             if not marks:
                 del self.marks[m.volume]

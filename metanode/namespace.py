@@ -172,7 +172,7 @@ class ApplyWatcher(Protocol):
 
     def watching(self, volume: str) -> bool: ...
 
-    def applied(self, volume: str, inos: Iterable[int]) -> None: ...
+    def applied(self, volume: str, inos: Iterable[int], named: Iterable[int] | None = None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -598,7 +598,7 @@ class MetaState:
         if watched is not None and self.watcher is not None:
             volume, refs, before = watched
             # and what the names resolve to after it: a create's new inode
-            self.watcher.applied(volume, before | self._resolve(volume, *refs))
+            self.watcher.applied(volume, before | self._resolve(volume, *refs), refs[0])
         if client:
             self._remember(client, cmd.seq, result)
             self.dedup_last[client] = cmd.now_ns
@@ -627,6 +627,15 @@ class MetaState:
         if refs is None:
             return None
         return refs[0], self._resolve(*refs)
+
+    def resolves_in(self, cmd: C.Command) -> frozenset[int] | None:
+        """The directories whose entries ``cmd`` resolves when it applies
+        (the parents of its ``(parent, name)`` entries), or None if it may
+        resolve names anywhere in its volume: an import walks paths."""
+        if type(cmd) is C.ImportObjects:
+            return None
+        refs = C.inode_refs(cmd)
+        return frozenset() if refs is None else frozenset(parent for parent, _ in refs[2])
 
     def _refs(self, cmd: C.Command) -> C.Refs | None:
         """``commands.inode_refs``, and for an import (which names a link, not

@@ -569,7 +569,8 @@ class MetaService:
             volume, inos = touched
             mutator, kept = self._mutator(cmd, volume, lease)
             term = self.leases.leader_term
-            m, notify = self.leases.begin(volume, inos, time.monotonic(), mutator, kept)
+            scope = self.state.resolves_in(cmd)
+            m, notify = self.leases.begin(volume, inos, time.monotonic(), mutator, kept, scope)
             self._notify_polls(notify)
             try:
                 await self._wait_revoked(m)

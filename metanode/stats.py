@@ -84,10 +84,13 @@ class NamespaceCollector:
         held.add_metric(["revoking"], sum(len(h.revoking) for h in holders))
         yield held
         events = CounterMetricFamily("cachefs_metanode_lease_events",
-                                     "Leases granted and revocations begun while this replica led",
+                                     "Leases granted, revocations begun and grants refused (the inode "
+                                     "changing, or a name that could still move to it) while this replica led",
                                      labels=["event"])
         events.add_metric(["granted"], table.granted)
         events.add_metric(["revoked"], table.revoked)
+        events.add_metric(["refused_changing"], table.refused_changing)
+        events.add_metric(["refused_moving"], table.refused_moving)
         yield events
 
 

@@ -160,6 +160,34 @@ def test_a_name_that_moves_under_an_inflight_mutation_is_not_granted_before_it_e
     assert t.grant("a", VOL, [7], 0.2) == (7,)
 
 
+def test_a_new_inode_is_granted_while_mutations_that_resolve_no_name_to_it_are_in_flight() -> None:
+    t = table()
+    commit, _ = t.begin(VOL, [5], 0.0, scope=())  # a slice commit names its file, no entry
+    create, _ = t.begin(VOL, [2], 0.0, scope=[2])  # another process's create in directory 2
+    t.applied(VOL, [3, 9], named=[3])  # a create in directory 3 applies: new inode 9
+    assert t.grant("a", VOL, [9], 0.1) == (9,)  # the unscoped rule refused it (any older prediction)
+    assert t.refused_moving == 0
+    t.applied(VOL, [2, 10], named=[2])  # the create in 2 applies; one in directory 2 named it
+    t.end(create)
+    assert t.grant("a", VOL, [10], 0.1) == (10,)
+    t.end(commit)
+
+
+def test_a_name_moved_into_a_directory_an_inflight_mutation_resolves_in_is_not_granted() -> None:
+    t = table()
+    unlink, _ = t.begin(VOL, [1, 5], 0.0, scope=[1])  # unlink (1, x): predicted inode 5
+    other, _ = t.begin(VOL, [4], 0.0, scope=[4])  # in flight too, in an unrelated directory
+    t.applied(VOL, [2, 1, 7, 5], named=[2, 1])  # rename (2, y) -> (1, x) applies: x is 7 now
+    t.end(other)
+    assert t.grant("a", VOL, [7], 0.1) == ()  # the unlink will remove 7, not 5
+    assert t.refused_moving == 1
+    t.applied(VOL, [7, 8], named=[7])  # a later mark of 7 (a create in it) keeps directory 1
+    assert t.grant("a", VOL, [7], 0.2) == ()
+    t.applied(VOL, [1, 7])  # the unlink applies
+    t.end(unlink)
+    assert t.grant("a", VOL, [7], 0.3) == (7,)
+
+
 def test_the_client_drops_revoked_leases_and_acks_after_listing_kernel_names() -> None:
     c = LeaseCache()
     ticket = c.ticket(0.0)
@@ -293,6 +321,26 @@ async def test_a_create_answers_with_a_lease_on_the_new_file_that_a_change_revok
         cmd = C.Symlink(VOL, 1, b"s", b"target")
         await a_client.call(cmd.NAME, {"a": cmd.to_request(a_client.client_id, 10**6), "lease": [a, [], []], "grant": True})
     assert info.value.errno == errno.EINVAL
+
+
+async def test_a_create_is_leased_while_a_change_elsewhere_waits_for_a_revocation(meta: Single) -> None:  # noqa: F811
+    a_client, b_client = meta.client(heartbeat_interval=0.1), meta.client(heartbeat_interval=0.1)
+    a = (await a_client.mount_volume(VOL)).session
+    b = (await b_client.mount_volume(VOL)).session
+    d = (await b_client.mutate(C.Mkdir(VOL, 1, b"d", 0o755))).ino
+    f = (await a_client.create(C.Mknod(VOL, 1, b"f", 0o100644), (a, (1,), ()))).attr
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(b_client.mutate, C.SetAttr(VOL, f.ino, mode=0o100600))
+        with trio.fail_after(5):
+            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # the chmod is in flight
+        [(rev, _)] = news.revoke
+        # Predicted after the chmod, applied while it waits: another process's
+        # create elsewhere, which no in-flight name can resolve to. Refused a
+        # lease under the unscoped rule, so its open, getxattr and release
+        # each cost a round trip.
+        created = await b_client.create(C.Mknod(VOL, d, b"g", 0o100644), (b, (d,), ()))
+        assert created.grant.inos == (created.attr.ino,)
+        await a_client.query(Q.LeasePoll(a, acks=(rev,), wait_ms=0))
 
 
 # -- the stateful test ------------------------------------------------------------------
@@ -475,5 +523,88 @@ def attr(ino: int, version: int) -> Attr:
 TestLeaseProtocol = LeaseProtocol.TestCase
 TestLeaseProtocol.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# -- the stateful test of name resolution ---------------------------------------------------
+
+DIRS = (1, 2)
+
+
+class NameResolution(RuleBasedStateMachine):
+    """Mutations that resolve ``(directory, name)`` entries when they apply,
+    predicted when they begin (as ``MetaState.touched`` does), between two
+    sessions that read (grants) and ack revocations: at the apply of each,
+    no live lease exists on what it actually changes, however the names
+    moved under it meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 100.0
+        self.t = table(self.now)
+        self.sessions = ("s0", "s1")
+        for s in self.sessions:
+            self.t.mounted(s, VOL, self.now)
+        self.entries = {(1, b"x"): 10, (2, b"x"): 11}
+        self.next_ino = 12
+        self.muts: list = []  # [mutation, kind, entries]
+
+    def _touched(self, dirs: set[int], entries: list[tuple[int, bytes]]) -> set[int]:
+        return dirs | {self.entries[e] for e in entries if e in self.entries}
+
+    @rule(dt=st.floats(0.01, 0.3))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(session=st.sampled_from(("s0", "s1")), data=st.data())
+    def read(self, session: str, data: st.DataObject) -> None:
+        ino = data.draw(st.sampled_from(sorted(set(self.entries.values()))))
+        self.t.grant(session, VOL, [ino], self.now)
+
+    @rule(session=st.sampled_from(("s0", "s1")))
+    def ack(self, session: str) -> None:
+        self.t.acknowledge(session, [rev for rev, _ in self.t.revocations(session)], [])
+
+    @rule(kind=st.sampled_from(("write", "create", "move")), d=st.sampled_from(DIRS))
+    def begin(self, kind: str, d: int) -> None:
+        """write: changes what ``(d, x)`` names; create: names ``(d, y)``
+        a new inode; move: ``(d, x)`` to ``(other, x)``, replacing what that
+        names."""
+        entries = {"write": [(d, b"x")], "create": [(d, b"y")], "move": [(d, b"x"), (3 - d, b"x")]}[kind]
+        dirs = {p for p, _ in entries}
+        m, _ = self.t.begin(VOL, self._touched(dirs, entries), self.now, scope=dirs)
+        self.muts.append([m, kind, entries])
+
+    @precondition(lambda self: self.muts)
+    @rule(data=st.data())
+    def apply(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.muts) - 1))
+        m, kind, entries = self.muts[i]
+        if self.t.blocked(m, self.now, self.sessions) is not None:
+            return
+        del self.muts[i]
+        dirs = {p for p, _ in entries}
+        before = self._touched(dirs, entries)
+        for ino in before - dirs:  # what it changes (directories are not leased here)
+            for s in self.sessions:
+                holder = self.t.holders[s]
+                state = self.t.state(s, ino)
+                live = (state is State.HELD and self.t.lapse(holder) > self.now) or (
+                    state is State.REVOKING and holder.revoking[ino].deadline > self.now
+                )
+                assert not live, (kind, entries, ino, s, state)
+        if kind == "move" and entries[0] in self.entries:
+            self.entries[entries[1]] = self.entries.pop(entries[0])
+        elif kind == "create" and entries[0] not in self.entries:
+            self.entries[entries[0]] = self.next_ino
+            self.next_ino += 1
+        self.t.applied(VOL, before | self._touched(dirs, entries), dirs)
+        self.t.end(m)
+
+
+TestNameResolution = NameResolution.TestCase
+TestNameResolution.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
