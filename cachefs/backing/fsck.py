@@ -31,6 +31,11 @@ Theory of operation
    the punch would be cut too, so run ``--repair`` with the damaged files'
    writers stopped.
 
+A volume whose blocks are objects in a store (``--backing s3://``) has no
+shards: steps 3 and 4 are :mod:`cachefs.backing.fsck_objects` (its prefix's
+listing, each object checked against the checksum in its metadata, orphans
+named); missing or corrupt blocks are lost and detached as above.
+
 The walk and the listing are not one snapshot: a file written during the
 check may show blocks as missing that were stored after its datanode was
 listed. Every lost block is therefore looked up once more, with a ``stat``
@@ -42,14 +47,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachefs import commands as C
 from cachefs import queries as Q
+from cachefs.backing.fsck_objects import check_objects
 from cachefs.backing.repair import Repairer, RepairReport
-from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.errors import CacheFSError
 from cachefs.ids import CHUNK_SIZE, BlockKey, is_repo_slice
 from cachefs.layout import HOLE, resolve, segment_blocks
 from cachefs.tasks import run_all
@@ -74,10 +79,11 @@ class DamagedFile:
 @dataclass(slots=True)
 class FsckReport:
     volume: str
+    store: str = ""  # a volume whose blocks are objects: its s3:// URL (fsck_objects.py)
     metadata: list[str] = field(default_factory=list)
     files: int = 0
     blocks: int = 0
-    shards_checked: int = 0
+    shards_checked: int = 0  # objects read and checked, for a volume in a store
     shards_corrupt: int = 0
     datanodes_down: list[str] = field(default_factory=list)
     short: list[str] = field(default_factory=list)
@@ -85,6 +91,8 @@ class FsckReport:
     unavailable: list[DamagedFile] = field(default_factory=list)
     shards_rebuilt: int = 0
     detached: list[DamagedFile] = field(default_factory=list)
+    orphan_blocks: int = 0  # a volume in a store: objects of leaked slices (gc's sweep deletes them)
+    orphans: list[str] = field(default_factory=list)  # their keys, hex (the first 1,000)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -114,16 +122,20 @@ class Fsck:
         report.metadata = await self.meta.query(Q.CheckVolume(volume))
         await self.view.refresh()
         policy = self.view.policy(volume)
-        if (target := self.view.target(volume)) is not None:
-            raise InvalidArgument(f"volume {volume!r} keeps its blocks in {target.url}: its store keeps them "
-                                  "intact; cachefs gc --check reports any that are missing")
         files = await self._walk(volume, policy.block_size, report)
-        needed: dict[BlockKey, list[int]] = defaultdict(list)  # key -> inos
-        for ino, f in files.items():
-            for key, _off, _len in f.parts:
-                if not needed[key] or needed[key][-1] != ino:
-                    needed[key].append(ino)
+        needed = {key for f in files.values() for key, _off, _len in f.parts}
         report.blocks = len(needed)
+        if (target := self.view.target(volume)) is not None:
+            report.store = target.url
+            verdict = await check_objects(self.meta, self.repairer.client.objects, volume, target, needed,
+                                          verify=verify)  # fmt: skip
+            report.shards_checked, report.shards_corrupt = verdict.verified, len(verdict.corrupt)
+            report.orphan_blocks, report.orphans = verdict.orphan_blocks, verdict.orphans
+            report.errors.extend(verdict.corrupt + verdict.errors)
+            report.lost = self._damaged(files, verdict.lost)
+            if repair and report.lost:
+                await self._detach(volume, verdict.lost, report)
+            return report
 
         scratch = RepairReport(volume=volume)
         if verify:

@@ -242,7 +242,7 @@ class GarbageCollector:
             report.missing = sorted(k.hex() for k in referenced - stored)
         loose = {k for k in stored if k.slice_id not in referenced_slices and k.slice_id not in trashed}
         report.unreferenced = sorted(k.hex() for k in loose)
-        leaked = await self._unreferenced(volume, {k.slice_id for k in loose})
+        leaked = await unreferenced(self.meta, volume, {k.slice_id for k in loose})
         report.leaked = sorted(k.hex() for k in loose if k.slice_id in leaked)
         return report
 
@@ -260,8 +260,8 @@ class GarbageCollector:
         target = await self._target(volume)
         # Safe to go on past a listing that failed: what is leaked is the metanodes' answer.
         stored = await self._stored(volume, datanode_addrs, report.errors)
-        leaked = await self._unreferenced(
-            volume, {k.slice_id for keys in stored.values() for k in keys if k.slice_id >= since})
+        leaked = await unreferenced(
+            self.meta, volume, {k.slice_id for keys in stored.values() for k in keys if k.slice_id >= since})
 
         if not delete:
             report.leaked_blocks_deleted += sum(k.slice_id in leaked for keys in stored.values() for k in keys)
@@ -305,16 +305,6 @@ class GarbageCollector:
         log.info("gc: deleted volume %s has no blocks left; it is gone", volume)
         return True
 
-    async def _unreferenced(self, volume: str, slice_ids: set[int]) -> set[int]:
-        """Which of ``slice_ids`` the metanodes call leaked, asking a page at a time."""
-        floor = (await self.meta.query(Q.Unreferenced(volume, ()))).floor
-        ids = sorted(s for s in slice_ids if s < floor)
-        out: set[int] = set()
-        for start in range(0, len(ids), Q.MAX_UNREFERENCED_ASK):
-            page = tuple(ids[start:start + Q.MAX_UNREFERENCED_ASK])
-            out.update((await self.meta.query(Q.Unreferenced(volume, page))).slice_ids)
-        return out
-
     async def _stored(self, volume: str, datanode_addrs: list[str], errors: list[str]) -> dict[str, set[BlockKey]]:
         """The blocks of ``volume`` where they are stored: each datanode's (by
         address), or for a volume in an object store its prefix's (by URL).
@@ -349,3 +339,15 @@ class GarbageCollector:
             cursor = reply.result["cursor"]
             if not cursor:
                 return keys
+
+
+async def unreferenced(meta: Any, volume: str, slice_ids: set[int]) -> set[int]:
+    """Which of ``slice_ids`` the metanodes call leaked (below the floor, held by
+    no file and no trash entry), asking a page at a time."""
+    floor = (await meta.query(Q.Unreferenced(volume, ()))).floor
+    ids = sorted(s for s in slice_ids if s < floor)
+    out: set[int] = set()
+    for start in range(0, len(ids), Q.MAX_UNREFERENCED_ASK):
+        page = tuple(ids[start:start + Q.MAX_UNREFERENCED_ASK])
+        out.update((await meta.query(Q.Unreferenced(volume, page))).slice_ids)
+    return out

@@ -28,6 +28,7 @@ nothing. Every error names the volume and its store.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,17 +117,46 @@ class ObjectBlocks:
         """Delete a block's object (one that is not there is deleted already, as S3 says)."""
         await self.store(volume, target).delete(target.object_key(key))
 
-    async def inventory(self, volume: str, target: ObjectTarget) -> set[BlockKey]:
-        """Every block stored under the volume's prefix (what gc's sweep looks at)."""
+    async def pages(self, volume: str, target: ObjectTarget) -> AsyncIterator[list[BlockKey]]:
+        """The blocks stored under the volume's prefix, a listing page (``LIST_PAGE`` objects) at a time."""
         store = self.store(volume, target)
-        keys: set[BlockKey] = set()
         token = ""
         while True:
             objects, _, token = await store.list_page(target.prefix, token=token, limit=LIST_PAGE)
+            keys = []
             for obj in objects:
                 try:
-                    keys.add(BlockKey.from_hex(obj.key[len(target.prefix):]))
+                    keys.append(BlockKey.from_hex(obj.key[len(target.prefix):]))
                 except ValueError:
                     pass  # not a block of ours: left alone
+            yield keys
             if not token:
-                return keys
+                return
+
+    async def inventory(self, volume: str, target: ObjectTarget) -> set[BlockKey]:
+        """Every block stored under the volume's prefix (what gc's sweep looks at)."""
+        return {key async for page in self.pages(volume, target) for key in page}
+
+    async def stat(self, volume: str, target: ObjectTarget, key: BlockKey) -> dict[str, Any] | None:
+        """A block's object as ``cachefs info`` shows it (one HEAD, no data); None if it is missing."""
+        found = await self.store(volume, target).head_meta(target.object_key(key),
+                                                           what=f"looking up block {key.hex()}")  # fmt: skip
+        if found is None:
+            return None
+        info, meta = found
+        return {"key": info.key, "size": info.size, "checksum": meta.get(CHECKSUM, "")}
+
+    async def verify(self, volume: str, target: ObjectTarget, key: BlockKey) -> str:
+        """Read a block's whole object and check it against the checksum in its
+        metadata: "" when it matches, else what is wrong (fsck's check).
+
+        Raises:
+            NotFound: no object of that block.
+        """
+        data, meta = await self.store(volume, target).get(target.object_key(key),
+                                                          what=f"verifying block {key.hex()}")  # fmt: skip
+        if not meta.get(CHECKSUM):
+            return f"block {key.hex()} in {target.url} has no {CHECKSUM} metadata"
+        if meta[CHECKSUM] != f"{checksum(data):x}":
+            return f"block {key.hex()} in {target.url} fails its checksum"
+        return ""

@@ -2,7 +2,9 @@
 
 The check is :class:`cachefs.backing.fsck.Fsck`; this wires it to a
 metanode client, a backing client and a repairer. It needs an admin
-credential (the leader's invariant check, the datanodes' scrub and listing).
+credential (the leader's invariant check, the datanodes' scrub and listing);
+for a volume whose blocks are objects, AWS credentials that may list and
+get its prefix instead of the datanodes' scrub.
 """
 
 from __future__ import annotations
@@ -36,9 +38,19 @@ def _files(title: str, rows: list[DamagedFile]) -> None:
 
 
 def _print(r: FsckReport, repair: bool) -> None:
+    what = f"objects in {r.store}" if r.store else "shards"
     click.echo(f"{r.volume}: {'healthy' if r.healthy else 'NOT healthy'}: {r.files} files, {r.blocks} blocks, "
-               f"{r.shards_checked} shards verified ({r.shards_corrupt} corrupt)")  # fmt: skip
+               f"{r.shards_checked} {what} verified ({r.shards_corrupt} corrupt)")  # fmt: skip
     click.echo(f"  metadata: {len(r.metadata)} problems" + "".join(f"\n    {p}" for p in r.metadata[:SHOWN]))
+    if r.store:
+        _files("lost (no object, or one failing its checksum)", r.lost)
+        click.echo(f"  orphans (objects of leaked slices; cachefs gc --delete removes them): {r.orphan_blocks}"
+                   + "".join(f"\n    {k}" for k in r.orphans[:SHOWN]))  # fmt: skip
+        if repair:
+            _files("detached (the lost ranges are holes now: they read as zeros)", r.detached)
+        for err in r.errors:
+            click.echo(f"  error: {err}", err=True)
+        return
     if r.datanodes_down:
         click.echo(f"  datanodes down or not answering: {', '.join(r.datanodes_down)}")
     click.echo(f"  short blocks (readable, fewer shards than the policy): {len(r.short)}")
@@ -57,7 +69,7 @@ def _print(r: FsckReport, repair: bool) -> None:
 @click.option("--meta", type=ADDRS, required=True, envvar="CACHEFS_META", help="Metanode addresses (host:port,...).")
 @click.option("--repair", is_flag=True,
               help="Rebuild short blocks; turn the byte ranges of lost blocks into holes and name their files.")
-@click.option("--no-verify", is_flag=True, help="Only list shards; do not have the datanodes re-read their checksums.")
+@click.option("--no-verify", is_flag=True, help="Only list shards (objects); do not re-read their checksums.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--secret-file", envvar="CACHEFS_SECRET_FILE", type=click.Path(dir_okay=False),
               help="An admin credential (cachefs credential issue) or the cluster secret (or set CACHEFS_SECRET).")
@@ -67,7 +79,8 @@ def _print(r: FsckReport, repair: bool) -> None:
 def command(volume: str, meta: list[str], repair: bool, no_verify: bool, as_json: bool, secret_file: str | None,
             insecure: bool, log_level: str, tls_cert: str | None, tls_key: str | None,
             tls_ca: str | None) -> None:  # fmt: skip
-    """Check a volume: metadata invariants, then that every block files need has enough intact shards.
+    """Check a volume: metadata invariants, then that every block files need has enough intact shards
+    (for a volume in an object store: an object with the right checksum; orphans are listed).
 
     Exits 0 when the volume is healthy, 1 when anything was found (also after --repair fixed it).
     """

@@ -148,7 +148,22 @@ async def describe(pool: RpcPool, meta_addrs: list[str], volume: str, path: str)
                            for i in range(policy.n)]  # fmt: skip
         block["shards_held"] = sum(bool(held.get(i)) for i in range(policy.n))
 
-    await run_all(functools.partial(shards, key, block) for key, block in blocks)
+    async def stored_object(key: BlockKey, block: dict[str, Any]) -> None:
+        assert target is not None
+        try:
+            block["object"] = await backing.objects.stat(volume, target, key)
+        except CacheFSError as exc:
+            out["errors"].append(str(exc))
+            return
+        if block["object"] is None:
+            out["errors"].append(f"block {key.hex()}: no object {target.object_key(key)!r} in {target.url}")
+
+    target = view.target(volume)
+    if target is not None:  # one object per block (volume create --backing), no shards
+        out["backing"] = target.url
+    owned = [(key, block) for key, block in blocks if not is_repo_slice(key.slice_id)]
+    await run_all(functools.partial(shards if target is None else stored_object, key, block)
+                  for key, block in owned)  # fmt: skip
     holders, errors = await _cache_holders(pool, cachenodes, volume, [k for k, _ in blocks])
     out["errors"].extend(errors)
     for key, block in blocks:
@@ -157,22 +172,33 @@ async def describe(pool: RpcPool, meta_addrs: list[str], volume: str, path: str)
     return out
 
 
+def _where(block: dict[str, Any]) -> str:
+    """Where a block's bytes are stored: its shards, its object, or (imported) the linked bucket."""
+    if "shards" in block:
+        return "shards " + ", ".join(f"{sh['index']}:{'+'.join(sh['held_by']) or 'MISSING'}" for sh in block["shards"])
+    if "object" in block:
+        obj = block["object"]
+        return "object MISSING" if obj is None else f"object {obj['key']} ({obj['size']} bytes, " \
+            f"checksum {obj['checksum'] or 'NONE'})"
+    return "in the linked bucket"
+
+
 def _print(info: dict[str, Any]) -> None:
     click.echo(f"{info['path']} (volume {info['volume']})")
     click.echo(f"  inode {info['inode']}, {info['type']}, size {info['size']}, mode {info['mode']}, "
                f"nlink {info['nlink']}, uid {info['uid']}, gid {info['gid']}, version {info['version']}")
     if info["type"] != "file":
         return
-    click.echo(f"  policy {info['policy']}, block size {info['block_size']}")
+    click.echo(f"  policy {info['policy']}, block size {info['block_size']}"
+               + (f", blocks in {info['backing']}" if "backing" in info else ""))
     for chunk in info["chunks"]:
         click.echo(f"  chunk {chunk['index']}: {len(chunk['slices'])} slices")
         for s in chunk["slices"]:
             where = " (S3 object)" if s.get("repo") else ""
             click.echo(f"    slice {s['id']}: pos {s['pos']}, length {s['length']}, offset {s['offset']}{where}")
             for b in s["blocks"]:
-                shards = ", ".join(f"{sh['index']}:{'+'.join(sh['held_by']) or 'MISSING'}" for sh in b["shards"])
                 cached = ",".join(b["cached_on"]) or "-"
-                click.echo(f"      block {b['key']}: shards {shards}; cached on {cached} "
+                click.echo(f"      block {b['key']}: {_where(b)}; cached on {cached} "
                            f"(owners {','.join(b['cache_owners']) or '-'})")
     for err in info["errors"]:
         click.echo(f"  error: {err}", err=True)

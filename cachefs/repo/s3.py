@@ -131,13 +131,20 @@ class S3Store:
         token = page.get("NextContinuationToken", "") if page.get("IsTruncated") else ""
         return objects, prefixes, token
 
-    async def head(self, key: str) -> ObjectInfo | None:
+    async def head(self, key: str, *, what: str = "") -> ObjectInfo | None:
         """The object ``key`` as a listing shows it; None if there is none."""
+        found = await self.head_meta(key, what=what)
+        return found and found[0]
+
+    async def head_meta(self, key: str, *, what: str = "") -> tuple[ObjectInfo, dict[str, str]] | None:
+        """The object ``key`` and its user metadata (one HEAD); None if there is none."""
         try:
-            reply = await self._call(f"looking up {key!r}", self._client.head_object, Bucket=self.bucket, Key=key)
+            reply = await self._call(what or f"looking up {key!r}", self._client.head_object, Bucket=self.bucket,
+                                     Key=key)  # fmt: skip
         except NotFound:
             return None
-        return ObjectInfo(key, int(reply["ContentLength"]), _ns(reply["LastModified"]), reply.get("ETag", ""))
+        info = ObjectInfo(key, int(reply["ContentLength"]), _ns(reply["LastModified"]), reply.get("ETag", ""))
+        return info, dict(reply.get("Metadata", {}))
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         """Bytes ``[start, end)`` of ``key``, only if it still has ``etag``; a GET
