@@ -123,9 +123,13 @@ def lab_up(root: str, mountpoint: str | None, policy: str, compression: str, bas
         from cachefs.lab.s3demo import S3_VOLUME, S3_VOLUME_BACKING
         from cachefs.testing.s3server import credentials_env
 
+        def keys(identity: str) -> str:
+            return " ".join(f"{k}={v}" for k, v in credentials_env(identity).items())
+
         click.echo(f"S3 at {the_lab.config.s3_endpoint}: s3://demo/train/ linked at /demo of volume '{VOLUME}'; "
-                   f"volume '{S3_VOLUME}' keeps its blocks in {S3_VOLUME_BACKING}; cachefs repo and mounts of "
-                   f"{S3_VOLUME} need " + " ".join(f"{k}={v}" for k, v in credentials_env().items()))
+                   f"volume '{S3_VOLUME}' keeps its blocks in {S3_VOLUME_BACKING}. Each daemon has its own S3 "
+                   f"identity; cachefs repo, fsck and gc need {keys('cachefs')}; mounts of {S3_VOLUME} need "
+                   f"{keys('mount')}")
     if mountpoint:
         the_lab.mount(mountpoint)
         click.echo(f"mounted at {mountpoint}")

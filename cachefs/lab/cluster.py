@@ -280,17 +280,19 @@ class Lab:
         (self.root / node.name).mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path(name), "ab")  # noqa: SIM115 - handed to the child
         argv = self.network.wrap(name, self._argv(node)) if self.config.netns else self._argv(node)
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env(),
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env(node.kind),
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
         logf.close()
         self._procs[name] = proc
         node.pid = proc.pid
         self.save()
 
-    def _env(self) -> dict[str, str] | None:
-        """A node's or mount's environment: with --s3, the store's identity (linked
-        reads, lab-s3's blocks) in the standard AWS variables."""
-        return {**os.environ, **s3server.credentials_env()} if self.config.s3 else None
+    def _env(self, kind: str) -> dict[str, str] | None:
+        """A node's or mount's environment: with --s3, the store's identity for
+        its kind (``s3demo.IDENTITIES``) in the standard AWS variables."""
+        if not self.config.s3 or kind not in s3demo.IDENTITIES:
+            return None
+        return {**os.environ, **s3server.credentials_env(kind)}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one node (SIGKILL by default: the fault tests' kill -9)."""
@@ -347,7 +349,7 @@ class Lab:
     def _start_s3(self) -> None:
         if self.config.netns:
             raise LabError("--s3 serves on 127.0.0.1: it does not reach namespaced nodes (--netns)")
-        server = s3server.SeaweedS3(self.root / "s3")
+        server = s3server.SeaweedS3(self.root / "s3", identities=s3demo.IDENTITIES)
         try:
             server.start()
         except RuntimeError as exc:
@@ -467,7 +469,7 @@ class Lab:
         if self.config.netns:
             argv = self.network.wrap(netns.CLIENT, argv)
         with open(logf, "ab") as out:
-            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60, env=self._env())
+            result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=60, env=self._env("mount"))
         if result.returncode != 0:
             tail = logf.read_text(errors="replace").splitlines()[-10:]
             raise LabError(f"mount failed (exit {result.returncode}):\n" + "\n".join(tail))

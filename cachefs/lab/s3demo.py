@@ -22,6 +22,19 @@ DEMO_OBJECTS = 30
 S3_VOLUME = "lab-s3"  # the lab's volume whose blocks are objects (volume create --backing)
 S3_VOLUME_BUCKET = "blocks"
 S3_VOLUME_BACKING = f"s3://{S3_VOLUME_BUCKET}/{S3_VOLUME}/"
+# The lab's store has one identity per kind of daemon, each with only what
+# docs/deploy.md gives it (SeaweedFS's actions per bucket; its Write covers
+# PUT and DELETE alike): mounts write and read lab-s3's blocks and read the
+# linked bucket around the cache tier; cache nodes only read; the metanode
+# leader lists and deletes lab-s3's blocks (gc) and lists, reads and exports
+# the linked bucket. Datanodes get none. The lab itself and its operator's
+# CLI use the identity that may do anything.
+IDENTITIES = {
+    "mount": [f"Read:{S3_VOLUME_BUCKET}", f"Write:{S3_VOLUME_BUCKET}", f"Read:{DEMO_BUCKET}"],
+    "cachenode": [f"Read:{S3_VOLUME_BUCKET}", f"Read:{DEMO_BUCKET}"],
+    "metanode": [f"Write:{S3_VOLUME_BUCKET}", f"List:{S3_VOLUME_BUCKET}", f"Read:{DEMO_BUCKET}",
+                 f"Write:{DEMO_BUCKET}", f"List:{DEMO_BUCKET}"],
+}  # fmt: skip
 
 
 def _create_bucket(client: Any, bucket: str) -> None:

