@@ -552,6 +552,8 @@ class CacheFS(pyfuse3.Operations):
             raise
         if not attr.size:  # empty as of its lease (see Compactor.schedule)
             node.born, node.commits = self.leases.get(attr.ino, time.monotonic()), {}
+            if node.attr.version == attr.version:  # its first chunk's list, as its commits grow it
+                node.chunks[0] = ((attr.version, node.layout), [])
         if bare and node.xattrs_voided < asked:  # the kernel's getxattr before each write
             node.bare = asked
         fh = self._open_handle(node, flags)

@@ -58,7 +58,7 @@ from cachefs.errors import (
     SliceExpired,
 )
 from cachefs.ids import CHUNK_SIZE, BlockKey
-from cachefs.layout import MAX_FILE_SIZE, Run, WritePlan, runs_end, slice_blocks
+from cachefs.layout import MAX_FILE_SIZE, Run, Slice, WritePlan, runs_end, slice_blocks
 from cachefs.messages import Attr
 from cachefs.opstats import OpStats
 from cachefs.tasks import Spawner, run_all
@@ -306,7 +306,7 @@ class FileWriter:
                              slice_id, self.inode.ino)
                     continue
                 self.stats.commits.observe("commit", time.monotonic() - started)
-                self._committed(run, attr)
+                self._committed(run, attr, slice_id)
                 committed = True
                 break
         except CacheFSError as exc:
@@ -349,16 +349,28 @@ class FileWriter:
             if self.write_through:
                 await self.sink.write_through(key, data)
 
-    def _committed(self, run: Run, attr: Attr) -> None:
+    def _committed(self, run: Run, attr: Attr, slice_id: int) -> None:
         """Take the committed attributes; no await here, so readers never see
         the run neither pending nor in the (dropped) slice cache."""
         inode = self.inode
-        # Our own write changed the content: the kernel's pages hold it already
-        # when the version only moved by our commit.
-        ours = inode.cached_version == inode.attr.version and attr.version == inode.attr.version + 1
+        # Only our commit moved the version (each content change moves it by one).
+        alone = attr.version == inode.attr.version + 1
+        # Our own write changed the content: the kernel's pages hold it already.
+        ours = alone and inode.cached_version == inode.attr.version
+        # The chunk's list as of the version before, then this slice over it,
+        # is its list now: a read back asks no read_chunk (a new file's lists
+        # start empty, see CacheFS.create).
+        known = inode.chunks.get(run.chunk)
+        if known is not None and not (alone and known[0] == (inode.attr.version, inode.layout)):
+            known = None
         inode.chunks.pop(run.chunk, None)
         inode.layout += 1
         inode.set_attr(attr)
+        if known is not None:  # what the metanode's list is now: the slices this one covers whole go
+            lo, hi = run.pos, run.pos + len(run.data)
+            slices = [s for s in known[1] if not lo <= s.pos <= s.pos + s.length <= hi]
+            slices.append(Slice(slice_id, run.pos, len(run.data)))
+            inode.chunks[run.chunk] = ((attr.version, inode.layout), slices)
         inode.cached_version = attr.version if ours else None
         self.stats.slices += 1
         self.stats.bytes += len(run.data)

@@ -22,6 +22,7 @@ import pyfuse3
 import pytest
 import trio
 
+from cachefs import commands as C
 from cachefs.client.fs import CacheFS
 from cachefs.client.volume import ClientOptions, Volume
 from cachefs.layout import MAX_FILE_SIZE
@@ -248,6 +249,36 @@ async def test_writes_to_a_file_created_here_ask_no_getxattr_of_the_metanodes(fs
     await ops.setxattr(attr.st_ino, b"security.capability", b"\x01", CTX)
     assert await ops.getxattr(attr.st_ino, b"security.capability", CTX) == b"\x01"
     assert asked() == 1
+    await ops.release(info.fh)
+    await ops.forget([(attr.st_ino, 1)])
+
+
+async def test_a_file_written_here_reads_back_with_no_slice_list_asked(fs: Mounted) -> None:
+    """A new file's slice lists start empty and each commit of ours adds its
+    slice (the version moved by that commit alone), so reading back what was
+    written here asks no read_chunk; a change by another client moves the
+    version past ours, and the next read asks for the list."""
+    ops = fs.ops
+    calls = ops.session.meta.pool.time_calls()
+    lists = lambda: sum(calls.counts.get("read_chunk", ()))  # noqa: E731
+    first, second = os.urandom(100_000), os.urandom(30_000)
+    info, attr = await ops.create(ROOT, b"f", 0o644, os.O_RDWR, CTX)
+    await ops.write(info.fh, 0, first)
+    await ops.flush(info.fh)
+    await ops.write(info.fh, 50_000, second)  # over part of the first slice
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+    want = first[:50_000] + second + first[80_000:]
+    info = await ops.open(attr.st_ino, os.O_RDONLY, CTX)
+    assert bytes(await ops.read(info.fh, 0, 200_000)) == want
+    assert lists() == 0
+    await ops.release(info.fh)
+    other = await fs.metanode.session(ops.session.meta.pool, VOLUME)
+    await other.meta.mutate(C.SetAttr(VOLUME, attr.st_ino, size=len(want) + 1))  # revokes our lease
+    await other.close()
+    info = await ops.open(attr.st_ino, os.O_RDONLY, CTX)
+    assert bytes(await ops.read(info.fh, 0, 200_000)) == want + b"\0"
+    assert lists() == 1
     await ops.release(info.fh)
     await ops.forget([(attr.st_ino, 1)])
 
