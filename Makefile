@@ -4,8 +4,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# systemd: systemd-analyze and its fstab generator check the unit files (tests/core/test_units.py)
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd
+# systemd: systemd-analyze and its fstab generator check the unit files (tests/core/test_units.py);
+# prometheus (promtool too) and stress-ng: a real Prometheus scrapes the lab (tests/lab/test_observability.py,
+# test_lab_prometheus.py) and stress-ng loads a mount (tests/client/test_stress.py); without them those skip
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd prometheus stress-ng
 PYTEST_ARGS ?=
 # The CPU build of torch that lies on this machine's disk: installed before the
 # project, it satisfies the torch extra's range, so pip downloads no other build.
