@@ -49,7 +49,9 @@ def client(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch):
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(objects, "LIST_PAGE", 4)  # several pages for a dozen objects
-    c = boto3.client("s3", endpoint_url=s3.endpoint)
+    # a session of its own: boto3.client() would reuse the default session, whose
+    # credentials an earlier test of this process resolved from other keys
+    c = boto3.session.Session().client("s3", endpoint_url=s3.endpoint)
     c.create_bucket(Bucket="blocks")
     return c
 
