@@ -520,8 +520,7 @@ class CacheFS(pyfuse3.Operations):
             and flags & os.O_ACCMODE != os.O_WRONLY
             and not flags & os.O_TRUNC
         ):
-            read_only = flags & os.O_ACCMODE == os.O_RDONLY
-            self.nursery.start_soon(self.engine.read_early, known, read_only)
+            self.engine.start_early_read(known, flags & os.O_ACCMODE == os.O_RDONLY)
         node = await self.engine.open(inode)
         node.void_xattrs()
         if node.writer is not None and node.writer.dirty:

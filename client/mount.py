@@ -335,6 +335,8 @@ class MountCollector:
         yield _counter("cachefs_mount_read_l1_hit_bytes", "Bytes read served from L1", reads["l1_hit_bytes"])
         yield _counter("cachefs_mount_slice_lists", "Chunk slice lists asked of the metanodes",
                        reads["slice_lists"])
+        yield _counter("cachefs_mount_early_reads", "Opens that started fetching a file's start "
+                       "ahead of its first read (none when L1 holds it)", reads["early_reads"])
         fetches = CounterMetricFamily("cachefs_mount_read_fetches", "Fetches the read path issued, by kind",
                                       labels=["kind"])
         for kind in ("range", "block"):

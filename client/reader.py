@@ -165,6 +165,7 @@ class Reader:
             "prefetches": 0,
             "prefetches_used": 0,  # prefetched blocks a read then found in L1 or joined in flight
             "slice_lists": 0,  # chunk slice lists asked of the metanodes
+            "early_reads": 0,  # opens that started fetching ahead of their first read
         }
 
     def new_readahead(self) -> Readahead:
@@ -185,6 +186,23 @@ class Reader:
         if (inode.attr.version, inode.layout) == stamp:
             inode.chunks[chunk] = (stamp, slices)
         return slices
+
+    def holds(self, inode: Inode, length: int) -> bool:
+        """Whether a read of ``[0, length)`` needs nothing fetched: chunk 0's
+        slice list is cached at the inode's version and every block of the
+        range is in L1 or on its way (no await: an ``open`` asks it before
+        starting an early read that would find nothing to do)."""
+        cached = inode.chunks.get(0)
+        if cached is None or cached[0] != (inode.attr.version, inode.layout):
+            return False
+        end = min(length, inode.attr.size, CHUNK_SIZE)
+        for seg in resolve(cached[1], 0, end):
+            if seg.slice_id == HOLE:
+                continue
+            for part in segment_blocks(seg, self.source.block_size):
+                if part.key not in self.l1 and part.key not in self._blocks:
+                    return False
+        return True
 
     async def read(
         self, inode: Inode, offset: int, size: int, ra: Readahead | None = None

@@ -1,0 +1,87 @@
+"""What a file read again, or stat'ed after it was made here, costs the mount:
+only the requests the kernel must send, each answered without extra work.
+
+Counted from a real mount's metrics (``tests.client.localfs``: the real FUSE
+client over a real metanode service, which grants leases); the mount's entry
+and attribute timeouts are 0.5 s, its leases last far longer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cachefs.testing.ports import free_port
+
+from .conftest import LocalMount
+
+
+def _metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _ops(port: int) -> dict[str, int]:
+    """FUSE requests answered so far, by op."""
+    found = re.findall(r'^cachefs_mount_op_latency_seconds_count\{op="(\w+)"\} (\S+)$', _metrics(port), re.M)
+    return {op: int(float(n)) for op, n in found}
+
+
+def _early_reads(port: int) -> int:
+    m = re.search(r"^cachefs_mount_early_reads_total (\S+)$", _metrics(port), re.M)
+    assert m, "no cachefs_mount_early_reads_total"
+    return int(float(m.group(1)))
+
+
+def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+
+
+def _evict(filler: Path) -> None:
+    """Make L1 (4 MiB in localfs) let go of what it holds: read 6 MiB of
+    another file, its pages dropped first (written blocks enter L1 at its
+    cold end, read ones at the hot end)."""
+    filler.write_bytes(os.urandom(6 << 20))
+    with open(filler, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while f.read(1 << 20):
+            pass
+
+
+@pytest.fixture
+def metered(needs_fuse, tmp_path: Path):
+    port = free_port()
+    m = LocalMount(tmp_path, "--metrics-port", str(port))
+    try:
+        yield m, port
+    finally:
+        assert m.stop() == 0
+        m.check_log()
+
+
+def test_a_file_read_again_starts_no_early_read(metered) -> None:
+    """An open for reading starts fetching the file's slice list and first
+    block (its read joins them), unless L1 and the inode already hold both:
+    a second read, whether the kernel's pages were kept or dropped, starts
+    nothing."""
+    m, port = metered
+    payload = os.urandom(200_000)
+    (m.path / "f").write_bytes(payload)
+    _evict(m.path / "filler")
+    started = _early_reads(port)
+    with open(m.path / "f", "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert f.read() == payload
+    assert _early_reads(port) == started + 1  # L1 did not hold it: fetched ahead of the read
+    before = _ops(port)
+    for drop in (False, True, False, True):
+        with open(m.path / "f", "rb", buffering=0) as f:
+            if drop:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            assert f.read() == payload
+    assert _early_reads(port) == started + 1
+    sent = _grown(before, _ops(port))
+    assert sent.get("open") == 4 and sent.get("read", 0) >= 2, sent  # the dropped pages were read from L1
