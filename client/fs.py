@@ -219,8 +219,27 @@ class CacheFS(pyfuse3.Operations):
     def _control_entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         return entry_attributes(attr, self.options.attr_timeout, self.options.entry_timeout)
 
-    def _learn(self, attr: Attr) -> pyfuse3.EntryAttributes:
-        return self._entry(self.inodes.learn(attr))
+    def _made(self, parent_inode: int, name: bytes, inode: Inode) -> pyfuse3.EntryAttributes:
+        """The answer to a create, mknod, mkdir, symlink or link here: the
+        kernel keeps the new name while the directory's lease lasts, when
+        the name is known under it (the session kept it: no other own change
+        of the directory overlapped), and the attributes while the inode's
+        lease holds them; the name is in the lease's ``kernel_names``, so it
+        is invalidated with the lease. A stat of a file just written then
+        needs no lookup once the mount's entry timeout has passed."""
+        now = time.monotonic()
+        leases = self.leases
+        parent = leases.get(parent_inode, now)
+        if parent is not None and parent.entries.get(name) != inode.ino:
+            parent = None
+        child = leases.get(inode.ino, now)
+        if child is not None and child.attr is not inode.attr:
+            child = None
+        return self._entry(
+            inode,
+            self._lease_left(child, now, self.options.attr_timeout),
+            self._lease_left(parent, now, self.options.entry_timeout),
+        )
 
     def _fh(self) -> int:
         fh = self._next_fh
@@ -426,9 +445,8 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode)
-        return self._learn(
-            await self.session.mutate(C.Mknod(self.vol, parent_inode, name, mode, rdev, uid, gid))
-        )
+        attr = await self.session.mutate(C.Mknod(self.vol, parent_inode, name, mode, rdev, uid, gid))
+        return self._made(parent_inode, name, self.inodes.learn(attr))
 
     @_fuse
     async def mkdir(
@@ -437,7 +455,7 @@ class CacheFS(pyfuse3.Operations):
         self._writable()
         uid, gid, mode = self._owner(parent_inode, ctx, mode | stat.S_IFDIR)
         attr, _ = await self.session.create(C.Mkdir(self.vol, parent_inode, name, mode, uid, gid))
-        return self._learn(attr)
+        return self._made(parent_inode, name, self.inodes.learn(attr))
 
     @_fuse
     async def symlink(
@@ -445,18 +463,16 @@ class CacheFS(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._writable()
         uid, gid, _ = self._owner(parent_inode, ctx, stat.S_IFLNK)
-        return self._learn(
-            await self.session.mutate(C.Symlink(self.vol, parent_inode, name, target, uid, gid))
-        )
+        attr = await self.session.mutate(C.Symlink(self.vol, parent_inode, name, target, uid, gid))
+        return self._made(parent_inode, name, self.inodes.learn(attr))
 
     @_fuse
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         self._writable()
-        return self._learn(
-            await self.session.mutate(C.Link(self.vol, inode, new_parent_inode, new_name))
-        )
+        attr = await self.session.mutate(C.Link(self.vol, inode, new_parent_inode, new_name))
+        return self._made(new_parent_inode, new_name, self.inodes.learn(attr))
 
     @_fuse
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -556,7 +572,7 @@ class CacheFS(pyfuse3.Operations):
         if bare and node.xattrs_voided < asked:  # the kernel's getxattr before each write
             node.bare = asked
         fh = self._open_handle(node, flags)
-        return self._file_info(fh, node, flags), self._entry(node)
+        return self._file_info(fh, node, flags), self._made(parent_inode, name, node)
 
     @_fuse
     async def read(self, fh: int, off: int, size: int) -> bytes:
