@@ -9,20 +9,23 @@ reading a log line knows which association is misconfigured. Reading an
 object version that is no longer there (deleted, or changed: the GET is
 conditioned on the ETag) is ESTALE (:class:`~cachefs.errors.Stale`) naming
 the key: an open file of it reads what the cache tier holds, and no more.
+
+boto3 is imported and the client made in the first call's worker thread,
+not in the constructor: on a daemon's trio loop that took about 4.5 s
+(mostly imports) at load ~20, during which a metanode leader sent no Raft
+heartbeat and answered no request.
 """
 
 from __future__ import annotations
 
 import email.utils
 import functools
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
-import boto3
-import botocore.session
 import trio
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from cachefs.errors import CacheFSError, NotFound, PermissionDenied, Stale, Unavailable
@@ -49,33 +52,32 @@ class S3Store:
                  max_calls: int = 16, timeout: float = 30.0, attempts: int = 4) -> None:  # fmt: skip
         self.bucket = bucket
         self.name = name
-        config = Config(
-            retries={"mode": "standard", "max_attempts": attempts},
-            max_pool_connections=max_calls,
-            connect_timeout=min(5.0, timeout),
-            read_timeout=timeout,
-        )
-        # One session per store: boto3's default one is not thread-safe. Timestamps
-        # stay the strings S3 sent (:func:`_ns` reads them): botocore's parser
-        # (dateutil) was ~80% of a listing's CPU, about 0.1 s per 1,000 keys.
-        core = botocore.session.get_session()
-        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
-        session = boto3.session.Session(botocore_session=core)
-        self._client = session.client(
-            "s3", endpoint_url=endpoint or None, region_name=region or None, config=config
-        )
+        self._options = (endpoint, region, max_calls, timeout, attempts)
+        self._made: Any = None  # the boto3 client, once a worker thread has made it
+        self._making = threading.Lock()
         self._limiter = trio.CapacityLimiter(max_calls)
         self.latencies = Latencies()  # of ranged GETs: when to hedge one (see hedge.py)
         self.hedges = 0
 
+    def _client(self) -> Any:
+        """The boto3 client, made by the first caller (a worker thread) and shared."""
+        with self._making:
+            if self._made is None:
+                self._made = _make_client(*self._options)
+            return self._made
+
     def _hedge(self) -> None:
         self.hedges += 1
 
-    async def _call(self, what: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    async def _call(self, what: str, fn: str | Callable[[Any], T], /, **kwargs: Any) -> Any:
+        """``fn(client)``, or the client's method named ``fn`` with ``kwargs``, in a worker thread."""
+
+        def run() -> Any:
+            client = self._client()
+            return getattr(client, fn)(**kwargs) if isinstance(fn, str) else fn(client)
+
         try:
-            return await trio.to_thread.run_sync(
-                functools.partial(fn, **kwargs), limiter=self._limiter, abandon_on_cancel=True
-            )
+            return await trio.to_thread.run_sync(run, limiter=self._limiter, abandon_on_cancel=True)
         except ClientError as exc:
             raise self._error(what, exc) from None
         except NoCredentialsError:
@@ -108,7 +110,7 @@ class S3Store:
 
     async def check(self) -> None:
         """Raise the link's error if the bucket cannot be listed (what ``link`` checks first)."""
-        await self._call("listing", self._client.list_objects_v2, Bucket=self.bucket, MaxKeys=1)
+        await self._call("listing", "list_objects_v2", Bucket=self.bucket, MaxKeys=1)
 
     async def list_page(
         self, prefix: str, start_after: str = "", token: str = "", limit: int = 1000, delimiter: str = ""
@@ -122,7 +124,7 @@ class S3Store:
             kwargs["ContinuationToken"] = token
         elif start_after:
             kwargs["StartAfter"] = start_after
-        page = await self._call("listing", self._client.list_objects_v2, **kwargs)
+        page = await self._call("listing", "list_objects_v2", **kwargs)
         objects = [
             ObjectInfo(o["Key"], int(o["Size"]), _ns(o["LastModified"]), o.get("ETag", ""))
             for o in page.get("Contents", ())
@@ -139,7 +141,7 @@ class S3Store:
     async def head_meta(self, key: str, *, what: str = "") -> tuple[ObjectInfo, dict[str, str]] | None:
         """The object ``key`` and its user metadata (one HEAD); None if there is none."""
         try:
-            reply = await self._call(what or f"looking up {key!r}", self._client.head_object, Bucket=self.bucket,
+            reply = await self._call(what or f"looking up {key!r}", "head_object", Bucket=self.bucket,
                                      Key=key)  # fmt: skip
         except NotFound:
             return None
@@ -152,8 +154,8 @@ class S3Store:
         if end <= start:
             return b""
 
-        def get() -> bytes:
-            reply = self._client.get_object(
+        def get(client: Any) -> bytes:
+            reply = client.get_object(
                 Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=etag
             )
             with reply["Body"] as body:
@@ -167,7 +169,7 @@ class S3Store:
     async def put(self, key: str, data: bytes, *, what: str = "", metadata: dict[str, str] | None = None) -> str:
         """Store ``data`` as ``key`` in one PUT (with user ``metadata``); returns
         the object's ETag once the store has acknowledged it."""
-        reply = await self._call(what or f"exporting {key!r}", self._client.put_object, Bucket=self.bucket,
+        reply = await self._call(what or f"exporting {key!r}", "put_object", Bucket=self.bucket,
                                  Key=key, Body=data, Metadata=metadata or {})  # fmt: skip
         return str(reply.get("ETag", ""))
 
@@ -176,9 +178,9 @@ class S3Store:
         metadata, unconditioned (for objects that are never rewritten); hedged
         as :meth:`get_range`. A missing key is NotFound."""
 
-        def get() -> tuple[bytes, dict[str, str]]:
+        def get(client: Any) -> tuple[bytes, dict[str, str]]:
             ranged = {} if start == 0 and end < 0 else {"Range": f"bytes={start}-{'' if end < 0 else end - 1}"}
-            reply = self._client.get_object(Bucket=self.bucket, Key=key, **ranged)
+            reply = client.get_object(Bucket=self.bucket, Key=key, **ranged)
             with reply["Body"] as body:
                 return body.read(), dict(reply.get("Metadata", {}))
 
@@ -186,29 +188,50 @@ class S3Store:
 
     async def start_upload(self, key: str) -> str:
         """Begin a multipart upload of ``key``; returns its upload id."""
-        reply = await self._call(f"exporting {key!r}", self._client.create_multipart_upload,
+        reply = await self._call(f"exporting {key!r}", "create_multipart_upload",
                                  Bucket=self.bucket, Key=key)  # fmt: skip
         return str(reply["UploadId"])
 
     async def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
         """Part ``number`` (from 1) of upload ``upload``; returns its ETag."""
-        reply = await self._call(f"exporting {key!r} (part {number})", self._client.upload_part, Bucket=self.bucket,
+        reply = await self._call(f"exporting {key!r} (part {number})", "upload_part", Bucket=self.bucket,
                                  Key=key, UploadId=upload, PartNumber=number, Body=data)  # fmt: skip
         return str(reply["ETag"])
 
     async def finish_upload(self, key: str, upload: str, etags: list[str]) -> str:
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
-        reply = await self._call(f"exporting {key!r}", self._client.complete_multipart_upload, Bucket=self.bucket,
+        reply = await self._call(f"exporting {key!r}", "complete_multipart_upload", Bucket=self.bucket,
                                  Key=key, UploadId=upload, MultipartUpload={"Parts": parts})  # fmt: skip
         return str(reply.get("ETag", ""))
 
     async def abort_upload(self, key: str, upload: str) -> None:
-        await self._call(f"aborting the upload of {key!r}", self._client.abort_multipart_upload,
+        await self._call(f"aborting the upload of {key!r}", "abort_multipart_upload",
                          Bucket=self.bucket, Key=key, UploadId=upload)  # fmt: skip
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` (deleting a key that is not there succeeds, as S3 says)."""
-        await self._call(f"deleting {key!r}", self._client.delete_object, Bucket=self.bucket, Key=key)
+        await self._call(f"deleting {key!r}", "delete_object", Bucket=self.bucket, Key=key)
+
+
+def _make_client(endpoint: str, region: str, max_calls: int, timeout: float, attempts: int) -> Any:
+    """A boto3 S3 client (seconds of imports the first time: call it off the trio loop)."""
+    import boto3
+    import botocore.session
+    from botocore.config import Config
+
+    config = Config(
+        retries={"mode": "standard", "max_attempts": attempts},
+        max_pool_connections=max_calls,
+        connect_timeout=min(5.0, timeout),
+        read_timeout=timeout,
+    )
+    # One session per store: boto3's default one is not thread-safe. Timestamps
+    # stay the strings S3 sent (:func:`_ns` reads them): botocore's parser
+    # (dateutil) was ~80% of a listing's CPU, about 0.1 s per 1,000 keys.
+    core = botocore.session.get_session()
+    core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
+    session = boto3.session.Session(botocore_session=core)
+    return session.client("s3", endpoint_url=endpoint or None, region_name=region or None, config=config)
 
 
 def _ns(when: datetime | str) -> int:
