@@ -7,7 +7,10 @@ instead of one page after another. Each page is one ``ImportObjects`` log
 entry carrying the directory, the page's last name (where a resumed listing
 of that directory goes on: the link keeps it per pending directory) and the
 range of names it speaks for, so objects deleted from the bucket go too
-(``prune``). A page committed twice changes nothing the second time.
+(``prune``). A page committed twice changes nothing the second time. The
+next page of a directory is listed while the current one commits (its
+continuation token does not wait for the commit); pages still commit in
+order, so a directory's cursor only moves forward.
 """
 
 from __future__ import annotations
@@ -54,13 +57,22 @@ async def import_listing(
         send.send_nowait(item)
     failure: list[BaseException] = []
 
+    async def listed(path: str, cursor: str, token: str) -> Any:
+        return await store.list_page(
+            base + path, start_after=base + cursor if cursor else "", token=token, limit=page, delimiter="/"
+        )
+
+    async def listed_into(into: list[Any], path: str, cursor: str, token: str) -> None:
+        try:  # a failed listing waits for the commit of the page before it
+            into.append(await listed(path, cursor, token))
+        except Exception as exc:
+            into.append(exc)
+
     async def list_dir(path: str, cursor: str) -> None:
         nonlocal left
-        after, token = cursor, ""
+        after = cursor
+        objects, prefixes, token = await listed(path, cursor, "")
         while True:
-            objects, prefixes, token = await store.list_page(
-                base + path, start_after=base + cursor if cursor else "", token=token, limit=page, delimiter="/"
-            )
             rows = [
                 [o.key[len(base) :], o.size, o.mtime_ns, o.etag]
                 for o in objects
@@ -68,10 +80,15 @@ async def import_listing(
             ]
             subdirs = [p[len(base) :] for p in prefixes]
             last = max([o.key[len(base) :] for o in objects[-1:]] + subdirs[-1:], default=after)
-            reply = await mutate(C.ImportObjects(
+            cmd = C.ImportObjects(
                 link["id"], msgpack.packb(rows), cursor=last, done=not token, dir=path,
                 subdirs=msgpack.packb(subdirs), after=after, prune=True,
-            ))  # fmt: skip
+            )  # fmt: skip
+            following: list[Any] = []
+            async with trio.open_nursery() as nursery:  # the next page is listed while this one commits
+                if token:
+                    nursery.start_soon(listed_into, following, path, cursor, token)
+                reply = await mutate(cmd)
             after = last
             for name in COUNTS[:5]:
                 totals[name] += reply.get(name, 0)
@@ -86,6 +103,9 @@ async def import_listing(
             if not token:
                 totals["dirs"] += 1
                 return
+            if isinstance(following[0], Exception):
+                raise following[0]
+            objects, prefixes, token = following[0]
 
     async def worker(cancel: trio.CancelScope) -> None:
         nonlocal left
@@ -93,6 +113,8 @@ async def import_listing(
             try:
                 await list_dir(path, cursor)
             except Exception as exc:  # the first error is the answer; the rest stop
+                while isinstance(exc, ExceptionGroup) and exc.exceptions:  # a commit's, from a page's nursery
+                    exc = exc.exceptions[0]
                 failure.append(exc)
                 cancel.cancel()
                 return

@@ -375,3 +375,40 @@ async def test_a_slow_ranged_get_is_hedged_and_the_first_answer_wins(moto: str) 
             await store.get_range("k", 0, 10, '"not-the-etag"')  # a failure (of both tries, if hedged) is raised
     finally:
         front.close()
+
+
+async def test_a_directorys_next_page_is_listed_while_the_page_before_commits(moto: str) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto)
+    s3.create_bucket(Bucket="pages")
+    for i in range(10):
+        s3.put_object(Bucket="pages", Key=f"d/f{i:02d}", Body=b"%d" % i)
+    async with local_metanode() as meta, RpcPool(secret=None) as pool:
+        await meta.create_volume("v", block_size=BS)
+        mc = meta.client(pool)
+        d = await mc.mutate(C.Mkdir("v", 1, b"pages", 0o755, 0, 0))
+        link = await mc.mutate(C.LinkRepo("v", d.ino, "pages", "d/", moto))
+        store = S3Store("pages", name=f"repository link {link['id']}", endpoint=moto)
+        listings: list[str] = []
+        commits: list[str] = []
+        list_page = store.list_page
+
+        async def listing(*args: object, **kwargs: object) -> object:
+            listings.append(str(kwargs.get("token", "")))
+            return await list_page(*args, **kwargs)  # type: ignore[arg-type]
+
+        async def commit(cmd: C.ImportObjects) -> dict[str, int]:
+            if not cmd.done:  # more pages to come: the next one is asked for before this one commits
+                with trio.fail_after(10):
+                    while len(listings) < len(commits) + 2:
+                        await trio.sleep(0.01)
+            commits.append(cmd.cursor)
+            return await mc.mutate(cmd)
+
+        store.list_page = listing  # type: ignore[method-assign]
+        totals = await import_listing(commit, link, store, {"": ""}, page=3, parallel=1)
+        assert (totals["created"], totals["listed"], totals["dirs"]) == (10, 10, 1)
+        assert commits == ["f02", "f05", "f08", "f09"] and len(listings) == 4  # in order, each page once
+        names = [e.name for e in await mc.query(Q.ReadDir("v", d.ino, 0, 100))]
+        assert names == [b"f%02d" % i for i in range(10)]
+        (link,) = await mc.query(Q.ListRepoLinks())
+        assert link["objects"] == 10 and link["pending"] == 0 and link["imported_ns"]
