@@ -1,7 +1,7 @@
-"""Lazy listing of a linked bucket: how long reading every directory takes, and what it costs the leader.
+"""Importing a linked bucket's listing: lazily as directories are read, or in full at link time.
 
     python -m bench.repo_list_bench [--objects 20000] [--prefixes 100] [--readers 8]
-                                    [--py-spy FILE] [--json]
+                                    [--import lazy|full] [--weed-dir DIR] [--py-spy FILE] [--json]
 
 A real SeaweedFS S3 gateway and three real metanode processes on loopback.
 The bucket holds ``--objects`` objects spread over ``--prefixes``
@@ -12,14 +12,25 @@ leader's CPU seconds over them (from /proc: less noisy than wall time on
 a shared machine) and the CPU of its listing worker processes, and the
 wall time of the first read of the link's own directory. ``--py-spy``
 records the leader during the reads (py-spy must be installed).
+
+``--import full``: instead, ``cachefs repo link --import full`` of the
+bucket (the CLI process lists it and proposes a page at a time, as a user
+runs it; its start-up included): ``import_s``, and ``repo_import_100k_s``
+(bench.repo_bench's key) when ``--objects`` is 100,000; the CPU seconds of
+the CLI, the leader, the followers and SeaweedFS over it (where the time
+goes on a shared machine), and the leader's resident bytes per imported
+object (the Raft log's copy of the pages included).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +71,48 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def import_full(cluster: MetaCluster, weed: SeaweedS3, args: argparse.Namespace) -> dict[str, Any]:
+    """``cachefs repo link --import full`` of the whole bucket, timed."""
+    from cachefs.metanode.client import MetaClient
+    from cachefs.rpc import RpcPool
+
+    async with RpcPool(secret=None) as pool:
+        mc = MetaClient(pool, cluster.addrs, deadline=600.0)
+        await create_volume_once_elected(mc, VOLUME)
+        leader = cluster.procs[await cluster.wait_leader(pool)].pid
+        followers = [p.pid for p in cluster.procs.values() if p.pid != leader]
+        assert weed.proc is not None
+        pids = {"leader": leader, "followers": followers, "weed": weed.proc.pid}
+        before = {k: [cpu_seconds(p)[0] for p in (v if isinstance(v, list) else [v])] for k, v in pids.items()}
+        rss0 = rss_bytes(leader)
+        cli0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        proc = await trio.run_process(
+            [sys.executable, "-m", "cachefs.cli", "repo", "link", VOLUME, "/full", f"s3://{BUCKET}/",
+             "--endpoint", weed.endpoint, "--import", "full", "--json", "--insecure", "--meta", ",".join(cluster.addrs)],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )  # fmt: skip
+        wall = time.perf_counter() - started
+        cli1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        imported = json.loads(proc.stdout)["import"]
+        assert imported["created"] == args.objects, imported
+        cpu = {k: round(sum(cpu_seconds(p)[0] for p in (v if isinstance(v, list) else [v])) - sum(before[k]), 2)
+               for k, v in pids.items()}  # fmt: skip
+        return {"objects": args.objects, "prefixes": args.prefixes, "import": "full", "import_s": round(wall, 2),
+                "repo_import_100k_s": round(wall, 2) if args.objects == 100_000 else None,
+                "cli_cpu_s": round(cli1.ru_utime + cli1.ru_stime - cli0.ru_utime - cli0.ru_stime, 2),
+                **{f"{k}_cpu_s": v for k, v in cpu.items()},
+                "leader_rss_per_object": round((rss_bytes(leader) - rss0) / args.objects)}  # fmt: skip
 
 
 async def read_all(cluster: MetaCluster, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--objects", type=int, default=20_000)
     parser.add_argument("--prefixes", type=int, default=100)
     parser.add_argument("--readers", type=int, default=8, help="directories read at once")
+    parser.add_argument("--import", dest="import_mode", choices=["lazy", "full"], default="lazy",
+                        help="lazy: read every directory of a lazy link; full: time `repo link --import full`")
     parser.add_argument("--py-spy", default="", help="record the leader to this file (.svg or .json)")
     parser.add_argument("--weed-dir", default="", help="keep SeaweedFS's data here: a later run with the same "
                         "--objects and --prefixes reuses the bucket instead of filling it again")
@@ -142,13 +197,16 @@ def main(argv: list[str] | None = None) -> None:
                 filled.touch()
             put_s = time.perf_counter() - started
             cluster.start_all()
-            result = trio.run(read_all, cluster, weed.endpoint, args)
+            if args.import_mode == "full":
+                result = trio.run(import_full, cluster, weed, args)
+            else:
+                result = trio.run(read_all, cluster, weed.endpoint, args)
             result["put_s"] = round(put_s, 1)
         finally:
             cluster.stop_all()
             weed.stop()
     emit(result, args.json, lambda: print_table(
-        "lazy listing: every directory of a linked bucket read", ["measure", "value"],
+        f"{args.import_mode} import of a linked bucket", ["measure", "value"],
         [[k, v] for k, v in result.items()]))
 
 

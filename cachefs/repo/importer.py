@@ -3,11 +3,13 @@
 Each directory is listed with the "/" delimiter, so its common prefixes
 (subdirectories) come back with its objects and are listed by the next free
 worker: a bucket of many prefixes is listed ``parallel`` calls at a time
-instead of one page after another. Each page is one ``ImportObjects`` log
-entry carrying the directory, the page's last name (where a resumed listing
-of that directory goes on: the link keeps it per pending directory) and the
-range of names it speaks for, so objects deleted from the bucket go too
-(``prune``). A page committed twice changes nothing the second time. The
+instead of one page after another (32 directories: 100,000 objects in 100
+prefixes on SeaweedFS took 14.6 and 20.6 s against 22.4 and 26.8 s with 8,
+load ~17; the store's ``max_calls`` bounds the S3 calls in flight). Each
+page is one ``ImportObjects`` log entry carrying the directory, the page's
+last name (where a resumed listing of that directory goes on: the link
+keeps it per pending directory) and the range of names it speaks for, so
+objects deleted from the bucket go too (``prune``). A page committed twice changes nothing the second time. The
 next page of a directory is listed while the current one commits (its
 continuation token does not wait for the commit); pages still commit in
 order, so a directory's cursor only moves forward.
@@ -39,7 +41,7 @@ async def import_listing(
     *,
     descend: Callable[[str, dict[str, Any]], bool] | None = None,
     page: int = 1000,
-    parallel: int = 8,
+    parallel: int = 32,
     progress: Progress | None = None,
 ) -> dict[str, int]:
     """List directories ``dirs`` (``{prefix relative to the link's: cursor}``)
