@@ -91,6 +91,19 @@ computed over the bytes that are then served; a short or changed file is
 ``Corrupt``: dropped and fetched again. The memory tier holds a private,
 verified copy, served without re-checking (nothing else can write to it).
 
+Open files. With ``open_files`` set (the client's L2), block files read
+are kept open, at most that many, least recently read closed first: an
+``open`` costs more than a 4 KiB ``pread`` from the page cache (about 29 us
+of a mount's random 4 KiB read). A kept file belongs to its index entry: it
+is closed when the entry leaves the index (evicted, expired, discarded, found
+corrupt, short or gone) or the store is closed, but never while a read is
+using it (a count of readers): a descriptor number closed under a ``pread``
+could be reused by a fill's file and read as another block. A file replaced
+or unlinked by someone else is still read through the kept descriptor, which
+is safe (a block's bytes never change; the checksums still verify them); a
+file changed in place fails them and is dropped. Mapped reads never use a
+kept file: the read lease would outlive the mapping on it.
+
 Threads. The store has no trio in it: every method is plain blocking code,
 safe to call from several threads. The index is guarded by one lock that is
 never held across file IO; file IO is done in few, large steps (one pread or
@@ -211,6 +224,16 @@ class Entry:
     sums: tuple[int, ...]
     stored_at: float
     hits: int = 0
+    file: _OpenFile | None = None  # kept open for reads (``open_files``)
+
+
+@dataclass(slots=True, eq=False)
+class _OpenFile:
+    """A block file kept open; closed once dropped and no read is using it."""
+
+    fd: int
+    users: int = 0
+    dropped: bool = False
 
 
 @dataclass(slots=True)
@@ -267,6 +290,7 @@ class BlockStore:
         mmap_min: int = MMAP_MIN,
         direct_min: int = DIRECT_MIN,
         free_space_ratio: float = 0.0,
+        open_files: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if capacity <= 0:
@@ -275,6 +299,8 @@ class BlockStore:
             raise InvalidArgument(f"memory capacity must not be negative, got {memory_capacity}")
         if segment_size <= 0:
             raise InvalidArgument(f"segment size must be positive, got {segment_size}")
+        if open_files < 0:
+            raise InvalidArgument(f"open files must not be negative, got {open_files}")
         if not 0.0 <= free_space_ratio < 1.0:
             raise InvalidArgument(f"free space ratio must be in [0, 1), got {free_space_ratio}")
         self.root = Path(root)
@@ -291,6 +317,9 @@ class BlockStore:
         self._index: OrderedDict[BlockKey, Entry] = OrderedDict()  # LRU first
         self._writing: set[BlockKey] = set()
         self._memory = _Memory(memory_capacity)
+        self.open_files = open_files
+        self._open: OrderedDict[BlockKey, Entry] = OrderedDict()  # with a kept file, LRU first
+        self._closed = False
         self.used = 0
         self.reserved = 0
         self.counters = StoreCounters()
@@ -336,6 +365,8 @@ class BlockStore:
         found.sort(key=lambda e: e.stored_at)
         pins = self._load_pins()
         with self._lock:
+            for old in list(self._open.values()):
+                self._close_locked(old)
             self._pins = pins
             self._index = OrderedDict((e.key, e) for e in found)
             self._memory = _Memory(self._memory.capacity)
@@ -446,7 +477,11 @@ class BlockStore:
     def _pop_lru_locked(self) -> Entry | None:
         """Take the least recently used block that no pin holds out of the index."""
         if not self._pins:
-            return self._index.popitem(last=False)[1] if self._index else None
+            if not self._index:
+                return None
+            entry = self._index.popitem(last=False)[1]
+            self._close_locked(entry)
+            return entry
         now = self._clock()
         for _ in range(len(self._index)):
             key, entry = next(iter(self._index.items()))
@@ -454,6 +489,7 @@ class BlockStore:
             if until is None or until <= now:
                 self._pins.pop(key, None)
                 del self._index[key]
+                self._close_locked(entry)
                 return entry
             self._index.move_to_end(key)  # held: look at it again only after every other block
         return None
@@ -464,6 +500,66 @@ class BlockStore:
             del self._index[entry.key]
             self.used -= entry.file_size
             self._memory.drop(entry.key)
+        self._close_locked(entry)
+
+    # -- kept open files (``open_files``) -------------------------------------
+
+    def _acquire_locked(self, entry: Entry) -> _OpenFile | None:
+        """The kept file of ``entry``, with one more reader; None if it has none."""
+        kept = entry.file
+        if kept is None:
+            return None
+        kept.users += 1
+        self._open.move_to_end(entry.key)
+        return kept
+
+    def _keep_locked(self, entry: Entry, fd: int) -> _OpenFile | None:
+        """Keep ``fd`` (just opened, by one reader) as ``entry``'s file, closing
+        the least recently read kept file past ``open_files``; None when it is
+        not kept (no ``open_files``, closed store, an entry no longer indexed
+        or already with a file): the caller closes ``fd`` itself."""
+        if (
+            self.open_files <= 0
+            or self._closed
+            or entry.file is not None
+            or self._index.get(entry.key) is not entry
+        ):
+            return None
+        kept = entry.file = _OpenFile(fd, users=1)
+        self._open[entry.key] = entry
+        while len(self._open) > self.open_files:
+            self._close_locked(self._open.popitem(last=False)[1])
+        return kept
+
+    def _close_locked(self, entry: Entry) -> None:
+        """Let go of ``entry``'s kept file: closed now, or by its last reader."""
+        kept = entry.file
+        if kept is None:
+            return
+        entry.file = None
+        if self._open.get(entry.key) is entry:
+            del self._open[entry.key]
+        kept.dropped = True
+        if kept.users == 0:
+            os.close(kept.fd)
+
+    def _release(self, kept: _OpenFile) -> None:
+        """A read is done with ``kept``: close it if it was dropped meanwhile."""
+        with self._lock:
+            kept.users -= 1
+            if kept.dropped and kept.users == 0:
+                os.close(kept.fd)
+
+    def open_count(self) -> int:
+        """How many block files are kept open (reads in flight may hold dropped ones a little longer)."""
+        return len(self._open)
+
+    def close(self) -> None:
+        """Close the kept files (those being read, when their reads end); keep no more."""
+        with self._lock:
+            self._closed = True
+            for entry in list(self._open.values()):
+                self._close_locked(entry)
 
     def _evict_until_locked(self, extra: int) -> list[Entry]:
         victims = []
@@ -601,24 +697,38 @@ class BlockStore:
         else:
             first, last = offset // seg, -(-end // seg)
         lo, hi = first * seg, min(last * seg, entry.size)
-        try:
-            fd = os.open(self._file(key), os.O_RDONLY)
-        except FileNotFoundError:
-            with self._lock:  # evicted or unlinked under us: a miss
-                self._remove_locked(entry)
-            return None
+        mapped = not nowait and not promote and hi - lo >= self.mmap_min
+        kept = None
+        if not mapped:  # a lease taken on a kept file would outlive the mapping
+            with self._lock:
+                kept = self._acquire_locked(entry)
+        if kept is not None:
+            fd = kept.fd
+        else:
+            try:
+                fd = os.open(self._file(key), os.O_RDONLY)
+            except FileNotFoundError:
+                with self._lock:  # evicted or unlinked under us: a miss
+                    self._remove_locked(entry)
+                return None
+            if not mapped:
+                with self._lock:
+                    kept = self._keep_locked(entry, fd)
         try:
             buf: bytes | bytearray | memoryview | None = None
             if nowait:
                 buf = pread_nowait(fd, hi - lo, entry.data_offset + lo)
-            elif not promote and hi - lo >= self.mmap_min:
+            elif mapped:
                 buf = self._map(fd, entry.data_offset + lo, hi - lo)
             if buf is None:
                 buf = os.pread(fd, hi - lo, entry.data_offset + lo)
         except OSError as exc:
             raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
         finally:
-            os.close(fd)
+            if kept is not None:
+                self._release(kept)
+            else:
+                os.close(fd)
         with self._lock:
             self._touch(entry)
             self.counters.flash_hits += 1
@@ -753,6 +863,7 @@ class BlockStore:
             if old is not None:  # an expired copy: the rename replaced its file
                 self.used -= old.file_size
                 self._memory.drop(key)
+                self._close_locked(old)
             self._index[key] = entry
             self.used += file_size
         return True

@@ -410,3 +410,53 @@ def test_pinned_blocks_are_not_evicted_until_the_pin_lapses_and_survive_a_restar
     cached = set(reopened.cached_keys())
     assert {keys[5], keys[2]} <= cached and len(cached) == 3
     assert BlockStore.open(tmp_path, capacity, segment_size=SEG, clock=lambda: now[0]).stats()["pins"] == 0
+
+
+def _fds_on(path: Path) -> list[int]:
+    """This process's descriptors on ``path`` (also once it is unlinked)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.removesuffix(" (deleted)") == str(path):
+            out.append(int(fd))
+    return out
+
+
+def test_kept_file_is_not_closed_under_a_read_in_flight(tmp_path: Path, monkeypatch) -> None:
+    """A block dropped while a pread of its kept file is in flight: the file
+    stays open (its number is not given to the next fill's file) until that
+    read ends, which serves the block's own bytes; then it is closed."""
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=1 << 30, open_files=2)
+    a, b = BlockKey(90, 0), BlockKey(90, 1)
+    data = _data(a, 3 * SEG)
+    store.put("v", a, data)
+    path = store.path(a)
+    assert bytes(store.read(a, 0, 10)) == data[:10]
+    (fd,) = _fds_on(path)  # kept open after the read
+    entered, go = threading.Event(), threading.Event()
+    real_pread = os.pread
+
+    def paused_pread(*args: int) -> bytes:
+        if threading.current_thread().name == "reader":
+            entered.set()
+            assert go.wait(30)
+        return real_pread(*args)
+
+    monkeypatch.setattr(os, "pread", paused_pread)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(bytes(store.read(a, SEG, SEG))), name="reader")
+    reader.start()
+    try:
+        assert entered.wait(30)
+        assert store.discard(a)  # unlinked and dropped with a read in flight
+        store.put("v", b, _data(b, 3 * SEG))  # a fill opens (and closes) a file meanwhile
+        assert _fds_on(path) == [fd]
+    finally:
+        go.set()
+        reader.join(30)
+    assert got == [data[SEG : 2 * SEG]]
+    assert _fds_on(path) == []  # closed by the read that held it
+    store.close()

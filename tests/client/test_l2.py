@@ -3,6 +3,7 @@ full disk, two mounts with their own L2s, and one L2 per mount."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -146,6 +147,85 @@ async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Pa
         assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 1
         assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]  # now in the page cache
         assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 2
+        nursery.cancel_scope.cancel()
+
+
+def _open_block_files(cache_dir: Path) -> list[str]:
+    """Block files of ``cache_dir`` this process has open (" (deleted)" when unlinked)."""
+    prefix = f"{cache_dir.resolve() / 'blocks'}/"
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(prefix):
+                out.append(target)
+    return out
+
+
+async def _kept(tmp_path: Path, nursery: trio.Nursery, blocks: dict[BlockKey, bytes], capacity: int,
+                open_files: int) -> tuple[L2Cache, CachedBlocks]:  # fmt: skip
+    l2 = L2Cache.open(tmp_path, capacity, "v", free_space_ratio=0.0, nursery=nursery, open_files=open_files)
+    chain = CachedBlocks(Source(blocks), l2)
+    for key in blocks:
+        await chain.fetch(key)
+        await _settle(l2)
+    return l2, chain
+
+
+async def test_block_files_read_stay_open_until_evicted(tmp_path: Path) -> None:
+    """A 4 KiB hit does not open the file again; eviction closes it (no
+    descriptor left on an unlinked file), and so does the mount's end."""
+    blocks = {BlockKey(510, i): os.urandom(BLOCK) for i in range(4)}
+    keys = list(blocks)
+    async with trio.open_nursery() as nursery:
+        l2, chain = await _kept(tmp_path, nursery, dict(list(blocks.items())[:3]), 3 * BLOCK + 3 * 8192, 8)
+        assert _open_block_files(tmp_path) == []  # fills keep nothing open
+        for key in keys[:3]:
+            assert bytes(await l2.read(key, 4096, 4096)) == blocks[key][4096:8192]
+        assert sorted(_open_block_files(tmp_path)) == sorted(str(l2.store.path(k)) for k in keys[:3])
+        assert bytes(await l2.read(keys[1], 0, 4096)) == blocks[keys[1]][:4096]
+        assert len(_open_block_files(tmp_path)) == 3  # the same descriptors
+        chain.source.blocks[keys[3]] = blocks[keys[3]]
+        await chain.fetch(keys[3])  # a fourth block evicts the least recently used, keys[0]
+        await _settle(l2)
+        assert keys[0] not in l2.store
+        opened = _open_block_files(tmp_path)
+        assert not [p for p in opened if keys[0].hex() in p]
+        assert sorted(opened) == sorted(str(l2.store.path(k)) for k in keys[1:3])
+        nursery.cancel_scope.cancel()
+    assert _open_block_files(tmp_path) == []
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match="failed its checksum")
+async def test_a_block_corrupted_while_its_file_is_open_is_a_miss(tmp_path: Path) -> None:
+    key = BlockKey(511, 0)
+    block = os.urandom(BLOCK)
+    async with trio.open_nursery() as nursery:
+        l2, chain = await _kept(tmp_path, nursery, {key: block}, 4 * BLOCK, 8)
+        assert bytes(await chain.fetch(key, 100, 4096)) == block[100:4196]
+        (path,) = _open_block_files(tmp_path)  # the kept file
+        fd = os.open(path, os.O_WRONLY)  # bytes flipped in place, in the range read next
+        try:
+            os.pwrite(fd, bytes(b ^ 0xFF for b in block[200:210]), os.fstat(fd).st_size - BLOCK + 200)
+        finally:
+            os.close(fd)
+        chain.source.asked.clear()
+        assert bytes(await chain.fetch(key, 100, 4096)) == block[100:4196]
+        assert chain.source.asked == [(key, 100, 4096)]  # a miss, read below L2
+        assert l2.stats["l2_corrupt"] == 1 and key not in l2.store
+        assert _open_block_files(tmp_path) == []  # dropped with the block
+        nursery.cancel_scope.cancel()
+
+
+async def test_open_block_files_stay_bounded(tmp_path: Path) -> None:
+    blocks = {BlockKey(512, i): os.urandom(BLOCK // 8) for i in range(12)}
+    async with trio.open_nursery() as nursery:
+        l2, _ = await _kept(tmp_path, nursery, blocks, 16 * BLOCK, 4)
+        for _ in range(2):
+            for key, data in blocks.items():
+                assert bytes(await l2.read(key, 0, 4096)) == data[:4096]
+                assert len(_open_block_files(tmp_path)) <= 4
+        assert sorted(_open_block_files(tmp_path)) == sorted(str(l2.store.path(k)) for k in list(blocks)[-4:])
         nursery.cancel_scope.cancel()
 
 
