@@ -19,7 +19,10 @@ Theory of operation
   the disk does not stall every other request and several are in flight at
   once (measured: inline, a cold 256 MiB file read at 278 MiB/s from a disk
   that reads 750 MiB/s; random 4 KiB reads of a 256 MiB file with 4 jobs,
-  page cache dropped, were one disk read at a time on the loop).
+  page cache dropped, were one disk read at a time on the loop). The
+  threads are L2's own (:class:`ReadThreads`), not ``trio.to_thread``'s:
+  a hop costs about 34 us of CPU against 74-93 us (measured here, empty
+  jobs, 4 tasks), and random 4 KiB reads hop for every range on the disk.
 - Blocks are immutable, so a cached block is never stale and L2 needs no
   invalidation across mounts: which blocks a file has is a question of
   metadata (slice lists), which close-to-open keeps fresh as before.
@@ -44,11 +47,15 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import queue
 import resource
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import outcome
 import trio
 
 from cachefs.blockstore import BlockStore
@@ -88,6 +95,42 @@ def lock_dir(root: Path) -> int:
     return fd
 
 
+class ReadThreads:
+    """``count`` threads that run blocking calls for trio tasks, the lean way.
+
+    A job is queued with the waiting task; the thread runs it and hands the
+    outcome back with ``run_sync_soon(reschedule)``: one queue hand-off and
+    one wake-up of the loop, none of ``trio.to_thread``'s limiter and thread
+    cache. As with ``trio.to_thread.run_sync``, a task waiting here cannot be
+    cancelled (the call runs to its end). :meth:`stop` ends the threads once
+    the jobs queued before it are done."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any, Any] | None]
+        self._jobs = queue.SimpleQueue()
+        self._count = count
+        for i in range(count):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, token, task = job
+            result = outcome.capture(fn, *args)
+            try:
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            except trio.RunFinishedError:  # the loop is gone: nobody waits for it
+                pass
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._jobs.put((fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
+        return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+    def stop(self) -> None:
+        for _ in range(self._count):
+            self._jobs.put(None)
+
+
 class L2Cache:
     """Whole blocks on local flash for one mount (see module docstring)."""
 
@@ -98,7 +141,7 @@ class L2Cache:
         self._send, receive = trio.open_memory_channel[tuple[BlockKey, Any]](FILL_QUEUE)
         self._queued: set[BlockKey] = set()
         self._warned = -WARN_EVERY
-        self._readers = trio.CapacityLimiter(READ_THREADS)
+        self._readers = ReadThreads(READ_THREADS, "l2-read")
         self.stats = {
             "l2_hits": 0,
             "l2_hit_bytes": 0,
@@ -164,9 +207,7 @@ class L2Cache:
                 except WouldBlock:  # on the disk: read it in a thread, not on the loop
                     self.stats["l2_disk_reads"] += 1
             if self.store.lookup(key) is not None:
-                data = await trio.to_thread.run_sync(
-                    self.store.read, key, offset, length, limiter=self._readers
-                )
+                data = await self._readers.run(self.store.read, key, offset, length)
         except Corrupt:
             self.stats["l2_corrupt"] += 1
             data = None
@@ -210,6 +251,7 @@ class L2Cache:
                     finally:
                         self._queued.discard(key)
         finally:
+            self._readers.stop()
             self.store.close()  # the mount's end: its kept block files go
             os.close(self._lock_fd)  # and another may use the directory
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -227,6 +228,36 @@ async def test_open_block_files_stay_bounded(tmp_path: Path) -> None:
                 assert len(_open_block_files(tmp_path)) <= 4
         assert sorted(_open_block_files(tmp_path)) == sorted(str(l2.store.path(k)) for k in list(blocks)[-4:])
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match="failed its checksum")
+async def test_reads_on_the_disk_use_l2s_threads_and_corruption_there_is_a_miss(tmp_path: Path) -> None:
+    """Ranges on the disk are read by L2's own threads (not trio's): results
+    and errors come back to the reading task, and the threads end with the mount."""
+    blocks = {BlockKey(513, i): os.urandom(BLOCK) for i in range(2)}
+    good, bad = blocks
+    async with trio.open_nursery() as nursery:
+        l2, chain = await _kept(tmp_path, nursery, blocks, 4 * BLOCK, 8)
+        assert [t for t in threading.enumerate() if t.name.startswith("l2-read-")]
+        path = l2.store.path(bad)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\xff" * 10, os.fstat(fd).st_size - BLOCK + 200)
+        finally:
+            os.close(fd)
+        for p in (path, l2.store.path(good)):
+            _evict_pages(p)
+        async with trio.open_nursery() as readers:  # concurrent hops
+            for i in range(8):
+                readers.start_soon(l2.read, good, i * 65536, 4096)
+        assert l2.stats["l2_disk_reads"] >= 1
+        assert bytes(await l2.read(good, 65536, 4096)) == blocks[good][65536 : 65536 + 4096]
+        assert await l2.read(bad, 0, 4096) is None  # Corrupt raised in a read thread: a miss
+        assert l2.stats["l2_corrupt"] == 1 and bad not in l2.store
+        nursery.cancel_scope.cancel()
+    with trio.fail_after(10):
+        while [t for t in threading.enumerate() if t.name.startswith("l2-read-")]:
+            await trio.sleep(0.01)
 
 
 # ---------------------------------------------------------------- under a real mount
