@@ -9,6 +9,9 @@ BIN    := $(VENV)/bin
 # test_lab_prometheus.py) and stress-ng loads a mount (tests/client/test_stress.py); without them those skip
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd prometheus stress-ng
 PYTEST_ARGS ?=
+# Test worker processes (pytest-xdist): most of the suite waits on real daemons, disks and timers,
+# not on the CPU, so two workers overlap those waits even on two cores (see tests/conftest.py).
+TEST_WORKERS ?= 2
 # The CPU build of torch that lies on this machine's disk: installed before the
 # project, it satisfies the torch extra's range, so pip downloads no other build.
 TORCH  ?= torch==2.13.0
@@ -48,7 +51,7 @@ rdma: venv
 # its daemons and CLIs hundreds of times, and each import of ours from .pyc
 # costs about 30% less CPU than compiling the sources again.
 test: setup
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -q $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check cachefs metanode datanode cachenode client bench tests

@@ -22,6 +22,7 @@ conftests never import each other.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -36,6 +37,26 @@ from cachefs.testing.fuse import fuse_unavailable
 pytest_plugins = ["pytester"]  # tests/testing/test_log_fixture.py runs pytest on this conftest
 
 OUR_LOGGERS = "cachefs"
+
+
+# `make test` runs the suite in two worker processes (pytest-xdist, ``--dist loadfile``: a module's
+# tests stay together, since many share a module-scoped cluster). Modules that use a host-wide
+# resource (network namespaces on the lab's default subnet, and the check that none is left behind)
+# hold this lock while they run, so two of them never overlap.
+HOST_WIDE = {"tests/fault/test_netns_faults.py", "tests/lab/test_netns_lab.py", "tests/lab/test_netns_peers.py",
+             "tests/lab/test_netns_plan.py", "tests/lab/test_lab_cli.py"}
+HOST_WIDE_LOCK = Path(tempfile.gettempdir()) / "cachefs-tests-host-wide.lock"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _host_wide_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    module = Path(str(request.node.path)).relative_to(request.config.rootpath).as_posix()
+    if module not in HOST_WIDE:
+        yield
+        return
+    with open(HOST_WIDE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)
