@@ -23,7 +23,7 @@ class InlineService:
         return a + b
 
     @rpc_method
-    def echo_bytes(self, *, payload: memoryview | None = None) -> Reply:
+    def echo_payload(self, *, payload: memoryview | None = None) -> Reply:
         return Reply(len(payload or b""), payload)
 
     @rpc_method
@@ -56,7 +56,7 @@ async def test_inline_answers_errors_and_payloads(nursery):
     _, addr = await start_server(nursery, service=InlineService())
     async with RpcPool(secret=SECRET) as pool:
         assert (await pool.call(addr, "add", {"a": 2, "b": 3})).result == 5
-        reply = await pool.call(addr, "echo_bytes", payload=b"x" * 100_000)
+        reply = await pool.call(addr, "echo_payload", payload=b"x" * 100_000)
         assert reply.result == 100_000 and bytes(reply.payload) == b"x" * 100_000
         with pytest.raises(NotFound):
             await pool.call(addr, "missing", {"key": "k"})
