@@ -18,6 +18,7 @@ to start, kill and restart nodes, so the lab people run is the lab we test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -298,7 +299,7 @@ class Lab:
         """Signal one node (SIGKILL by default: the fault tests' kill -9)."""
         node = self.node(name)
         if node.pid and _alive(node.pid):
-            os.kill(node.pid, sig)
+            _signal(node.pid, sig)
             _reap(node.pid, timeout=10)
         self._forget(name)
         node.pid = None
@@ -510,10 +511,10 @@ class Lab:
         if self.config.s3_pid and _alive(self.config.s3_pid):
             alive.append(self.config.s3_pid)
         for pid in alive:
-            os.kill(pid, signal.SIGTERM)
+            _signal(pid, signal.SIGTERM)
         for pid in alive:
             if not _reap(pid, timeout=10):
-                os.kill(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
                 _reap(pid, timeout=5)
         for node in self.nodes:
             self._forget(node.name)
@@ -643,6 +644,13 @@ def _proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``, which may have ended since it was found alive
+    (a daemon of a killed `lab up` can die of its own at any moment)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def _reap(pid: int, timeout: float) -> bool:
