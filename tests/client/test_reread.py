@@ -129,3 +129,28 @@ def test_a_file_read_again_starts_no_early_read(metered) -> None:
     assert _early_reads(port) == started + 1
     sent = _grown(before, _ops(port))
     assert sent.get("open") == 4 and sent.get("read", 0) >= 2, sent  # the dropped pages were read from L1
+
+
+def test_a_symlink_target_is_kept_by_the_kernel(metered) -> None:
+    """The mount asks for FUSE_CACHE_SYMLINKS: a symlink's target, read once,
+    is read again from the kernel's page cache, past the mount's timeouts (a
+    target never changes; a new one is a new inode). Replacing the link, by
+    a rename over it or by unlink and symlink, shows the new target at once."""
+    m, port = metered
+    (m.path / "target-a").write_bytes(b"a")
+    (m.path / "target-b").write_bytes(b"b")
+    link = m.path / "link"
+    link.symlink_to("target-a")
+    before = _ops(port)
+    for _ in range(4):
+        assert os.readlink(link) == "target-a"
+        assert link.read_bytes() == b"a"
+        time.sleep(TIMEOUT / 2)  # past the mount's own timeouts, by the end
+    assert _grown(before, _ops(port)).get("readlink", 0) <= 1
+    (m.path / "new").symlink_to("target-b")
+    os.rename(m.path / "new", link)
+    assert os.readlink(link) == "target-b"
+    assert link.read_bytes() == b"b"
+    link.unlink()
+    link.symlink_to("target-a")
+    assert os.readlink(link) == "target-a"
