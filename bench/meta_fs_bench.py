@@ -21,6 +21,11 @@ too (``meta_rpcs_per_file_create``, ``meta_rpcs_per_file_unlink``).
 Then ``mixed``, a dbench-style run: N clients, each in its own directory for a
 bounded time, create files in a few writes, fsync every fourth, stat, read
 back, rename, list the directory and unlink the oldest (MB/s moved and ops/s).
+On cachefs the metanodes' client RPCs are counted over it too, per file made
+(``meta_rpcs_per_file_mixed``, and by method in ``mixed_rpcs_by_method``),
+and each target's mixed run notes the 1-minute load average at its start
+(``mixed_load``: the machine is shared, the figures move with it).
+``--meta-files 0`` runs the mixed part alone.
 
 The files are spread over ``--meta-dirs`` directories; with P processes each
 takes every P-th directory. Targets: local disk, the pyfuse3 passthrough
@@ -117,8 +122,8 @@ def run_target(root: Path, procs: int, files: int, ndirs: int, size: int,
     return out
 
 
-def _mixed_client(root: str, client: int, seconds: float) -> tuple[int, int]:
-    """One dbench-style client for ``seconds``: (operations, bytes written and read)."""
+def _mixed_client(root: str, client: int, seconds: float) -> tuple[int, int, int]:
+    """One dbench-style client for ``seconds``: (operations, bytes written and read, files made)."""
     rng = random.Random(client)
     base = os.path.join(root, f"client{client:02d}")
     os.makedirs(base, exist_ok=True)
@@ -153,20 +158,37 @@ def _mixed_client(root: str, client: int, seconds: float) -> tuple[int, int]:
         i += 1
     for path in kept:
         os.unlink(path)
-    return ops, moved
+    return ops, moved, i
 
 
-def run_mixed(root: Path, clients: int, seconds: float) -> dict[str, float]:
-    """The mixed run with ``clients`` processes: MB/s (10^6 bytes written and read) and ops/s."""
+def run_mixed(root: Path, clients: int, seconds: float,
+              count_rpcs: Callable[[], dict[str, float]] | None = None,
+              rpcs: dict[str, float] | None = None) -> dict[str, float]:
+    """The mixed run with ``clients`` processes: MB/s (10^6 bytes written and read) and ops/s,
+    the 1-minute load average at its start; with ``count_rpcs`` (calls so far by method) also
+    the client calls per file made (``rpcs_per_file_mixed``), and into ``rpcs`` by method."""
     root.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(clients) as pool:
         list(pool.map(int, range(clients)))
+        load = os.getloadavg()[0]
+        before = count_rpcs() if count_rpcs is not None else {}
         started = time.perf_counter()
         results = list(pool.map(_mixed_client, [str(root)] * clients, range(clients), [seconds] * clients))
         elapsed = time.perf_counter() - started
+        after = count_rpcs() if count_rpcs is not None else {}
     shutil.rmtree(root, ignore_errors=True)
-    return {"mixed_mb_s": sum(b for _, b in results) / elapsed / 1e6,
-            "mixed_ops_s": sum(o for o, _ in results) / elapsed}
+    files = sum(f for _, _, f in results)
+    out = {"mixed_mb_s": sum(b for _, b, _ in results) / elapsed / 1e6,
+           "mixed_ops_s": sum(o for o, _, _ in results) / elapsed,
+           "mixed_load": load}
+    if count_rpcs is not None and files:
+        grown = {m: v - before.get(m, 0.0) for m, v in after.items() if not m.startswith(PEER)}
+        grown = {m: v for m, v in grown.items() if v}
+        out["rpcs_per_file_mixed"] = sum(grown.values()) / files
+        if rpcs is not None:
+            rpcs.clear()
+            rpcs.update({m: round(v / files, 3) for m, v in grown.items()})
+    return out
 
 
 def _progress(msg: str) -> None:
@@ -202,13 +224,14 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
     bed.set_link(RTT2)
     runs: dict[str, dict[str, dict[str, list[float]]]] = {}
     warm_rpcs: dict[str, float] = {}  # the last 1-process warm epoch on cachefs, by method
+    mixed_rpcs: dict[str, float] = {}  # the last mixed run on cachefs: calls per file made, by method
 
     def record(name: str, procs: int, rates: dict[str, float]) -> None:
         for phase, value in rates.items():
             runs.setdefault(name, {}).setdefault(f"p{procs}", {}).setdefault(phase, []).append(value)
 
     with targets(bed, work, args.meta_targets) as dirs:
-        for procs in args.meta_procs:
+        for procs in args.meta_procs if args.meta_files > 0 else ():
             for rep in range(args.repeat):
                 for name, base in dirs.items():
                     _progress(f"{name}: {args.meta_files} files of {size} B in {args.meta_dirs} dirs, {procs} processes")
@@ -220,10 +243,11 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
             for rep in range(args.repeat):
                 for name, base in dirs.items():
                     _progress(f"{name}: mixed, {args.meta_mixed_clients} clients for {args.meta_mixed_seconds} s")
+                    counter = bed.metanode_rpc_calls if name == "cachefs" else None
                     record(name, args.meta_mixed_clients,
                            run_mixed(base / f"mixed-r{rep}-{os.getpid()}", args.meta_mixed_clients,
-                                     args.meta_mixed_seconds))
-    table = {t: {p: {ph: {"median": round(median(v), 3 if ph.startswith("rpcs") else 1),
+                                     args.meta_mixed_seconds, counter, mixed_rpcs))
+    table = {t: {p: {ph: {"median": round(median(v), 3 if ph.startswith("rpcs") or ph.endswith("load") else 1),
                           "min": round(min(v), 3), "max": round(max(v), 3)}
                      for ph, v in phases.items()} for p, phases in by_p.items()} for t, by_p in runs.items()}
 
@@ -256,11 +280,13 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
         result["meta_mixed_vs_juicefs"] = ratio(med("cachefs", "mixed_mb_s", n), jfs("mixed_mb_s", n))
         result["meta_mixed_ops_vs_juicefs"] = ratio(med("cachefs", "mixed_ops_s", n), jfs("mixed_ops_s", n))
         result["meta_mixed_vs_local"] = ratio(med("cachefs", "mixed_mb_s", n), med("local", "mixed_mb_s", n))
+        result["meta_rpcs_per_file_mixed"] = med("cachefs", "rpcs_per_file_mixed", n)
+        result["mixed_rpcs_by_method"] = mixed_rpcs
     return result
 
 
 def show(result: dict[str, Any]) -> None:
-    for procs in result["procs"]:
+    for procs in result["procs"] if result["files"] > 0 else ():
         rows = []
         for target, by_p in result["files_per_s"].items():
             cells = by_p.get(f"p{procs}", {})
@@ -268,11 +294,12 @@ def show(result: dict[str, Any]) -> None:
         print_table(f"metadata, files/s, {procs} process(es) (median)", ["target", *PHASES], rows)
     if result.get("mixed_seconds"):
         n = result["mixed_clients"]
-        rows = [[t, by_p.get(f"p{n}", {}).get("mixed_mb_s", {}).get("median", float("nan")),
-                 by_p.get(f"p{n}", {}).get("mixed_ops_s", {}).get("median", float("nan"))]
+        rows = [[t, *(by_p.get(f"p{n}", {}).get(k, {}).get("median", float("nan"))
+                      for k in ("mixed_mb_s", "mixed_ops_s", "mixed_load"))]
                 for t, by_p in result["files_per_s"].items()]
         print_table(f"mixed (dbench-style), {n} clients, {result['mixed_seconds']} s (median)",
-                    ["target", "MB/s", "ops/s"], rows)
+                    ["target", "MB/s", "ops/s", "load (1 min)"], rows,
+                    note=f"cachefs metanode RPCs per file made: {result.get('mixed_rpcs_by_method')}")
     ratios = [[k, v] for k, v in sorted(result.items()) if k.startswith("meta_")]
     print_table("cachefs ratios (files/s; JuiceFS: the better of default and tuned)", ["ratio", "value"], ratios,
                 note="aims (issue 13): stat >= 1.0 passthrough, cold read >= 1.5 JuiceFS, read2 >= 0.8 local, "
@@ -281,7 +308,8 @@ def show(result: dict[str, Any]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--meta-files", dest="meta_files", type=int, default=1000, help="files per run")
+    parser.add_argument("--meta-files", dest="meta_files", type=int, default=1000,
+                        help="files per run (0: only the mixed run)")
     parser.add_argument("--meta-dirs", dest="meta_dirs", type=int, default=10, help="directories per run")
     parser.add_argument("--meta-size", dest="meta_size", default="110K", help="bytes per file")
     parser.add_argument("--meta-procs", dest="meta_procs", default="1,4", help="process counts, comma separated")

@@ -188,6 +188,9 @@ class CacheFS(pyfuse3.Operations):
         self.nursery = engine.nursery
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, int] = {}
+        # Directory handles whose listing reached its end: the cookie of its
+        # last entry (see readdir).
+        self._dir_ends: dict[int, int] = {}
         self._next_fh = 1
         self.session.enable_leases(self.nursery, self._leases_lost)
         self.leases = self.session.leases
@@ -649,6 +652,13 @@ class CacheFS(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, name, self._control_entry(attr), cookie):
                     return
             return
+        if start_id and self._dir_ends.get(fh) == start_id:
+            # The kernel asks once more past the last entry it took, to
+            # learn that the listing ended: this handle's last page said so
+            # already. Entries made since opendir (or rewinddir, which
+            # starts again at 0) need not appear (POSIX readdir), so the
+            # answer is the end, with no round trip.
+            return
         cookie = start_id
         leases = self.leases
         while True:
@@ -680,6 +690,8 @@ class CacheFS(pyfuse3.Operations):
                     inode.chunks[0] = ((e.attr.version, inode.layout), e.slices)
                 cookie = e.cookie
             if not page.more:
+                if cookie:
+                    self._dir_ends[fh] = cookie
                 return
 
     def _entry_for_readdir(
@@ -698,6 +710,7 @@ class CacheFS(pyfuse3.Operations):
     @_fuse
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
+        self._dir_ends.pop(fh, None)
 
     @_fuse
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
