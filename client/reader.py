@@ -56,6 +56,7 @@ from cachefs.layout import (
 from cachefs.singleflight import SingleFlight
 from cachefs.tasks import Spawner, run_all
 
+from .dirahead import DirReadahead
 from .inodes import Inode
 from .l1 import Block, L1Cache
 
@@ -155,6 +156,9 @@ class Reader:
         # Blocks prefetched and not read yet, for readahead efficiency
         # (prefetches_used / prefetches); bounded, oldest forgotten.
         self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        # Readahead across a directory's small imported files (see dirahead.py);
+        # set by the volume engine.
+        self.dirahead: DirReadahead | None = None
         # Whether a block is on local flash (L2; see _whole).
         self._local: Callable[[BlockKey], bool] = getattr(source, "holds", lambda key: False)
         self.stats = {
@@ -388,6 +392,17 @@ class Reader:
         if key in self._prefetched:
             del self._prefetched[key]
             self.stats["prefetches_used"] += 1
+            if self.dirahead is not None:
+                self.dirahead.used(key)
+
+    def has_or_fetching(self, key: BlockKey) -> bool:
+        """Whether ``key`` is in L1 or a whole-block fetch of it is under way."""
+        return key in self.l1 or key in self._blocks
+
+    def prefetch_block(self, key: BlockKey) -> None:
+        """Fetch block ``key`` whole into L1 in the background, under the
+        mount's prefetch limit (errors are left to a read that needs it)."""
+        self._nursery.start_soon(self._prefetch, key)
 
     def _job(
         self, part: BlockPart, dest: memoryview, *, whole: bool
