@@ -661,6 +661,8 @@ class CacheFS(pyfuse3.Operations):
             return
         cookie = start_id
         leases = self.leases
+        ahead = self.reader.dirahead
+        page_no = 0
         while True:
             ticket = leases.ticket(time.monotonic())
             try:
@@ -670,6 +672,10 @@ class CacheFS(pyfuse3.Operations):
                 got = leases.accept(ticket, page.grant, time.monotonic())
             finally:
                 leases.done(ticket)
+            if ahead is not None and ahead.enabled:  # before the replies: the kernel may stop taking them
+                ahead.listed(ino, [(e.attr.ino, e.attr.size, e.slices) for e in page.entries
+                                   if e.slices is not None and e.attr.is_reg], restart=not start_id and not page_no)
+            page_no += 1
             now = time.monotonic()
             parent = got.get(ino)
             if parent is not None:

@@ -87,6 +87,7 @@ from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
 from . import fallocate_hook, libfuse_ops, lseek_hook, noflush_hook, symlink_cache_hook
+from .dirahead import PER_MISS
 from .fs import CacheFS
 from .memory import MemoryBudget, upload_factor
 from .session import Session
@@ -343,6 +344,12 @@ class MountCollector:
             fetches.add_metric([kind], reads[f"{kind}_fetches"])
         fetches.add_metric(["prefetch"], reads["prefetches"])
         yield fetches
+        if engine.reader.dirahead is not None:
+            ahead = engine.reader.dirahead.stats
+            yield _counter("cachefs_mount_dir_readahead_blocks", "Blocks of a directory's next imported "
+                           "files fetched ahead by opens that missed (dirahead.py)", ahead["dir_prefetches"])
+            yield _counter("cachefs_mount_dir_readahead_used_blocks", "Of those, blocks a read then used",
+                           ahead["dir_prefetches_used"])
         yield _counter("cachefs_mount_readahead_used_blocks",
                        "Prefetched blocks a read then used, found in L1 or joined in flight (readahead "
                        "efficiency: over "
@@ -654,6 +661,11 @@ def _remove_pid(mountpoint: str) -> None:
     "--readahead", type=SIZE, default="32M", show_default=True, help="Largest readahead window."
 )
 @click.option(
+    "--dir-readahead", type=click.IntRange(0, 1024), default=PER_MISS, show_default=True,
+    help="Imported (linked bucket) small files of a directory fetched ahead into L1 by each open "
+    "that misses, in listing order (0: off).",
+)
+@click.option(
     "--write-buffer", type=SIZE, default="64M", show_default=True, help="Write buffer per file."
 )
 @click.option(
@@ -786,6 +798,7 @@ def mount_command(
     background: bool,
     l1_size: int,
     readahead: int,
+    dir_readahead: int,
     write_buffer: int,
     write_buffer_total: int,
     attr_timeout: float,
@@ -825,6 +838,7 @@ def mount_command(
     options = ClientOptions(
         l1_bytes=l1_size,
         readahead_max=readahead,
+        dir_readahead=dir_readahead,
         write_buffer=write_buffer,
         write_buffer_total=write_buffer_total,
         attr_timeout=attr_timeout,

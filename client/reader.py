@@ -56,6 +56,7 @@ from cachefs.layout import (
 from cachefs.singleflight import SingleFlight
 from cachefs.tasks import Spawner, run_all
 
+from .dirahead import DirReadahead
 from .inodes import Inode
 from .l1 import Block, L1Cache
 
@@ -155,6 +156,10 @@ class Reader:
         # Blocks prefetched and not read yet, for readahead efficiency
         # (prefetches_used / prefetches); bounded, oldest forgotten.
         self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        # Readahead across a directory's small imported files (see dirahead.py);
+        # set by the volume engine.
+        self.dirahead: DirReadahead | None = None
+        self._queued: set[BlockKey] = set()  # prefetch_block's, waiting for a prefetch slot
         # Whether a block is on local flash (L2; see _whole).
         self._local: Callable[[BlockKey], bool] = getattr(source, "holds", lambda key: False)
         self.stats = {
@@ -388,6 +393,26 @@ class Reader:
         if key in self._prefetched:
             del self._prefetched[key]
             self.stats["prefetches_used"] += 1
+            if self.dirahead is not None:
+                self.dirahead.used(key)
+
+    def has_or_fetching(self, key: BlockKey) -> bool:
+        """Whether ``key`` is in L1, or a whole-block fetch of it is under way
+        or waiting for a prefetch slot (:meth:`prefetch_block`)."""
+        return key in self.l1 or key in self._blocks or key in self._queued
+
+    def prefetch_block(self, key: BlockKey) -> None:
+        """Fetch block ``key`` whole into L1 in the background, under the
+        mount's prefetch limit (errors are left to a read that needs it)."""
+        if key not in self._queued:
+            self._queued.add(key)
+            self._nursery.start_soon(self._prefetch_queued, key)
+
+    async def _prefetch_queued(self, key: BlockKey) -> None:
+        try:
+            await self._prefetch(key, self._queued)
+        finally:
+            self._queued.discard(key)
 
     def _job(
         self, part: BlockPart, dest: memoryview, *, whole: bool
@@ -459,8 +484,10 @@ class Reader:
             for key in keys:
                 n.start_soon(self._prefetch, key)
 
-    async def _prefetch(self, key: BlockKey) -> None:
+    async def _prefetch(self, key: BlockKey, queued: set[BlockKey] | None = None) -> None:
         async with self._prefetch_limit:
+            if queued is not None:
+                queued.discard(key)  # in _blocks from here on (or in L1 already)
             if key in self.l1 or key in self._blocks:
                 return
             self.stats["prefetches"] += 1

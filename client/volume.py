@@ -48,6 +48,7 @@ from cachefs.messages import Attr
 from cachefs.tasks import TaskGuard
 
 from .compaction import Compactor
+from .dirahead import PER_MISS, DirReadahead
 from .inodes import GHOSTS, Inode, InodeTable
 from .l1 import L1Cache
 from .l2 import CachedBlocks, L2Cache
@@ -76,6 +77,7 @@ class ClientOptions:
 
     l1_bytes: int = 256 << 20
     readahead_max: int = 32 << 20
+    dir_readahead: int = PER_MISS  # imported small files of a directory fetched ahead per miss (0: off)
     write_buffer: int = 64 << 20  # per file being written
     write_buffer_total: int = 256 << 20  # every file being written, together
     write_through: bool = False  # also put written blocks into the cache tier
@@ -135,6 +137,8 @@ class Volume:
         self.reader = Reader(
             source, self.l1, nursery=self.nursery, readahead_max=options.readahead_max
         )
+        self.reader.dirahead = DirReadahead(self.reader, budget=self.l1.capacity // 4,
+                                            per_miss=options.dir_readahead)  # fmt: skip
         self._upload_limit = trio.Semaphore(options.upload_parallel)
         self.compactor = Compactor(
             session, self.reader, nursery=self.nursery, threshold=options.compact_after,
@@ -235,6 +239,8 @@ class Volume:
             return
         self.reader.stats["early_reads"] += 1
         self.nursery.start_soon(self.read_early, inode, first_block)
+        if first_block and self.reader.dirahead is not None:
+            self.reader.dirahead.missed(inode.ino)  # a data loader's next files
 
     async def read_early(self, inode: Inode, first_block: bool) -> None:
         """Fetch chunk 0's slice list, and with ``first_block`` the first block
@@ -356,6 +362,7 @@ class Volume:
         s = self.l1.stats
         return {
             **self.reader.stats,
+            **(self.reader.dirahead.stats if self.reader.dirahead is not None else {}),
             **self.session.stats,
             "l1_hits": s.hits,
             "l1_misses": s.misses,

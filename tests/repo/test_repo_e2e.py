@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,45 @@ def test_bad_links_fail_with_an_error_naming_them_and_record_nothing(s3, objects
     assert "Could not connect" in dead.stderr
     links = json.loads(repo_cli(lab, "list", "--json").stdout)
     assert [lk["url"] for lk in links] == [f"s3://{BUCKET}/imgs/"]  # none of the three was recorded
+
+
+def mount_counter(mnt: Path, name: str) -> float:
+    """A counter of the mount's own metrics (``.cachefs/stats``, Prometheus text)."""
+    for line in (mnt / ".cachefs" / "stats").read_text().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "_total "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in the mount's stats")
+
+
+def test_an_open_that_misses_fetches_its_directorys_next_imported_files_ahead(s3, objects, lab, mnt) -> None:
+    c = client(s3)
+    rng = random.Random(3)
+    files = {f"img{i:02d}.jpg": rng.randbytes(rng.randrange(20_000, 90_000)) for i in range(12)}
+    for name, body in files.items():
+        c.put_object(Bucket=BUCKET, Key="ahead/d/" + name, Body=body)
+    out = repo_cli(lab, "link", "lab", "/ahead", f"s3://{BUCKET}/ahead", "--endpoint", s3.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+    root = mnt / "ahead" / "d"
+    try:
+        assert sorted(os.listdir(root)) == sorted(files)  # the listing brings every file's slice list
+        fetched = lab.run(cache_stats, lab)["backing_fetches"]
+        ahead = mount_counter(mnt, "cachefs_mount_dir_readahead_blocks")
+        assert (root / "img05.jpg").read_bytes() == files["img05.jpg"]
+        # One open missed: it fetched the directory's next 8 files too (in
+        # listing order after the cursor, itself skipped), each from S3 once
+        # by the cache node, into the mount's L1.
+        for _ in range(100):
+            if lab.run(cache_stats, lab)["backing_fetches"] - fetched >= 9:
+                break
+            time.sleep(0.1)
+        assert lab.run(cache_stats, lab)["backing_fetches"] - fetched == 9
+        assert mount_counter(mnt, "cachefs_mount_dir_readahead_blocks") - ahead == 8
+        used = mount_counter(mnt, "cachefs_mount_dir_readahead_used_blocks")
+        assert files_under(root) == files  # every byte; the rest fetched on demand or ahead
+        assert mount_counter(mnt, "cachefs_mount_dir_readahead_used_blocks") - used >= 8
+        assert lab.run(cache_stats, lab)["backing_fetches"] - fetched == len(files)  # nothing twice
+    finally:
+        assert repo_cli(lab, "unlink", "lab", "/ahead").returncode == 0
 
 
 def test_unlink_forgets_the_link(s3, objects, lab, mnt) -> None:

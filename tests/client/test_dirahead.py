@@ -1,0 +1,141 @@
+"""Directory readahead's choices (client/dirahead.py), over a reader that only records.
+
+Which files a miss fetches ahead (the next ones in listing order, itself and
+what L1 holds skipped, imported files only), that a used block starts one
+more, that unread prefetched bytes never pass the budget, and that blocks
+evicted unread give their room back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import trio.testing
+
+from cachefs.client.dirahead import DirReadahead
+from cachefs.client.l1 import L1Cache
+from cachefs.client.reader import Reader
+from cachefs.ids import REPO_SLICE_BIT, BlockKey
+from cachefs.layout import Slice
+
+BS = 4 << 20
+SIZE = 100_000
+
+
+class FakeReader:
+    def __init__(self) -> None:
+        self.source: Any = type("Source", (), {"block_size": BS})()
+        self.l1: set[BlockKey] = set()
+        self.fetching: set[BlockKey] = set()
+        self.started: list[BlockKey] = []
+
+    def has_or_fetching(self, key: BlockKey) -> bool:
+        return key in self.l1 or key in self.fetching
+
+    def prefetch_block(self, key: BlockKey) -> None:
+        self.started.append(key)
+        self.fetching.add(key)
+
+    def land(self) -> None:
+        self.l1 |= self.fetching
+        self.fetching.clear()
+
+
+def key(i: int, imported: bool = True) -> BlockKey:
+    return BlockKey((REPO_SLICE_BIT if imported else 0) + 1000 + i, 0)
+
+
+def files(n: int, imported: bool = True) -> list[tuple[int, int, list[Slice]]]:
+    return [(100 + i, SIZE, [Slice(key(i, imported).slice_id, 0, SIZE)]) for i in range(n)]
+
+
+def test_a_miss_fetches_the_next_listed_files_and_a_used_one_fetches_one_more() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=1 << 30, per_miss=4)  # type: ignore[arg-type]
+    ahead.listed(7, files(20), restart=True)
+    reader.l1.add(key(2))  # read before: skipped
+    ahead.missed(100 + 1)  # itself skipped too
+    assert reader.started == [key(0), key(3), key(4), key(5)]
+    reader.land()
+    ahead.used(key(3))
+    assert reader.started[-1] == key(6) and len(reader.started) == 5
+    ahead.used(key(3))  # counted once
+    assert len(reader.started) == 5
+    ahead.missed(999)  # a file of no listed directory: nothing
+    assert len(reader.started) == 5
+
+
+def test_native_files_and_unlisted_directories_are_left_alone() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=1 << 30, per_miss=4)  # type: ignore[arg-type]
+    ahead.listed(7, files(10, imported=False), restart=True)
+    ahead.missed(100)
+    assert reader.started == []
+
+
+def test_unread_prefetched_bytes_stay_within_the_budget_and_evicted_ones_free_it() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=3 * SIZE, per_miss=8)  # type: ignore[arg-type]
+    ahead.listed(7, files(50), restart=True)
+    ahead.missed(100 + 49)
+    assert len(reader.started) == 3  # the budget, not per_miss
+    reader.land()
+    ahead.missed(100 + 48)
+    assert len(reader.started) == 3  # still unread: no room
+    reader.l1.discard(reader.started[0])  # evicted unread
+    ahead.missed(100 + 48)
+    assert len(reader.started) == 4
+    ahead.used(reader.started[1])  # read: its room starts one more
+    assert len(reader.started) == 5
+
+
+def test_a_new_listing_replaces_the_old_one_and_the_cursor_wraps() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=1 << 30, per_miss=2)  # type: ignore[arg-type]
+    ahead.listed(7, files(3), restart=True)
+    ahead.missed(100)
+    assert reader.started == [key(1), key(2)]
+    reader.land()
+    reader.l1.clear()  # all evicted: a later epoch
+    ahead.missed(100 + 2)
+    assert reader.started[2:] == [key(0), key(1)]  # wrapped round, itself skipped
+    ahead.listed(7, files(1), restart=True)
+    ahead.missed(100 + 1)  # no longer listed
+    assert len(reader.started) == 4
+
+
+class SlowSource:
+    """Blocks of ``block_size`` bytes, each fetch held until ``go`` is set."""
+
+    block_size = BS
+
+    def __init__(self) -> None:
+        self.fetches: list[BlockKey] = []
+        self.go = trio.Event()
+
+    async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
+        return []
+
+    async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes:
+        self.fetches.append(key)
+        await self.go.wait()
+        return b"x" * 10
+
+
+async def test_a_block_waiting_for_a_prefetch_slot_counts_as_on_its_way_and_is_fetched_once() -> None:
+    source = SlowSource()
+    async with trio.open_nursery() as nursery:
+        reader = Reader(source, L1Cache(1 << 20), nursery=nursery, readahead_max=BS, max_parallel=1)  # type: ignore[arg-type]
+        ahead = DirReadahead(reader, budget=1 << 30, per_miss=2)
+        ahead.listed(7, files(3), restart=True)
+        ahead.missed(100 + 2)  # key(0) takes the one slot, key(1) waits for it
+        await trio.testing.wait_all_tasks_blocked()
+        assert source.fetches == [key(0)]
+        assert reader.has_or_fetching(key(1))  # queued: not started again
+        ahead.missed(100 + 2)
+        reader.prefetch_block(key(1))
+        source.go.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert source.fetches == [key(0), key(1)] and key(1) in reader.l1
+        assert ahead.stats["dir_prefetches"] == 2
