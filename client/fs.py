@@ -191,6 +191,7 @@ class CacheFS(pyfuse3.Operations):
         # Directory handles whose listing reached its end: the cookie of its
         # last entry (see readdir).
         self._dir_ends: dict[int, int] = {}
+        self._emptying: set[int] = set()  # directories whose kernel listing is being dropped
         self._next_fh = 1
         self.session.enable_leases(self.nursery, self._leases_lost)
         self.leases = self.session.leases
@@ -634,6 +635,32 @@ class CacheFS(pyfuse3.Operations):
             await self.engine.release(inode)
 
     # ------------------------------------------------------------------ directories
+
+    def dir_cacheable(self, ino: int) -> bool:
+        """Whether the kernel may keep and read ``ino``'s listing (asked by
+        :mod:`.dircache_hook` at each opendir): this mount holds a lease on
+        the directory, and the kernel's cache of it was emptied after that
+        lease began, so nothing it kept under an earlier lease, lost without
+        a revocation, is read. The first opendir under a lease starts the
+        emptying and is listed by the mount."""
+        if is_control(ino):
+            return False
+        lease = self.leases.get(ino, time.monotonic())
+        if lease is None:
+            return False
+        if lease.kernel_listing:
+            return True
+        if ino not in self._emptying:
+            self._emptying.add(ino)
+            self.nursery.start_soon(self._empty_listing, ino, lease)
+        return False
+
+    async def _empty_listing(self, ino: int, lease: Lease) -> None:
+        try:
+            await self._invalidate(ino)
+            lease.kernel_listing = True
+        finally:
+            self._emptying.discard(ino)
 
     @_fuse
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:

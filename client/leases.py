@@ -115,6 +115,9 @@ class Lease:
     # ``bare``: the inode has none at all (known from its create)
     xattrs: dict[bytes, bytes | None] = field(default_factory=dict)
     bare: bool = False
+    # a directory's listing may be kept by the kernel: its cache was emptied
+    # after this lease began (see CacheFS.dir_cacheable)
+    kernel_listing: bool = False
 
 
 class Ticket(NamedTuple):

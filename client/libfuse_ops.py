@@ -7,8 +7,9 @@ object. The copy is found by comparing it with the original, so a libfuse
 or pyfuse3 built differently is detected (:class:`HookUnavailable`) and
 nothing is written. A hook then sets one slot of the copy:
 :mod:`.fallocate_hook` and :mod:`.lseek_hook` empty ones, :mod:`.noflush_hook` a wrapper of
-pyfuse3's ``open``, :mod:`.symlink_cache_hook` one of its ``init``. Find the table
-once, before any hook changes it.
+pyfuse3's ``open``, :mod:`.symlink_cache_hook` one of its ``init``,
+:mod:`.dircache_hook` one of its ``opendir``. Find the table once, before any
+hook changes it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 # struct fuse_lowlevel_ops (libfuse 3.x, fuse_lowlevel.h): 44 function
 # pointers, in an order unchanged since libfuse 3.0.
 OPS_POINTERS = 44
-SLOTS = {"init": 0, "open": 14, "fallocate": 40, "lseek": 43}
+SLOTS = {"init": 0, "open": 14, "opendir": 20, "fallocate": 40, "lseek": 43}
 SESSION_SCAN = 256  # bytes of struct fuse_session searched for the copy
 SYMBOLS = ("__pyx_v_7pyfuse3_fuse_ops", "__pyx_v_7pyfuse3_session", "PyInit_pyfuse3")
 

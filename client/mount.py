@@ -86,7 +86,14 @@ from cachefs.rpc import RpcPool
 from cachefs.taskdump import task_tree
 from cachefs.transport import MODES, RdmaUnavailable
 
-from . import fallocate_hook, libfuse_ops, lseek_hook, noflush_hook, symlink_cache_hook
+from . import (
+    dircache_hook,
+    fallocate_hook,
+    libfuse_ops,
+    lseek_hook,
+    noflush_hook,
+    symlink_cache_hook,
+)
 from .dirahead import PER_MISS
 from .fs import CacheFS
 from .memory import MemoryBudget, upload_factor
@@ -558,17 +565,19 @@ class _Stopping:
 def _hook_libfuse(front: CacheFS, engine: Volume) -> None:
     """What pyfuse3 cannot answer itself: fallocate(2), SEEK_DATA and
     SEEK_HOLE, read-only opens with FOPEN_NOFLUSH (their close sends no FLUSH),
-    and symlink targets kept by the kernel (FUSE_CACHE_SYMLINKS)."""
+    symlink targets kept by the kernel (FUSE_CACHE_SYMLINKS), and listings of
+    leased directories kept by the kernel (FOPEN_CACHE_DIR)."""
     try:
         ops = libfuse_ops.session_table(pyfuse3.__file__)
     except libfuse_ops.HookUnavailable as exc:
         log.warning("fallocate stays unsupported (EOPNOTSUPP), lseek sees no holes, "
-                    "read-only closes flushed, and symlink targets uncached: %s", exc)
+                    "read-only closes flushed, symlink targets and listings uncached: %s", exc)
         return
     fallocate_hook.install(front.fallocate, engine.nursery, ops)
     lseek_hook.install(front.lseek, engine.nursery, ops)
     noflush_hook.install(ops)
     symlink_cache_hook.install(ops)
+    dircache_hook.install(front.dir_cacheable, ops)
 
 
 async def _announce(

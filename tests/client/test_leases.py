@@ -253,17 +253,20 @@ def test_a_frozen_holder_delays_a_change_by_at_most_the_lease_term(cluster, tmp_
         os.chmod(b / "f", 0o644)
         assert (a / "f").read_bytes() == b"old"
         assert stat.S_IMODE(os.stat(a / "f").st_mode) == 0o644
+        assert _listings_until_kept(pair, a, ["f"]) == 0  # the kernel keeps the listing
         os.kill(pair.a.pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
             os.chmod(b / "f", 0o600)
             (b / "f").write_bytes(b"new contents")
+            (b / "g").write_bytes(b"made while A was frozen")
             took = time.monotonic() - start
         finally:
             os.kill(pair.a.pid, signal.SIGCONT)
         assert took < LEASE_TERM + 4.0, took
         assert stat.S_IMODE(os.stat(a / "f").st_mode) == 0o600
         assert (a / "f").read_bytes() == b"new contents"
+        assert sorted(os.listdir(a)) == ["f", "g"]
     finally:
         pair.stop()
 
@@ -278,6 +281,7 @@ def test_nothing_stale_is_served_after_the_leader_is_killed(cluster, tmp_path: P
         for i in range(5):
             assert (a / f"f{i}").read_bytes() == b"v1"
             os.stat(a / f"f{i}")
+        assert _listings_until_kept(pair, a, [f"f{i}" for i in range(5)]) == 0
         leader = _leader(cluster)
         cluster.kill(leader)
         start = time.monotonic()
@@ -291,6 +295,7 @@ def test_nothing_stale_is_served_after_the_leader_is_killed(cluster, tmp_path: P
         assert not (a / "f2").exists() and (a / "g2").read_bytes() == b"v1"
         assert not (a / "f3").exists()
         assert (a / "f4").read_bytes() == b"v1"
+        assert sorted(os.listdir(a)) == ["f0", "f1", "f4", "g2"]
         assert took < 30 + LEASE_TERM, took
     finally:
         if leader is not None:
@@ -355,5 +360,50 @@ def test_the_kernel_serves_no_stale_pages_after_another_mount_rewrites_a_file(cl
         finally:
             os.kill(pair.a.pid, signal.SIGCONT)
         assert _pread(a, size) == data
+    finally:
+        pair.stop()
+
+
+def _listings_until_kept(pair: Pair, path: Path, expected: list[str], tries: int = 10) -> int:
+    """List ``path`` until a listing costs mount A no readdir (the kernel
+    kept it); the readdirs the last try cost (0 when kept)."""
+    for _ in range(tries):
+        before = pair.ops("readdir")
+        assert sorted(os.listdir(path)) == expected
+        sent = pair.ops("readdir") - before
+        if not sent:
+            return 0
+        time.sleep(0.1)  # the first opendir under a lease empties the kernel's cache in the background
+    return sent
+
+
+def test_the_kernel_keeps_a_leased_listing_until_the_directory_changes(cluster, tmp_path: Path) -> None:
+    """A listing of a directory A holds a lease on is kept by the kernel
+    (FOPEN_CACHE_DIR): listed again, it costs A no readdir and no LoadDir.
+    B's create, unlink and rename in it (revocations) and A's own show at once."""
+    pair = Pair(cluster, tmp_path)
+    try:
+        a, b = pair.a.path / pair.name, pair.b.path / pair.name
+        names = {f"f{i:03d}" for i in range(120)}  # several readdir pages
+        for name in names:
+            (b / name).write_bytes(b"x")
+        assert _listings_until_kept(pair, a, sorted(names)) == 0
+        readdirs, load_dirs = pair.ops("readdir"), pair.rpcs().get("load_dir", 0)
+        for _ in range(3):
+            assert sorted(os.listdir(a)) == sorted(names)
+        assert (pair.ops("readdir"), pair.rpcs().get("load_dir", 0)) == (readdirs, load_dirs)
+
+        (b / "new").write_bytes(b"n")
+        os.unlink(b / "f000")
+        os.rename(b / "f001", b / "g001")
+        names = (names | {"new", "g001"}) - {"f000", "f001"}
+        assert sorted(os.listdir(a)) == sorted(names)
+        assert _listings_until_kept(pair, a, sorted(names)) == 0
+
+        (a / "mine").write_bytes(b"m")
+        os.unlink(a / "f002")
+        names = (names | {"mine"}) - {"f002"}
+        assert sorted(os.listdir(a)) == sorted(names)
+        assert sorted(os.listdir(b)) == sorted(names)
     finally:
         pair.stop()
