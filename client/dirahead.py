@@ -29,7 +29,8 @@ Bounds: prefetched blocks not read yet take at most ``budget`` bytes of L1
 per miss (the extra traffic is a bounded multiple of the demand, and all of
 it is of files the loader has listed), the reader's mount-wide prefetch
 limit bounds how many run at once, and at most ``max_files`` files are
-remembered over all directories (oldest directories forgotten first).
+remembered over all directories, and at most ``MAX_DIRS`` directories
+(oldest directories forgotten first).
 
 Correctness: nothing here decides what a read returns. Blocks are immutable
 and keyed by slice id, and an imported file's slice is tied to its object's
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 PER_MISS = 8  # prefetches started by one demand miss
 MAX_FILES = 1 << 18  # files remembered over all directories
+MAX_DIRS = 4096  # directories remembered (those without imported files count too)
 SCAN = 4  # entries looked at per prefetch wanted (the rest are in L1 or on their way)
 
 
@@ -83,6 +85,11 @@ class DirReadahead:
     def enabled(self) -> bool:
         return self.budget > 0 and self.per_miss > 0
 
+    def knows(self, dir_ino: int) -> bool:
+        """Whether ``dir_ino``'s listing is remembered (so a listing the
+        kernel keeps, which never reaches :meth:`listed`, loses nothing)."""
+        return dir_ino in self._dirs
+
     def listed(self, dir_ino: int, files: list[tuple[int, int, list[Slice]]], *, restart: bool) -> None:
         """A page of ``dir_ino``'s listing: (ino, size, chunk 0's slices) of
         its small regular files; ``restart``: the listing's first page (what
@@ -109,7 +116,7 @@ class DirReadahead:
             d.files.append((ino, tuple(keys), min(size, bs)))
             self._where[ino] = dir_ino
             self._files += 1
-        while self._files > self.max_files and len(self._dirs) > 1:
+        while (self._files > self.max_files or len(self._dirs) > MAX_DIRS) and len(self._dirs) > 1:
             old, od = next(iter(self._dirs.items()))
             self._drop(old, od)
 

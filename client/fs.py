@@ -648,6 +648,9 @@ class CacheFS(pyfuse3.Operations):
         lease = self.leases.get(ino, time.monotonic())
         if lease is None:
             return False
+        ahead = self.reader.dirahead
+        if ahead is not None and ahead.enabled and not ahead.knows(ino):
+            return False  # listed by the mount, so that directory readahead learns it again
         if lease.kernel_listing:
             return True
         if ino not in self._emptying:

@@ -139,3 +139,19 @@ async def test_a_block_waiting_for_a_prefetch_slot_counts_as_on_its_way_and_is_f
         await trio.testing.wait_all_tasks_blocked()
         assert source.fetches == [key(0), key(1)] and key(1) in reader.l1
         assert ahead.stats["dir_prefetches"] == 2
+
+
+def test_directories_are_remembered_up_to_a_bound_and_known_until_forgotten() -> None:
+    """Every listed directory is remembered (the mount lets the kernel keep
+    only the listings of those it knows: see CacheFS.dir_cacheable), the
+    ones without imported files too, but no more than MAX_DIRS of them."""
+    from cachefs.client import dirahead
+
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=1 << 30, per_miss=4)  # type: ignore[arg-type]
+    ahead.listed(1, files(3), restart=True)
+    assert ahead.knows(1) and not ahead.knows(2)
+    for d in range(2, dirahead.MAX_DIRS + 10):
+        ahead.listed(d, files(2, imported=False), restart=True)
+    assert len(ahead._dirs) == dirahead.MAX_DIRS
+    assert not ahead.knows(1) and ahead.knows(dirahead.MAX_DIRS + 9)
