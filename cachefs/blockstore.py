@@ -168,6 +168,10 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
 def _shard(key: BlockKey) -> str:
     return f"{(key.slice_id ^ (key.slice_id >> 8) ^ key.index) & 0xFF:02x}"
 
@@ -255,6 +259,7 @@ class StoreCounters:
     discarded_on_open: int = 0
     memory_hits: int = 0
     flash_hits: int = 0
+    below_floor: int = 0  # fills refused: the disk's free space was below the floor
 
 
 @dataclass(slots=True)
@@ -610,6 +615,25 @@ class BlockStore:
             return None
         return int(st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize)
 
+    def floor_report(self) -> str | None:
+        """Why fills are refused, naming the floor and the free space, when
+        the free space is below the floor now; None when it is not (or no floor)."""
+        if not self.free_space_ratio:
+            return None
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        floor = self.free_space_ratio * total
+        if free >= floor:
+            return None
+        return (
+            f"free space on {self.root} is {_gib(free)} ({free / max(total, 1):.1%} of {_gib(total)}), "
+            f"below the floor of {self.free_space_ratio:.0%} ({_gib(floor)}) that this store keeps free "
+            f"(free_space_ratio): blocks are not cached until the disk has room"
+        )
+
     def _unlink(self, entries: list[Entry]) -> None:
         """Delete the files of ``entries`` (out of the index already), each only
         if the file at its path is still the entry's own (same device and
@@ -852,16 +876,16 @@ class BlockStore:
                 below_floor = short > sum(v.file_size for v in more)
             else:
                 below_floor = False
-            if not below_floor:
+            if below_floor:
+                self.counters.below_floor += 1
+            else:
                 # No IO between the checks above and these lines: the reservation is atomic.
                 self.reserved += file_size
                 self._writing.add(key)
         self._unlink(victims)  # before writing, so disk usage never exceeds the capacity
         if below_floor:
-            raise NoSpace(
-                f"free space on {self.root} is below the floor of "
-                f"{self.free_space_ratio:.0%} of its filesystem"
-            )
+            raise NoSpace(self.floor_report() or f"free space on {self.root} is below the floor",
+                          floor=self.free_space_ratio)  # fmt: skip
         tmp = self._tmp_dir / f"{key.hex()}.{uuid.uuid4().hex[:8]}"
         try:
             if not (direct and self._write_direct(tmp, header, data_offset, data)):
@@ -980,4 +1004,5 @@ class BlockStore:
                 "discarded_on_open": c.discarded_on_open,
                 "memory_hits": c.memory_hits,
                 "flash_hits": c.flash_hits,
+                "below_floor": c.below_floor,
             }
