@@ -500,3 +500,47 @@ def test_removing_a_block_never_deletes_a_good_copy_filled_meanwhile(tmp_path: P
     assert bytes(store.read(key)) == data
     assert store.used == _disk_bytes(tmp_path)
     store.close()
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
+def test_small_segments_with_group_checksums_and_files_of_the_earlier_format(tmp_path: Path) -> None:
+    """L2's format: 4 KiB segments plus one checksum per group of 16; small
+    ranges are verified by segment, ranges of a group or more by group, and a
+    bad byte fails either. Files written with 64 KiB segments and no groups
+    (the earlier format) are indexed and served after a restart; a header
+    with a flag this code does not know is discarded (a miss)."""
+    size = 4 << 20
+    old = BlockStore.open(tmp_path, 64 << 20, segment_size=64 << 10)
+    legacy = BlockKey(92, 0)
+    old.put("v", legacy, _data(legacy, size))
+    store = BlockStore.open(tmp_path, 64 << 20, segment_size=4096, group=16, random_access=True, open_files=4)
+    key, bad = BlockKey(92, 1), BlockKey(92, 2)
+    for k in (key, bad):
+        assert store.put("v", k, _data(k, size))
+    assert store.lookup(key).group == 16 and len(store.lookup(key).group_sums) == 64
+    assert len(store.lookup(key).sums) == 1024
+    data = _data(key, size)
+    for off, ln in [(0, 4096), (4096 * 7 + 5, 100), (128 << 10, 128 << 10), (5000, 70000), (0, -1), (size - 3, 10)]:
+        want = data[off:] if ln == -1 else data[off : off + ln]
+        assert bytes(store.read(key, off, ln)) == want, (off, ln)
+    path = store.path(bad)
+    with open(path, "r+b") as f:  # a bad byte in the second group's third segment
+        f.seek(os.path.getsize(path) - size + 65536 + 2 * 4096 + 9)
+        f.write(b"\x00" if _data(bad, size)[65536 + 2 * 4096 + 9] else b"\x01")
+    assert bytes(store.read(bad, 65536, 4096)) == _data(bad, size)[65536:69632]  # a clean segment
+    with pytest.raises(Corrupt):
+        store.read(bad, 65536, 65536)  # the group: verified by its group checksum
+    assert store.lookup(bad) is None and not path.exists()
+    store.close()
+    # A restart: both formats are indexed and read; an unknown flag is a miss.
+    raw = bytearray(store.path(key).read_bytes())
+    unknown = BlockKey(92, 3)
+    raw[5] |= 0x80  # flags
+    store.path(unknown).write_bytes(bytes(raw))
+    again = BlockStore.open(tmp_path, 64 << 20, segment_size=4096, group=16, random_access=True, open_files=4)
+    assert set(again.cached_keys()) == {legacy, key}
+    assert again.lookup(legacy).segment_size == 64 << 10 and again.lookup(legacy).group_sums is None
+    assert bytes(again.read(legacy, 12345, 4096)) == _data(legacy, size)[12345 : 12345 + 4096]
+    assert bytes(again.read(key, 12345, 200000)) == data[12345 : 12345 + 200000]
+    assert not again.path(unknown).exists()
+    again.close()
