@@ -7,10 +7,7 @@ The part of a mount's random read that L2 owns (the store's lookup, open,
 page cache), measured as process CPU time (all threads) per 1,000 reads, on
 a store of ``--blocks`` 4 MiB blocks read by 4 concurrent tasks. Variants,
 interleaved in each round: block files opened per read (``open_files=0``,
-as before L2 kept them), kept open (the default), and kept open in L2's
-earlier format and reads (``seg64k_readahead``: 64 KiB checksum segments,
-no group checksums, the kernel's readahead left on; a store of its own,
-written so); each in two modes:
+as before L2 kept them) and kept open (the default); each in two modes:
 ``pagecache`` (the block files read once before: every read inline) and
 ``disk`` (their pages dropped with ``POSIX_FADV_DONTNEED``, our own files
 only: reads hop to a thread until the page cache holds them). Also counted:
@@ -61,36 +58,24 @@ def _set_pages(root: Path, cached: bool) -> None:
             os.close(fd)
 
 
-# How each variant's store is written and read: L2Cache.open's keywords.
-FORMATS: dict[str, dict[str, Any]] = {
-    "current": {},
-    "seg64k_readahead": {"segment_size": 64 << 10, "group": 0, "random_access": False},
-}
-VARIANTS = {  # name: (format, open_files)
-    "opened_per_read": ("current", 0),
-    "kept_open": ("current", None),
-    "seg64k_readahead": ("seg64k_readahead", None),
-}
-
-
-async def _fill(root: Path, blocks: int, fmt: dict[str, Any]) -> list[BlockKey]:
+async def _fill(root: Path, blocks: int) -> list[BlockKey]:
     keys = [BlockKey(7000, i) for i in range(blocks)]
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(root, 2 * blocks * BLOCK, "bench", free_space_ratio=0.0, nursery=nursery, **fmt)
+        l2 = L2Cache.open(root, 2 * blocks * BLOCK, "bench", free_space_ratio=0.0, nursery=nursery)
         for key in keys:
             await trio.to_thread.run_sync(l2.store.put, "bench", key, random.randbytes(BLOCK))
         nursery.cancel_scope.cancel()
     return keys
 
 
-async def _run(root: Path, keys: list[BlockKey], open_files: int | None, fmt: dict[str, Any], mode: str,
-               reads: int, seed: int) -> dict[str, float]:  # fmt: skip
+async def _run(root: Path, keys: list[BlockKey], open_files: int | None, mode: str, reads: int,
+               seed: int) -> dict[str, float]:  # fmt: skip
     _set_pages(root, cached=mode == "pagecache")
     rng = random.Random(seed)
     plan = [(rng.choice(keys), rng.randrange(BLOCK // READ) * READ) for _ in range(reads)]
     async with trio.open_nursery() as nursery:
         l2 = L2Cache.open(root, 2 * len(keys) * BLOCK, "bench", free_space_ratio=0.0, nursery=nursery,
-                          open_files=open_files, **fmt)  # fmt: skip
+                          open_files=open_files)  # fmt: skip
 
         async def task(part: list[tuple[BlockKey, int]]) -> None:
             for key, offset in part:
@@ -115,14 +100,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="l2-bench-", dir=args.workdir))
     runs: dict[str, list[dict[str, float]]] = {}
     try:
-        keys = {name: trio.run(_fill, root / name, args.blocks, fmt) for name, fmt in FORMATS.items()}
+        keys = trio.run(_fill, root, args.blocks)
+        variants = {"opened_per_read": 0, "kept_open": None}
         for r in range(args.repeat):
-            order = list(VARIANTS.items())
+            order = list(variants.items())
             if r % 2:
                 order.reverse()
-            for name, (fmt, open_files) in order:
+            for name, open_files in order:
                 for mode in ("pagecache", "disk"):
-                    result = trio.run(_run, root / fmt, keys[fmt], open_files, FORMATS[fmt], mode, args.reads, r)
+                    result = trio.run(_run, root, keys, open_files, mode, args.reads, r)
                     runs.setdefault(f"{name}_{mode}", []).append(result)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -137,10 +123,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                  med["opened_per_read_pagecache"]["cpu_ms_per_1k"]),
         "l2_cpu_kept_vs_opened_disk": ratio(med["kept_open_disk"]["cpu_ms_per_1k"],
                                             med["opened_per_read_disk"]["cpu_ms_per_1k"]),
-        "l2_cpu_vs_seg64k_readahead_disk": ratio(med["kept_open_disk"]["cpu_ms_per_1k"],
-                                                 med["seg64k_readahead_disk"]["cpu_ms_per_1k"]),
-        "l2_disk_bytes_vs_seg64k_readahead": ratio(med["kept_open_disk"]["disk_kib_per_read"],
-                                                   med["seg64k_readahead_disk"]["disk_kib_per_read"]),
     }  # fmt: skip
 
 

@@ -9,10 +9,8 @@ Theory of operation
 Each cached block is one file ``<root>/blocks/<xx>/<key.hex()>`` laid out as::
 
     header: magic "CFB1", version, flags, volume length, data length,
-            segment size, segment count, [segments per group: FLAG_GROUPS],
-            the volume name, one xxh3-64 per segment of the data, [one
-            xxh3-64 per group of segments: FLAG_GROUPS], and an xxh3-64 of
-            all the header bytes before it
+            segment size, segment count, the volume name, one xxh3-64 per
+            segment of the data, and an xxh3-64 of all the header bytes before it
     data:   the block's bytes
 
 Blocks are immutable (DESIGN.md, "Data model"), so a cached block is never
@@ -22,26 +20,6 @@ checksum chunks rather than whole blocks) let a 128 KiB range read touch and
 verify about 128 KiB instead of the whole 4 MiB block. A segment that fails
 verification drops the whole block and raises ``Corrupt``; the service then
 fetches it again. Bad bytes are never served.
-
-Small segments and groups (``segment_size``, ``group``). The client's L2
-serves random 4 KiB reads: with 64 KiB segments each such hit read and
-hashed 64 KiB (and the kernel's readahead more: about 120 KiB from the
-disk per 4 KiB hit, measured). L2's files use 4 KiB segments, and with
-``group`` also one checksum per group of that many segments (64 KiB),
-flagged ``FLAG_GROUPS`` in the header: a range at least a group long is
-verified by group, because a checksum call costs more than hashing 4 KiB
-(a whole 4 MiB block: 1,024 calls took 3.5 ms of CPU, 64 calls 0.6 ms). The format
-is in each file's header, so files of either kind are read; a header with
-flags this code does not know is bad (the file is discarded: a miss). The
-cache node's store keeps 64 KiB segments and no groups.
-
-Random access (``random_access``, L2). A block file opened for ``pread``
-gets ``POSIX_FADV_RANDOM``: the kernel then reads what is asked and no
-readahead around it (the disk's ``read_ahead_kb`` here is 8 MiB). A
-``RWF_NOWAIT`` read that misses the page cache still starts the disk read
-(of the asked pages only), which the blocking read in a thread then waits
-for. Sequential readers lose nothing: they read whole blocks, one ``pread``
-of 4 MiB each.
 
 Capacity. ``used`` counts the file sizes of indexed blocks, ``reserved`` the
 sizes of fills in progress. A fill first *reserves* its file size, evicting
@@ -152,11 +130,9 @@ import logging
 import mmap
 import os
 import struct
-import sys
 import threading
 import time
 import uuid
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -182,8 +158,6 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)
 MMAP_MIN = 1 << 20
 FLAG_ALIGNED = 1  # the data starts at the header's length rounded up to ALIGN
-FLAG_GROUPS = 2  # also one checksum per group of segments (the group's size follows the fixed part)
-_GROUP = struct.Struct("<I")  # segments per group
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page size)
 DIRECT_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -207,36 +181,12 @@ def segment_sums(data: bytes | bytearray | memoryview, segment_size: int) -> lis
     return [checksum(view[i : i + segment_size]) for i in range(0, len(view), segment_size)]
 
 
-def _sum_array(raw: bytes | bytearray | memoryview) -> array[int]:
-    """Little-endian u64 checksums as an ``array('Q')``: 8 bytes each in the
-    index (a tuple of ints costs about 40; an L2 block has 1,024 of them)."""
-    sums = array("Q")
-    sums.frombytes(raw)
-    if sys.byteorder != "little":
-        sums.byteswap()
-    return sums
-
-
-def _verify(view: memoryview, segment_size: int, sums: array[int], first: int, last: int) -> bool:
-    """Whether ``view``, segments ``first`` to ``last`` of a block, matches their checksums."""
-    if last - first == 1:  # a small read: one segment
-        return checksum(view) == sums[first]
-    got = array("Q", [checksum(view[i : i + segment_size]) for i in range(0, len(view), segment_size)])
-    return got == sums[first:last]
-
-
-def encode_header(volume: str, size: int, segment_size: int, sums: list[int], flags: int = 0,
-                  group: int = 0, group_sums: list[int] | None = None) -> bytes:  # fmt: skip
-    """A block file's header; ``group`` segments per group with ``group_sums``
-    (one per group) sets ``FLAG_GROUPS``."""
+def encode_header(volume: str, size: int, segment_size: int, sums: list[int], flags: int = 0) -> bytes:
     vol = volume.encode()
-    groups = group_sums or []
     head = (
-        _FIXED.pack(MAGIC, VERSION, flags | (FLAG_GROUPS if group else 0), len(vol), size, segment_size, len(sums))
-        + (_GROUP.pack(group) if group else b"")
+        _FIXED.pack(MAGIC, VERSION, flags, len(vol), size, segment_size, len(sums))
         + vol
         + struct.pack(f"<{len(sums)}Q", *sums)
-        + struct.pack(f"<{len(groups)}Q", *groups)
     )
     return head + _U64.pack(checksum(head))
 
@@ -246,11 +196,9 @@ class _Header:
     volume: str
     size: int
     segment_size: int
-    sums: array[int]
+    sums: tuple[int, ...]
     length: int
     data_offset: int  # where the data starts: ``length``, or rounded up to ALIGN (FLAG_ALIGNED)
-    group: int = 0  # segments per group (FLAG_GROUPS), else 0
-    group_sums: array[int] | None = None
 
 
 def decode_header(raw: bytes) -> _Header | int:
@@ -262,32 +210,19 @@ def decode_header(raw: bytes) -> _Header | int:
     if len(raw) < _FIXED.size:
         return _FIXED.size
     magic, version, flags, vol_len, size, seg, nseg = _FIXED.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or seg <= 0 or flags & ~(FLAG_ALIGNED | FLAG_GROUPS):
+    if magic != MAGIC or version != VERSION or seg <= 0 or flags & ~FLAG_ALIGNED:
         raise Corrupt("bad block file header")
     if nseg != -(-size // seg):
         raise Corrupt("segment count does not match the data length")
-    pos, group = _FIXED.size, 0
-    if flags & FLAG_GROUPS:
-        if len(raw) < pos + _GROUP.size:
-            return pos + _GROUP.size
-        (group,) = _GROUP.unpack_from(raw, pos)
-        pos += _GROUP.size
-        if group < 2:
-            raise Corrupt("bad segment group in a block file header")
-    ngroups = -(-nseg // group) if group else 0
-    length = pos + vol_len + 8 * nseg + 8 * ngroups + 8
+    length = _FIXED.size + vol_len + 8 * nseg + 8
     if len(raw) < length:
         return length
     (stored,) = _U64.unpack_from(raw, length - 8)
-    view = memoryview(raw)
-    if checksum(view[: length - 8]) != stored:
+    if checksum(memoryview(raw)[: length - 8]) != stored:
         raise Corrupt("block file header fails its checksum")
-    vol = raw[pos : pos + vol_len].decode()
-    start = pos + vol_len
-    sums = _sum_array(view[start : start + 8 * nseg])
-    group_sums = _sum_array(view[start + 8 * nseg : length - 8]) if group else None
-    data_offset = _align(length) if flags & FLAG_ALIGNED else length
-    return _Header(vol, size, seg, sums, length, data_offset, group, group_sums)
+    vol = raw[_FIXED.size : _FIXED.size + vol_len].decode()
+    sums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size + vol_len)
+    return _Header(vol, size, seg, sums, length, _align(length) if flags & FLAG_ALIGNED else length)
 
 
 @dataclass(slots=True)
@@ -300,13 +235,11 @@ class Entry:
     file_size: int
     data_offset: int
     segment_size: int
-    sums: array[int]  # u64 per segment
+    sums: tuple[int, ...]
     stored_at: float
     hits: int = 0
     file: _OpenFile | None = None  # kept open for reads (``open_files``)
     ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of its file: only that file is ever unlinked
-    group: int = 0  # segments per group with a checksum of its own (0: none)
-    group_sums: array[int] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -374,8 +307,6 @@ class BlockStore:
         direct_min: int = DIRECT_MIN,
         free_space_ratio: float = 0.0,
         open_files: int = 0,
-        random_access: bool = False,
-        group: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if capacity <= 0:
@@ -384,8 +315,6 @@ class BlockStore:
             raise InvalidArgument(f"memory capacity must not be negative, got {memory_capacity}")
         if segment_size <= 0:
             raise InvalidArgument(f"segment size must be positive, got {segment_size}")
-        if group < 0 or group == 1:
-            raise InvalidArgument(f"segments per group must be 0 (none) or at least 2, got {group}")
         if open_files < 0:
             raise InvalidArgument(f"open files must not be negative, got {open_files}")
         if not 0.0 <= free_space_ratio < 1.0:
@@ -406,8 +335,6 @@ class BlockStore:
         self._writing: set[BlockKey] = set()
         self._memory = _Memory(memory_capacity)
         self.open_files = open_files
-        self.random_access = random_access
-        self.group = group
         self._open: OrderedDict[BlockKey, Entry] = OrderedDict()  # with a kept file, LRU first
         self._closed = False
         self.used = 0
@@ -550,8 +477,6 @@ class BlockStore:
             header.sums,
             st.st_mtime,
             ident=(st.st_dev, st.st_ino),
-            group=header.group,
-            group_sums=header.group_sums,
         )
 
     # -- paths, expiry, eviction ------------------------------------------
@@ -815,13 +740,12 @@ class BlockStore:
                 and entry.hits + 1 >= self.promote_after
             )
         # File IO outside the lock: one read (or mapping) covering the segments of the range.
-        # Verified by segment, or by group for a range at least a group long
-        # (one checksum call each: a call costs more than hashing 4 KiB).
-        unit, sums = entry.segment_size, entry.sums
-        if entry.group_sums is not None and (promote or end - offset >= unit * entry.group):
-            unit, sums = unit * entry.group, entry.group_sums
-        first, last = (0, len(sums)) if promote else (offset // unit, -(-end // unit))
-        lo, hi = first * unit, min(last * unit, entry.size)
+        seg = entry.segment_size
+        if promote:
+            first, last = 0, len(entry.sums)
+        else:
+            first, last = offset // seg, -(-end // seg)
+        lo, hi = first * seg, min(last * seg, entry.size)
         mapped = not nowait and not promote and hi - lo >= self.mmap_min
         kept = None
         if not mapped:  # a lease taken on a kept file would outlive the mapping
@@ -837,8 +761,6 @@ class BlockStore:
                     self._remove_locked(entry)
                 return None
             if not mapped:
-                if self.random_access:  # no readahead on this descriptor: see the module docstring
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 with self._lock:
                     kept = self._keep_locked(entry, fd)
         try:
@@ -856,7 +778,10 @@ class BlockStore:
                 self._touch(entry)
                 self.counters.flash_hits += 1
             view = memoryview(buf)
-            ok = len(view) == hi - lo and _verify(view, unit, sums, first, last)
+            ok = len(view) == hi - lo and all(
+                checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
+                for i in range(first, last)
+            )
             if not ok:
                 with self._lock:
                     self._remove_locked(entry)
@@ -921,10 +846,8 @@ class BlockStore:
             IOFailure: the file could not be written.
         """
         sums = segment_sums(data, self.segment_size)
-        group_sums = segment_sums(data, self.segment_size * self.group) if self.group else None
         direct = 0 < self.direct_min <= len(data)
-        header = encode_header(volume, len(data), self.segment_size, sums, FLAG_ALIGNED if direct else 0,
-                               self.group, group_sums)  # fmt: skip
+        header = encode_header(volume, len(data), self.segment_size, sums, FLAG_ALIGNED if direct else 0)
         data_offset = _align(len(header)) if direct else len(header)
         file_size = data_offset + len(data)
         room = self._disk_room()  # statvfs outside the lock: it is a syscall
@@ -984,11 +907,9 @@ class BlockStore:
             file_size,
             data_offset,
             self.segment_size,
-            array("Q", sums),
+            tuple(sums),
             self._clock(),
             ident=(st.st_dev, st.st_ino),
-            group=self.group,
-            group_sums=array("Q", group_sums) if group_sums is not None else None,
         )
         with self._lock:
             self.reserved -= file_size

@@ -12,12 +12,7 @@ Theory of operation
 -------------------
 - Hits are served from this process, with no RPC: one ``pread`` of the
   segments covering the range, verified, and handed on without another
-  copy. Block files are checksummed per 4 KiB (:data:`SEGMENT`) and per
-  64 KiB group, and read without the kernel's readahead
-  (``POSIX_FADV_RANDOM``): a random 4 KiB hit reads and hashes 4 KiB, not
-  the ~120 KiB it cost with 64 KiB segments and readahead (see
-  :mod:`cachefs.blockstore`). Files of the earlier format (64 KiB
-  segments) found at a restart are indexed and read as they are. Ranges up to ``INLINE_MAX`` are read inline on the trio thread when
+  copy. Ranges up to ``INLINE_MAX`` are read inline on the trio thread when
   the page cache holds them (``RWF_NOWAIT``: a small pread costs less than a
   hop to a worker thread); ranges on the disk and larger reads (whole
   blocks) run in up to ``READ_THREADS`` worker threads, so that a read from
@@ -79,8 +74,6 @@ INLINE_MAX = 256 * 1024
 READ_THREADS = 4
 OPEN_FILES = 1024  # block files kept open: 4 GiB of 4 MiB blocks
 FILL_QUEUE = 32  # blocks waiting to be written to L2 (128 MiB of 4 MiB blocks)
-SEGMENT = 4096  # bytes per checksum: a 4 KiB hit reads and verifies 4 KiB
-GROUP = 16  # segments per group checksum (64 KiB): larger ranges are verified in fewer calls
 NO_MAPPING = 1 << 62  # the client reads with pread: a mapping would need a lease (see the store)
 WARN_EVERY = 60.0  # seconds between warnings about failing fills
 
@@ -175,17 +168,11 @@ class L2Cache:
         free_space_ratio: float,
         nursery: Spawner,
         open_files: int | None = None,
-        segment_size: int = SEGMENT,
-        group: int = GROUP,
-        random_access: bool = True,
     ) -> L2Cache:
         """Lock ``root`` and rebuild the index from the files found there.
 
         ``open_files``: block files kept open (default: :data:`OPEN_FILES`,
         at most a quarter of this process's descriptor limit).
-        ``segment_size``, ``group`` and ``random_access``: how new block
-        files are checksummed, and no readahead on block files (see the
-        module docstring; benchmarks compare other settings).
 
         Raises:
             InvalidArgument: bad capacity or ratio, or another mount uses ``root``.
@@ -204,9 +191,6 @@ class L2Cache:
                 mmap_min=NO_MAPPING,
                 free_space_ratio=free_space_ratio,
                 open_files=open_files,
-                segment_size=segment_size,
-                group=group,
-                random_access=random_access,
             )
         except BaseException:
             os.close(fd)

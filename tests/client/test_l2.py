@@ -26,7 +26,6 @@ from .conftest import ClusterMount
 
 MiB = 1 << 20
 BLOCK = 4 * MiB  # the lab volume's block size
-HEADER_ROOM = 16384  # more than a block file's header (12 KiB with L2's 4 KiB segment checksums)
 
 
 def _block_files(cache_dir: Path) -> list[Path]:
@@ -103,7 +102,7 @@ async def test_lru_eviction_past_capacity_and_index_after_restart(tmp_path: Path
     keys = list(blocks)
     source = Source(blocks)
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(tmp_path, 3 * BLOCK + 3 * HEADER_ROOM, "v", free_space_ratio=0.0, nursery=nursery)
+        l2 = L2Cache.open(tmp_path, 3 * BLOCK + 3 * 8192, "v", free_space_ratio=0.0, nursery=nursery)
         chain = CachedBlocks(source, l2)
         for key in keys:  # whole blocks: each is kept
             assert bytes(await chain.fetch(key)) == blocks[key]
@@ -122,7 +121,7 @@ async def test_lru_eviction_past_capacity_and_index_after_restart(tmp_path: Path
             L2Cache.open(tmp_path, BLOCK, "v", free_space_ratio=0.0, nursery=nursery)
         nursery.cancel_scope.cancel()  # the mount ends: the lock goes
     async with trio.open_nursery() as nursery:
-        again = L2Cache.open(tmp_path, 3 * BLOCK + 3 * HEADER_ROOM, "v", free_space_ratio=0.0, nursery=nursery)
+        again = L2Cache.open(tmp_path, 3 * BLOCK + 3 * 8192, "v", free_space_ratio=0.0, nursery=nursery)
         assert sorted(again.store.cached_keys()) == sorted(keys[2:])
         source.asked.clear()
         chain = CachedBlocks(source, again)
@@ -215,7 +214,7 @@ async def test_block_files_read_stay_open_until_evicted(tmp_path: Path) -> None:
     blocks = {BlockKey(510, i): os.urandom(BLOCK) for i in range(4)}
     keys = list(blocks)
     async with trio.open_nursery() as nursery:
-        l2, chain = await _kept(tmp_path, nursery, dict(list(blocks.items())[:3]), 3 * BLOCK + 3 * HEADER_ROOM, 8)
+        l2, chain = await _kept(tmp_path, nursery, dict(list(blocks.items())[:3]), 3 * BLOCK + 3 * 8192, 8)
         assert _open_block_files(tmp_path) == []  # fills keep nothing open
         for key in keys[:3]:
             assert bytes(await l2.read(key, 4096, 4096)) == blocks[key][4096:8192]
