@@ -48,6 +48,16 @@ discards everything in ``tmp/`` and every file whose header is bad or whose
 size disagrees with it, and orders the LRU by file mtime (the fill time; hits
 are not persisted, which is what CubeFS's flash nodes do too).
 
+Removal. A block leaves the index first (under the lock), and its file is
+unlinked after, outside it. In between, a fill of the same key (another
+reader that found the block gone fetched it again) may have renamed a good
+copy onto the same path, so the unlink is of the entry's own file only: an
+entry remembers its file's device and inode, and the file at the path is
+unlinked only if it is still that one. The check and the unlink are made
+under ``_names``, as a fill's rename is, so no rename falls between them. A
+corrupt file is unlinked while its descriptor is open, so that its inode
+number cannot have gone to another file meanwhile.
+
 TTL. ``ttl`` maps a volume name to seconds after the fill; an expired block
 is a miss and is deleted.
 
@@ -158,6 +168,10 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
 def _shard(key: BlockKey) -> str:
     return f"{(key.slice_id ^ (key.slice_id >> 8) ^ key.index) & 0xFF:02x}"
 
@@ -225,6 +239,7 @@ class Entry:
     stored_at: float
     hits: int = 0
     file: _OpenFile | None = None  # kept open for reads (``open_files``)
+    ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of its file: only that file is ever unlinked
 
 
 @dataclass(slots=True, eq=False)
@@ -244,6 +259,7 @@ class StoreCounters:
     discarded_on_open: int = 0
     memory_hits: int = 0
     flash_hits: int = 0
+    below_floor: int = 0  # fills refused: the disk's free space was below the floor
 
 
 @dataclass(slots=True)
@@ -314,6 +330,7 @@ class BlockStore:
         self.free_space_ratio = free_space_ratio
         self._clock = clock
         self._lock = threading.Lock()
+        self._names = threading.Lock()  # a fill's rename vs. a removal's check-then-unlink (``_unlink``)
         self._index: OrderedDict[BlockKey, Entry] = OrderedDict()  # LRU first
         self._writing: set[BlockKey] = set()
         self._memory = _Memory(memory_capacity)
@@ -459,6 +476,7 @@ class BlockStore:
             header.segment_size,
             header.sums,
             st.st_mtime,
+            ident=(st.st_dev, st.st_ino),
         )
 
     # -- paths, expiry, eviction ------------------------------------------
@@ -597,10 +615,41 @@ class BlockStore:
             return None
         return int(st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize)
 
+    def floor_report(self) -> str | None:
+        """Why fills are refused, naming the floor and the free space, when
+        the free space is below the floor now; None when it is not (or no floor)."""
+        if not self.free_space_ratio:
+            return None
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        floor = self.free_space_ratio * total
+        if free >= floor:
+            return None
+        return (
+            f"free space on {self.root} is {_gib(free)} ({free / max(total, 1):.1%} of {_gib(total)}), "
+            f"below the floor of {self.free_space_ratio:.0%} ({_gib(floor)}) that this store keeps free "
+            f"(free_space_ratio): blocks are not cached until the disk has room"
+        )
+
     def _unlink(self, entries: list[Entry]) -> None:
+        """Delete the files of ``entries`` (out of the index already), each only
+        if the file at its path is still the entry's own (same device and
+        inode): once an entry has left the index, a fill of the same key may
+        have renamed a good copy onto that path, which is not ours to delete.
+        The check and the unlink hold ``_names``, as a fill's rename does, so
+        no rename falls between them."""
         for entry in entries:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._file(entry.key))
+            path = self._file(entry.key)
+            with self._names:
+                try:
+                    st = os.lstat(path)
+                    if (st.st_dev, st.st_ino) == entry.ident:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
     def expire(self) -> int:
         """Delete every block past its volume's TTL (and forget lapsed pins); returns how many."""
@@ -715,35 +764,38 @@ class BlockStore:
                 with self._lock:
                     kept = self._keep_locked(entry, fd)
         try:
-            buf: bytes | bytearray | memoryview | None = None
-            if nowait:
-                buf = pread_nowait(fd, hi - lo, entry.data_offset + lo)
-            elif mapped:
-                buf = self._map(fd, entry.data_offset + lo, hi - lo)
-            if buf is None:
-                buf = os.pread(fd, hi - lo, entry.data_offset + lo)
-        except OSError as exc:
-            raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
+            try:
+                buf: bytes | bytearray | memoryview | None = None
+                if nowait:
+                    buf = pread_nowait(fd, hi - lo, entry.data_offset + lo)
+                elif mapped:
+                    buf = self._map(fd, entry.data_offset + lo, hi - lo)
+                if buf is None:
+                    buf = os.pread(fd, hi - lo, entry.data_offset + lo)
+            except OSError as exc:
+                raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
+            with self._lock:
+                self._touch(entry)
+                self.counters.flash_hits += 1
+            view = memoryview(buf)
+            ok = len(view) == hi - lo and all(
+                checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
+                for i in range(first, last)
+            )
+            if not ok:
+                with self._lock:
+                    self._remove_locked(entry)
+                    self.counters.corrupt += 1
+                # Unlinked while ``fd`` is still open: its inode number cannot
+                # have been given to another file meanwhile (see ``_unlink``).
+                self._unlink([entry])
+                log.warning("cache store: block %s failed its checksum, dropped", key.hex())
+                raise Corrupt(f"cached block {key.hex()} failed its checksum")
         finally:
             if kept is not None:
                 self._release(kept)
             else:
                 os.close(fd)
-        with self._lock:
-            self._touch(entry)
-            self.counters.flash_hits += 1
-        view = memoryview(buf)
-        ok = len(view) == hi - lo and all(
-            checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
-            for i in range(first, last)
-        )
-        if not ok:
-            with self._lock:
-                self._remove_locked(entry)
-                self.counters.corrupt += 1
-            self._unlink([entry])
-            log.warning("cache store: block %s failed its checksum, dropped", key.hex())
-            raise Corrupt(f"cached block {key.hex()} failed its checksum")
         if promote and isinstance(buf, bytes | bytearray):  # a verified private copy, served unchecked
             with self._lock:
                 if self._index.get(key) is entry:
@@ -824,21 +876,23 @@ class BlockStore:
                 below_floor = short > sum(v.file_size for v in more)
             else:
                 below_floor = False
-            if not below_floor:
+            if below_floor:
+                self.counters.below_floor += 1
+            else:
                 # No IO between the checks above and these lines: the reservation is atomic.
                 self.reserved += file_size
                 self._writing.add(key)
         self._unlink(victims)  # before writing, so disk usage never exceeds the capacity
         if below_floor:
-            raise NoSpace(
-                f"free space on {self.root} is below the floor of "
-                f"{self.free_space_ratio:.0%} of its filesystem"
-            )
+            raise NoSpace(self.floor_report() or f"free space on {self.root} is below the floor",
+                          floor=self.free_space_ratio)  # fmt: skip
         tmp = self._tmp_dir / f"{key.hex()}.{uuid.uuid4().hex[:8]}"
         try:
             if not (direct and self._write_direct(tmp, header, data_offset, data)):
                 self._write_buffered(tmp, header, data_offset, data)
-            os.rename(tmp, self._file(key))
+            st = os.stat(tmp)
+            with self._names:  # never between a removal's check and its unlink
+                os.rename(tmp, self._file(key))
         except OSError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -855,6 +909,7 @@ class BlockStore:
             self.segment_size,
             tuple(sums),
             self._clock(),
+            ident=(st.st_dev, st.st_ino),
         )
         with self._lock:
             self.reserved -= file_size
@@ -949,4 +1004,5 @@ class BlockStore:
                 "discarded_on_open": c.discarded_on_open,
                 "memory_hits": c.memory_hits,
                 "flash_hits": c.flash_hits,
+                "below_floor": c.below_floor,
             }

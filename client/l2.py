@@ -36,7 +36,10 @@ Theory of operation
   read's or the write's path. Fills queue up to ``FILL_QUEUE`` blocks; past
   that they are dropped (a cache is allowed to forget). A full disk (the
   floor, or ``ENOSPC``) makes fills fail and be counted; reads and writes
-  of the volume go on as without L2.
+  of the volume go on as without L2. Free space below the floor is said
+  in the log when L2 opens and at the first fill refused (each minute at
+  most), naming the floor and the free space, and counted apart
+  (``fills_below_floor``): an L2 that stays empty is never a riddle.
 - The directory is locked (``flock``) for the life of the mount, so two
   mounts never share one L2. The lock goes with the fill worker's task, that
   is with the engine's nursery.
@@ -151,6 +154,7 @@ class L2Cache:
             "l2_fills": 0,
             "l2_fills_dropped": 0,
             "l2_fills_failed": 0,
+            "l2_fills_below_floor": 0,  # of those failed: the disk's free space was below the floor
         }
         nursery.start_soon(self._fill_worker, receive)
 
@@ -195,6 +199,9 @@ class L2Cache:
             "L2 %s: %d blocks, %d of %d bytes, index rebuilt in %.2fs",
             path, len(store), store.used, capacity, time.perf_counter() - started,
         )  # fmt: skip
+        below = store.floor_report()
+        if below is not None:  # say so now, not only at the first fill refused
+            log.warning("L2 %s: %s (--free-space-ratio %g)", path, below, free_space_ratio)
         return cls(store, volume, fd, nursery=nursery)
 
     async def read(self, key: BlockKey, offset: int = 0, length: int = -1) -> memoryview | None:
@@ -247,6 +254,8 @@ class L2Cache:
                             self.stats["l2_fills"] += 1
                     except (NoSpace, IOFailure) as exc:
                         self.stats["l2_fills_failed"] += 1
+                        if exc.details.get("floor") is not None:
+                            self.stats["l2_fills_below_floor"] += 1
                         self._warn(exc)
                     finally:
                         self._queued.discard(key)
@@ -259,7 +268,8 @@ class L2Cache:
         now = time.monotonic()
         if now - self._warned >= WARN_EVERY:
             self._warned = now
-            log.warning("L2 %s: blocks are not being cached: %s", self.store.root, exc.message)
+            hint = " (--free-space-ratio)" if exc.details.get("floor") is not None else ""
+            log.warning("L2 %s: blocks are not being cached: %s%s", self.store.root, exc.message, hint)
 
 
 class CachedBlocks:

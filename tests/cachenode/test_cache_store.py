@@ -460,3 +460,43 @@ def test_kept_file_is_not_closed_under_a_read_in_flight(tmp_path: Path, monkeypa
     assert got == [data[SEG : 2 * SEG]]
     assert _fds_on(path) == []  # closed by the read that held it
     store.close()
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
+@pytest.mark.parametrize("how", ["corrupt", "discard"])
+def test_removing_a_block_never_deletes_a_good_copy_filled_meanwhile(tmp_path: Path, monkeypatch, how: str) -> None:
+    """A block leaves the index, then its file is unlinked. If a fill of the
+    same key renames a good copy onto that path in between (another reader
+    found the block gone and fetched it again), only the old file goes: the
+    good copy stays on disk and is served."""
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=1 << 30, open_files=4)
+    key = BlockKey(91, 0)
+    data = _data(key, 3 * SEG)
+    store.put("v", key, data)
+    path = store.path(key)
+    old_ino = path.stat().st_ino
+    if how == "corrupt":
+        with open(path, "r+b") as f:  # a bit flip in place, in the first segment
+            f.seek(os.path.getsize(path) - 3 * SEG + 5)
+            f.write(b"\xff")
+    real_unlink = store._unlink
+    raced: list[int] = []
+
+    def refilled_first(entries: list) -> None:
+        if entries and not raced:  # the other reader's fill lands between the removal and the unlink
+            assert store.put("v", key, data)
+            raced.append(path.stat().st_ino)
+        real_unlink(entries)
+
+    monkeypatch.setattr(store, "_unlink", refilled_first)
+    if how == "corrupt":
+        with pytest.raises(Corrupt):
+            store.read(key, 0, 10)
+    else:
+        assert store.discard(key)
+    monkeypatch.undo()
+    assert raced and raced[0] != old_ino
+    assert path.exists() and path.stat().st_ino == raced[0]  # the good copy, not deleted
+    assert bytes(store.read(key)) == data
+    assert store.used == _disk_bytes(tmp_path)
+    store.close()

@@ -32,12 +32,21 @@ def _block_files(cache_dir: Path) -> list[Path]:
     return [p for p in (cache_dir / "blocks").glob("*/*") if p.is_file()]
 
 
-def _wait_files(cache_dir: Path, count: int, timeout: float = 30.0) -> list[Path]:
+def _wait_files(cache_dir: Path, count: int, timeout: float = 30.0, mount: ClusterMount | None = None) -> list[Path]:
     deadline = time.monotonic() + timeout
     while len(files := _block_files(cache_dir)) < count:
-        assert time.monotonic() < deadline, f"L2 holds {len(files)} blocks, expected {count}"
+        if time.monotonic() >= deadline:
+            said = [line for line in mount.log().splitlines() if "L2 " in line] if mount else []
+            raise AssertionError(f"L2 holds {len(files)} blocks, expected {count}; the mount's L2 log: {said}")
         time.sleep(0.05)
     return files
+
+
+# The mount tests below are not about the free-space floor (that is
+# test_full_local_disk_reads_and_writes_go_on, on a filesystem of its own):
+# they pin no floor, so that a shared disk fuller than the default floor of
+# 10% free does not stop L2 from keeping their blocks.
+NO_FLOOR = ("--free-space-ratio", "0")
 
 
 def _free_port() -> int:
@@ -119,6 +128,32 @@ async def test_lru_eviction_past_capacity_and_index_after_restart(tmp_path: Path
         for key in keys[2:]:
             assert bytes(await chain.fetch(key)) == blocks[key]
         assert source.asked == []
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.allow_log("cachefs.client.l2", match=r"below the floor of 99% \(.*GiB\) .*--free-space-ratio")
+async def test_a_disk_below_the_floor_is_reported_not_a_silent_empty_l2(tmp_path: Path, caplog) -> None:
+    """A disk with less free space than the floor: L2 says so when it opens
+    and at the first fill it refuses, naming the floor and the free space,
+    and counts the fills refused for it; reads go on below L2."""
+    key = BlockKey(502, 0)
+    block = os.urandom(BLOCK)
+    st = os.statvfs(tmp_path)
+    if st.f_bavail >= 0.99 * st.f_blocks:
+        pytest.skip("this filesystem has more than 99% free: no floor of 99% to fall below")
+    async with trio.open_nursery() as nursery:
+        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.99, nursery=nursery)
+        opened = [r.getMessage() for r in caplog.records if r.name == "cachefs.client.l2"]
+        assert any(re.search(r"free space on .* is [\d.]+ GiB \([\d.]+% of [\d.]+ GiB\), below the floor of 99%", m)
+                   for m in opened), opened  # fmt: skip
+        caplog.clear()
+        chain = CachedBlocks(Source({key: block}), l2)
+        assert bytes(await chain.fetch(key)) == block
+        await _settle(l2)
+        assert l2.stats["l2_fills_failed"] == 1 and l2.stats["l2_fills_below_floor"] == 1
+        assert len(l2.store) == 0 and l2.store.stats()["below_floor"] == 1
+        refused = [r.getMessage() for r in caplog.records if r.name == "cachefs.client.l2"]
+        assert any("blocks are not being cached" in m and "below the floor of 99%" in m for m in refused), refused
         nursery.cancel_scope.cancel()
 
 
@@ -269,15 +304,15 @@ def test_restart_serves_from_l2_without_any_block_rpc(cluster, tmp_path: Path) -
     from the cache tier or backing storage."""
     cache_dir = tmp_path / "l2"
     data = os.urandom(4 * BLOCK)
-    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0")
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0", *NO_FLOOR)
     try:
         (_own_dir(m, tmp_path) / "f").write_bytes(data)
-        _wait_files(cache_dir, 4)
+        _wait_files(cache_dir, 4, mount=m)
     finally:
         m.stop()
     m.check_log()
     port = _free_port()
-    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0", *NO_FLOOR,
                      "--metrics-addr", str(port))  # fmt: skip
     try:
         assert "L2 " in m.log() and ": 4 blocks" in m.log()
@@ -300,12 +335,12 @@ def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: P
     cache_dir = tmp_path / "l2"
     data = os.urandom(4 * BLOCK)
     port = _free_port()
-    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0",
+    m = ClusterMount(cluster, tmp_path, "--cache-dir", str(cache_dir), "--l1-size", "0", *NO_FLOOR,
                      "--metrics-addr", str(port))  # fmt: skip
     try:
         d = _own_dir(m, tmp_path)
         (d / "f").write_bytes(data)
-        files = sorted(_wait_files(cache_dir, 4))
+        files = sorted(_wait_files(cache_dir, 4, mount=m))
         with open(files[0], "r+b") as f:  # bytes flipped in the data, past the header
             f.seek(os.path.getsize(files[0]) - 1000)
             f.write(b"\xff" * 10)
@@ -317,7 +352,7 @@ def test_damaged_and_deleted_l2_files_under_a_running_mount(cluster, tmp_path: P
         assert stats["cachefs_mount_l2_events_total:corrupt"] >= 2
         fetched = stats["cachefs_mount_blocks_total:cache_reads"] + stats["cachefs_mount_blocks_total:backing_reads"]
         assert fetched >= 3
-        _wait_files(cache_dir, 4)  # the blocks fetched again are kept again
+        _wait_files(cache_dir, 4, mount=m)  # the blocks fetched again are kept again
         _drop_caches()
         assert (d / "f").read_bytes() == data
         assert _metrics(port)["cachefs_mount_l2_events_total:hits"] >= stats["cachefs_mount_l2_events_total:hits"] + 4
@@ -358,15 +393,15 @@ def test_full_local_disk_reads_and_writes_go_on(cluster, tmp_path: Path) -> None
 def test_two_mounts_with_their_own_l2_keep_close_to_open(cluster, tmp_path: Path) -> None:
     """Blocks are immutable, so neither L2 can serve stale bytes; the slice
     lists still come fresh from the metanodes at every open."""
-    a = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2a"), "--l1-size", "0")
-    b = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2b"), "--l1-size", "0")
+    a = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2a"), "--l1-size", "0", *NO_FLOOR)
+    b = ClusterMount(cluster, tmp_path, "--cache-dir", str(tmp_path / "l2b"), "--l1-size", "0", *NO_FLOOR)
     try:
         da = _own_dir(a, tmp_path)
         db = b.path / da.name
         first = os.urandom(2 * BLOCK)
         (da / "shared").write_bytes(first)
         assert (db / "shared").read_bytes() == first
-        _wait_files(tmp_path / "l2b", 2)  # b keeps what it fetched
+        _wait_files(tmp_path / "l2b", 2, mount=b)  # b keeps what it fetched
         second = os.urandom(BLOCK + 5)
         with open(da / "shared", "r+b") as f:
             f.write(second)
