@@ -393,6 +393,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     l1 = getattr(args, "l1_size", None)
     ours = getattr(args, "meta", None) or getattr(args, "lab", False) or getattr(args, "remount", None)
     fits = size <= parse_size(l1) if l1 and ours else None
+    if l1 and ours and big <= parse_size(l1):
+        print(f"warning: --big-size {args.big_size} fits in --l1-size {l1}: the big cases measure L1, "
+              "not the working set larger than L1 they are meant to", file=sys.stderr)
     nan = float("nan")
     for name in ("cachefs_cold_seq", "cachefs_warm_seq", "passthrough_warm_seq", "cachefs_reread_seq",
                  "passthrough_keepcache_reread_seq", "cachefs_tutorial", "passthrough_tutorial",
@@ -448,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--volume", default="vol", help="volume to mount with --meta")
     parser.add_argument("--secret-file")
     parser.add_argument("--insecure", action="store_true")
-    parser.add_argument("--l1-size", default="1G", help="L1 size of the mount made with --meta")
+    parser.add_argument("--l1-size", default="512M",
+                        help="L1 size of the mount made with --meta or --lab (smaller than --big-size)")
     parser.add_argument(
         "--size", default="512M", help="file size of the sequential and random jobs"
     )
