@@ -605,26 +605,32 @@ class BlockStore:
         self.counters.evictions += len(victims)
         return victims
 
-    def _disk_room(self) -> int | None:
-        """Bytes that may still be written under the free-space floor (None: no floor)."""
+    def _disk(self) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of the store's filesystem when a free-space
+        floor is set (None: no floor, or statvfs failed)."""
         if not self.free_space_ratio:
             return None
         try:
             st = os.statvfs(self.root)
         except OSError:
             return None
-        return int(st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize)
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+    def _disk_room(self) -> int | None:
+        """Bytes that may still be written under the free-space floor (None: no floor)."""
+        disk = self._disk()
+        if disk is None:
+            return None
+        free, total = disk
+        return int(free - self.free_space_ratio * total)
 
     def floor_report(self) -> str | None:
         """Why fills are refused, naming the floor and the free space, when
         the free space is below the floor now; None when it is not (or no floor)."""
-        if not self.free_space_ratio:
+        disk = self._disk()
+        if disk is None:
             return None
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return None
-        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        free, total = disk
         floor = self.free_space_ratio * total
         if free >= floor:
             return None
