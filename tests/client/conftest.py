@@ -10,17 +10,20 @@ the test that caused it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cachefs.testing.labs import running_lab
+from cachefs.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # The metadata lease term of ``cluster`` (the metanodes' default is 8 s): what
@@ -186,3 +189,31 @@ def cluster_mount(cluster, tmp_path: Path) -> Iterator[ClusterMount]:
     finally:
         m.stop()
     m.check_log()
+
+
+def mount_metrics(port: int) -> str:
+    """The text of a mount's metrics endpoint."""
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def mount_ops(port: int) -> dict[str, int]:
+    """FUSE requests a mount answered so far, by op."""
+    found = re.findall(r'^cachefs_mount_op_latency_seconds_count\{op="(\w+)"\} (\S+)$', mount_metrics(port), re.M)
+    return {op: int(float(n)) for op, n in found}
+
+
+def grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counts that grew from ``before`` to ``after``, by how much."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
+@pytest.fixture
+def metered(needs_fuse, tmp_path: Path):
+    """A localfs mount with its metrics on a port: ``(mount, port)``."""
+    port = free_port()
+    m = LocalMount(tmp_path, "--metrics-port", str(port))
+    try:
+        yield m, port
+    finally:
+        assert m.stop() == 0
+        m.check_log()

@@ -11,36 +11,17 @@ from __future__ import annotations
 import os
 import re
 import time
-import urllib.request
 from pathlib import Path
 
-import pytest
-
-from cachefs.testing.ports import free_port
-
-from .conftest import LocalMount
+from .conftest import grown, mount_metrics, mount_ops
 
 TIMEOUT = 0.5  # localfs's --entry-timeout and --attr-timeout
 
 
-def _metrics(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-
-
-def _ops(port: int) -> dict[str, int]:
-    """FUSE requests answered so far, by op."""
-    found = re.findall(r'^cachefs_mount_op_latency_seconds_count\{op="(\w+)"\} (\S+)$', _metrics(port), re.M)
-    return {op: int(float(n)) for op, n in found}
-
-
 def _early_reads(port: int) -> int:
-    m = re.search(r"^cachefs_mount_early_reads_total (\S+)$", _metrics(port), re.M)
+    m = re.search(r"^cachefs_mount_early_reads_total (\S+)$", mount_metrics(port), re.M)
     assert m, "no cachefs_mount_early_reads_total"
     return int(float(m.group(1)))
-
-
-def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
 
 
 def _evict(filler: Path) -> None:
@@ -52,17 +33,6 @@ def _evict(filler: Path) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while f.read(1 << 20):
             pass
-
-
-@pytest.fixture
-def metered(needs_fuse, tmp_path: Path):
-    port = free_port()
-    m = LocalMount(tmp_path, "--metrics-port", str(port))
-    try:
-        yield m, port
-    finally:
-        assert m.stop() == 0
-        m.check_log()
 
 
 def _make_and_stat(d: Path, port: int) -> dict[str, int]:
@@ -78,14 +48,14 @@ def _make_and_stat(d: Path, port: int) -> dict[str, int]:
     (d / "link").symlink_to("f0")
     os.link(d / "f1", d / "hard")
     time.sleep(TIMEOUT + 0.3)  # the mount's own timeouts are over
-    before = _ops(port)
+    before = mount_ops(port)
     for name, payload in data.items():
         assert os.stat(d / name).st_size == len(payload)
     assert os.stat(d / "sub").st_nlink == 2
     assert os.lstat(d / "fifo").st_mode & 0o170000 == 0o010000
     assert os.readlink(d / "link") == "f0"
     assert os.stat(d / "hard").st_ino == os.stat(d / "f1").st_ino
-    return _grown(before, _ops(port))
+    return grown(before, mount_ops(port))
 
 
 def test_names_made_here_are_kept_by_the_kernel_while_the_directory_is_leased(metered) -> None:
@@ -120,14 +90,14 @@ def test_a_file_read_again_starts_no_early_read(metered) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         assert f.read() == payload
     assert _early_reads(port) == started + 1  # L1 did not hold it: fetched ahead of the read
-    before = _ops(port)
+    before = mount_ops(port)
     for drop in (False, True, False, True):
         with open(m.path / "f", "rb", buffering=0) as f:
             if drop:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             assert f.read() == payload
     assert _early_reads(port) == started + 1
-    sent = _grown(before, _ops(port))
+    sent = grown(before, mount_ops(port))
     assert sent.get("open") == 4 and sent.get("read", 0) >= 2, sent  # the dropped pages were read from L1
 
 
@@ -141,12 +111,12 @@ def test_a_symlink_target_is_kept_by_the_kernel(metered) -> None:
     (m.path / "target-b").write_bytes(b"b")
     link = m.path / "link"
     link.symlink_to("target-a")
-    before = _ops(port)
+    before = mount_ops(port)
     for _ in range(4):
         assert os.readlink(link) == "target-a"
         assert link.read_bytes() == b"a"
         time.sleep(TIMEOUT / 2)  # past the mount's own timeouts, by the end
-    assert _grown(before, _ops(port)).get("readlink", 0) <= 1
+    assert grown(before, mount_ops(port)).get("readlink", 0) <= 1
     (m.path / "new").symlink_to("target-b")
     os.rename(m.path / "new", link)
     assert os.readlink(link) == "target-b"

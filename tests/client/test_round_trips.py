@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.request
-from pathlib import Path
 
-import pytest
-
-from cachefs.testing.ports import free_port
-
-from .conftest import LocalMount
+from .conftest import grown, mount_metrics, mount_ops
 
 
 def _rpcs(port: int) -> dict[str, int]:
     """Metanode RPCs the mount sent so far, by method."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    found = re.findall(r'^cachefs_mount_rpc_latency_seconds_count\{method="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    found = re.findall(r'^cachefs_mount_rpc_latency_seconds_count\{method="(\w+)"\} ([0-9.e+]+)$',
+                       mount_metrics(port), re.M)
     return {method: int(float(n)) for method, n in found}
-
-
-def _ops(port: int) -> dict[str, int]:
-    """FUSE requests answered so far, by op."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    found = re.findall(r'^cachefs_mount_op_latency_seconds_count\{op="(\w+)"\} (\S+)$', text, re.M)
-    return {op: int(float(n)) for op, n in found}
-
-
-def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
 
 # Sent in the background whatever the workload does: not counted against it.
@@ -43,18 +26,7 @@ _BACKGROUND = {"lease_poll", "session_heartbeat", "cluster_map", "alloc_slices"}
 
 
 def _sent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: n for k, n in _grown(before, after).items() if k not in _BACKGROUND}
-
-
-@pytest.fixture
-def metered(needs_fuse, tmp_path: Path):
-    port = free_port()
-    m = LocalMount(tmp_path, "--metrics-port", str(port))
-    try:
-        yield m, port
-    finally:
-        assert m.stop() == 0
-        m.check_log()
+    return {k: n for k, n in grown(before, after).items() if k not in _BACKGROUND}
 
 
 def test_a_listing_asks_the_metanodes_once(metered) -> None:
@@ -70,9 +42,9 @@ def test_a_listing_asks_the_metanodes_once(metered) -> None:
     for i in range(10):
         (d / f"f{i}").write_bytes(b"x" * 100)
     for i in range(3):
-        before, ops = _rpcs(port), _ops(port)
+        before, ops = _rpcs(port), mount_ops(port)
         assert sorted(os.listdir(d)) == [f"f{i}" for i in range(10)]
-        sent, asked = _sent(before, _rpcs(port)), _grown(ops, _ops(port))
+        sent, asked = _sent(before, _rpcs(port)), grown(ops, mount_ops(port))
         if i and not sent and "readdir" not in asked:
             continue  # kept by the kernel
         assert sent == {"load_dir": 1}, (sent, asked)
