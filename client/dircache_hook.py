@@ -40,31 +40,26 @@ CACHE_READDIR = 1 << 6
 OPENDIR = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 PYFUSE3_OPENDIR = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 
-_installed: list[object] = []  # the callbacks must live as long as the session
-
-
 def install(cacheable: Callable[[int], bool], ops: OpsTable) -> bool:
     """Let the kernel keep the listings of directories ``cacheable`` names,
     in the session whose operations are ``ops``. Returns False, having
     logged why, when this build cannot (every listing is then read from the
     mount, as before)."""
-    if not ops.pyfuse3_sets("opendir"):
+
+    def make(pyfuse3_opendir: Callable[[int, int, int], None]) -> Callable[[int, int, int], None]:
+        def opendir_cached(req: int, ino: int, fi: int) -> None:
+            try:
+                if cacheable(ino):
+                    bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
+                    bits.value |= CACHE_READDIR | KEEP_CACHE
+            except Exception:  # never let a question stop the answer
+                log.exception("dircache: deciding on directory %d", ino)
+            finally:  # whatever happened, pyfuse3 answers the request
+                pyfuse3_opendir(req, ino, fi)
+
+        return opendir_cached
+
+    if not ops.wrap("opendir", OPENDIR, PYFUSE3_OPENDIR, make):
         log.warning("listings stay uncached by the kernel: pyfuse3 sets no opendir operation")
         return False
-    slot = ops.slot("opendir")
-    pyfuse3_opendir = PYFUSE3_OPENDIR(ctypes.c_void_p.from_address(slot).value)
-
-    @OPENDIR
-    def opendir_cached(req: int, ino: int, fi: int) -> None:
-        try:
-            if cacheable(ino):
-                bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
-                bits.value |= CACHE_READDIR | KEEP_CACHE
-        except Exception:  # never let a question stop the answer
-            log.exception("dircache: deciding on directory %d", ino)
-        finally:  # whatever happened, pyfuse3 answers the request
-            pyfuse3_opendir(req, ino, fi)
-
-    _installed.append((pyfuse3_opendir, opendir_cached))
-    ctypes.c_void_p.from_address(slot).value = ctypes.cast(opendir_cached, ctypes.c_void_p).value
     return True

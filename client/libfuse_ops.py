@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # struct fuse_lowlevel_ops (libfuse 3.x, fuse_lowlevel.h): 44 function
 # pointers, in an order unchanged since libfuse 3.0.
@@ -25,6 +27,8 @@ OPS_POINTERS = 44
 SLOTS = {"init": 0, "open": 14, "opendir": 20, "fallocate": 40, "lseek": 43}
 SESSION_SCAN = 256  # bytes of struct fuse_session searched for the copy
 SYMBOLS = ("__pyx_v_7pyfuse3_fuse_ops", "__pyx_v_7pyfuse3_session", "PyInit_pyfuse3")
+
+_kept: list[object] = []  # wrappers and the functions they call: they must live as long as the session
 
 
 class HookUnavailable(Exception):
@@ -45,6 +49,20 @@ class OpsTable:
     def pyfuse3_sets(self, op: str) -> bool:
         i = SLOTS[op] * 8
         return self.original[i : i + 8] != bytes(8)
+
+    def wrap(self, op: str, cfunctype: Any, pyfunctype: Any, make: Callable[[Any], Callable[..., None]]) -> bool:
+        """Put ``make(pyfuse3's op)`` in the session's ``op`` slot: libfuse
+        calls it (as ``cfunctype``), and it calls pyfuse3's function back (as
+        ``pyfunctype``: the GIL stays held, which pyfuse3's Cython code
+        needs). False, and nothing written, when pyfuse3 sets no ``op``."""
+        if not self.pyfuse3_sets(op):
+            return False
+        slot = self.slot(op)
+        original = pyfunctype(ctypes.c_void_p.from_address(slot).value)
+        wrapper = cfunctype(make(original))
+        _kept.append((original, wrapper))
+        ctypes.c_void_p.from_address(slot).value = ctypes.cast(wrapper, ctypes.c_void_p).value
+        return True
 
 
 def _symbols(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, int]]:

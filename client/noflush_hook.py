@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 
 from .libfuse_ops import OpsTable
 
@@ -41,28 +42,23 @@ NOFLUSH = 1 << 7
 OPEN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 PYFUSE3_OPEN = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 
-_installed: list[object] = []  # the callbacks must live as long as the session
-
-
 def install(ops: OpsTable) -> bool:
     """Answer read-only opens with FOPEN_NOFLUSH in the session whose
     operations are ``ops``. Returns False, having logged why, when this
     build cannot take it (closes are then flushed as before)."""
-    if not ops.pyfuse3_sets("open"):
+
+    def make(pyfuse3_open: Callable[[int, int, int], None]) -> Callable[[int, int, int], None]:
+        def open_noflush(req: int, ino: int, fi: int) -> None:
+            try:
+                if ctypes.c_int.from_address(fi).value & os.O_ACCMODE == os.O_RDONLY:
+                    bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
+                    bits.value |= NOFLUSH
+            finally:  # whatever happened, pyfuse3 answers the request
+                pyfuse3_open(req, ino, fi)
+
+        return open_noflush
+
+    if not ops.wrap("open", OPEN, PYFUSE3_OPEN, make):
         log.warning("read-only closes stay flushed on this mount: pyfuse3 sets no open operation")
         return False
-    slot = ops.slot("open")
-    pyfuse3_open = PYFUSE3_OPEN(ctypes.c_void_p.from_address(slot).value)
-
-    @OPEN
-    def open_noflush(req: int, ino: int, fi: int) -> None:
-        try:
-            if ctypes.c_int.from_address(fi).value & os.O_ACCMODE == os.O_RDONLY:
-                bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
-                bits.value |= NOFLUSH
-        finally:  # whatever happened, pyfuse3 answers the request
-            pyfuse3_open(req, ino, fi)
-
-    _installed.append((pyfuse3_open, open_noflush))
-    ctypes.c_void_p.from_address(slot).value = ctypes.cast(open_noflush, ctypes.c_void_p).value
     return True

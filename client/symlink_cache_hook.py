@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 
 from .libfuse_ops import OpsTable
 
@@ -35,29 +36,24 @@ FUSE_CAP_CACHE_SYMLINKS = 1 << 23
 INIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 PYFUSE3_INIT = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
-_installed: list[object] = []  # the callbacks must live as long as the session
-
-
 def install(ops: OpsTable) -> bool:
     """Ask for FUSE_CACHE_SYMLINKS in the session whose operations are
     ``ops``. Returns False, having logged why, when this build cannot
     (every readlink is then a request, as before)."""
-    if not ops.pyfuse3_sets("init"):
+
+    def make(pyfuse3_init: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        def init_cache_symlinks(userdata: int, conn: int) -> None:
+            pyfuse3_init(userdata, conn)
+            capable = ctypes.c_uint32.from_address(conn + CAPABLE_OFFSET).value
+            if capable & FUSE_CAP_CACHE_SYMLINKS:
+                want = ctypes.c_uint32.from_address(conn + WANT_OFFSET)
+                want.value |= FUSE_CAP_CACHE_SYMLINKS
+            else:
+                log.info("the kernel does not offer FUSE_CACHE_SYMLINKS: symlink targets stay uncached")
+
+        return init_cache_symlinks
+
+    if not ops.wrap("init", INIT, PYFUSE3_INIT, make):
         log.warning("symlink targets stay uncached: pyfuse3 sets no init operation")
         return False
-    slot = ops.slot("init")
-    pyfuse3_init = PYFUSE3_INIT(ctypes.c_void_p.from_address(slot).value)
-
-    @INIT
-    def init_cache_symlinks(userdata: int, conn: int) -> None:
-        pyfuse3_init(userdata, conn)
-        capable = ctypes.c_uint32.from_address(conn + CAPABLE_OFFSET).value
-        if capable & FUSE_CAP_CACHE_SYMLINKS:
-            want = ctypes.c_uint32.from_address(conn + WANT_OFFSET)
-            want.value |= FUSE_CAP_CACHE_SYMLINKS
-        else:
-            log.info("the kernel does not offer FUSE_CACHE_SYMLINKS: symlink targets stay uncached")
-
-    _installed.append((pyfuse3_init, init_cache_symlinks))
-    ctypes.c_void_p.from_address(slot).value = ctypes.cast(init_cache_symlinks, ctypes.c_void_p).value
     return True
