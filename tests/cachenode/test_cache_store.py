@@ -16,8 +16,10 @@ from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
 from cachefs.pagecache import WouldBlock
+from cachefs.testing.pagecache import evict_from_page_cache
 
 SEG = 4096
+NOWAIT_TRIES = 20  # evictions tried until a RWF_NOWAIT read misses
 
 
 def _data(key: BlockKey, size: int) -> bytes:
@@ -214,27 +216,36 @@ def test_hot_set_survives_a_scan_with_admission(tmp_path_factory, scan: int, see
 def test_nowait_read_serves_only_the_page_cache(tmp_path: Path) -> None:
     """``nowait``: bytes that only the disk holds raise WouldBlock and leave the
     block untouched (no hit counted, LRU order kept); a blocking read then
-    brings them in, and the next nowait read serves them."""
+    brings them in, and the next nowait read serves them.
+
+    A RWF_NOWAIT read that misses starts the disk read, and this kernel may
+    find it done on a fast disk and answer (about 1 try in 10 here): such a
+    try must serve the right bytes as a hit, and the eviction is tried
+    again until a miss is seen."""
     store = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG, mmap_min=1 << 30)
     key, other = BlockKey(7, 0), BlockKey(7, 1)
     for k in (key, other):
         store.put("v", k, _data(k, 4 * SEG))
     (path,) = [p for p in (tmp_path / "blocks").rglob("*") if p.name == key.hex()]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    hits = store.counters.flash_hits
-    with pytest.raises(WouldBlock):
-        store.read(key, SEG, 100, nowait=True)
-    assert store.counters.flash_hits == hits and store.lookup(key).hits == 0
-    assert store.cached_keys() == [key, other]  # not moved to the LRU's hot end
     want = _data(key, 4 * SEG)[SEG : SEG + 100]
+    served = 0
+    for _ in range(NOWAIT_TRIES):
+        assert evict_from_page_cache(path)
+        hits = store.counters.flash_hits
+        try:
+            got = store.read(key, SEG, 100, nowait=True)
+        except WouldBlock:
+            break
+        assert bytes(got) == want and store.counters.flash_hits == hits + 1
+        served += 1
+    else:
+        pytest.skip(f"all {NOWAIT_TRIES} RWF_NOWAIT reads of evicted pages were served")
+    assert store.counters.flash_hits == hits and store.lookup(key).hits == served
+    if not served:
+        assert store.cached_keys() == [key, other]  # not moved to the LRU's hot end
     assert bytes(store.read(key, SEG, 100)) == want
     assert bytes(store.read(key, SEG, 100, nowait=True)) == want
-    assert store.counters.flash_hits == hits + 2 and store.lookup(key).hits == 2
+    assert store.counters.flash_hits == hits + 2 and store.lookup(key).hits == served + 2
 
 
 @pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")

@@ -20,6 +20,7 @@ import trio
 from cachefs.client.l2 import CachedBlocks, L2Cache
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
+from cachefs.testing.pagecache import evict_from_page_cache
 from tests.smallfs import small_fs
 
 from .conftest import ClusterMount
@@ -158,31 +159,35 @@ async def test_a_disk_below_the_floor_is_reported_not_a_silent_empty_l2(tmp_path
 
 
 def _evict_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    assert evict_from_page_cache(path), f"the kernel kept {path}'s pages"
 
 
 async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Path) -> None:
     """A range in the page cache is read inline; one that only the disk holds
     goes to a worker thread (an inline disk read would stall every request
-    of the mount: random 4 KiB reads after a drop_caches were one at a time)."""
+    of the mount: random 4 KiB reads after a drop_caches were one at a time).
+
+    The inline try is a RWF_NOWAIT read, which on a fast disk this kernel
+    may complete after all (about 1 try in 10 here): the pages are then
+    evicted again until a read goes to the thread."""
     key = BlockKey(501, 0)
     block = os.urandom(BLOCK)
+    want = block[8192:12288]
     async with trio.open_nursery() as nursery:
         l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery)
         chain = CachedBlocks(Source({key: block}), l2)
         await chain.fetch(key)
         await _settle(l2)
         (path,) = _block_files(tmp_path)
-        _evict_pages(path)
-        assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]
-        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 1
-        assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]  # now in the page cache
-        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == 2
+        for hits in range(1, 21):
+            _evict_pages(path)
+            assert bytes(await l2.read(key, 8192, 4096)) == want
+            assert l2.stats["l2_hits"] == hits
+            if l2.stats["l2_disk_reads"]:
+                break
+        assert l2.stats["l2_disk_reads"] == 1
+        assert bytes(await l2.read(key, 8192, 4096)) == want  # now in the page cache
+        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_hits"] == hits + 1
         nursery.cancel_scope.cancel()
 
 
