@@ -6,8 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # systemd: systemd-analyze and its fstab generator check the unit files (tests/core/test_units.py);
 # prometheus (promtool too) and stress-ng: a real Prometheus scrapes the lab (tests/lab/test_observability.py,
-# test_lab_prometheus.py) and stress-ng loads a mount (tests/client/test_stress.py); without them those skip
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd prometheus stress-ng
+# test_lab_prometheus.py), stress-ng and dbench load a mount (tests/client/test_stress.py; dbench also in
+# bench.meta_fs_bench); without them those skip
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config fio iproute2 nftables openssl python3-pyverbs systemd prometheus stress-ng dbench
 PYTEST_ARGS ?=
 # Test worker processes (pytest-xdist): most of the suite waits on real daemons, disks and timers,
 # not on the CPU, so two workers overlap those waits even on two cores (see tests/conftest.py).

@@ -286,6 +286,13 @@ def markdown(result: dict[str, Any], charts: list[str]) -> str:
                 cells = by_p.get(f"p{n}", {})
                 lines.append(f"| {target} | {_cell(cells.get('mixed_mb_s'))} | {_cell(cells.get('mixed_ops_s'))} |")
             lines.append("")
+        if meta.get("dbench_seconds"):
+            n = meta["mixed_clients"]
+            lines += [f"### dbench (Debian's dbench, client.txt), {n} clients, {meta['dbench_seconds']} s", "",
+                      "| target | MB/s |", "|---|---:|"]
+            for target, by_p in meta["files_per_s"].items():
+                lines.append(f"| {target} | {_cell(by_p.get(f'p{n}', {}).get('dbench_mb_s'))} |")
+            lines.append("")
         lines += ["| ratio (cachefs / other; JuiceFS: the better of default and tuned) | value |", "|---|---:|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(meta.items()) if k.startswith("meta_")]
         lines += ["", "Metanode RPCs in the 1-process warm epoch, by method: "
@@ -472,6 +479,7 @@ def readme_section(result: dict[str, Any]) -> str:
             f"{ph} {meta.get(f'meta_{ph}_vs_juicefs')}" for ph in meta_fs_bench.PHASES)
             + f"; cold read with 4 processes {meta.get('meta_read_cold_p4_vs_juicefs')}"
             + (f"; mixed {meta.get('meta_mixed_vs_juicefs')}" if "meta_mixed_vs_juicefs" in meta else "")
+            + (f"; dbench {meta.get('meta_dbench_vs_juicefs')}" if "meta_dbench_vs_juicefs" in meta else "")
             + f". Second read / local: {meta.get('meta_read2_vs_local')} (4 processes "
             f"{meta.get('meta_read2_p4_vs_local')}); stat / passthrough {meta.get('meta_stat_vs_passthrough')}; "
             f"metanode RPCs per file in a warm epoch {meta.get('meta_rpcs_per_file_warm_epoch')}.", ""]

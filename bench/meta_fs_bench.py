@@ -27,6 +27,13 @@ and each target's mixed run notes the 1-minute load average at its start
 (``mixed_load``: the machine is shared, the figures move with it).
 ``--meta-files 0`` runs the mixed part alone.
 
+Then ``dbench``: the real dbench (Debian's ``dbench`` package, its NetBench
+load file ``client.txt``) with the mixed run's client count for
+``--meta-dbench-seconds`` on each target, the run issue 16 reported (MB/s as
+dbench prints it; ``meta_dbench_vs_juicefs``). dbench checks each call's
+result against the load file and exits non-zero on a mismatch, which fails
+the run. Without dbench installed it is left out with a note.
+
 The files are spread over ``--meta-dirs`` directories; with P processes each
 takes every P-th directory. Targets: local disk, the pyfuse3 passthrough
 (``bench.passthroughfs`` over local disk: the ceiling for a Python FUSE
@@ -43,7 +50,9 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +69,7 @@ TARGETS = ("local", "passthrough", "juicefs", "juicefs_tuned", "cachefs")
 JUICEFS = ("juicefs", "juicefs_tuned")  # ratios against JuiceFS take the better of these
 MIXED_SIZES = (4 << 10, 16 << 10, 64 << 10)  # the sizes of the mixed run's writes
 MIXED_WINDOW = 8  # files a mixed client keeps before it unlinks the oldest
+DBENCH_LOADFILE = Path("/usr/share/dbench/client.txt")  # Debian's dbench package
 # Metanode methods no client sends: Raft among the replicas, and the storage nodes' registration and
 # heartbeats (cluster_map stays in: clients and storage nodes both ask it, and the metrics do not say who).
 PEER = ("raft_", "node_heartbeat", "register_node")
@@ -191,6 +201,34 @@ def run_mixed(root: Path, clients: int, seconds: float,
     return out
 
 
+def run_dbench(root: Path, clients: int, seconds: float) -> dict[str, float]:
+    """dbench with ``clients`` clients for ``seconds`` in ``root``: its MB/s
+    (``dbench_mb_s``) and the 1-minute load average at its start.
+
+    Raises:
+        RuntimeError: dbench failed (a call's result differed from the load
+            file's, or it ran past its deadline), with its output's tail.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    argv = ["dbench", "-c", str(DBENCH_LOADFILE), "-D", str(root), "-t", str(max(2, round(seconds))), str(clients)]  # 1 s reports 0
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"dbench in {root} ran past {seconds + 120:.0f} s") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    found = re.search(r"^Throughput ([0-9.]+) MB/sec", proc.stdout, re.M)
+    if proc.returncode != 0 or found is None:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        raise RuntimeError(f"dbench in {root} failed (exit {proc.returncode}):\n{tail}")
+    return {"dbench_mb_s": float(found.group(1)), "dbench_load": load}
+
+
+def dbench_available() -> bool:
+    return shutil.which("dbench") is not None and DBENCH_LOADFILE.is_file()
+
+
 def _progress(msg: str) -> None:
     print(f"[meta {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -247,6 +285,15 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
                     record(name, args.meta_mixed_clients,
                            run_mixed(base / f"mixed-r{rep}-{os.getpid()}", args.meta_mixed_clients,
                                      args.meta_mixed_seconds, counter, mixed_rpcs))
+        if args.meta_dbench_seconds > 0 and dbench_available():
+            for rep in range(args.repeat):
+                for name, base in dirs.items():
+                    _progress(f"{name}: dbench, {args.meta_mixed_clients} clients for {args.meta_dbench_seconds} s")
+                    record(name, args.meta_mixed_clients,
+                           run_dbench(base / f"dbench-r{rep}-{os.getpid()}", args.meta_mixed_clients,
+                                      args.meta_dbench_seconds))
+        elif args.meta_dbench_seconds > 0:
+            _progress(f"dbench left out: no dbench command or no {DBENCH_LOADFILE} (Debian's dbench package)")
     table = {t: {p: {ph: {"median": round(median(v), 3 if ph.startswith("rpcs") or ph.endswith("load") else 1),
                           "min": round(min(v), 3), "max": round(max(v), 3)}
                      for ph, v in phases.items()} for p, phases in by_p.items()} for t, by_p in runs.items()}
@@ -282,6 +329,11 @@ def measure(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, Any
         result["meta_mixed_vs_local"] = ratio(med("cachefs", "mixed_mb_s", n), med("local", "mixed_mb_s", n))
         result["meta_rpcs_per_file_mixed"] = med("cachefs", "rpcs_per_file_mixed", n)
         result["mixed_rpcs_by_method"] = mixed_rpcs
+    n = args.meta_mixed_clients
+    if med("cachefs", "dbench_mb_s", n) == med("cachefs", "dbench_mb_s", n):  # ran (not NaN)
+        result["dbench_seconds"] = args.meta_dbench_seconds
+        result["meta_dbench_vs_juicefs"] = ratio(med("cachefs", "dbench_mb_s", n), jfs("dbench_mb_s", n))
+        result["meta_dbench_vs_local"] = ratio(med("cachefs", "dbench_mb_s", n), med("local", "dbench_mb_s", n))
     return result
 
 
@@ -300,10 +352,17 @@ def show(result: dict[str, Any]) -> None:
         print_table(f"mixed (dbench-style), {n} clients, {result['mixed_seconds']} s (median)",
                     ["target", "MB/s", "ops/s", "load (1 min)"], rows,
                     note=f"cachefs metanode RPCs per file made: {result.get('mixed_rpcs_by_method')}")
+    if result.get("dbench_seconds"):
+        n = result["mixed_clients"]
+        rows = [[t, *(by_p.get(f"p{n}", {}).get(k, {}).get("median", float("nan"))
+                      for k in ("dbench_mb_s", "dbench_load"))]
+                for t, by_p in result["files_per_s"].items()]
+        print_table(f"dbench (client.txt), {n} clients, {result['dbench_seconds']} s (median)",
+                    ["target", "MB/s", "load (1 min)"], rows)
     ratios = [[k, v] for k, v in sorted(result.items()) if k.startswith("meta_")]
     print_table("cachefs ratios (files/s; JuiceFS: the better of default and tuned)", ["ratio", "value"], ratios,
                 note="aims (issue 13): stat >= 1.0 passthrough, cold read >= 1.5 JuiceFS, read2 >= 0.8 local, "
-                     "create >= 2 JuiceFS, unlink >= 1.5 JuiceFS, <= 0.05 RPCs/file warm, mixed >= 1.5 JuiceFS; "
+                     "create >= 2 JuiceFS, unlink >= 1.5 JuiceFS, <= 0.05 RPCs/file warm, mixed and dbench >= 1.5 JuiceFS; "
                      "shared machine: noisy")
 
 
@@ -318,6 +377,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clients (processes) of the mixed run")
     parser.add_argument("--meta-mixed-seconds", dest="meta_mixed_seconds", type=float, default=20.0,
                         help="seconds of the mixed run per target (0: no mixed run)")
+    parser.add_argument("--meta-dbench-seconds", dest="meta_dbench_seconds", type=float, default=20.0,
+                        help="seconds of the dbench run per target, with the mixed run's clients (0: none)")
 
 
 def finish_args(args: argparse.Namespace) -> None:
@@ -326,6 +387,7 @@ def finish_args(args: argparse.Namespace) -> None:
     if args.quick:
         args.meta_files, args.meta_dirs = min(args.meta_files, 40), min(args.meta_dirs, 4)
         args.meta_mixed_seconds = min(args.meta_mixed_seconds, 1.0)
+        args.meta_dbench_seconds = min(args.meta_dbench_seconds, 1.0)
 
 
 def main(argv: list[str] | None = None) -> None:

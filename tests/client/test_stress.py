@@ -62,3 +62,32 @@ def test_the_mount_exports_its_resident_memory(tmp_path) -> None:
     finally:
         assert m.stop() == 0, m.log()
     m.check_log()
+
+
+DBENCH_LOADFILE = Path("/usr/share/dbench/client.txt")  # Debian's dbench package
+DBENCH_RUN = 8  # seconds
+
+
+@pytest.mark.skipif(shutil.which("dbench") is None or not DBENCH_LOADFILE.is_file(), reason="dbench is not installed")
+def test_dbench_on_a_cluster_mount_sees_every_result_it_expects(cluster_mount) -> None:
+    """dbench (4 clients of its NetBench load file: creates with each
+    disposition, writes, reads, renames, unlinks, stats, directory
+    searches, locks, flushes) against a real cluster: it compares every
+    call's result with the one the load file recorded (a name that must not
+    exist, a rename onto a missing directory, ...) and exits 1 on the first
+    that differs. It must also end on time, with the mount's log clean."""
+    work = cluster_mount.path / "dbench"
+    work.mkdir()
+    argv = ["dbench", "-c", str(DBENCH_LOADFILE), "-D", str(work), "-t", str(DBENCH_RUN), "4"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=DBENCH_RUN + 120)
+    except subprocess.TimeoutExpired as exc:
+        os.kill(cluster_mount.pid, signal.SIGUSR1)  # the mount logs where each task waits
+        raise AssertionError(f"dbench ran past {DBENCH_RUN + 120}s:\n{exc.stdout}\n{cluster_mount.log()}") from None
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^Throughput [0-9.]+ MB/sec\s+4 clients", out, re.M), out[-2000:]
+    data = os.urandom(100_000)
+    (work / "after").write_bytes(data)
+    assert (work / "after").read_bytes() == data
+    shutil.rmtree(work)  # the fixture then unmounts and checks the log
