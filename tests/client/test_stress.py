@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.meta_fs_bench import DBENCH_LOADFILE, dbench_available
 from cachefs.testing.ports import free_port
 
 from .conftest import LocalMount
@@ -64,11 +65,10 @@ def test_the_mount_exports_its_resident_memory(tmp_path) -> None:
     m.check_log()
 
 
-DBENCH_LOADFILE = Path("/usr/share/dbench/client.txt")  # Debian's dbench package
 DBENCH_RUN = 8  # seconds
 
 
-@pytest.mark.skipif(shutil.which("dbench") is None or not DBENCH_LOADFILE.is_file(), reason="dbench is not installed")
+@pytest.mark.skipif(not dbench_available(), reason="dbench (Debian's package) is not installed")
 def test_dbench_on_a_cluster_mount_sees_every_result_it_expects(cluster_mount) -> None:
     """dbench (4 clients of its NetBench load file: creates with each
     disposition, writes, reads, renames, unlinks, stats, directory
