@@ -36,6 +36,9 @@ Cases (samples/s; each repeated ``--repeat`` times, medians):
 The best peer is the better of rclone and s3fs in each case, as the issue
 says (both Debian packages, installed when missing); JuiceFS and boto3
 are reported beside (``repo_*_vs_juicefs``).
+``ranged_get_cpu_ms``: this process's CPU per GET of one dataset object,
+8 in flight, through the cache node's miss path (obstore) and through
+boto3, the link unconstrained.
 ``import_s``: ``cachefs repo link`` of ``--import-objects`` objects (in 100
 prefixes) over the link, the CLI's start-up included. ``--full`` is the
 issue's size: 2,000 files and a 100,000-object import
@@ -49,6 +52,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -192,6 +196,56 @@ def put_objects(endpoint: str, items: Iterable[tuple[str, bytes]], bucket: str =
             pass
 
 
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def ranged_get_cpu_ms(endpoint: str, keys: list[str], rounds: int = 3) -> dict[str, float]:
+    """This process's CPU per whole-object GET of ``keys``, 8 in flight: the
+    cache node's miss path (``S3Store.get_range``, obstore) against boto3's
+    ``get_object`` in threads, the client a user would write. Medians of
+    ``rounds``; the first pass of each opens the connections, not measured."""
+    import boto3
+    import trio
+
+    from cachefs.repo.s3 import S3Store
+
+    store = S3Store(BUCKET, name="bench link", endpoint=endpoint)
+    sizes: dict[str, int] = {}
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+    for key in keys:
+        sizes[key] = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+
+    async def obstore_pass() -> None:
+        limit = trio.Semaphore(8)
+
+        async def one(key: str) -> None:
+            async with limit:
+                await store.get_range(key, 0, sizes[key], "")
+
+        async with trio.open_nursery() as n:
+            for key in keys:
+                n.start_soon(one, key)
+
+    def boto3_pass() -> None:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for _ in pool.map(lambda k: client.get_object(Bucket=BUCKET, Key=k)["Body"].read(), keys):
+                pass
+
+    def per_get(run: Any) -> float:
+        run()
+        samples = []
+        for _ in range(rounds):
+            before = _cpu()
+            run()
+            samples.append((_cpu() - before) / len(keys) * 1000)
+        return round(median(samples), 3)
+
+    return {"obstore": per_get(lambda: trio.run(obstore_pass)), "boto3": per_get(boto3_pass)}
+
+
 def measure(bed: RepoTestbed, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     runs: dict[str, list[float]] = {case: [] for case in CASES}
     profile = PROFILES[args.profile]
@@ -216,6 +270,8 @@ def measure(bed: RepoTestbed, args: argparse.Namespace, work: Path) -> dict[str,
 
     for _ in range(args.repeat):
         runs["local"] += epochs(local, 1)
+    _progress("CPU per ranged GET, obstore and boto3 (link unconstrained)")
+    get_cpu = ranged_get_cpu_ms(bed.weed.endpoint, keys)  # credentials: the testbed's environment
     bed.set_link(profile)
     mp = work / "cfs"
     for i in range(args.repeat):
@@ -260,7 +316,9 @@ def measure(bed: RepoTestbed, args: argparse.Namespace, work: Path) -> dict[str,
     imported = bed.repo("link", "lab", "/imported", f"s3://{BUCKET}/imp", "--endpoint", bed.s3_url)
     import_s = time.perf_counter() - started
     assert imported["import"]["created"] == args.import_objects, imported
-    return summarise(runs, args, nbytes, import_s, bed)
+    result = summarise(runs, args, nbytes, import_s, bed)
+    result["ranged_get_cpu_ms"] = get_cpu
+    return result
 
 
 def summarise(runs: dict[str, list[float]], args: argparse.Namespace, nbytes: int, import_s: float,
@@ -294,6 +352,9 @@ def show(result: dict[str, Any]) -> None:
     print_table(f"DataLoader samples/s over a linked bucket, link {result['link']}", ["case", "median", "runs"], rows)
     print_table("ratios", ["ratio", "value"], [[k, v] for k, v in sorted(result.items()) if k.startswith("repo_")],
                 note="best peer: the better of rclone and s3fs. aims: warm >= 2x it and >= 0.9x local; cold >= 1x; 100k objects in <= 30 s")
+    if "ranged_get_cpu_ms" in result:
+        print_table("CPU per ranged GET of one object (ms, this process)", ["client", "ms"],
+                    [[k, v] for k, v in result["ranged_get_cpu_ms"].items()])
 
 
 def main(argv: list[str] | None = None) -> None:

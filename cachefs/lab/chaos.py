@@ -863,7 +863,11 @@ class Chaos:
         empty disk, while the workload runs; the leader is killed -9 while
         the new one is still a learner. The change goes on under the next
         leader (the learner is promoted once caught up, then the old one is
-        removed), and nothing acknowledged is lost."""
+        removed), and nothing acknowledged is lost.
+
+        The new metanode starts only after the kill: running, it can catch
+        up and be promoted between two polls of ``meta_status``, and the
+        kill would then miss the learner stage it is meant to hit."""
         leader = self.leader()
         old = self._follower()
         old_id = int(old.removeprefix("meta"))
@@ -872,7 +876,6 @@ class Chaos:
         new = Node(f"meta{new_id}", "metanode", f"127.0.0.1:{base + new_id}", zone="z1", join=True)
         self.lab.nodes.append(new)
         self.lab.save()
-        self.start(new.name)
         argv = [sys.executable, "-m", "cachefs.cli", "metanode", "replace", str(old_id), new.addr,
                 "--id", str(new_id), "--timeout", "120", "--json", "--meta",
                 ",".join(self.lab.meta_addrs), "--secret-file",
@@ -887,9 +890,14 @@ class Chaos:
                 end = time.monotonic() + 60
                 while not any(str(new_id) in s.get("learners", {}) for s in self.meta_status()):
                     if time.monotonic() > end or cli.poll() is not None:
-                        raise RuntimeError(f"metanode {new_id} never became a learner")
+                        if cli.poll() is None:
+                            cli.kill()
+                        _, err = cli.communicate()
+                        raise RuntimeError(f"metanode {new_id} never became a learner: "
+                                           f"{err.strip()[-2000:]}")
                     time.sleep(0.05)
                 self.lab.kill(leader)  # kill -9 in the middle of the change
+                self.start(new.name)  # it catches up from the next leader
                 out, err = cli.communicate(timeout=240)
             finally:
                 if cli.poll() is None:

@@ -3,8 +3,9 @@
 ``get_range`` is the cache node's miss path, once per block of every cold
 imported file; it goes through obstore, with boto3's credential chain. What
 runs here: ranges of many small objects read back byte for byte, 8 at a
-time, at under 1.5 ms of this process's CPU per GET (boto3's ``get_object``
-took 2.4-3.1 ms per GET of this size here, obstore about 0.4); a changed
+time (its CPU per GET against boto3's is ``ranged_get_cpu_ms`` in
+``bench/repo_bench.py``: a timed assertion here failed on a slower CI
+machine); a changed
 and a deleted object are ESTALE, wrong keys are EACCES, each naming the
 link and the key; credentials come from a shared credentials file when the
 environment has none.
@@ -13,7 +14,6 @@ environment has none.
 from __future__ import annotations
 
 import os
-import resource
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,12 +48,7 @@ def s3(weed: SeaweedS3) -> object:
                         aws_secret_access_key=SECRET_KEY, region_name="us-east-1")  # fmt: skip
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-async def test_many_small_ranges_read_back_at_little_cpu_each(weed: SeaweedS3, env: dict[str, str]) -> None:
+async def test_many_small_ranges_read_back_byte_for_byte(weed: SeaweedS3, env: dict[str, str]) -> None:
     c = s3(weed)
     c.create_bucket(Bucket=BUCKET)  # type: ignore[attr-defined]
     bodies = {f"img/{i:03d}.jpg": os.urandom(SIZE) for i in range(60)}
@@ -67,20 +62,13 @@ async def test_many_small_ranges_read_back_at_little_cpu_each(weed: SeaweedS3, e
         async with limit:
             got[(key, start)] = await store.get_range(key, start, end, etags[key])
 
-    async with trio.open_nursery() as n:  # the store made, connections open
-        for key in keys[:8]:
-            n.start_soon(one, key, 0, SIZE)
-    got.clear()
-    before = _cpu()
     async with trio.open_nursery() as n:
         for key in keys:
             n.start_soon(one, key, 0, SIZE)  # a whole small object: one block
             n.start_soon(one, key, 1000, 5096)  # a range inside one
-    per_get = (_cpu() - before) / (2 * len(keys))
     for key in keys:
         assert got[(key, 0)] == bodies[key]
         assert got[(key, 1000)] == bodies[key][1000:5096]
-    assert per_get < 0.0015, f"{per_get * 1000:.2f} ms of CPU per ranged GET"
 
 
 async def test_changed_deleted_and_refused_reads_name_the_link_and_key(weed: SeaweedS3, env: dict[str, str],
