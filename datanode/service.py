@@ -29,10 +29,9 @@ import trio
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from cachefs.backing import put_batches
 from cachefs.credentials import ADMINS, CLIENTS
 from cachefs.datanode.shardstore import ShardStore
-from cachefs.errors import CacheFSError, InvalidArgument
+from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
 from cachefs.pagecache import NOWAIT_READS, WouldBlock
 from cachefs.rpc import Reply, rpc_method
@@ -105,30 +104,6 @@ class DatanodeService:
         with _SHARD_PUT.time():
             await self._run(self.store.put, volume, _key_hex(key), index, meta, data)
         return {"size": len(data)}
-
-    @rpc_method(roles=CLIENTS)
-    async def put_many(self, volume: str, shards: list, payload: Any = None) -> dict:
-        """Store several shards of ``volume`` (a writer's puts coalesced, see
-        :mod:`cachefs.backing.put_batches`) in one worker-thread hop; each
-        shard is stored as ``put`` stores it and has its own result."""
-        parsed = put_batches.parse(shards, payload)
-        started = time.perf_counter()
-        results = await self._run(self._put_each, volume, parsed)
-        elapsed = time.perf_counter() - started
-        for _ in parsed:
-            _SHARD_PUT.observe(elapsed)
-        return {"results": results}
-
-    def _put_each(self, volume: str, shards: list[tuple[bytes, int, bytes, memoryview]]) -> list[list[str] | None]:
-        results = []
-        for key, index, meta, data in shards:
-            try:
-                self.store.put(volume, _key_hex(key), index, meta, data)
-            except CacheFSError as exc:
-                results.append(put_batches.outcome(exc))
-            else:
-                results.append(None)
-        return results
 
     @rpc_method(roles=CLIENTS)
     def get(self, volume: str, key: bytes, index: int, offset: int = 0,

@@ -79,7 +79,6 @@ from cachefs.backing.codec import BlockHeader, Codec, ShardRange
 from cachefs.backing.objects import ObjectBlocks, ObjectTarget
 from cachefs.backing.placement import handoff_order
 from cachefs.backing.policy import VolumePolicy
-from cachefs.backing.put_batches import PutCoalescer
 from cachefs.buffers import BufferPool
 from cachefs.checksum import checksum
 from cachefs.errors import (
@@ -169,7 +168,6 @@ class BackingClient:
         self._latency = 0.05  # EWMA of shard read latency, seconds
         self._headers: collections.OrderedDict[tuple[str, BlockKey], BlockHeader] = collections.OrderedDict()
         self.objects = ObjectBlocks()
-        self.puts = PutCoalescer(pool.call)  # shard puts to a busy datanode go out together
 
     # -- helpers --------------------------------------------------------------
 
@@ -265,8 +263,10 @@ class BackingClient:
 
     async def write_shard(self, node: str, volume: str, key: BlockKey, index: int, header: BlockHeader,
                           data: bytes | bytearray | memoryview) -> None:
-        await self.puts.put(self._addr(node), volume, key.to_bytes(), index, header.pack(), data,
-                            timeout=self.timeout)
+        await self.pool.call(
+            self._addr(node), "put",
+            {"volume": volume, "key": key.to_bytes(), "index": index, "meta": header.pack()},
+            payload=data, timeout=self.timeout)
 
     async def _race(self, jobs: list[tuple[int, Callable[[], Awaitable[_Shard]]]], need: int) -> _Outcome:
         """Run jobs (in preference order) until ``need`` succeed or all have failed.
