@@ -36,7 +36,7 @@ METHODS = {kind: sorted(served_methods(kind)) for kind in ("metanode", "datanode
 ARG_NAMES = ["volume", "ino", "parent", "name", "new_parent", "new_name", "mode", "uid", "gid", "size", "key",
              "index", "offset", "length", "count", "chunk", "slice_id", "pos", "session", "client_id", "seq",
              "kind", "id", "addr", "zone", "capacity", "policy", "keys", "wait", "flags", "value", "target",
-             "expect", "cookie", "limit", "term", "a", "token", "shards", "zzz"]
+             "expect", "cookie", "limit", "term", "a", "token", "zzz"]
 
 scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
                    st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, -(2**63)]), st.floats(), st.text(max_size=8),
