@@ -65,6 +65,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -303,6 +304,7 @@ class Network:
             lossy = self.loss.pop(ep.name, None)
             if how == "link":
                 _ip("link", "set", ep.veth, "up")
+                _wait_forwarding(ep.veth)
             if how or lossy:
                 healed.append(ep.name)
         self.save()
@@ -492,6 +494,27 @@ def _run(argv: list[str], ok_errors: tuple[str, ...] = (), stdin: str | None = N
                     "CONFIG_NF_TABLES_BRIDGE, CONFIG_NFT_NUMGEN)")
         raise NetnsError(f"`{' '.join(argv)}` failed: {err}{hint}")
     return proc.stdout
+
+
+def _wait_forwarding(veth: str, timeout: float = 5.0) -> None:
+    """Wait until a veth set up again carries traffic: carrier up and its bridge port forwarding.
+
+    `ip link set up` returns before either; a probe sent in between is lost, and
+    the next ARP or SYN retry is a second away, so a heal looked like no heal.
+    """
+    sysfs = Path("/sys/class/net") / veth
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            up = (sysfs / "operstate").read_text().strip() == "up"
+            port = sysfs / "brport" / "state"
+            forwarding = not port.exists() or port.read_text().strip() == "3"
+        except OSError:
+            up = forwarding = False
+        if up and forwarding:
+            return
+        time.sleep(0.02)
+    log.warning("%s not forwarding %.0f s after heal", veth, timeout)
 
 
 def _ip(*args: str, ok_errors: tuple[str, ...] = ()) -> str:
