@@ -20,8 +20,13 @@ slices) in listing order. An open that has to fetch its file's first block
 (:meth:`.reader.Reader.prefetch_block`, into L1, through the cache tier) of
 the next ``per_miss`` files after a per-directory cursor, skipping what L1
 holds or is fetching; a read that then uses a block fetched this way starts
-one more in its directory (:meth:`used`), so the window stays full while
-the loader consumes it. The cursor wraps: a later epoch whose blocks L1 has
+one more in its directory (:meth:`used`; they are started half a window
+at a time, so that the blocks of a top-up travel together), so the window
+stays between half full and full while the loader consumes it. Wanted
+blocks go to the reader together (:meth:`.reader.Reader.prefetch_many`):
+one ``get_many`` per owning cache node, not one ``get`` per file (a warm
+epoch of small files otherwise costs a round trip, ~1 ms of Python CPU on
+both ends, per file). The cursor wraps: a later epoch whose blocks L1 has
 dropped gets them fetched ahead again.
 
 Bounds: prefetched blocks not read yet take at most ``budget`` bytes of L1
@@ -79,6 +84,8 @@ class DirReadahead:
         self._files = 0
         self._pending: dict[BlockKey, tuple[int, int]] = {}  # fetched ahead, unread: key -> (dir, bytes)
         self._pending_bytes = 0
+        self.refill = max(1, per_miss // 2)  # files used before the window is topped up (see used)
+        self._owed: dict[int, int] = {}  # dir -> files used since its window was last topped up
         self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0}
 
     @property
@@ -121,6 +128,7 @@ class DirReadahead:
             self._drop(old, od)
 
     def _drop(self, dir_ino: int, d: _Dir) -> None:
+        self._owed.pop(dir_ino, None)
         for ino, _keys, _n in d.files:
             if self._where.get(ino) == dir_ino:
                 del self._where[ino]
@@ -136,7 +144,11 @@ class DirReadahead:
 
     def used(self, key: BlockKey) -> None:
         """A read used ``key`` (a block the reader prefetched): if it was one
-        of ours, its room is free again and one more file is fetched ahead."""
+        of ours, its room is free again and one more file is owed to its
+        directory's window; once ``refill`` (half of ``per_miss``) are owed,
+        they are fetched ahead together (one batch per cache node, see
+        :meth:`.reader.Reader.prefetch_many`: topping up one file at a time
+        would cost one round trip per file again)."""
         got = self._pending.pop(key, None)
         if got is None:
             return
@@ -144,23 +156,32 @@ class DirReadahead:
         self._pending_bytes -= nbytes
         self.stats["dir_prefetches_used"] += 1
         if dir_ino in self._dirs:
-            self._start(dir_ino, 1)
+            owed = self._owed.pop(dir_ino, 0) + 1
+            if owed >= self.refill:
+                self._start(dir_ino, owed)
+            else:
+                self._owed[dir_ino] = owed
 
     def _start(self, dir_ino: int, wanted: int, skip: int = 0) -> None:
         d = self._dirs.get(dir_ino)
         if d is None or not d.files:
             return
         reader = self.reader
+        batch: list[BlockKey] = []
         for _ in range(min(len(d.files), wanted * SCAN)):
             if wanted <= 0:
-                return
-            if self._pending_bytes >= self.budget and not self._reclaim():
-                return
+                break
+            if self._pending_bytes >= self.budget:
+                if batch:  # on their way first: _reclaim keeps only what is
+                    reader.prefetch_many(batch)
+                    batch = []
+                if not self._reclaim():
+                    break
             ino, keys, nbytes = d.files[d.cursor]
             d.cursor = (d.cursor + 1) % len(d.files)
             if ino == skip:
                 continue
-            todo = [k for k in keys if not reader.has_or_fetching(k)]
+            todo = [k for k in keys if not reader.has_or_fetching(k) and k not in batch]
             if not todo:
                 continue
             wanted -= 1
@@ -169,7 +190,9 @@ class DirReadahead:
                 self._pending[key] = (dir_ino, share)
                 self._pending_bytes += share
                 self.stats["dir_prefetches"] += 1
-                reader.prefetch_block(key)
+                batch.append(key)
+        if batch:
+            reader.prefetch_many(batch)
 
     def _reclaim(self) -> bool:
         """Forget pending blocks that are neither in L1 nor on their way

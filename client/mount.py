@@ -351,6 +351,9 @@ class MountCollector:
             fetches.add_metric([kind], reads[f"{kind}_fetches"])
         fetches.add_metric(["prefetch"], reads["prefetches"])
         yield fetches
+        yield _counter("cachefs_mount_batch_fetches", "get_many batches the read path sent (prefetches of "
+                       "many blocks from one cache node, reader.prefetch_many)", reads["batch_fetches"])
+        yield _counter("cachefs_mount_batch_blocks", "Blocks those batches brought", reads["batch_blocks"])
         if engine.reader.dirahead is not None:
             ahead = engine.reader.dirahead.stats
             yield _counter("cachefs_mount_dir_readahead_blocks", "Blocks of a directory's next imported "
