@@ -29,6 +29,9 @@ epoch of small files otherwise costs a round trip, ~1 ms of Python CPU on
 both ends, per file). The cursor wraps: a later epoch whose blocks L1 has
 dropped gets them fetched ahead again.
 
+The window shrinks when blocks fetched ahead are evicted unread, and grows
+back as they are read (:meth:`_reclaim`).
+
 Bounds: prefetched blocks not read yet take at most ``budget`` bytes of L1
 (a quarter of it by default), at most ``per_miss`` prefetches are started
 per miss (the extra traffic is a bounded multiple of the demand, and all of
@@ -84,9 +87,9 @@ class DirReadahead:
         self._files = 0
         self._pending: dict[BlockKey, tuple[int, int]] = {}  # fetched ahead, unread: key -> (dir, bytes)
         self._pending_bytes = 0
-        self.refill = max(1, per_miss // 2)  # files used before the window is topped up (see used)
+        self.window = per_miss  # files fetched ahead per miss now: per_miss, less after waste (see _reclaim)
         self._owed: dict[int, int] = {}  # dir -> files used since its window was last topped up
-        self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0}
+        self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0, "dir_prefetches_wasted": 0}
 
     @property
     def enabled(self) -> bool:
@@ -135,17 +138,22 @@ class DirReadahead:
         self._files -= len(d.files)
         del self._dirs[dir_ino]
 
+    @property
+    def refill(self) -> int:
+        """Files used before a directory's window is topped up (see :meth:`used`)."""
+        return max(1, self.window // 2)
+
     def missed(self, ino: int) -> None:
         """An open of ``ino`` has to fetch its first block: fetch its
         directory's next files too."""
         dir_ino = self._where.get(ino)
         if dir_ino is not None:
-            self._start(dir_ino, self.per_miss, skip=ino)
+            self._start(dir_ino, self.window, skip=ino)
 
     def used(self, key: BlockKey) -> None:
         """A read used ``key`` (a block the reader prefetched): if it was one
         of ours, its room is free again and one more file is owed to its
-        directory's window; once ``refill`` (half of ``per_miss``) are owed,
+        directory's window; once :attr:`refill` (half the window) are owed,
         they are fetched ahead together (one batch per cache node, see
         :meth:`.reader.Reader.prefetch_many`: topping up one file at a time
         would cost one round trip per file again)."""
@@ -157,6 +165,8 @@ class DirReadahead:
         self.stats["dir_prefetches_used"] += 1
         if dir_ino in self._dirs:
             owed = self._owed.pop(dir_ino, 0) + 1
+            if self.window < self.per_miss:
+                self.window += 1  # prefetches are being read: let the window grow back
             if owed >= self.refill:
                 self._start(dir_ino, owed)
             else:
@@ -168,6 +178,7 @@ class DirReadahead:
             return
         reader = self.reader
         batch: list[BlockKey] = []
+        started = 0
         for _ in range(min(len(d.files), wanted * SCAN)):
             if wanted <= 0:
                 break
@@ -177,6 +188,9 @@ class DirReadahead:
                     batch = []
                 if not self._reclaim():
                     break
+                wanted = min(wanted, self.window - started)  # it may have shrunk the window
+                if wanted <= 0:
+                    break
             ino, keys, nbytes = d.files[d.cursor]
             d.cursor = (d.cursor + 1) % len(d.files)
             if ino == skip:
@@ -185,6 +199,7 @@ class DirReadahead:
             if not todo:
                 continue
             wanted -= 1
+            started += 1
             share = nbytes // len(keys)
             for key in todo:
                 self._pending[key] = (dir_ino, share)
@@ -196,8 +211,18 @@ class DirReadahead:
 
     def _reclaim(self) -> bool:
         """Forget pending blocks that are neither in L1 nor on their way
-        (evicted unread, or their fetch failed); True if there is room now."""
+        (evicted unread, or their fetch failed); True if there is room now.
+
+        Such blocks were fetched for nothing (a shuffled epoch over a dataset
+        much larger than L1 reads a file long after its neighbours were
+        fetched ahead, if ever): the window halves, down to one file a miss,
+        and grows back by one with each block fetched ahead that a read uses
+        (additive increase, multiplicative decrease, as TCP's window)."""
         reader = self.reader
-        for key in [k for k in self._pending if not reader.has_or_fetching(k)]:
+        wasted = [k for k in self._pending if not reader.has_or_fetching(k)]
+        for key in wasted:
             self._pending_bytes -= self._pending.pop(key)[1]
+        if wasted:
+            self.stats["dir_prefetches_wasted"] += len(wasted)
+            self.window = max(1, self.window // 2)
         return self._pending_bytes < self.budget

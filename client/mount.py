@@ -360,6 +360,8 @@ class MountCollector:
                            "files fetched ahead by opens that missed (dirahead.py)", ahead["dir_prefetches"])
             yield _counter("cachefs_mount_dir_readahead_used_blocks", "Of those, blocks a read then used",
                            ahead["dir_prefetches_used"])
+            yield _counter("cachefs_mount_dir_readahead_wasted_blocks", "Of those, blocks evicted from L1 "
+                           "unread (each time some are found, the window halves)", ahead["dir_prefetches_wasted"])
         yield _counter("cachefs_mount_readahead_used_blocks",
                        "Prefetched blocks a read then used, found in L1 or joined in flight (readahead "
                        "efficiency: over "

@@ -95,12 +95,12 @@ def test_unread_prefetched_bytes_stay_within_the_budget_and_evicted_ones_free_it
     assert len(reader.started) == 3  # still unread: no room
     reader.l1.discard(reader.started[0])  # evicted unread
     ahead.missed(100 + 48)
-    assert len(reader.started) == 4
-    for used in reader.started[1:4]:
-        ahead.used(used)  # read: their room starts more, half a window (4) at a time
-    assert len(reader.started) == 4
-    ahead.missed(100 + 48)
-    assert len(reader.started) == 7  # the budget again
+    assert len(reader.started) == 4 and ahead.window == 4  # fetched for nothing: the window halved
+    ahead.used(reader.started[1])
+    ahead.used(reader.started[2])
+    assert len(reader.started) == 4  # owed: fewer than half the window (6 by now)
+    ahead.used(reader.started[3])  # read: their room starts more, together
+    assert len(reader.started) == 7 and ahead.window == 7  # the budget again
 
 
 def test_a_new_listing_replaces_the_old_one_and_the_cursor_wraps() -> None:
@@ -213,3 +213,19 @@ async def test_a_miss_fetches_ahead_in_one_batch_per_cache_node_and_misses_go_on
         assert reader.stats["batch_blocks"] == 7 and reader.stats["prefetches"] == 8
         assert await reader.block(key(3)) == key(3).to_bytes()  # in L1: no fetch
         assert source.fetches == [key(4)]
+
+
+def test_blocks_evicted_unread_shrink_the_window_and_used_ones_grow_it_back() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=8 * SIZE, per_miss=8)  # type: ignore[arg-type]
+    ahead.listed(7, files(100), restart=True)
+    ahead.missed(100 + 99)
+    assert len(reader.started) == 8 and ahead.window == 8
+    reader.fetching.clear()  # all 8 evicted unread (a shuffled epoch larger than L1)
+    ahead.missed(100 + 98)  # the budget is full: reclaiming finds the waste
+    assert ahead.stats["dir_prefetches_wasted"] == 8 and ahead.window == 4
+    assert len(reader.started) == 8 + 4
+    reader.land()
+    for k in reader.started[8:12]:
+        ahead.used(k)
+    assert ahead.window == 8  # read: grown back, by one a block
