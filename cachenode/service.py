@@ -47,6 +47,13 @@ every slot); over either, the answer is ``Busy`` at once and the client tries
 its next candidate. Background fills started by ``fast-fail`` are bounded by
 ``max_background_fills``.
 
+``get_many`` (a client's directory readahead: the next small files of a
+listed directory, one call per owning node) serves up to ``MAX_GET_MANY``
+whole blocks from the store in one reply and marks the rest as misses,
+never reading through: a batch costs no backing fetch and joins no fill, and
+the client reads its misses with ``get`` as before. One warm epoch of small
+files so costs a round trip per batch instead of per file.
+
 Prefetch (the warm-up path) queues keys for workers that fill them, bypassing
 admission. ``prefetch(..., wait=True)`` answers when its own batch is done,
 with per-batch counts, which is what ``cachefs warmup`` uses for its progress.

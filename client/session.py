@@ -49,6 +49,7 @@ from cachefs.errors import (
     CacheMiss,
     ConnectionLost,
     InvalidArgument,
+    NoSuchMethod,
     NotFound,
     SliceExpired,
     TimedOut,
@@ -123,6 +124,7 @@ class Session:
         self.leases: LeaseCache | None = None  # see enable_leases
         # The front end drops the kernel's caches of lost leases: [(ino, names)].
         self._on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]] | None = None
+        self._no_get_many: set[str] = set()  # cache nodes that answered get_many with ENOSYS
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0,
                       "cache_batches": 0, "cache_batch_blocks": 0}
 
@@ -532,7 +534,9 @@ class Session:
     def owner(self, key: BlockKey) -> str | None:
         """The cache node :meth:`fetch` asks first for ``key``, or None."""
         candidates = self.router.candidates(key)
-        return candidates[0] if candidates else None
+        if not candidates or candidates[0] in self._no_get_many:
+            return None  # the single path
+        return candidates[0]
 
     async def fetch_many(self, addr: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
         """Whole blocks of ``keys`` that cache node ``addr`` holds, in as few
@@ -556,6 +560,10 @@ class Session:
                 self.router.mark_down(addr)
                 break
             except Busy:
+                break
+            except NoSuchMethod:  # a node older than get_many (a rolling upgrade): single gets there
+                log.info("cache node %s has no get_many: fetching its blocks one at a time", addr)
+                self._no_get_many.add(addr)
                 break
             except CacheFSError as exc:
                 self.stats["cache_errors"] += 1

@@ -229,3 +229,37 @@ def test_blocks_evicted_unread_shrink_the_window_and_used_ones_grow_it_back() ->
     for k in reader.started[8:12]:
         ahead.used(k)
     assert ahead.window == 8  # read: grown back, by one a block
+
+
+async def test_session_fetch_many_asks_again_for_what_a_reply_left_out_and_remembers_old_nodes() -> None:
+    from cachefs.client.session import Session
+    from cachefs.errors import NoSuchMethod
+    from cachefs.messages import MANY_MISS, MANY_NOT_SERVED
+
+    class Transport:  # a node that serves two blocks a reply and misses key(1)
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, list[BlockKey]]] = []
+
+        async def get_many(self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float) -> list[Any]:
+            self.calls.append((addr, list(keys)))
+            if addr == "old":
+                raise NoSuchMethod("no method get_many")
+            out: list[Any] = []
+            for k in keys:
+                if k == key(1):
+                    out.append(MANY_MISS)
+                elif sum(isinstance(o, memoryview) for o in out) < 2:
+                    out.append(memoryview(k.to_bytes()))
+                else:
+                    out.append(MANY_NOT_SERVED)
+            return out
+
+    transport = Transport()
+    session = Session(None, "v", "s", {}, zone="z1", transport=transport, backing=None)  # type: ignore[arg-type]
+    keys = [key(i) for i in range(6)]
+    got = await session.fetch_many("new", keys)
+    assert got == {k: k.to_bytes() for k in keys if k != key(1)}
+    assert all(type(v) is bytes for v in got.values())
+    assert [len(ks) for _, ks in transport.calls] == [6, 3, 1]  # the rest asked again, the miss not
+    assert await session.fetch_many("old", keys) == {}
+    assert "old" in session._no_get_many
