@@ -8,6 +8,9 @@ edge (``MetaClient`` calls the decoder its command or query names): a
 malformed answer from a metanode becomes an ``IOFailure`` there, never a
 half-built object deeper in.
 
+The cache node's ``get_many`` reply (:class:`BlockBatch`) is typed here
+too: the client decodes it at the same kind of edge.
+
 Replies of the administrative calls (volume specs, the cluster map, volume
 lists) stay JSON-shaped maps: the CLI prints them as they are, under keys
 other tools read.
@@ -401,3 +404,48 @@ def mapping_list(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list | tuple) or not all(isinstance(v, dict) for v in raw):
         raise IOFailure(f"metanode sent {type(raw).__name__} for a list of maps")
     return list(raw)
+
+
+MANY_MISS = -1  # get_many: the node does not hold the block (the client reads it the usual way)
+MANY_NOT_SERVED = -2  # get_many: over the reply's byte budget; ask again
+
+
+class BlockBatch(NamedTuple):
+    """A cache node's ``get_many`` answer: per key asked, in order, the
+    block's size if it is in the payload (the served blocks joined in key
+    order), else :data:`MANY_MISS` or :data:`MANY_NOT_SERVED`."""
+
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_wire(cls, raw: Any, asked: int, payload_len: int) -> BlockBatch:
+        """Check a reply to a call that asked ``asked`` keys and brought
+        ``payload_len`` bytes of payload.
+
+        Raises:
+            IOFailure: a malformed reply (wrong count, a bad size, sizes that
+                do not add up to the payload).
+        """
+        sizes = raw[0] if isinstance(raw, list | tuple) and len(raw) == 1 else None
+        if (
+            not isinstance(sizes, list | tuple)
+            or len(sizes) != asked
+            or not _INT.issuperset(map(type, sizes))
+            or any(s < MANY_NOT_SERVED for s in sizes)
+            or sum(s for s in sizes if s >= 0) != payload_len
+        ):
+            raise IOFailure(f"malformed get_many reply from cache node: {raw!r:.200}")
+        return cls(tuple(sizes))
+
+    def split(self, payload: bytes | bytearray | memoryview) -> list[memoryview | int]:
+        """Per key: a view of its block in ``payload``, or its marker."""
+        view = memoryview(payload) if payload is not None else memoryview(b"")
+        out: list[memoryview | int] = []
+        pos = 0
+        for size in self.sizes:
+            if size < 0:
+                out.append(size)
+            else:
+                out.append(view[pos : pos + size])
+                pos += size
+        return out

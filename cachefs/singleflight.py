@@ -15,6 +15,12 @@ A job runs one of two ways:
   a read waits for its block anyway). If that task is cancelled, the flight
   settles with no outcome and each waiter tries again, one of them becoming
   the runner, instead of failing with someone else's cancellation.
+- :meth:`SingleFlight.run_many` runs one job for many keys in the asking
+  task (the client's batched prefetch: one ``get_many`` for a directory's
+  next files): a flight per key not under way already, settled with the
+  value the job returned for it. A key the job returned nothing for (a
+  miss) settles with no outcome, like a cancelled runner: each waiter
+  tries again, one of them running its own single job.
 - :meth:`SingleFlight.start` runs it in a nursery, detached from every
   caller (the cache node: a reader that gives up must not cancel the fetch
   the others wait for). An optional ``then`` step runs after the result is
@@ -127,6 +133,33 @@ class SingleFlight(Generic[K, V]):
             del self._flights[key]
             flight._settled.set()
             flight.finished.set()
+
+    async def run_many(self, keys: list[K], job: Callable[[list[K]], Awaitable[dict[K, V]]]) -> dict[K, V]:
+        """``await job(mine)`` in this task for the keys of ``keys`` no flight
+        is under way for (``mine``, in order); each of those keys' flights
+        settles with ``job``'s value for it, or with no outcome (its waiters
+        run their own jobs) if the job returned none for it or failed.
+        Returns what the job returned (keys under way already are not waited for).
+
+        Raises:
+            CacheFSError: the job's error (its keys' waiters try again themselves).
+        """
+        flights: dict[K, Flight[V]] = {}
+        for key in keys:  # no await between the lookups and the registrations
+            if key not in self._flights and key not in flights:
+                flights[key] = self._flights[key] = Flight()
+        got: dict[K, V] = {}
+        try:
+            if flights:
+                got = await job(list(flights))
+            return got
+        finally:
+            for key, flight in flights.items():
+                del self._flights[key]
+                if key in got:
+                    flight._value, flight._has_value = got[key], True
+                flight._settled.set()
+                flight.finished.set()
 
     def start(
         self,

@@ -47,6 +47,13 @@ every slot); over either, the answer is ``Busy`` at once and the client tries
 its next candidate. Background fills started by ``fast-fail`` are bounded by
 ``max_background_fills``.
 
+``get_many`` (a client's directory readahead: the next small files of a
+listed directory, one call per owning node) serves up to ``MAX_GET_MANY``
+whole blocks from the store in one reply and marks the rest as misses,
+never reading through: a batch costs no backing fetch and joins no fill, and
+the client reads its misses with ``get`` as before. One warm epoch of small
+files so costs a round trip per batch instead of per file.
+
 Prefetch (the warm-up path) queues keys for workers that fill them, bypassing
 admission. ``prefetch(..., wait=True)`` answers when its own batch is done,
 with per-batch counts, which is what ``cachefs warmup`` uses for its progress.
@@ -89,6 +96,7 @@ from cachefs.errors import (
     TimedOut,
 )
 from cachefs.ids import BlockKey
+from cachefs.messages import MANY_MISS, MANY_NOT_SERVED, BlockBatch
 from cachefs.pagecache import WouldBlock
 from cachefs.rpc import CallContext, Reply, rpc_method
 from cachefs.singleflight import Flight, SingleFlight
@@ -101,6 +109,10 @@ log = logging.getLogger(__name__)
 POLICIES = ("wait", "fast-fail", "peek")
 MAX_HOLDS = 10_000  # keys per holds or evict call
 MAX_ADDR = 300  # bytes of a prefetch source address
+MAX_GET_MANY = 64  # keys per get_many call
+# Bytes of blocks per get_many reply: far under the wire's frame (64 MiB) and
+# outbox (32 MiB) limits; 64 blocks of 128 KiB fit, two of 4 MiB.
+GET_MANY_BYTES = 8 << 20
 HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
@@ -111,6 +123,8 @@ BYTES_IN = Counter(
 BYTES_OUT = Counter("cachefs_cache_served_bytes_total", "Bytes served to clients", ["node"])
 USED = Gauge("cachefs_cache_used_bytes", "Bytes of blocks in the cache store", ["node"])
 CAPACITY = Gauge("cachefs_cache_capacity_bytes", "Bytes the cache store may hold", ["node"])
+MANY_CALLS = Counter("cachefs_cache_get_many_total", "get_many calls (batches of blocks)", ["node"])
+MANY_BLOCKS = Counter("cachefs_cache_get_many_blocks_total", "Blocks served by get_many calls", ["node"])
 BUSY = Counter("cachefs_cache_busy_total", "Requests refused over a load limit", ["node"])
 BACKING_LATENCY = Histogram(
     "cachefs_cache_backing_fetch_seconds",
@@ -240,6 +254,8 @@ class ServiceCounters:
     peeks_missed: int = 0
     held_elsewhere: int = 0
     placed_elsewhere: int = 0
+    get_many: int = 0  # get_many calls
+    many_blocks: int = 0  # blocks they served
 
 
 def _key(raw: bytes) -> BlockKey:
@@ -296,6 +312,7 @@ class CacheService:
         m = {"node": node}
         self._m_hits, self._m_misses = HITS.labels(**m), MISSES.labels(**m)
         self._m_busy = BUSY.labels(**m)
+        self._m_many, self._m_many_blocks = MANY_CALLS.labels(**m), MANY_BLOCKS.labels(**m)
         self._m_in, self._m_out = BYTES_IN.labels(**m), BYTES_OUT.labels(**m)
         self._m_backing = BACKING_LATENCY.labels(**m)
         self._m_fill = FILL_LATENCY.labels(**m)
@@ -677,6 +694,74 @@ class CacheService:
         return Reply({"size": size, "hit": hit}, payload=data)
 
     @rpc_method(roles=CLIENTS)
+    async def get_many(self, volume: str, keys: list, ctx: CallContext | None = None) -> Reply:
+        """Whole blocks of ``keys`` that this node holds, in one reply (a
+        directory's small files, :mod:`cachefs.client.dirahead`).
+
+        Served from the store only: a miss is answered as one
+        (:data:`~cachefs.messages.MANY_MISS`) and never read through, so a
+        batch costs no backing fetch and holds no request slot; the client
+        reads the misses through the single-block ``get`` (single flight and
+        read-through stay there). Blocks are added in order while they fit
+        in :data:`GET_MANY_BYTES` (well under the wire's frame and outbox
+        limits); the rest are answered :data:`~cachefs.messages.MANY_NOT_SERVED`
+        for the client to ask again. A memory-tier or page-cache hit is read
+        inline, a block on the disk in a worker thread (as ``get`` does);
+        checksums are verified by the store on every read, and a corrupt
+        block is a miss.
+
+        The reply: :class:`~cachefs.messages.BlockBatch` (a size or marker
+        per key) and the served blocks joined, in key order, as the payload.
+
+        Raises:
+            InvalidArgument: a bad volume name, ``keys`` not a list of at
+                most :data:`MAX_GET_MANY` block keys (bytes), a malformed key.
+            Busy: over a load limit (it takes one request slot, as ``get``).
+        """
+        _check_volume(volume)
+        if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
+            raise InvalidArgument(f"get_many takes a list of at most {MAX_GET_MANY} block keys (bytes)")
+        if len(keys) > MAX_GET_MANY:
+            raise InvalidArgument(f"get_many takes at most {MAX_GET_MANY} block keys, got {len(keys)}")
+        wanted = [_key(k) for k in keys]
+        self.counters.get_many += 1
+        self._m_many.inc()
+        with self._slot(ctx):
+            return await self._get_many(wanted)
+
+    async def _get_many(self, keys: list[BlockKey]) -> Reply:
+        sizes: list[int] = []
+        parts: list[Buffer] = []
+        total = 0
+        for i, key in enumerate(keys):
+            entry = self.store.lookup(key)
+            if entry is None:
+                sizes.append(MANY_MISS)
+                continue
+            if total + entry.size > GET_MANY_BYTES:
+                sizes.extend([MANY_NOT_SERVED] * (len(keys) - i))
+                break
+            cached = await self._read_cached(key, 0, -1)
+            if cached is None or len(cached[0]) != cached[1]:
+                sizes.append(MANY_MISS)  # dropped meanwhile, or corrupt (counted and dropped by the store)
+                continue
+            data = cached[0]
+            sizes.append(len(data))
+            parts.append(data)
+            total += len(data)
+        served = len(parts)
+        self.counters.hits += served
+        self.counters.misses += sizes.count(MANY_MISS)
+        self.counters.bytes_out += total
+        self.counters.many_blocks += served
+        self._m_hits.inc(served)
+        self._m_misses.inc(sizes.count(MANY_MISS))
+        self._m_out.inc(total)
+        self._m_many_blocks.inc(served)
+        payload = b"".join(parts) if parts else None
+        return Reply(BlockBatch(tuple(sizes)), payload=payload)
+
+    @rpc_method(roles=CLIENTS)
     async def put(
         self, volume: str, key: bytes, *, payload: Any = None, ctx: CallContext | None = None
     ) -> dict[str, Any]:
@@ -759,6 +844,8 @@ class CacheService:
             "peeks_missed": c.peeks_missed,
             "held_elsewhere": c.held_elsewhere,
             "placed_elsewhere": c.placed_elsewhere,
+            "get_many": c.get_many,
+            "get_many_blocks": c.many_blocks,
             **(self.buffers.stats if self.buffers is not None else {}),
             **(self.peers.stats if self.peers is not None else {}),
         }

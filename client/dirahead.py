@@ -20,9 +20,17 @@ slices) in listing order. An open that has to fetch its file's first block
 (:meth:`.reader.Reader.prefetch_block`, into L1, through the cache tier) of
 the next ``per_miss`` files after a per-directory cursor, skipping what L1
 holds or is fetching; a read that then uses a block fetched this way starts
-one more in its directory (:meth:`used`), so the window stays full while
-the loader consumes it. The cursor wraps: a later epoch whose blocks L1 has
+one more in its directory (:meth:`used`; they are started half a window
+at a time, so that the blocks of a top-up travel together), so the window
+stays between half full and full while the loader consumes it. Wanted
+blocks go to the reader together (:meth:`.reader.Reader.prefetch_many`):
+one ``get_many`` per owning cache node, not one ``get`` per file (a warm
+epoch of small files otherwise costs a round trip, ~1 ms of Python CPU on
+both ends, per file). The cursor wraps: a later epoch whose blocks L1 has
 dropped gets them fetched ahead again.
+
+The window shrinks when blocks fetched ahead are evicted unread, and grows
+back as they are read (:meth:`_reclaim`).
 
 Bounds: prefetched blocks not read yet take at most ``budget`` bytes of L1
 (a quarter of it by default), at most ``per_miss`` prefetches are started
@@ -79,7 +87,9 @@ class DirReadahead:
         self._files = 0
         self._pending: dict[BlockKey, tuple[int, int]] = {}  # fetched ahead, unread: key -> (dir, bytes)
         self._pending_bytes = 0
-        self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0}
+        self.window = per_miss  # files fetched ahead per miss now: per_miss, less after waste (see _reclaim)
+        self._owed: dict[int, int] = {}  # dir -> files used since its window was last topped up
+        self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0, "dir_prefetches_wasted": 0}
 
     @property
     def enabled(self) -> bool:
@@ -121,22 +131,32 @@ class DirReadahead:
             self._drop(old, od)
 
     def _drop(self, dir_ino: int, d: _Dir) -> None:
+        self._owed.pop(dir_ino, None)
         for ino, _keys, _n in d.files:
             if self._where.get(ino) == dir_ino:
                 del self._where[ino]
         self._files -= len(d.files)
         del self._dirs[dir_ino]
 
+    @property
+    def refill(self) -> int:
+        """Files used before a directory's window is topped up (see :meth:`used`)."""
+        return max(1, self.window // 2)
+
     def missed(self, ino: int) -> None:
         """An open of ``ino`` has to fetch its first block: fetch its
         directory's next files too."""
         dir_ino = self._where.get(ino)
         if dir_ino is not None:
-            self._start(dir_ino, self.per_miss, skip=ino)
+            self._start(dir_ino, self.window, skip=ino)
 
     def used(self, key: BlockKey) -> None:
         """A read used ``key`` (a block the reader prefetched): if it was one
-        of ours, its room is free again and one more file is fetched ahead."""
+        of ours, its room is free again and one more file is owed to its
+        directory's window; once :attr:`refill` (half the window) are owed,
+        they are fetched ahead together (one batch per cache node, see
+        :meth:`.reader.Reader.prefetch_many`: topping up one file at a time
+        would cost one round trip per file again)."""
         got = self._pending.pop(key, None)
         if got is None:
             return
@@ -144,37 +164,65 @@ class DirReadahead:
         self._pending_bytes -= nbytes
         self.stats["dir_prefetches_used"] += 1
         if dir_ino in self._dirs:
-            self._start(dir_ino, 1)
+            owed = self._owed.pop(dir_ino, 0) + 1
+            if self.window < self.per_miss:
+                self.window += 1  # prefetches are being read: let the window grow back
+            if owed >= self.refill:
+                self._start(dir_ino, owed)
+            else:
+                self._owed[dir_ino] = owed
 
     def _start(self, dir_ino: int, wanted: int, skip: int = 0) -> None:
         d = self._dirs.get(dir_ino)
         if d is None or not d.files:
             return
         reader = self.reader
+        batch: list[BlockKey] = []
+        started = 0
         for _ in range(min(len(d.files), wanted * SCAN)):
             if wanted <= 0:
-                return
-            if self._pending_bytes >= self.budget and not self._reclaim():
-                return
+                break
+            if self._pending_bytes >= self.budget:
+                if batch:  # on their way first: _reclaim keeps only what is
+                    reader.prefetch_many(batch)
+                    batch = []
+                if not self._reclaim():
+                    break
+                wanted = min(wanted, self.window - started)  # it may have shrunk the window
+                if wanted <= 0:
+                    break
             ino, keys, nbytes = d.files[d.cursor]
             d.cursor = (d.cursor + 1) % len(d.files)
             if ino == skip:
                 continue
-            todo = [k for k in keys if not reader.has_or_fetching(k)]
+            todo = [k for k in keys if not reader.has_or_fetching(k) and k not in batch]
             if not todo:
                 continue
             wanted -= 1
+            started += 1
             share = nbytes // len(keys)
             for key in todo:
                 self._pending[key] = (dir_ino, share)
                 self._pending_bytes += share
                 self.stats["dir_prefetches"] += 1
-                reader.prefetch_block(key)
+                batch.append(key)
+        if batch:
+            reader.prefetch_many(batch)
 
     def _reclaim(self) -> bool:
         """Forget pending blocks that are neither in L1 nor on their way
-        (evicted unread, or their fetch failed); True if there is room now."""
+        (evicted unread, or their fetch failed); True if there is room now.
+
+        Such blocks were fetched for nothing (a shuffled epoch over a dataset
+        much larger than L1 reads a file long after its neighbours were
+        fetched ahead, if ever): the window halves, down to one file a miss,
+        and grows back by one with each block fetched ahead that a read uses
+        (additive increase, multiplicative decrease, as TCP's window)."""
         reader = self.reader
-        for key in [k for k in self._pending if not reader.has_or_fetching(k)]:
+        wasted = [k for k in self._pending if not reader.has_or_fetching(k)]
+        for key in wasted:
             self._pending_bytes -= self._pending.pop(key)[1]
+        if wasted:
+            self.stats["dir_prefetches_wasted"] += len(wasted)
+            self.window = max(1, self.window // 2)
         return self._pending_bytes < self.budget

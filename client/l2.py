@@ -298,3 +298,17 @@ class CachedBlocks:
         if offset == 0 and length == -1:
             self.l2.keep(key, data)
         return data
+
+    def owner(self, key: BlockKey) -> str | None:
+        """The cache node to ask for ``key`` in a batch, or None: a block in
+        L2 is read from here, one at a time (:meth:`fetch`)."""
+        if self.holds(key):
+            return None
+        return self.source.owner(key)
+
+    async def fetch_many(self, addr: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
+        """The session's batch fetch; the blocks it brings are kept in L2 too."""
+        got = await self.source.fetch_many(addr, keys)
+        for key, data in got.items():
+            self.l2.keep(key, data)
+        return got

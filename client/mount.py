@@ -351,12 +351,17 @@ class MountCollector:
             fetches.add_metric([kind], reads[f"{kind}_fetches"])
         fetches.add_metric(["prefetch"], reads["prefetches"])
         yield fetches
+        yield _counter("cachefs_mount_batch_fetches", "get_many batches the read path sent (prefetches of "
+                       "many blocks from one cache node, reader.prefetch_many)", reads["batch_fetches"])
+        yield _counter("cachefs_mount_batch_blocks", "Blocks those batches brought", reads["batch_blocks"])
         if engine.reader.dirahead is not None:
             ahead = engine.reader.dirahead.stats
             yield _counter("cachefs_mount_dir_readahead_blocks", "Blocks of a directory's next imported "
                            "files fetched ahead by opens that missed (dirahead.py)", ahead["dir_prefetches"])
             yield _counter("cachefs_mount_dir_readahead_used_blocks", "Of those, blocks a read then used",
                            ahead["dir_prefetches_used"])
+            yield _counter("cachefs_mount_dir_readahead_wasted_blocks", "Of those, blocks evicted from L1 "
+                           "unread (each time some are found, the window halves)", ahead["dir_prefetches_wasted"])
         yield _counter("cachefs_mount_readahead_used_blocks",
                        "Prefetched blocks a read then used, found in L1 or joined in flight (readahead "
                        "efficiency: over "

@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 SEQ_SLACK = 256 * 1024
 TOUCH_MEMORY = 8192
+BATCH_KEYS = 64  # keys per batched prefetch (the cache node's get_many limit)
 PREFETCH_PARALLEL = 8  # readahead block fetches in flight, for the whole mount
 MAPS_KEPT = 1024  # resolved chunk maps kept, oldest out (64 GiB of chunks; up to ~10 KiB each for a list of 64 slices)
 
@@ -171,6 +172,8 @@ class Reader:
             "prefetches_used": 0,  # prefetched blocks a read then found in L1 or joined in flight
             "slice_lists": 0,  # chunk slice lists asked of the metanodes
             "early_reads": 0,  # opens that started fetching ahead of their first read
+            "batch_fetches": 0,  # prefetch_many's get_many batches
+            "batch_blocks": 0,  # blocks they brought
         }
 
     def new_readahead(self) -> Readahead:
@@ -400,6 +403,64 @@ class Reader:
         """Whether ``key`` is in L1, or a whole-block fetch of it is under way
         or waiting for a prefetch slot (:meth:`prefetch_block`)."""
         return key in self.l1 or key in self._blocks or key in self._queued
+
+    def prefetch_many(self, keys: list[BlockKey]) -> None:
+        """:meth:`prefetch_block` for many keys: those the source can batch
+        (its ``owner``: the cache node it would ask first; not one in L2)
+        are fetched in one ``get_many`` per node and group of up to
+        ``BATCH_KEYS``, each batch under one of the mount's prefetch slots;
+        the rest, and what a batch did not bring, one at a time."""
+        owner = getattr(self.source, "owner", None)
+        groups: dict[str, list[BlockKey]] = {}
+        for key in keys:
+            if self.has_or_fetching(key):
+                continue
+            addr = owner(key) if owner is not None else None
+            if addr is None:
+                self.prefetch_block(key)
+                continue
+            group = groups.setdefault(addr, [])
+            group.append(key)
+            self._queued.add(key)
+            if len(group) == BATCH_KEYS:
+                self._nursery.start_soon(self._prefetch_batch, addr, groups.pop(addr))
+        for addr, group in groups.items():
+            if len(group) == 1:  # a batch of one costs a get's round trip and more
+                self._queued.discard(group[0])
+                self.prefetch_block(group[0])
+            else:
+                self._nursery.start_soon(self._prefetch_batch, addr, group)
+
+    async def _prefetch_batch(self, addr: str, keys: list[BlockKey]) -> None:
+        try:
+            async with self._prefetch_limit:
+                self._queued.difference_update(keys)  # in _blocks from here on (or in L1 already)
+                keys = [k for k in keys if k not in self.l1 and k not in self._blocks]
+                for key in keys:  # marked before the fetch: a read that joins it in flight uses it
+                    self._prefetched[key] = None
+                self.stats["prefetches"] += len(keys)
+                while len(self._prefetched) > TOUCH_MEMORY:
+                    self._prefetched.popitem(last=False)
+                try:
+                    got = await self._blocks.run_many(keys, functools.partial(self._fetch_many, addr))
+                except CacheFSError as exc:
+                    log.debug("batched prefetch from %s failed: %s", addr, exc)
+                    got = {}
+        finally:
+            self._queued.difference_update(keys)
+        for key in keys:
+            if key not in got:  # a miss there (or the node failed): the single path, which reads through
+                self._prefetched.pop(key, None)
+                self.stats["prefetches"] -= 1
+                self.prefetch_block(key)
+
+    async def _fetch_many(self, addr: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
+        self.stats["batch_fetches"] += 1
+        got = await self.source.fetch_many(addr, keys)
+        self.stats["batch_blocks"] += len(got)
+        for key, data in got.items():
+            self.l1.put(key, data)
+        return got
 
     def prefetch_block(self, key: BlockKey) -> None:
         """Fetch block ``key`` whole into L1 in the background, under the

@@ -49,6 +49,7 @@ from cachefs.errors import (
     CacheMiss,
     ConnectionLost,
     InvalidArgument,
+    NoSuchMethod,
     NotFound,
     SliceExpired,
     TimedOut,
@@ -56,7 +57,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import Attr, LeasedAttr, Renamed
+from cachefs.messages import MANY_NOT_SERVED, Attr, LeasedAttr, Renamed
 from cachefs.metanode.client import MetaClient
 from cachefs.repo.source import RepoBlocks
 from cachefs.ring import CacheRouter
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 
 CACHE_TIMEOUT = 5.0
 MAP_REFRESH = 5.0
+GET_MANY_KEYS = 64  # keys per get_many call (the cache node's limit)
 # Slice ids taken from the metanodes at once: each ``alloc_slices`` is a
 # replicated log entry, and a random writer seals a run every few MiB. Ids
 # left unused when the mount ends are only gaps (no block has them).
@@ -122,7 +124,9 @@ class Session:
         self.leases: LeaseCache | None = None  # see enable_leases
         # The front end drops the kernel's caches of lost leases: [(ino, names)].
         self._on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]] | None = None
-        self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0}
+        self._no_get_many: set[str] = set()  # cache nodes that answered get_many with ENOSYS
+        self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0,
+                      "cache_batches": 0, "cache_batch_blocks": 0}
 
     @classmethod
     async def connect(
@@ -526,6 +530,57 @@ class Session:
         self._slice_ids = range(0)
 
     # ------------------------------------------------------------------ reads
+
+    def owner(self, key: BlockKey) -> str | None:
+        """The cache node :meth:`fetch` asks first for ``key``, or None."""
+        candidates = self.router.candidates(key)
+        if not candidates or candidates[0] in self._no_get_many:
+            return None  # the single path
+        return candidates[0]
+
+    async def fetch_many(self, addr: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
+        """Whole blocks of ``keys`` that cache node ``addr`` holds, in as few
+        ``get_many`` calls as its reply budget allows (at most
+        ``GET_MANY_KEYS`` keys a call). Keys missing from the answer (the node
+        misses them, is down or failed) are for :meth:`fetch` to read the
+        usual way; this never raises a cache node's error.
+
+        Each block is copied out of the reply into its own ``bytes``: a view
+        would keep the whole batch's buffer alive for as long as any one of
+        its blocks stayed in L1.
+        """
+        got: dict[BlockKey, bytes] = {}
+        todo = list(keys)
+        while todo:
+            ask, todo = todo[:GET_MANY_KEYS], todo[GET_MANY_KEYS:]
+            try:
+                answer = await self.transport.get_many(addr, self.volume, ask, timeout=CACHE_TIMEOUT)
+            except _DOWN as exc:
+                log.info("cache node %s is not answering (%s); reading around it", addr, exc)
+                self.router.mark_down(addr)
+                break
+            except Busy:
+                break
+            except NoSuchMethod:  # a node older than get_many (a rolling upgrade): single gets there
+                log.info("cache node %s has no get_many: fetching its blocks one at a time", addr)
+                self._no_get_many.add(addr)
+                break
+            except CacheFSError as exc:
+                self.stats["cache_errors"] += 1
+                log.info("cache node %s failed a get_many of %d blocks: %s", addr, len(ask), exc)
+                break
+            self.stats["cache_batches"] += 1
+            unserved = []
+            for key, item in zip(ask, answer, strict=True):
+                if isinstance(item, memoryview):
+                    got[key] = bytes(item)
+                elif item == MANY_NOT_SERVED:
+                    unserved.append(key)
+            if unserved and len(unserved) == len(ask):
+                break  # not even one fits a reply (a huge block): the single path
+            todo = unserved + todo
+        self.stats["cache_batch_blocks"] += len(got)
+        return got
 
     async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes | bytearray:
         """A block (range) from the cache tier, else from backing storage."""

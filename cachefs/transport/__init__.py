@@ -37,6 +37,10 @@ class BlockTransport(Protocol):
         timeout: float = 10.0,
     ) -> bytes | bytearray: ...
 
+    async def get_many(
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+    ) -> list[memoryview | int]: ...
+
     async def put(
         self, addr: str, volume: str, key: BlockKey, data: bytes, *, timeout: float = 10.0
     ) -> None: ...

@@ -343,6 +343,12 @@ class RdmaTransport:
             size = int(reply.result["size"])
             return ep.mr.read(size, slot_off)
 
+    async def get_many(
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+    ) -> list[memoryview | int]:
+        """Over TCP: a batch of small blocks is one reply, not one slot each."""
+        return await self.fallback.get_many(addr, volume, keys, timeout=timeout)
+
     async def put(
         self, addr: str, volume: str, key: BlockKey, data: bytes, *, timeout: float = 10.0
     ) -> None:

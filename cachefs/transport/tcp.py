@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cachefs.ids import BlockKey
+from cachefs.messages import BlockBatch
 from cachefs.rpc import RpcPool
 
 
@@ -34,6 +35,20 @@ class TcpTransport:
         }
         reply = await self.pool.call(addr, "get", args, timeout=timeout)
         return reply.payload if reply.payload is not None else b""
+
+    async def get_many(
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+    ) -> list[memoryview | int]:
+        """Whole blocks of ``keys`` from one cache node in one call: per key, a
+        view of its block in the reply's payload, or a ``BlockBatch`` marker.
+
+        Raises:
+            IOFailure: a malformed reply.
+        """
+        args = {"volume": volume, "keys": [k.to_bytes() for k in keys]}
+        reply = await self.pool.call(addr, "get_many", args, timeout=timeout)
+        payload = reply.payload if reply.payload is not None else b""
+        return BlockBatch.from_wire(reply.result, len(keys), len(payload)).split(payload)
 
     async def put(
         self, addr: str, volume: str, key: BlockKey, data: bytes, *, timeout: float = 10.0

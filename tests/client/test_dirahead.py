@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import trio
+import trio.lowlevel
 import trio.testing
 
 from cachefs.client.dirahead import DirReadahead
@@ -29,6 +30,7 @@ class FakeReader:
         self.l1: set[BlockKey] = set()
         self.fetching: set[BlockKey] = set()
         self.started: list[BlockKey] = []
+        self.batches: list[list[BlockKey]] = []
 
     def has_or_fetching(self, key: BlockKey) -> bool:
         return key in self.l1 or key in self.fetching
@@ -36,6 +38,11 @@ class FakeReader:
     def prefetch_block(self, key: BlockKey) -> None:
         self.started.append(key)
         self.fetching.add(key)
+
+    def prefetch_many(self, keys: list[BlockKey]) -> None:
+        self.batches.append(list(keys))
+        for k in keys:
+            self.prefetch_block(k)
 
     def land(self) -> None:
         self.l1 |= self.fetching
@@ -50,20 +57,23 @@ def files(n: int, imported: bool = True) -> list[tuple[int, int, list[Slice]]]:
     return [(100 + i, SIZE, [Slice(key(i, imported).slice_id, 0, SIZE)]) for i in range(n)]
 
 
-def test_a_miss_fetches_the_next_listed_files_and_a_used_one_fetches_one_more() -> None:
+def test_a_miss_fetches_the_next_listed_files_and_used_ones_top_up_half_a_window() -> None:
     reader = FakeReader()
     ahead = DirReadahead(reader, budget=1 << 30, per_miss=4)  # type: ignore[arg-type]
     ahead.listed(7, files(20), restart=True)
     reader.l1.add(key(2))  # read before: skipped
     ahead.missed(100 + 1)  # itself skipped too
     assert reader.started == [key(0), key(3), key(4), key(5)]
+    assert reader.batches == [[key(0), key(3), key(4), key(5)]]  # one batch
     reader.land()
     ahead.used(key(3))
-    assert reader.started[-1] == key(6) and len(reader.started) == 5
+    assert len(reader.started) == 4  # owed, not started alone
     ahead.used(key(3))  # counted once
-    assert len(reader.started) == 5
+    assert len(reader.started) == 4
+    ahead.used(key(4))  # half the window used: topped up together
+    assert reader.batches[-1] == [key(6), key(7)] and len(reader.started) == 6
     ahead.missed(999)  # a file of no listed directory: nothing
-    assert len(reader.started) == 5
+    assert len(reader.started) == 6
 
 
 def test_native_files_and_unlisted_directories_are_left_alone() -> None:
@@ -85,9 +95,12 @@ def test_unread_prefetched_bytes_stay_within_the_budget_and_evicted_ones_free_it
     assert len(reader.started) == 3  # still unread: no room
     reader.l1.discard(reader.started[0])  # evicted unread
     ahead.missed(100 + 48)
-    assert len(reader.started) == 4
-    ahead.used(reader.started[1])  # read: its room starts one more
-    assert len(reader.started) == 5
+    assert len(reader.started) == 4 and ahead.window == 4  # fetched for nothing: the window halved
+    ahead.used(reader.started[1])
+    ahead.used(reader.started[2])
+    assert len(reader.started) == 4  # owed: fewer than half the window (6 by now)
+    ahead.used(reader.started[3])  # read: their room starts more, together
+    assert len(reader.started) == 7 and ahead.window == 7  # the budget again
 
 
 def test_a_new_listing_replaces_the_old_one_and_the_cursor_wraps() -> None:
@@ -156,3 +169,97 @@ def test_directories_are_remembered_up_to_a_bound_and_known_until_forgotten() ->
         ahead.listed(d, files(2, imported=False), restart=True)
     assert len(ahead._dirs) == dirahead.MAX_DIRS
     assert not ahead.knows(1) and ahead.knows(dirahead.MAX_DIRS + 9)
+
+
+class BatchSource:
+    """Blocks from two fake cache nodes, by key parity; ``cached``: what they hold."""
+
+    block_size = BS
+
+    def __init__(self, cached: set[BlockKey]) -> None:
+        self.cached = cached
+        self.batches: list[tuple[str, list[BlockKey]]] = []
+        self.fetches: list[BlockKey] = []
+
+    def owner(self, key: BlockKey) -> str:
+        return f"node{key.slice_id % 2}"
+
+    async def read_chunk(self, ino: int, chunk: int) -> list[Slice]:
+        return []
+
+    async def fetch_many(self, addr: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
+        self.batches.append((addr, list(keys)))
+        await trio.lowlevel.checkpoint()
+        return {k: k.to_bytes() for k in keys if k in self.cached}
+
+    async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes:
+        self.fetches.append(key)
+        return key.to_bytes()
+
+
+async def test_a_miss_fetches_ahead_in_one_batch_per_cache_node_and_misses_go_one_at_a_time() -> None:
+    source = BatchSource({key(i) for i in range(10) if i != 4})
+    async with trio.open_nursery() as nursery:
+        reader = Reader(source, L1Cache(1 << 20), nursery=nursery, readahead_max=BS)  # type: ignore[arg-type]
+        ahead = DirReadahead(reader, budget=1 << 30, per_miss=8)
+        ahead.listed(7, files(10), restart=True)
+        ahead.missed(100 + 9)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(addr for addr, _ in source.batches) == ["node0", "node1"]
+        assert sorted(k for _, keys in source.batches for k in keys) == [key(i) for i in range(8)]
+        assert source.fetches == [key(4)]  # not cached there: the single path (which reads through)
+        for i in range(8):
+            assert bytes(reader.l1.get(key(i)) or b"") == key(i).to_bytes()
+        assert reader.stats["batch_blocks"] == 7 and reader.stats["prefetches"] == 8
+        assert await reader.block(key(3)) == key(3).to_bytes()  # in L1: no fetch
+        assert source.fetches == [key(4)]
+
+
+def test_blocks_evicted_unread_shrink_the_window_and_used_ones_grow_it_back() -> None:
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=8 * SIZE, per_miss=8)  # type: ignore[arg-type]
+    ahead.listed(7, files(100), restart=True)
+    ahead.missed(100 + 99)
+    assert len(reader.started) == 8 and ahead.window == 8
+    reader.fetching.clear()  # all 8 evicted unread (a shuffled epoch larger than L1)
+    ahead.missed(100 + 98)  # the budget is full: reclaiming finds the waste
+    assert ahead.stats["dir_prefetches_wasted"] == 8 and ahead.window == 4
+    assert len(reader.started) == 8 + 4
+    reader.land()
+    for k in reader.started[8:12]:
+        ahead.used(k)
+    assert ahead.window == 8  # read: grown back, by one a block
+
+
+async def test_session_fetch_many_asks_again_for_what_a_reply_left_out_and_remembers_old_nodes() -> None:
+    from cachefs.client.session import Session
+    from cachefs.errors import NoSuchMethod
+    from cachefs.messages import MANY_MISS, MANY_NOT_SERVED
+
+    class Transport:  # a node that serves two blocks a reply and misses key(1)
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, list[BlockKey]]] = []
+
+        async def get_many(self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float) -> list[Any]:
+            self.calls.append((addr, list(keys)))
+            if addr == "old":
+                raise NoSuchMethod("no method get_many")
+            out: list[Any] = []
+            for k in keys:
+                if k == key(1):
+                    out.append(MANY_MISS)
+                elif sum(isinstance(o, memoryview) for o in out) < 2:
+                    out.append(memoryview(k.to_bytes()))
+                else:
+                    out.append(MANY_NOT_SERVED)
+            return out
+
+    transport = Transport()
+    session = Session(None, "v", "s", {}, zone="z1", transport=transport, backing=None)  # type: ignore[arg-type]
+    keys = [key(i) for i in range(6)]
+    got = await session.fetch_many("new", keys)
+    assert got == {k: k.to_bytes() for k in keys if k != key(1)}
+    assert all(type(v) is bytes for v in got.values())
+    assert [len(ks) for _, ks in transport.calls] == [6, 3, 1]  # the rest asked again, the miss not
+    assert await session.fetch_many("old", keys) == {}
+    assert "old" in session._no_get_many

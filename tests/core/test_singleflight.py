@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import trio
 import trio.testing
@@ -129,3 +131,47 @@ async def test_a_detached_error_is_raised_to_waiters_and_frees_the_key(nursery) 
         await flight.wait()
     await flight.finished.wait()
     assert "k" not in flights and not flight.ready
+
+
+async def test_run_many_settles_each_key_and_a_miss_is_run_alone_by_its_waiter() -> None:
+    flights: SingleFlight[str, str] = SingleFlight()
+    go = trio.Event()
+    asked: list[list[str]] = []
+    singles: list[str] = []
+
+    async def batch(keys: list[str]) -> dict[str, str]:
+        asked.append(keys)
+        await go.wait()
+        return {k: k.upper() for k in keys if k != "miss"}
+
+    async def single(key: str) -> str:
+        singles.append(key)
+        return key + "!"
+
+    got: dict[str, str] = {}
+
+    async def read(key: str) -> None:
+        got[key] = await flights.run(key, functools.partial(single, key))
+
+    async with trio.open_nursery() as n:
+        async def many() -> None:
+            got.update(await flights.run_many(["a", "miss", "b", "a"], batch))
+
+        n.start_soon(many)
+        await trio.testing.wait_all_tasks_blocked()
+        assert "a" in flights and "miss" in flights
+        n.start_soon(read, "a")  # joins the batch
+        n.start_soon(read, "miss")  # joins it, then runs its own job
+        await trio.testing.wait_all_tasks_blocked()
+        second: dict[str, str] = {}
+
+        async def again() -> None:
+            second.update(await flights.run_many(["a", "c"], batch))  # "a" is under way: not asked again
+
+        n.start_soon(again)
+        await trio.testing.wait_all_tasks_blocked()
+        go.set()
+    assert asked[0] == ["a", "miss", "b"] and asked[1] == ["c"]
+    assert second == {"c": "C"}
+    assert got == {"a": "A", "b": "B", "miss": "miss!"} and singles == ["miss"]
+    assert len(flights) == 0

@@ -277,6 +277,48 @@ def test_an_open_that_misses_fetches_its_directorys_next_imported_files_ahead(s3
         assert repo_cli(lab, "unlink", "lab", "/ahead").returncode == 0
 
 
+async def all_cache_stats(lab: Any) -> list[dict[str, Any]]:
+    async with RpcPool(secret=lab.credential("admin")) as pool:
+        return [(await pool.call(node.addr, "stats", {}, timeout=10)).result for node in lab.of_kind("cachenode")]
+
+
+def test_a_warm_epoch_of_small_files_comes_from_the_cache_tier_in_batches(s3, objects, lab, mnt) -> None:
+    """Warmed into the cache tier, a directory's small files read in shuffled
+    order come to the mount in get_many batches (dirahead.py), not one get each."""
+    c = client(s3)
+    rng = random.Random(13)
+    files = {f"f{i:03d}.jpg": rng.randbytes(110 * 1024 + rng.randrange(100)) for i in range(48)}
+    for name, body in files.items():
+        c.put_object(Bucket=BUCKET, Key="warm/d/" + name, Body=body)
+    out = repo_cli(lab, "link", "lab", "/warm", f"s3://{BUCKET}/warm", "--endpoint", s3.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+    root = mnt / "warm" / "d"
+    try:
+        warm = subprocess.run([sys.executable, "-m", "cachefs.cli", "warmup", "--volume", "lab", "--meta",
+                               ",".join(lab.meta_addrs), "--secret-file", str(lab.credential_file("client")),
+                               "--quiet", "/warm"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert warm.returncode == 0, warm.stdout + warm.stderr
+        before = lab.run(all_cache_stats, lab)
+        batches = mount_counter(mnt, "cachefs_mount_batch_fetches")
+        blocks = mount_counter(mnt, "cachefs_mount_batch_blocks")
+        names = os.listdir(root)
+        assert sorted(names) == sorted(files)
+        rng.shuffle(names)
+        for name in names:
+            assert (root / name).read_bytes() == files[name], name
+        after = lab.run(all_cache_stats, lab)
+        batches = mount_counter(mnt, "cachefs_mount_batch_fetches") - batches
+        blocks = mount_counter(mnt, "cachefs_mount_batch_blocks") - blocks
+        calls = sum(a["get_many"] - b["get_many"] for a, b in zip(after, before, strict=True))
+        served = sum(a["get_many_blocks"] - b["get_many_blocks"] for a, b in zip(after, before, strict=True))
+        assert served == blocks and calls == batches
+        assert blocks >= len(files) // 2, (batches, blocks)  # most files came in batches
+        assert blocks >= 2 * batches, (batches, blocks)  # several blocks a call, not one RPC each
+        assert sum(a["backing_fetches"] - b["backing_fetches"] for a, b in zip(after, before, strict=True)) == 0
+    finally:
+        assert repo_cli(lab, "unlink", "lab", "/warm").returncode == 0
+
+
 def test_unlink_forgets_the_link(s3, objects, lab, mnt) -> None:
     out = repo_cli(lab, "unlink", "lab", "/datasets/train")
     assert out.returncode == 0, out.stderr

@@ -46,10 +46,11 @@ def test_a_client_credential_reaches_only_client_operations_on_its_volumes(small
                 # its own volume: the call reaches the handler (nothing is there)
                 (data, "get", "lab"): "ENOENT", (data, "stat", "lab"): "ENOENT",
                 (cache, "prefetch_status", None): "OK", (meta, "health", None): "OK",
+                (cache, "get_many", "lab"): "OK",
                 # another volume: refused, even for the operations it may do
                 (data, "get", "other"): "EACCES", (data, "put", "other"): "EACCES",
                 (cache, "get", "other"): "EACCES", (cache, "put", "other"): "EACCES",
-                (cache, "prefetch", "other"): "EACCES",
+                (cache, "prefetch", "other"): "EACCES", (cache, "get_many", "other"): "EACCES",
                 # operations that are not a client's, on any volume
                 (data, "delete", "lab"): "EACCES", (data, "list", "lab"): "EACCES",
                 (data, "scrub", "lab"): "EACCES", (data, "volumes", None): "EACCES",
@@ -66,7 +67,7 @@ def test_a_client_credential_reaches_only_client_operations_on_its_volumes(small
                     payload = b"x" * 100
                     if addr == data:
                         args |= {"index": 0, "meta": b""}
-                if method == "prefetch":
+                if method in ("prefetch", "get_many"):
                     args = {"volume": volume, "keys": [KEY]}
                 if method in ("list", "scrub"):
                     args = {"volume": volume}
