@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from .reader import Reader
 
 
-PER_MISS = 8  # prefetches started by one demand miss
+PER_MISS = 32  # files fetched ahead by one demand miss (the window; it halves on waste, see _reclaim)
 MAX_FILES = 1 << 18  # files remembered over all directories
 MAX_DIRS = 4096  # directories remembered (those without imported files count too)
 SCAN = 4  # entries looked at per prefetch wanted (the rest are in L1 or on their way)

@@ -23,6 +23,7 @@ from typing import Any
 import boto3
 import pytest
 
+from cachefs.client import dirahead
 from cachefs.rpc import RpcPool
 from cachefs.testing.labs import running_lab
 from cachefs.testing.ports import free_port
@@ -249,7 +250,8 @@ def mount_counter(mnt: Path, name: str) -> float:
 def test_an_open_that_misses_fetches_its_directorys_next_imported_files_ahead(s3, objects, lab, mnt) -> None:
     c = client(s3)
     rng = random.Random(3)
-    files = {f"img{i:02d}.jpg": rng.randbytes(rng.randrange(20_000, 90_000)) for i in range(12)}
+    window = dirahead.PER_MISS  # the mount's default --dir-readahead
+    files = {f"img{i:02d}.jpg": rng.randbytes(rng.randrange(20_000, 90_000)) for i in range(window + 4)}
     for name, body in files.items():
         c.put_object(Bucket=BUCKET, Key="ahead/d/" + name, Body=body)
     out = repo_cli(lab, "link", "lab", "/ahead", f"s3://{BUCKET}/ahead", "--endpoint", s3.endpoint, "--json")
@@ -260,18 +262,18 @@ def test_an_open_that_misses_fetches_its_directorys_next_imported_files_ahead(s3
         fetched = lab.run(cache_stats, lab)["backing_fetches"]
         ahead = mount_counter(mnt, "cachefs_mount_dir_readahead_blocks")
         assert (root / "img05.jpg").read_bytes() == files["img05.jpg"]
-        # One open missed: it fetched the directory's next 8 files too (in
-        # listing order after the cursor, itself skipped), each from S3 once
-        # by the cache node, into the mount's L1.
+        # One open missed: it fetched the directory's next `window` files too
+        # (in listing order after the cursor, itself skipped), each from S3
+        # once by the cache node, into the mount's L1.
         for _ in range(100):
-            if lab.run(cache_stats, lab)["backing_fetches"] - fetched >= 9:
+            if lab.run(cache_stats, lab)["backing_fetches"] - fetched >= window + 1:
                 break
             time.sleep(0.1)
-        assert lab.run(cache_stats, lab)["backing_fetches"] - fetched == 9
-        assert mount_counter(mnt, "cachefs_mount_dir_readahead_blocks") - ahead == 8
+        assert lab.run(cache_stats, lab)["backing_fetches"] - fetched == window + 1
+        assert mount_counter(mnt, "cachefs_mount_dir_readahead_blocks") - ahead == window
         used = mount_counter(mnt, "cachefs_mount_dir_readahead_used_blocks")
         assert files_under(root) == files  # every byte; the rest fetched on demand or ahead
-        assert mount_counter(mnt, "cachefs_mount_dir_readahead_used_blocks") - used >= 8
+        assert mount_counter(mnt, "cachefs_mount_dir_readahead_used_blocks") - used >= window
         assert lab.run(cache_stats, lab)["backing_fetches"] - fetched == len(files)  # nothing twice
     finally:
         assert repo_cli(lab, "unlink", "lab", "/ahead").returncode == 0
