@@ -402,7 +402,13 @@ async def test_a_replica_with_a_damaged_wal_refuses_to_start_and_is_rebuilt(
                 await trio.sleep(0.01)
         v = cluster.replicas[victim].node
         with trio.fail_after(10):  # its own compactions done, and none due after 3 more entries
+            filler = 0
             while v.core.log.snap_index < 20 or v.snapshotting or v.core.applied - v.core.log.snap_index > 6:
+                if not v.snapshotting and v.core.log.snap_index >= 20 and v.core.applied == leader.node.applied:
+                    # Its last compaction came early in the batch (at 20 of 31, say): none is
+                    # due until 10 more, so more entries bring the next one on.
+                    filler += 1
+                    await leader.node.propose(put("f", filler, "f", filler))
                 await trio.sleep(0.01)
         for k in range(3):  # Readys after the compaction's rewrite
             await leader.node.propose(put("e", k + 1, "e", k))
