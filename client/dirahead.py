@@ -1,21 +1,22 @@
-"""Readahead across the small imported files of a directory: a data loader's next files.
+"""Readahead across the small files of a directory: a data loader's next files.
 
 A data loader reads a dataset of small files (one block each) in shuffled
 order. Every file is then a demand miss, and readahead within a file (the
 kernel's, :class:`~.reader.Readahead`) never starts the next file's fetch:
-a cold epoch over a linked bucket costs one round trip per file through the
-cache node to the object store, only as many at a time as the loader has
+a cold epoch costs one round trip per file through the cache node to the
+datanodes or the object store, only as many at a time as the loader has
 workers (profile of ``bench.repo_bench``, cold: 200 fills of 110 KiB objects
 averaged 121 ms each at the cache node with 4 in flight, while the mount
-and the cache node were mostly idle). Fetching the next files of the same
+and the cache node were mostly idle), and a warm one a ``get`` per file.
+Fetching the next files of the same
 directory while the loader decodes the current ones is what Alluxio's and
 JuiceFS's directory prefetch, and FSx for Lustre's batched loads, do.
 
 How it works: a ``readdir`` (``LoadDir``) brings chunk 0's slice list of
 every small file with the listing, so the block keys of a directory's files
 are known before any of them is opened. :meth:`DirReadahead.listed` keeps,
-per directory, the files whose first block range is imported data (repo
-slices) in listing order. An open that has to fetch its file's first block
+per directory, the small files with data (written here or imported from a
+linked bucket) in listing order. An open that has to fetch its file's first block
 (:meth:`missed`: not in L1, not in flight) starts whole-block prefetches
 (:meth:`.reader.Reader.prefetch_block`, into L1, through the cache tier) of
 the next ``per_miss`` files after a per-directory cursor, skipping what L1
@@ -41,8 +42,8 @@ remembered over all directories, and at most ``MAX_DIRS`` directories
 (oldest directories forgotten first).
 
 Correctness: nothing here decides what a read returns. Blocks are immutable
-and keyed by slice id, and an imported file's slice is tied to its object's
-content version, so a block fetched ahead is only ever used by a read that
+and keyed by slice id (a written slice is never rewritten, and an imported
+file's slice is tied to its object's content version), so a block fetched ahead is only ever used by a read that
 resolved the same key from the inode's current slice list; a file changed
 after the listing reads its new version's blocks, and the old ones only age
 out of L1.
@@ -54,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cachefs.ids import BlockKey, is_repo_slice
+from cachefs.ids import BlockKey
 from cachefs.layout import HOLE, Slice, resolve, segment_blocks
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
 PER_MISS = 32  # files fetched ahead by one demand miss (the window; it halves on waste, see _reclaim)
 MAX_FILES = 1 << 18  # files remembered over all directories
-MAX_DIRS = 4096  # directories remembered (those without imported files count too)
+MAX_DIRS = 4096  # directories remembered (those without small files count too)
 SCAN = 4  # entries looked at per prefetch wanted (the rest are in L1 or on their way)
 
 
@@ -74,7 +75,7 @@ class _Dir:
 
 
 class DirReadahead:
-    """Per mount: the imported small files of listed directories, and their prefetch."""
+    """Per mount: the small files of listed directories, and their prefetch."""
 
     def __init__(self, reader: Reader, *, budget: int, per_miss: int = PER_MISS,
                  max_files: int = MAX_FILES) -> None:  # fmt: skip
@@ -121,8 +122,8 @@ class DirReadahead:
                 if seg.slice_id == HOLE:
                     continue
                 keys.extend(part.key for part in segment_blocks(seg, bs))
-            if not keys or not all(is_repo_slice(k.slice_id) for k in keys):
-                continue  # only imported data: a round trip to an object store per file
+            if not keys:
+                continue
             d.files.append((ino, tuple(keys), min(size, bs)))
             self._where[ino] = dir_ino
             self._files += 1

@@ -676,8 +676,8 @@ def _remove_pid(mountpoint: str) -> None:
 )
 @click.option(
     "--dir-readahead", type=click.IntRange(0, 1024), default=PER_MISS, show_default=True,
-    help="Imported (linked bucket) small files of a directory fetched ahead into L1 by each open "
-    "that misses, in listing order (0: off).",
+    help="Small files of a directory fetched ahead into L1 by each open that misses, in listing "
+    "order (the window; 0: off).",
 )
 @click.option(
     "--write-buffer", type=SIZE, default="64M", show_default=True, help="Write buffer per file."

@@ -1,7 +1,7 @@
 """Directory readahead's choices (client/dirahead.py), over a reader that only records.
 
 Which files a miss fetches ahead (the next ones in listing order, itself and
-what L1 holds skipped, imported files only), that a used block starts one
+what L1 holds skipped, written and imported files alike), that a used block starts one
 more, that unread prefetched bytes never pass the budget, and that blocks
 evicted unread give their room back.
 """
@@ -76,12 +76,16 @@ def test_a_miss_fetches_the_next_listed_files_and_used_ones_top_up_half_a_window
     assert len(reader.started) == 6
 
 
-def test_native_files_and_unlisted_directories_are_left_alone() -> None:
+def test_written_files_are_fetched_ahead_as_imported_ones_and_empty_or_unlisted_ones_are_not() -> None:
     reader = FakeReader()
     ahead = DirReadahead(reader, budget=1 << 30, per_miss=4)  # type: ignore[arg-type]
-    ahead.listed(7, files(10, imported=False), restart=True)
+    empty = [(200 + i, 0, []) for i in range(3)]
+    hole = [(300, SIZE, [])]  # a size but no data (a truncated-up file): nothing to fetch
+    ahead.listed(7, empty + hole + files(10, imported=False), restart=True)
     ahead.missed(100)
-    assert reader.started == []
+    assert reader.started == [key(i, imported=False) for i in (1, 2, 3, 4)]
+    ahead.missed(999)  # not of a listed directory
+    assert len(reader.started) == 4
 
 
 def test_unread_prefetched_bytes_stay_within_the_budget_and_evicted_ones_free_it() -> None:
