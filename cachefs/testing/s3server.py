@@ -110,14 +110,19 @@ class SeaweedS3:
                 "-ip.bind=127.0.0.1", "-filer", "-s3", f"-s3.config={config}", "-volume.max=0",
                 "-master.volumeSizeLimitMB=64", *(f"-{k}={v}" for k, v in ports.items())]  # fmt: skip
         (self.root / "data").mkdir(exist_ok=True)
+        # weed writes its glog files to TMPDIR and leaves them there: keep them with its data.
+        scratch = self.root / "tmp"
+        scratch.mkdir(exist_ok=True)
         with open(self.root / "weed.log", "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, "TMPDIR": str(scratch)})  # fmt: skip
         self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited ({self.proc.returncode}); see {self.root / 'weed.log'}")
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"weed exited ({code}); see {self.root / 'weed.log'}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
                 return
@@ -138,6 +143,10 @@ class SeaweedS3:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         self.proc = None
+        # Its unix sockets (/tmp/seaweedfs-KIND-PORT.sock: a fixed directory, not TMPDIR) stay behind too.
+        for port in self.ports.values():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
     def __enter__(self) -> SeaweedS3:
         self.start()
