@@ -8,16 +8,17 @@ datanodes or the object store, only as many at a time as the loader has
 workers (profile of ``bench.repo_bench``, cold: 200 fills of 110 KiB objects
 averaged 121 ms each at the cache node with 4 in flight, while the mount
 and the cache node were mostly idle), and a warm one a ``get`` per file.
-Fetching the next files of the same
-directory while the loader decodes the current ones is what Alluxio's and
-JuiceFS's directory prefetch, and FSx for Lustre's batched loads, do.
+Fetching the next files of the same directory while the loader decodes the
+current ones is what Alluxio's and JuiceFS's directory prefetch, and FSx
+for Lustre's batched loads, do.
 
 How it works: a ``readdir`` (``LoadDir``) brings chunk 0's slice list of
 every small file with the listing, so the block keys of a directory's files
 are known before any of them is opened. :meth:`DirReadahead.listed` keeps,
-per directory, the small files with data (written here or imported from a
-linked bucket) in listing order. An open that has to fetch its file's first block
-(:meth:`missed`: not in L1, not in flight) starts whole-block prefetches
+per directory, the small files with data (written into the volume or
+imported from a linked bucket) in listing order. An open that has to fetch
+its file's first block (:meth:`missed`: not in L1, not in flight) starts
+whole-block prefetches
 (:meth:`.reader.Reader.prefetch_block`, into L1, through the cache tier) of
 the next ``per_miss`` files after a per-directory cursor, skipping what L1
 holds or is fetching; a read that then uses a block fetched this way starts
@@ -43,8 +44,9 @@ remembered over all directories, and at most ``MAX_DIRS`` directories
 
 Correctness: nothing here decides what a read returns. Blocks are immutable
 and keyed by slice id (a written slice is never rewritten, and an imported
-file's slice is tied to its object's content version), so a block fetched ahead is only ever used by a read that
-resolved the same key from the inode's current slice list; a file changed
+file's slice is tied to its object's content version), so a block fetched
+ahead is only ever used by a read that resolved the same key from the
+inode's current slice list; a file changed
 after the listing reads its new version's blocks, and the old ones only age
 out of L1.
 """

@@ -1,9 +1,9 @@
 """Directory readahead's choices (client/dirahead.py), over a reader that only records.
 
 Which files a miss fetches ahead (the next ones in listing order, itself and
-what L1 holds skipped, written and imported files alike), that a used block starts one
-more, that unread prefetched bytes never pass the budget, and that blocks
-evicted unread give their room back.
+what L1 holds skipped, written and imported files alike), that a used block
+starts one more, that unread prefetched bytes never pass the budget, and
+that blocks evicted unread give their room back.
 """
 
 from __future__ import annotations
