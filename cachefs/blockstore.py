@@ -15,9 +15,12 @@ Each cached block is one file ``<root>/blocks/<xx>/<key.hex()>`` laid out as::
 
 Blocks are immutable (DESIGN.md, "Data model"), so a cached block is never
 stale and never rewritten; keys are unique across volumes because slice ids
-are cluster-wide. The per-segment checksums (64 KiB segments, as HDFS and 3FS
-checksum chunks rather than whole blocks) let a 128 KiB range read touch and
-verify about 128 KiB instead of the whole 4 MiB block. A segment that fails
+are cluster-wide. The per-segment checksums (64 KiB segments by default, as
+HDFS and 3FS checksum chunks rather than whole blocks) let a 128 KiB range
+read touch and verify about 128 KiB instead of the whole 4 MiB block; each
+file names its segment size, so stores of different sizes read each other's
+files (the client's L2 uses 16 KiB: see :mod:`cachefs.client.l2`). The index
+keeps the checksums as a packed array, 8 bytes each. A segment that fails
 verification drops the whole block and raises ``Corrupt``; the service then
 fetches it again. Bad bytes are never served.
 
@@ -130,11 +133,13 @@ import logging
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 import uuid
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +186,7 @@ def segment_sums(data: bytes | bytearray | memoryview, segment_size: int) -> lis
     return [checksum(view[i : i + segment_size]) for i in range(0, len(view), segment_size)]
 
 
-def encode_header(volume: str, size: int, segment_size: int, sums: list[int], flags: int = 0) -> bytes:
+def encode_header(volume: str, size: int, segment_size: int, sums: Sequence[int], flags: int = 0) -> bytes:
     vol = volume.encode()
     head = (
         _FIXED.pack(MAGIC, VERSION, flags, len(vol), size, segment_size, len(sums))
@@ -191,12 +196,23 @@ def encode_header(volume: str, size: int, segment_size: int, sums: list[int], fl
     return head + _U64.pack(checksum(head))
 
 
+def _sums(raw: bytes | memoryview) -> array[int]:
+    """Little-endian u64 checksums as a compact array: 8 bytes each in the
+    index, where a tuple of ints costs about 44 (an L2 of 16 KiB segments
+    has 256 per block)."""
+    sums = array("Q")
+    sums.frombytes(raw)
+    if sys.byteorder != "little":
+        sums.byteswap()
+    return sums
+
+
 @dataclass(slots=True)
 class _Header:
     volume: str
     size: int
     segment_size: int
-    sums: tuple[int, ...]
+    sums: array[int]
     length: int
     data_offset: int  # where the data starts: ``length``, or rounded up to ALIGN (FLAG_ALIGNED)
 
@@ -221,7 +237,7 @@ def decode_header(raw: bytes) -> _Header | int:
     if checksum(memoryview(raw)[: length - 8]) != stored:
         raise Corrupt("block file header fails its checksum")
     vol = raw[_FIXED.size : _FIXED.size + vol_len].decode()
-    sums = struct.unpack_from(f"<{nseg}Q", raw, _FIXED.size + vol_len)
+    sums = _sums(memoryview(raw)[_FIXED.size + vol_len : length - 8])
     return _Header(vol, size, seg, sums, length, _align(length) if flags & FLAG_ALIGNED else length)
 
 
@@ -235,7 +251,7 @@ class Entry:
     file_size: int
     data_offset: int
     segment_size: int
-    sums: tuple[int, ...]
+    sums: array[int]  # one per segment
     stored_at: float
     hits: int = 0
     file: _OpenFile | None = None  # kept open for reads (``open_files``)
@@ -913,7 +929,7 @@ class BlockStore:
             file_size,
             data_offset,
             self.segment_size,
-            tuple(sums),
+            array("Q", sums),
             self._clock(),
             ident=(st.st_dev, st.st_ino),
         )

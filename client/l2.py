@@ -12,17 +12,17 @@ Theory of operation
 -------------------
 - Hits are served from this process, with no RPC: one ``pread`` of the
   segments covering the range, verified, and handed on without another
-  copy. Ranges up to ``INLINE_MAX`` are read inline on the trio thread when
-  the page cache holds them (``RWF_NOWAIT``: a small pread costs less than a
-  hop to a worker thread); ranges on the disk and larger reads (whole
-  blocks) run in up to ``READ_THREADS`` worker threads, so that a read from
-  the disk does not stall every other request and several are in flight at
-  once (measured: inline, a cold 256 MiB file read at 278 MiB/s from a disk
-  that reads 750 MiB/s; random 4 KiB reads of a 256 MiB file with 4 jobs,
-  page cache dropped, were one disk read at a time on the loop). The
-  threads are L2's own (:class:`ReadThreads`), not ``trio.to_thread``'s:
-  a hop costs about 34 us of CPU against 74-93 us (measured here, empty
-  jobs, 4 tasks), and random 4 KiB reads hop for every range on the disk.
+  copy. Blocks are kept in ``SEGMENT_SIZE`` (16 KiB) checksum segments, not
+  the cache node's 64 KiB: a random 4 KiB read reads and verifies 16 KiB.
+  Ranges up to ``INLINE_MAX`` are read inline on the trio thread while the
+  disk answers them fast (:mod:`.inline_reads`: a small pread from an SSD
+  costs less than a hop to a worker thread); on a slow disk, only what the
+  page cache holds (``RWF_NOWAIT``). Ranges left on the disk and larger
+  reads (whole blocks) run in up to ``READ_THREADS`` worker threads, so
+  that several are in flight at once (measured: inline, a cold 256 MiB
+  file read at 278 MiB/s from a disk that reads 750 MiB/s). The threads are
+  L2's own (:class:`ReadThreads`), not ``trio.to_thread``'s: a hop costs
+  about 34 us of CPU against 74-93 us (measured here, empty jobs, 4 tasks).
 - Blocks are immutable, so a cached block is never stale and L2 needs no
   invalidation across mounts: which blocks a file has is a question of
   metadata (slice lists), which close-to-open keeps fresh as before.
@@ -68,14 +68,17 @@ from cachefs.layout import Slice
 from cachefs.pagecache import WouldBlock
 from cachefs.tasks import Spawner
 
+from .inline_reads import InlineReads
+
 log = logging.getLogger(__name__)
 
 INLINE_MAX = 256 * 1024
+SEGMENT_SIZE = 16 * 1024  # checksum segments of the blocks L2 writes: the least read from the disk
 READ_THREADS = 4
 OPEN_FILES = 1024  # block files kept open: 4 GiB of 4 MiB blocks
 FILL_QUEUE = 32  # blocks waiting to be written to L2 (128 MiB of 4 MiB blocks)
 NO_MAPPING = 1 << 62  # the client reads with pread: a mapping would need a lease (see the store)
-WARN_EVERY = 60.0  # seconds between warnings about failing fills
+WARN_EVERY = 60.0  # seconds between warnings about failing fills (and logs of the inline policy)
 
 
 def lock_dir(root: Path) -> int:
@@ -134,23 +137,35 @@ class ReadThreads:
             self._jobs.put(None)
 
 
+def _timed_read(store: BlockStore, key: BlockKey, offset: int, length: int) -> tuple[memoryview | None, float]:
+    """A read in a worker thread, and its time there (the disk's, not the hop's)."""
+    started = time.perf_counter()
+    data = store.read(key, offset, length)
+    return data, time.perf_counter() - started
+
+
 class L2Cache:
     """Whole blocks on local flash for one mount (see module docstring)."""
 
-    def __init__(self, store: BlockStore, volume: str, lock_fd: int, *, nursery: Spawner) -> None:
+    def __init__(self, store: BlockStore, volume: str, lock_fd: int, *, nursery: Spawner,
+                 pace: InlineReads | None = None) -> None:  # fmt: skip
         self.store = store
         self.volume = volume
+        self.pace = pace or InlineReads()
         self._lock_fd = lock_fd
         self._send, receive = trio.open_memory_channel[tuple[BlockKey, Any]](FILL_QUEUE)
         self._queued: set[BlockKey] = set()
         self._warned = -WARN_EVERY
+        self._said_pace = -WARN_EVERY  # when a switch of the inline policy was last logged
         self._readers = ReadThreads(READ_THREADS, "l2-read")
         self.stats = {
             "l2_hits": 0,
             "l2_hit_bytes": 0,
             "l2_misses": 0,
             "l2_corrupt": 0,
+            "l2_inline_reads": 0,  # small ranges read on the loop (the disk is fast)
             "l2_disk_reads": 0,  # small ranges not in the page cache, read in a thread
+            "l2_inline_switches": 0,  # times small reads moved between the loop and the threads
             "l2_fills": 0,
             "l2_fills_dropped": 0,
             "l2_fills_failed": 0,
@@ -168,11 +183,13 @@ class L2Cache:
         free_space_ratio: float,
         nursery: Spawner,
         open_files: int | None = None,
+        pace: InlineReads | None = None,
     ) -> L2Cache:
         """Lock ``root`` and rebuild the index from the files found there.
 
         ``open_files``: block files kept open (default: :data:`OPEN_FILES`,
-        at most a quarter of this process's descriptor limit).
+        at most a quarter of this process's descriptor limit). ``pace``:
+        when small ranges are read inline (default: :class:`.InlineReads`).
 
         Raises:
             InvalidArgument: bad capacity or ratio, or another mount uses ``root``.
@@ -191,6 +208,7 @@ class L2Cache:
                 mmap_min=NO_MAPPING,
                 free_space_ratio=free_space_ratio,
                 open_files=open_files,
+                segment_size=SEGMENT_SIZE,
             )
         except BaseException:
             os.close(fd)
@@ -202,19 +220,32 @@ class L2Cache:
         below = store.floor_report()
         if below is not None:  # say so now, not only at the first fill refused
             log.warning("L2 %s: %s (--free-space-ratio %g)", path, below, free_space_ratio)
-        return cls(store, volume, fd, nursery=nursery)
+        return cls(store, volume, fd, nursery=nursery, pace=pace)
 
     async def read(self, key: BlockKey, offset: int = 0, length: int = -1) -> memoryview | None:
         """Bytes of a cached block (range), or None: not here, or not intact."""
+        small = 0 <= length <= INLINE_MAX
         try:
             data = None
-            if 0 <= length <= INLINE_MAX:
+            if small:
+                started = time.perf_counter()
                 try:
-                    return self._hit(self.store.read(key, offset, length, nowait=True))
-                except WouldBlock:  # on the disk: read it in a thread, not on the loop
+                    if self.pace.inline:  # the disk is fast: read here, whatever it costs
+                        self.stats["l2_inline_reads"] += 1
+                        data = self.store.read(key, offset, length)
+                    else:
+                        data = self.store.read(key, offset, length, nowait=True)
+                except WouldBlock:  # a slow disk: read it in a thread, not on the loop
                     self.stats["l2_disk_reads"] += 1
+                else:
+                    self._observe(time.perf_counter() - started)
+                    return self._hit(data)
             if self.store.lookup(key) is not None:
-                data = await self._readers.run(self.store.read, key, offset, length)
+                if small:
+                    data, seconds = await self._readers.run(_timed_read, self.store, key, offset, length)
+                    self._observe(seconds)
+                else:
+                    data = await self._readers.run(self.store.read, key, offset, length)
         except Corrupt:
             self.stats["l2_corrupt"] += 1
             data = None
@@ -222,6 +253,21 @@ class L2Cache:
             log.info("L2 read of %s failed, reading around it: %s", key.hex(), exc)
             data = None
         return self._hit(data)
+
+    def _observe(self, seconds: float) -> None:
+        inline = self.pace.inline
+        self.pace.observe(seconds)
+        if self.pace.inline != inline:
+            self.stats["l2_inline_switches"] += 1
+            now = time.monotonic()
+            if now - self._said_pace < WARN_EVERY:  # a disk at the limit may switch often
+                return
+            self._said_pace = now
+            log.info(
+                "L2 %s: small reads %s: they took %.2f ms on average (limit %.2f ms)",
+                self.store.root, "back on the loop" if self.pace.inline else "in threads now",
+                self.pace.mean * 1e3, self.pace.stall_max * 1e3,
+            )  # fmt: skip
 
     def _hit(self, data: memoryview | None) -> memoryview | None:
         if data is None:

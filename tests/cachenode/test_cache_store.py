@@ -67,6 +67,30 @@ def test_put_read_ranges_and_miss(tmp_path: Path, mmap_min: int) -> None:
 
 
 @pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
+def test_a_store_reads_files_written_with_another_segment_size(tmp_path: Path) -> None:
+    """Each file names its segment size: an L2 of small segments finds the
+    files of a store of larger ones after a restart, reads and verifies
+    ranges by the file's own segments, and still catches a flipped byte."""
+    store = BlockStore.open(tmp_path, 1 << 20, segment_size=4 * SEG)
+    key, other = BlockKey(1, 0), BlockKey(2, 0)
+    data = _data(key, 9 * SEG + 77)
+    assert store.put("v", key, data)
+    reopened = BlockStore.open(tmp_path, 1 << 20, segment_size=SEG)
+    entry = reopened.lookup(key)
+    assert entry is not None and entry.segment_size == 4 * SEG and len(entry.sums) == 3
+    assert bytes(reopened.read(key, 5 * SEG + 3, SEG)) == data[5 * SEG + 3 : 6 * SEG + 3]
+    assert reopened.put("v", other, data)
+    assert len(reopened.lookup(other).sums) == 10
+    assert bytes(reopened.read(other)) == data
+    with open(reopened.path(key), "r+b") as f:
+        f.seek(entry.data_offset + 7 * SEG)  # in the file's second 4-SEG segment
+        f.write(bytes([data[7 * SEG] ^ 1]))
+    with pytest.raises(Corrupt):
+        reopened.read(key, 6 * SEG, 10)
+    assert reopened.lookup(key) is None
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
 @MAPPED
 def test_large_blocks_are_written_page_aligned_and_read_back_after_a_restart(
     tmp_path: Path, mmap_min: int

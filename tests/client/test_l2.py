@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachefs.client.inline_reads import InlineReads
 from cachefs.client.l2 import CachedBlocks, L2Cache
 from cachefs.errors import InvalidArgument
 from cachefs.ids import BlockKey
@@ -162,10 +163,55 @@ def _evict_pages(path: Path) -> None:
     assert evict_from_page_cache(path), f"the kernel kept {path}'s pages"
 
 
+async def test_a_small_range_on_a_fast_disk_is_read_inline(tmp_path: Path) -> None:
+    """The default: a range that only the disk holds is read on the loop (a
+    local disk answers faster than a hop to a thread), and so is the next."""
+    key = BlockKey(500, 0)
+    block = os.urandom(BLOCK)
+    async with trio.open_nursery() as nursery:
+        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
+                          pace=InlineReads(stall_max=1.0))  # fmt: skip
+        chain = CachedBlocks(Source({key: block}), l2)
+        await chain.fetch(key)
+        await _settle(l2)
+        (path,) = _block_files(tmp_path)
+        _evict_pages(path)
+        assert bytes(await l2.read(key, 20000, 4096)) == block[20000:24096]
+        assert bytes(await l2.read(key, 3 * MiB, 4096)) == block[3 * MiB : 3 * MiB + 4096]
+        assert l2.stats["l2_inline_reads"] == 2 and l2.stats["l2_disk_reads"] == 0
+        assert l2.pace.inline and 0 < l2.pace.mean < 1.0
+        assert l2.stats["l2_hit_bytes"] == 2 * 4096
+        nursery.cancel_scope.cancel()
+
+
+async def test_small_reads_move_to_threads_when_the_disk_is_slow(tmp_path: Path) -> None:
+    """Past the policy's limit (here 1 ns: any read from the disk is slower),
+    small ranges on the disk go to L2's threads, and the move is counted."""
+    key = BlockKey(502, 0)
+    block = os.urandom(BLOCK)
+    async with trio.open_nursery() as nursery:
+        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
+                          pace=InlineReads(stall_max=1e-9))  # fmt: skip
+        chain = CachedBlocks(Source({key: block}), l2)
+        await chain.fetch(key)
+        await _settle(l2)
+        (path,) = _block_files(tmp_path)
+        assert bytes(await l2.read(key, 0, 4096)) == block[:4096]  # inline, then too slow
+        assert not l2.pace.inline and l2.stats["l2_inline_switches"] == 1
+        for hits in range(2, 22):
+            _evict_pages(path)
+            assert bytes(await l2.read(key, 8192, 4096)) == block[8192:12288]
+            assert l2.stats["l2_hits"] == hits
+            if l2.stats["l2_disk_reads"]:
+                break
+        assert l2.stats["l2_disk_reads"] == 1 and l2.stats["l2_inline_reads"] == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Path) -> None:
-    """A range in the page cache is read inline; one that only the disk holds
-    goes to a worker thread (an inline disk read would stall every request
-    of the mount: random 4 KiB reads after a drop_caches were one at a time).
+    """With small reads in threads (a slow disk), a range in the page cache
+    is still read inline; one that only the disk holds goes to a worker
+    thread, so that it does not stall every request of the mount.
 
     The inline try is a RWF_NOWAIT read, which on a fast disk this kernel
     may complete after all (about 1 try in 10 here): the pages are then
@@ -174,7 +220,8 @@ async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Pa
     block = os.urandom(BLOCK)
     want = block[8192:12288]
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery)
+        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
+                          pace=InlineReads(stall_max=0.0))  # fmt: skip
         chain = CachedBlocks(Source({key: block}), l2)
         await chain.fetch(key)
         await _settle(l2)
@@ -204,8 +251,9 @@ def _open_block_files(cache_dir: Path) -> list[str]:
 
 
 async def _kept(tmp_path: Path, nursery: trio.Nursery, blocks: dict[BlockKey, bytes], capacity: int,
-                open_files: int) -> tuple[L2Cache, CachedBlocks]:  # fmt: skip
-    l2 = L2Cache.open(tmp_path, capacity, "v", free_space_ratio=0.0, nursery=nursery, open_files=open_files)
+                open_files: int, pace: InlineReads | None = None) -> tuple[L2Cache, CachedBlocks]:  # fmt: skip
+    l2 = L2Cache.open(tmp_path, capacity, "v", free_space_ratio=0.0, nursery=nursery, open_files=open_files,
+                      pace=pace)  # fmt: skip
     chain = CachedBlocks(Source(blocks), l2)
     for key in blocks:
         await chain.fetch(key)
@@ -272,12 +320,13 @@ async def test_open_block_files_stay_bounded(tmp_path: Path) -> None:
 
 @pytest.mark.allow_log("cachefs.blockstore", match="failed its checksum")
 async def test_reads_on_the_disk_use_l2s_threads_and_corruption_there_is_a_miss(tmp_path: Path) -> None:
-    """Ranges on the disk are read by L2's own threads (not trio's): results
-    and errors come back to the reading task, and the threads end with the mount."""
+    """Ranges on a slow disk are read by L2's own threads (not trio's):
+    results and errors come back to the reading task, and the threads end
+    with the mount."""
     blocks = {BlockKey(513, i): os.urandom(BLOCK) for i in range(2)}
     good, bad = blocks
     async with trio.open_nursery() as nursery:
-        l2, chain = await _kept(tmp_path, nursery, blocks, 4 * BLOCK, 8)
+        l2, chain = await _kept(tmp_path, nursery, blocks, 4 * BLOCK, 8, InlineReads(stall_max=0.0))
         assert [t for t in threading.enumerate() if t.name.startswith("l2-read-")]
         path = l2.store.path(bad)
         fd = os.open(path, os.O_WRONLY)
