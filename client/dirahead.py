@@ -54,6 +54,7 @@ out of L1.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,11 +89,14 @@ class DirReadahead:
         self._dirs: OrderedDict[int, _Dir] = OrderedDict()
         self._where: dict[int, int] = {}  # file ino -> directory ino
         self._files = 0
-        self._pending: dict[BlockKey, tuple[int, int]] = {}  # fetched ahead, unread: key -> (dir, bytes)
+        self._pending: dict[BlockKey, tuple[int, int, int]] = {}  # fetched ahead, unread: key -> (dir, bytes, file)
         self._pending_bytes = 0
         self.window = per_miss  # files fetched ahead per miss now: per_miss, less after waste (see _reclaim)
         self._owed: dict[int, int] = {}  # dir -> files used since its window was last topped up
         self.stats = {"dir_prefetches": 0, "dir_prefetches_used": 0, "dir_prefetches_wasted": 0}
+        # Told the file (ino) of each block fetched ahead that lands in L1 (the
+        # mount pushes it into the page cache: pagepush.py).
+        self.on_landed: Callable[[int], object] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -163,7 +167,7 @@ class DirReadahead:
         got = self._pending.pop(key, None)
         if got is None:
             return
-        dir_ino, nbytes = got
+        dir_ino, nbytes, _ino = got
         self._pending_bytes -= nbytes
         self.stats["dir_prefetches_used"] += 1
         if dir_ino in self._dirs:
@@ -174,6 +178,13 @@ class DirReadahead:
                 self._start(dir_ino, owed)
             else:
                 self._owed[dir_ino] = owed
+
+    def landed(self, key: BlockKey) -> None:
+        """Block ``key`` is in L1 now: if it was fetched ahead here, tell
+        :attr:`on_landed` which file it belongs to."""
+        got = self._pending.get(key)
+        if got is not None and self.on_landed is not None:
+            self.on_landed(got[2])
 
     def _start(self, dir_ino: int, wanted: int, skip: int = 0) -> None:
         d = self._dirs.get(dir_ino)
@@ -205,7 +216,7 @@ class DirReadahead:
             started += 1
             share = nbytes // len(keys)
             for key in todo:
-                self._pending[key] = (dir_ino, share)
+                self._pending[key] = (dir_ino, share, ino)
                 self._pending_bytes += share
                 self.stats["dir_prefetches"] += 1
                 batch.append(key)

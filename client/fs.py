@@ -71,6 +71,7 @@ from . import control
 from .control import Control, ControlError, is_control
 from .inodes import Inode
 from .leases import Lease
+from .pagepush import PagePush
 from .reader import Readahead
 from .volume import Volume
 
@@ -196,6 +197,11 @@ class CacheFS(pyfuse3.Operations):
         self.session.enable_leases(self.nursery, self._leases_lost)
         self.leases = self.session.leases
         self.control = Control(render_stats=lambda: b"")  # the mount sets its collector's text
+        self.pages: PagePush | None = None  # small files fetched ahead, into the page cache
+        ahead = self.reader.dirahead
+        if ahead is not None and ahead.enabled and self.options.push_pages:
+            self.pages = PagePush(self.inodes, self.reader.l1, self.session.block_size, pyfuse3.notify_store)
+            ahead.on_landed = self.pages.offer
 
     # ------------------------------------------------------------------ helpers
 
@@ -523,6 +529,10 @@ class CacheFS(pyfuse3.Operations):
         keep = inode.cached_version is not None and inode.cached_version == inode.attr.version
         if not keep:
             inode.cached_version = inode.attr.version
+        if inode.pushed:  # its pages were pushed ahead (pagepush.py): used now, or dropped
+            inode.pushed = False
+            if keep:
+                self.reader.used_ahead(inode)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=bool(flags & os.O_DIRECT))
 
     @_fuse

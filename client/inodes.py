@@ -46,6 +46,7 @@ class Inode:
     opens: int = 0
     cached_opens: int = 0  # open handles that go through the page cache (not O_DIRECT)
     cached_version: int | None = None
+    pushed: bool = False  # its pages were pushed to the kernel (pagepush.py) and no open has used them yet
     # chunk index -> ((content version, layout) it was read at, slice list)
     chunks: dict[int, tuple[tuple[int, int], list[Slice]]] = field(default_factory=dict)
     # Bumped when a chunk's slices change without a version change (compaction,

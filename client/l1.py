@@ -56,6 +56,11 @@ class L1Cache:
         self.stats.hits += 1
         return data
 
+    def peek(self, key: BlockKey) -> Block | None:
+        """The block if cached, neither counted nor made recent (a copy of
+        it elsewhere, not a read of it)."""
+        return self._blocks.get(key)
+
     def put(self, key: BlockKey, data: Block, *, cold: bool = False) -> None:
         """Insert (or refresh) a block; a block larger than the whole cache is not kept.
 

@@ -271,6 +271,7 @@ class MountCollector:
         self.ops = ops
         self.calls = calls  # the RPC pool's round trips by method
         self.memory: MemoryBudget | None = None  # the mount's bound, once it is set up
+        self.pushes: dict[str, int] | None = None  # the FUSE front's page pushes (pagepush.py), if on
         self._registry: Any = None  # a CollectorRegistry of this collector alone, made on first use
 
     def text(self) -> bytes:
@@ -362,6 +363,13 @@ class MountCollector:
                            ahead["dir_prefetches_used"])
             yield _counter("cachefs_mount_dir_readahead_wasted_blocks", "Of those, blocks evicted from L1 "
                            "unread (each time some are found, the window halves)", ahead["dir_prefetches_wasted"])
+        if self.pushes is not None:
+            pushed = self.pushes
+            yield _counter("cachefs_mount_page_pushes", "Files fetched ahead pushed into the kernel's page "
+                           "cache as they arrived (pagepush.py)", pushed["page_pushes"])
+            yield _counter("cachefs_mount_page_push_bytes", "Bytes those pushes stored", pushed["page_push_bytes"])
+            yield _counter("cachefs_mount_page_push_failures", "Pushes the kernel refused (it forgot the "
+                           "inode meanwhile)", pushed["page_push_failures"])
         yield _counter("cachefs_mount_readahead_used_blocks",
                        "Prefetched blocks a read then used, found in L1 or joined in flight (readahead "
                        "efficiency: over "
@@ -509,6 +517,7 @@ async def run_fs(
         try:  # from here on, whatever fails unmounts (else a stat of the mount point waits forever)
             _hook_libfuse(front, engine)  # before any request
             collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
+            collector.pushes = front.pages.stats if front.pages is not None else None
             front.control.render_stats = collector.text
             if metrics is not None:
                 from prometheus_client import REGISTRY
@@ -680,6 +689,11 @@ def _remove_pid(mountpoint: str) -> None:
     "order (the window; 0: off).",
 )
 @click.option(
+    "--push-pages/--no-push-pages", default=True, show_default=True,
+    help="Push the small files fetched ahead into the kernel's page cache as they arrive, so that "
+    "their reads need no request to the mount (kept only while the file is unchanged).",
+)
+@click.option(
     "--write-buffer", type=SIZE, default="64M", show_default=True, help="Write buffer per file."
 )
 @click.option(
@@ -813,6 +827,7 @@ def mount_command(
     l1_size: int,
     readahead: int,
     dir_readahead: int,
+    push_pages: bool,
     write_buffer: int,
     write_buffer_total: int,
     attr_timeout: float,
@@ -853,6 +868,7 @@ def mount_command(
         l1_bytes=l1_size,
         readahead_max=readahead,
         dir_readahead=dir_readahead,
+        push_pages=push_pages,
         write_buffer=write_buffer,
         write_buffer_total=write_buffer_total,
         attr_timeout=attr_timeout,

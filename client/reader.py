@@ -399,6 +399,17 @@ class Reader:
             if self.dirahead is not None:
                 self.dirahead.used(key)
 
+    def used_ahead(self, inode: Inode) -> None:
+        """An open kept pages pushed from blocks fetched ahead (pagepush.py):
+        they count as used, as a read of them from L1 would."""
+        cached = inode.chunks.get(0)
+        if not self._prefetched or cached is None or cached[0] != (inode.attr.version, inode.layout):
+            return
+        for seg in resolve(cached[1], 0, min(inode.attr.size, CHUNK_SIZE)):
+            if seg.slice_id != HOLE:
+                for part in segment_blocks(seg, self.source.block_size):
+                    self._used(part.key)
+
     def has_or_fetching(self, key: BlockKey) -> bool:
         """Whether ``key`` is in L1, or a whole-block fetch of it is under way
         or waiting for a prefetch slot (:meth:`prefetch_block`)."""
@@ -460,6 +471,9 @@ class Reader:
         self.stats["batch_blocks"] += len(got)
         for key, data in got.items():
             self.l1.put(key, data)
+        if self.dirahead is not None:
+            for key in got:  # all in L1 first: a file of several blocks is then whole
+                self.dirahead.landed(key)
         return got
 
     def prefetch_block(self, key: BlockKey) -> None:
@@ -515,6 +529,8 @@ class Reader:
         self.stats["block_fetches"] += 1
         data = await self.source.fetch(key, 0, -1)
         self.l1.put(key, data)  # the received buffer itself: nobody else holds it
+        if self.dirahead is not None:
+            self.dirahead.landed(key)
         return data
 
     async def prefetch(self, inode: Inode, offset: int, length: int) -> None:

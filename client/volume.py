@@ -78,6 +78,7 @@ class ClientOptions:
     l1_bytes: int = 256 << 20
     readahead_max: int = 32 << 20
     dir_readahead: int = PER_MISS  # small files of a directory fetched ahead per miss (0: off)
+    push_pages: bool = True  # mount only: files fetched ahead go into the kernel's page cache (pagepush.py)
     write_buffer: int = 64 << 20  # per file being written
     write_buffer_total: int = 256 << 20  # every file being written, together
     write_through: bool = False  # also put written blocks into the cache tier
