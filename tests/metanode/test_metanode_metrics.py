@@ -20,6 +20,7 @@ from cachefs.testing.ports import free_port
 
 DIRS = 120  # past --snapshot-entries 100: a snapshot is on disk
 WRITERS = 12  # concurrent proposals, so that appends batch them
+SNAPSHOT_WAIT = 30.0  # seconds for the snapshot child to finish (a loaded CI machine)
 
 
 def _samples(port: int) -> dict[str, float]:
@@ -48,7 +49,11 @@ async def test_a_metanode_on_disk_serves_its_raft_and_namespace_series(tmp_path:
                     nursery.start_soon(writer)
             mount = await meta.mutate(C.MountVolume("v"))
             await meta.query(Q.LeaseLookup("v", 1, b"d0", mount.session))
-            after = _samples(port)
+            # The snapshot is written by a forked child while the node goes on:
+            # it may land after the last mutation has returned.
+            with trio.fail_after(SNAPSHOT_WAIT):
+                while (after := _samples(port))['cachefs_metanode_metadata_bytes{part="snapshot"}'] == 0:
+                    await trio.sleep(0.05)
     finally:
         cluster.stop_all()
 
