@@ -148,6 +148,12 @@ class ChunkMap:
         return Segment(start, end - start, seg.slice_id, seg.slice_off + (start - seg.pos))
 
 
+def block_keys(slices: Iterable[Slice], start: int, end: int, block_size: int) -> list[BlockKey]:
+    """The keys of the blocks that hold chunk bytes ``[start, end)`` (holes hold none)."""
+    return [part.key for seg in resolve(slices, start, end) if seg.slice_id != HOLE
+            for part in segment_blocks(seg, block_size)]  # fmt: skip
+
+
 def segment_blocks(seg: Segment, block_size: int) -> list[BlockPart]:
     """The block ranges that hold a (non-hole) segment's bytes."""
     parts: list[BlockPart] = []

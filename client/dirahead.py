@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cachefs.ids import BlockKey
-from cachefs.layout import HOLE, Slice, resolve, segment_blocks
+from cachefs.layout import Slice, block_keys
 
 if TYPE_CHECKING:
     from .reader import Reader
@@ -123,11 +123,7 @@ class DirReadahead:
         for ino, size, slices in files:
             if not size or ino in self._where:
                 continue
-            keys: list[BlockKey] = []
-            for seg in resolve(slices, 0, min(size, bs)):
-                if seg.slice_id == HOLE:
-                    continue
-                keys.extend(part.key for part in segment_blocks(seg, bs))
+            keys = block_keys(slices, 0, min(size, bs), bs)
             if not keys:
                 continue
             d.files.append((ino, tuple(keys), min(size, bs)))

@@ -39,12 +39,11 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 from cachefs.ids import CHUNK_SIZE
 from cachefs.layout import HOLE, resolve, segment_blocks
 
-from .inodes import Inode
+from .inodes import Inode, InodeTable
 from .l1 import Block, L1Cache
 
 log = logging.getLogger(__name__)
@@ -52,14 +51,10 @@ log = logging.getLogger(__name__)
 Notify = Callable[[int, int, "bytes | bytearray | memoryview"], None]
 
 
-class Inodes(Protocol):
-    def get(self, ino: int) -> Inode | None: ...
-
-
 class PagePush:
     """Pushes small files whose blocks are all in L1 into the page cache."""
 
-    def __init__(self, inodes: Inodes, l1: L1Cache, block_size: int, notify: Notify) -> None:
+    def __init__(self, inodes: InodeTable, l1: L1Cache, block_size: int, notify: Notify) -> None:
         self.inodes = inodes
         self.l1 = l1
         self.block_size = block_size

@@ -48,6 +48,7 @@ from cachefs.layout import (
     ChunkMap,
     Run,
     Slice,
+    block_keys,
     chunk_ranges,
     overlay,
     resolve,
@@ -200,17 +201,16 @@ class Reader:
         slice list is cached at the inode's version and every block of the
         range is in L1 or on its way (no await: an ``open`` asks it before
         starting an early read that would find nothing to do)."""
+        keys = self._first_keys(inode, length)
+        return keys is not None and all(key in self.l1 or key in self._blocks for key in keys)
+
+    def _first_keys(self, inode: Inode, length: int) -> list[BlockKey] | None:
+        """The blocks of the file's ``[0, length)`` in chunk 0, or None when
+        its slice list is not cached at the inode's version."""
         cached = inode.chunks.get(0)
         if cached is None or cached[0] != (inode.attr.version, inode.layout):
-            return False
-        end = min(length, inode.attr.size, CHUNK_SIZE)
-        for seg in resolve(cached[1], 0, end):
-            if seg.slice_id == HOLE:
-                continue
-            for part in segment_blocks(seg, self.source.block_size):
-                if part.key not in self.l1 and part.key not in self._blocks:
-                    return False
-        return True
+            return None
+        return block_keys(cached[1], 0, min(length, inode.attr.size, CHUNK_SIZE), self.source.block_size)
 
     async def read(
         self, inode: Inode, offset: int, size: int, ra: Readahead | None = None
@@ -402,13 +402,9 @@ class Reader:
     def used_ahead(self, inode: Inode) -> None:
         """An open kept pages pushed from blocks fetched ahead (pagepush.py):
         they count as used, as a read of them from L1 would."""
-        cached = inode.chunks.get(0)
-        if not self._prefetched or cached is None or cached[0] != (inode.attr.version, inode.layout):
-            return
-        for seg in resolve(cached[1], 0, min(inode.attr.size, CHUNK_SIZE)):
-            if seg.slice_id != HOLE:
-                for part in segment_blocks(seg, self.source.block_size):
-                    self._used(part.key)
+        if self._prefetched:
+            for key in self._first_keys(inode, inode.attr.size) or ():
+                self._used(key)
 
     def has_or_fetching(self, key: BlockKey) -> bool:
         """Whether ``key`` is in L1, or a whole-block fetch of it is under way

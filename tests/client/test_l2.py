@@ -169,11 +169,7 @@ async def test_a_small_range_on_a_fast_disk_is_read_inline(tmp_path: Path) -> No
     key = BlockKey(500, 0)
     block = os.urandom(BLOCK)
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
-                          pace=InlineReads(stall_max=1.0))  # fmt: skip
-        chain = CachedBlocks(Source({key: block}), l2)
-        await chain.fetch(key)
-        await _settle(l2)
+        l2, _ = await _kept(tmp_path, nursery, {key: block}, 4 * BLOCK, 8, InlineReads(stall_max=1.0))
         (path,) = _block_files(tmp_path)
         _evict_pages(path)
         assert bytes(await l2.read(key, 20000, 4096)) == block[20000:24096]
@@ -190,11 +186,7 @@ async def test_small_reads_move_to_threads_when_the_disk_is_slow(tmp_path: Path)
     key = BlockKey(502, 0)
     block = os.urandom(BLOCK)
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
-                          pace=InlineReads(stall_max=1e-9))  # fmt: skip
-        chain = CachedBlocks(Source({key: block}), l2)
-        await chain.fetch(key)
-        await _settle(l2)
+        l2, _ = await _kept(tmp_path, nursery, {key: block}, 4 * BLOCK, 8, InlineReads(stall_max=1e-9))
         (path,) = _block_files(tmp_path)
         assert bytes(await l2.read(key, 0, 4096)) == block[:4096]  # inline, then too slow
         assert not l2.pace.inline and l2.stats["l2_inline_switches"] == 1
@@ -220,11 +212,7 @@ async def test_a_small_range_on_the_disk_is_read_off_the_event_loop(tmp_path: Pa
     block = os.urandom(BLOCK)
     want = block[8192:12288]
     async with trio.open_nursery() as nursery:
-        l2 = L2Cache.open(tmp_path, 4 * BLOCK, "v", free_space_ratio=0.0, nursery=nursery,
-                          pace=InlineReads(stall_max=0.0))  # fmt: skip
-        chain = CachedBlocks(Source({key: block}), l2)
-        await chain.fetch(key)
-        await _settle(l2)
+        l2, _ = await _kept(tmp_path, nursery, {key: block}, 4 * BLOCK, 8, InlineReads(stall_max=0.0))
         (path,) = _block_files(tmp_path)
         for hits in range(1, 21):
             _evict_pages(path)
