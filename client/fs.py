@@ -560,6 +560,13 @@ class CacheFS(pyfuse3.Operations):
         if flags & os.O_TRUNC and node.size:
             # Normally the kernel truncates with setattr first; cover the rest.
             await self.engine.setattr(inode, size=0)
+        elif (
+            self.pages is not None
+            and flags & os.O_ACCMODE == os.O_RDONLY
+            and self.reader.dirahead is not None
+            and self.reader.dirahead.fetched_ahead(inode)
+        ):
+            self.pages.offer(inode, opening=True)  # landed while the kernel did not know it (pagepush.py)
         return self._file_info(fh, node, flags)
 
     @_fuse

@@ -15,15 +15,28 @@ was read at, and then sets ``cached_version`` to that version. If the file
 changes after the push, the next open sees another version and the kernel
 drops the pages; nothing pushed is served across a change.
 
+A push is offered twice: when the block lands (:meth:`PagePush.offer`,
+told by directory readahead), and again at the file's read-only open if it
+was fetched ahead and not pushed yet (``opening``). The second is the common
+one when the kernel forgot the inode after the listing (memory pressure, a
+dropped cache, a loader that lists the dataset long before its epoch): the
+block landed while the kernel had nothing to push into. Pushed inside the
+open handler, before its reply, the pages are there before the first read
+is issued, and the reply's ``keep_cache`` keeps them.
+
 A push is made only when nothing else can be in the inode's pages:
 
 - no handle of this mount has it open (no reads or writes in flight, no
   dirty pages: a writer's close commits and the kernel writes back first),
-  and no writer holds uncommitted bytes;
+  and no writer holds uncommitted bytes; at an open, that open is the only
+  one, and its handle is not yet the kernel's (no request can use it
+  before the reply);
 - the kernel knows the inode (``lookups``: a ``readdirplus`` or lookup told
   it), or there is nothing to push into;
 - the pages it may hold are of that very version or none
-  (``cached_version`` unset), so a push never mixes versions.
+  (``cached_version`` unset), so a push never mixes versions;
+- it was not pushed already since its last open (``Inode.pushed``): a
+  block fetched again after an eviction brings the same bytes.
 
 It runs on the trio thread, synchronously. ``notify_store`` waits only for
 pages locked by requests in flight, and with no handle open no request of
@@ -63,10 +76,11 @@ class PagePush:
         self.enabled = True
         self.stats = {"page_pushes": 0, "page_push_bytes": 0, "page_push_failures": 0}
 
-    def offer(self, ino: int) -> bool:
-        """Push ``ino``'s pages if every rule above allows it; whether it did."""
+    def offer(self, ino: int, *, opening: bool = False) -> bool:
+        """Push ``ino``'s pages if every rule above allows it; whether it did.
+        ``opening``: from inside a read-only open of it, before the reply."""
         inode = self.inodes.get(ino)
-        if not self.enabled or inode is None or not self._pushable(inode):
+        if not self.enabled or inode is None or not self._pushable(inode, opening):
             return False
         data = self._bytes(inode)
         if data is None:
@@ -87,11 +101,12 @@ class PagePush:
         self.stats["page_push_bytes"] += len(data)
         return True
 
-    def _pushable(self, inode: Inode) -> bool:
+    def _pushable(self, inode: Inode, opening: bool) -> bool:
         attr = inode.attr
         return (
             inode.lookups > 0
-            and not inode.opens
+            and not inode.pushed
+            and inode.opens == (1 if opening else 0)
             and inode.writer is None
             and attr.is_reg
             and 0 < attr.size <= self.limit

@@ -406,6 +406,10 @@ class Reader:
             for key in self._first_keys(inode, inode.attr.size) or ():
                 self._used(key)
 
+    def l1_room(self) -> int:
+        """Bytes L1 can take before it evicts anything."""
+        return max(0, self.l1.capacity - self.l1.used)
+
     def has_or_fetching(self, key: BlockKey) -> bool:
         """Whether ``key`` is in L1, or a whole-block fetch of it is under way
         or waiting for a prefetch slot (:meth:`prefetch_block`)."""

@@ -31,6 +31,10 @@ class FakeReader:
         self.fetching: set[BlockKey] = set()
         self.started: list[BlockKey] = []
         self.batches: list[list[BlockKey]] = []
+        self.room = 0  # L1's free bytes
+
+    def l1_room(self) -> int:
+        return self.room
 
     def has_or_fetching(self, key: BlockKey) -> bool:
         return key in self.l1 or key in self.fetching
@@ -105,6 +109,21 @@ def test_unread_prefetched_bytes_stay_within_the_budget_and_evicted_ones_free_it
     assert len(reader.started) == 4  # owed: fewer than half the window (6 by now)
     ahead.used(reader.started[3])  # read: their room starts more, together
     assert len(reader.started) == 7 and ahead.window == 7  # the budget again
+
+
+def test_free_room_in_l1_is_fetched_into_beyond_the_budget() -> None:
+    """Filling free room evicts nothing: the budget bounds only what
+    prefetching may displace."""
+    reader = FakeReader()
+    ahead = DirReadahead(reader, budget=3 * SIZE, per_miss=8)  # type: ignore[arg-type]
+    ahead.listed(7, files(50), restart=True)
+    reader.room = 2 * SIZE
+    ahead.missed(100 + 49)
+    assert len(reader.started) == 5  # the budget and the room
+    reader.land()
+    reader.room = 0  # what landed took the room
+    ahead.missed(100 + 48)
+    assert len(reader.started) == 5
 
 
 def test_a_new_listing_replaces_the_old_one_and_the_cursor_wraps() -> None:

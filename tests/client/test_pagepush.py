@@ -86,15 +86,19 @@ def test_several_slices_and_a_hole_are_assembled() -> None:
 @pytest.mark.parametrize(
     "why",
     ["open here", "being written", "unknown to the kernel", "pages of another version",
-     "stale list", "not in L1", "empty", "larger than a block", "not a regular file", "unknown inode"],
+     "stale list", "not in L1", "empty", "larger than a block", "not a regular file", "unknown inode",
+     "pushed already", "opened twice"],
 )  # fmt: skip
 def test_nothing_is_pushed_where_the_pages_could_mix_or_race(why: str) -> None:
     table, l1, kernel, push = _setup()
     l1.put(BlockKey(7, 0), os.urandom(BS))
     size = {"empty": 0, "larger than a block": BS + 1}.get(why, 4096)
     inode = _inode(table, 12, size, [Slice(7, 0, min(size, BS))])
+    opening = False
     if why == "open here":
         inode.opens = 1
+    elif why == "opened twice":  # another handle of it may have reads in flight
+        inode.opens, opening = 2, True
     elif why == "being written":
         inode.writer = object()  # type: ignore[assignment]
     elif why == "unknown to the kernel":
@@ -108,9 +112,24 @@ def test_nothing_is_pushed_where_the_pages_could_mix_or_race(why: str) -> None:
     elif why == "not a regular file":
         inode.attr = inode.attr._replace(mode=stat.S_IFDIR | 0o755)
     ino = 99 if why == "unknown inode" else 12
-    assert not push.offer(ino)
+    if why == "pushed already":  # since its last open: a block fetched again brings the same bytes
+        assert push.offer(ino) and kernel.stored
+        kernel.stored.clear()
+        assert not push.offer(ino)
+        assert kernel.stored == []
+        return
+    assert not push.offer(ino, opening=opening)
     assert kernel.stored == [] and not inode.pushed
     assert inode.cached_version == (2 if why == "pages of another version" else None)
+
+
+def test_a_file_is_pushed_inside_its_only_open_but_not_as_it_lands_while_open() -> None:
+    table, l1, kernel, push = _setup()
+    l1.put(BlockKey(7, 0), os.urandom(BS))
+    inode = _inode(table, 15, 4096, [Slice(7, 0, 4096)])
+    inode.opens = 1  # the open being handled: its handle is not the kernel's yet
+    assert not push.offer(15)
+    assert push.offer(15, opening=True) and inode.pushed
 
 
 def test_pages_of_the_same_version_are_pushed_again() -> None:
@@ -197,3 +216,42 @@ def test_files_fetched_ahead_are_read_from_the_page_cache_and_changes_are_seen(c
         writer.stop()
     reader.check_log()
     writer.check_log()
+
+
+def test_files_that_landed_while_the_kernel_forgot_them_are_pushed_at_their_open(cluster, tmp_path: Path) -> None:
+    """A data loader lists its dataset long before the epoch, and the kernel
+    forgets the inodes meanwhile (here: dentries and inodes dropped), so the
+    blocks fetched ahead land with nothing to push into. Each file is then
+    pushed inside its own open, and read with no read request."""
+    port = free_port()
+    mount = ClusterMount(cluster, tmp_path, "--metrics-addr", str(port))
+    d = mount.path / f"pushopen-{tmp_path.name}"
+    try:
+        d.mkdir()
+        data = {f"f{i:02}": os.urandom(SIZE) for i in range(FILES)}
+        for name, blob in data.items():
+            (d / name).write_bytes(blob)
+        mount.stop()
+        mount = ClusterMount(cluster, tmp_path, "--metrics-addr", str(port))  # L1 and page cache empty
+        there = mount.path / d.name
+        names = sorted(os.listdir(there))
+        forgotten = mount_ops(port).get("forget", 0)
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")  # the kernel forgets the inodes
+        assert mount_ops(port).get("forget", 0) > forgotten
+
+        assert (there / names[0]).read_bytes() == data[names[0]]  # a miss: the next files come ahead
+        deadline = time.monotonic() + 30
+        while _counter(port, "cachefs_mount_read_fetches_total{kind=\"prefetch\"}") < FILES - 1:
+            assert time.monotonic() < deadline, mount_metrics(port)
+            time.sleep(0.05)
+        pushed = _counter(port, "cachefs_mount_page_pushes_total")
+        before = mount_ops(port)
+        for name in names[1:]:
+            assert (there / name).read_bytes() == data[name]
+        ops = grown(before, mount_ops(port))
+        assert ops.get("read", 0) == 0, ops  # every byte pushed inside its open
+        assert _counter(port, "cachefs_mount_page_pushes_total") - pushed == FILES - 1
+    finally:
+        shutil.rmtree(d, ignore_errors=True)  # others list the volume's root
+        mount.stop()
+    mount.check_log()
