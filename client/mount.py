@@ -690,8 +690,9 @@ def _remove_pid(mountpoint: str) -> None:
 )
 @click.option(
     "--push-pages/--no-push-pages", default=True, show_default=True,
-    help="Push the small files fetched ahead into the kernel's page cache as they arrive, so that "
-    "their reads need no request to the mount (kept only while the file is unchanged).",
+    help="Push the small files fetched ahead into the kernel's page cache as they arrive (or at "
+    "their open), so that their reads need no request to the mount (kept only while the file is "
+    "unchanged).",
 )
 @click.option(
     "--write-buffer", type=SIZE, default="64M", show_default=True, help="Write buffer per file."
