@@ -14,18 +14,20 @@ import abc
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 
 def ensure_apt_packages(*packages: str) -> None:
-    """Install the Debian ``packages`` not installed yet (needs root)."""
+    """Install the Debian ``packages`` not installed yet (needs root). apt's
+    output goes to stderr: stdout is the benchmark's ``--json``."""
     missing = [p for p in packages if subprocess.run(["dpkg", "-s", p], capture_output=True).returncode != 0]
     if not missing:
         return
-    subprocess.run(["apt-get", "update", "-qq"], check=True)
+    subprocess.run(["apt-get", "update", "-qq"], check=True, stdout=sys.stderr)
     subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True,
-                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, stdout=sys.stderr)
 
 
 class S3Mount(abc.ABC):
