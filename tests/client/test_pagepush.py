@@ -252,6 +252,6 @@ def test_files_that_landed_while_the_kernel_forgot_them_are_pushed_at_their_open
         assert ops.get("read", 0) == 0, ops  # every byte pushed inside its open
         assert _counter(port, "cachefs_mount_page_pushes_total") - pushed == FILES - 1
     finally:
-        shutil.rmtree(d, ignore_errors=True)  # others list the volume's root
+        shutil.rmtree(mount.path / d.name, ignore_errors=True)  # others list the volume's root (this mount's)
         mount.stop()
     mount.check_log()
