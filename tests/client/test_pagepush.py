@@ -241,7 +241,7 @@ def test_files_that_landed_while_the_kernel_forgot_them_are_pushed_at_their_open
 
         assert (there / names[0]).read_bytes() == data[names[0]]  # a miss: the next files come ahead
         deadline = time.monotonic() + 30
-        while _counter(port, "cachefs_mount_read_fetches_total{kind=\"prefetch\"}") < FILES - 1:
+        while _counter(port, "cachefs_mount_l1_used_bytes") < FILES * SIZE:  # every block landed
             assert time.monotonic() < deadline, mount_metrics(port)
             time.sleep(0.05)
         pushed = _counter(port, "cachefs_mount_page_pushes_total")
