@@ -843,7 +843,7 @@ class BlockStore:
         breaks signal nobody (``F_SETOWN`` 0): SIGIO would kill the process.
         Taking the lease makes this process the file's owner, though, until
         ``F_SETOWN`` 0 runs; a truncation in between sent SIGIO and killed a
-        cache node (about 1 run in 20 of tests/cachenode/test_cache_truncate.py:
+        cache node (5 of about 67 runs of tests/cachenode/test_cache_truncate.py:
         exit status -29). So the signal is first set to SIGURG, which a
         process ignores unless it asks for it.
         """

@@ -40,12 +40,12 @@ nothing, and past it they may displace at most ``budget`` of what L1 held
 (a shuffled epoch keeps each directory's window waiting for its turn, and a
 fixed quarter of L1 ran dry with most of L1 empty: in a warm epoch of
 2,000 files in 20 directories on a lab mount, 265 opens had to fetch their
-own block, and 80 with the room counted). At most ``per_miss`` prefetches are started
-per miss (the extra traffic is a bounded multiple of the demand, and all of
-it is of files the loader has listed), the reader's mount-wide prefetch
-limit bounds how many run at once, and at most ``max_files`` files are
-remembered over all directories, and at most ``MAX_DIRS`` directories
-(oldest directories forgotten first).
+own block, and 80 with the room counted). At most ``per_miss`` prefetches
+are started per miss (the extra traffic is a bounded multiple of the
+demand, and all of it is of files the loader has listed), the reader's
+mount-wide prefetch limit bounds how many run at once, and at most
+``max_files`` files are remembered over all directories, and at most
+``MAX_DIRS`` directories (oldest directories forgotten first).
 
 Correctness: nothing here decides what a read returns. Blocks are immutable
 and keyed by slice id (a written slice is never rewritten, and an imported
