@@ -1,4 +1,5 @@
-"""Block-sized receive buffers, used again once nothing refers to them.
+"""Receive buffers used again: block-sized ones once nothing refers to them,
+and scratches for replies that are copied out at once (:class:`ScratchPool`).
 
 A cold sequential read receives a new 4 MiB ``bytearray`` for every block:
 zeroed by Python, its pages faulted in fresh after the heap trimmer gave the
@@ -36,6 +37,7 @@ Theory of operation
 from __future__ import annotations
 
 import collections
+import mmap
 import sys
 
 KEEP = 4
@@ -95,3 +97,58 @@ class BufferPool:
         if type(buf) is bytearray and len(buf) >= MIN_SIZE and all(b is not buf for b in self._retired):
             self._retired.append(buf)
             self.stats["buffers_kept"] += 1
+
+
+class ScratchPool:
+    """Receive buffers for replies that are copied out at once, lent one per call.
+
+    A mount copies each block of a ``get_many`` batch out of the reply into
+    its own ``bytes`` (L1 must not keep a whole batch alive for one block).
+    The reply's buffer is garbage the moment that is done, and batches vary
+    in size, so :class:`BufferPool`'s exact-size lists never reused one: a
+    fresh zeroed buffer per batch was 8% of a mount's CPU in a warm
+    DataLoader epoch (py-spy). A scratch is large enough for any batch, and
+    a reply lands in its first bytes (``RpcPool.call(scratch=...)``).
+
+    Theory of operation
+    -------------------
+    - A scratch is lent to one call at a time (``take``), and comes back
+      (``give``) only from a call that succeeded, after its views of the
+      reply are copied out and dropped: the reply is complete, so nothing
+      writes to it any more, and nobody reads it.
+    - A call that failed or was cancelled may still have a reply arriving
+      into its scratch, so that scratch is never lent again (``lose``): it
+      is freed once the connection lets go of it.
+    - At most ``keep`` scratches exist at once; a call that finds none free
+      gets ``None`` and receives into a buffer of its own, as before.
+    - A scratch is an anonymous mapping, so only the pages replies have
+      touched are resident: batches of small files use a fraction of it.
+    - One thread only (the event loop's), like :class:`BufferPool`.
+    """
+
+    def __init__(self, size: int, keep: int = 2) -> None:
+        self.size = size
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lent = 0
+
+    def take(self) -> mmap.mmap | None:
+        """A scratch of ``size`` bytes to lend to one call, or None if ``keep`` are lent."""
+        if self._free:
+            self._lent += 1
+            return self._free.pop()
+        if self._lent >= self.keep:
+            return None
+        self._lent += 1
+        return mmap.mmap(-1, self.size)
+
+    def give(self, buf: mmap.mmap | None) -> None:
+        """Take back a scratch whose call succeeded and whose reply nobody reads any more."""
+        if buf is not None:
+            self._lent -= 1
+            self._free.append(buf)
+
+    def lose(self, buf: mmap.mmap | None) -> None:
+        """Forget a scratch whose call failed: a late reply may still write to it."""
+        if buf is not None:
+            self._lent -= 1

@@ -408,6 +408,10 @@ def mapping_list(raw: Any) -> list[dict[str, Any]]:
 
 MANY_MISS = -1  # get_many: the node does not hold the block (the client reads it the usual way)
 MANY_NOT_SERVED = -2  # get_many: over the reply's byte budget; ask again
+# Bytes of blocks per get_many reply: far under the wire's frame (64 MiB) and
+# outbox (32 MiB) limits; 64 blocks of 128 KiB fit, two of 4 MiB. A client's
+# receive scratch (cachefs.buffers.ScratchPool) is this large.
+GET_MANY_BYTES = 8 << 20
 
 
 class BlockBatch(NamedTuple):

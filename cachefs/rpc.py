@@ -869,12 +869,13 @@ def _wire_details(details: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- client
 
 class _Slot:
-    __slots__ = ("event", "into", "reply")
+    __slots__ = ("event", "into", "prefix", "reply")
 
     def __init__(self) -> None:
         self.event = trio.Event()
         self.reply: wire.Event | CacheFSError | None = None
         self.into: memoryview | None = None  # where the reply's payload should land (call's ``into``)
+        self.prefix = False  # ``into`` is a scratch: a shorter payload lands in its first bytes
 
 
 class ClientConnection:
@@ -889,11 +890,17 @@ class ClientConnection:
         conn.decoder.payload_sink = self._payload_sink
 
     def _payload_sink(self, call_id: int, size: int) -> memoryview | None:
-        """The caller's buffer for this reply's payload, if it gave one of that size."""
+        """The caller's buffer for this reply's payload, if it gave one of
+        that size (or a scratch at least that large: its first bytes)."""
         slot = self._slots.get(call_id)
-        if slot is None or slot.into is None or len(slot.into) != size:
+        if slot is None or slot.into is None:
             return None
-        return slot.into
+        into = slot.into
+        if len(into) == size:
+            return into
+        if slot.prefix and len(into) > size:
+            return into[:size]
+        return None
 
     @classmethod
     async def connect(cls, addr: str, *, credential: Credential | None, limits: Limits,
@@ -1006,14 +1013,20 @@ class ClientConnection:
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *,
                    payload: wire.Payload | None = None, timeout: float = 30.0,
-                   into: memoryview | None = None) -> Reply:
+                   into: memoryview | None = None, scratch: memoryview | None = None) -> Reply:
         """One call. Raises the typed error the peer sent, or TimedOut.
 
         ``into``: a writable buffer the reply's payload is received into
         when it has exactly that size (the reply's payload is then ``into``
-        itself; else a buffer of its own). A call that fails or is cancelled
-        may leave bytes of a late reply in it: use it only after success.
+        itself; else a buffer of its own). ``scratch``: one that may be
+        larger; a payload that fits lands in its first bytes (the reply's
+        payload is then a view of them), for a caller that copies it out and
+        uses the scratch again. A call that fails or is cancelled may leave
+        bytes of a late reply in either, or write them later: use it only
+        after success, and never lend it to another call after a failure.
         """
+        if into is not None and scratch is not None:
+            raise ValueError("a call takes into or scratch, not both")
         # A free slot is taken without the scheduler round trip that
         # ``async with Semaphore`` makes; the call still yields (it waits
         # for the reply), so it stays a checkpoint.
@@ -1024,7 +1037,10 @@ class ClientConnection:
         try:
             call_id = next(self._ids)
             slot = _Slot()
-            slot.into = into
+            if scratch is not None:
+                slot.into, slot.prefix = scratch, True
+            else:
+                slot.into = into
             self._slots[call_id] = slot
             # A bare CancelScope: trio.fail_after's context manager costs
             # more than the rest of a small call.
@@ -1152,15 +1168,15 @@ class RpcPool:
 
     async def call(self, addr: str, method: str, args: dict[str, Any] | None = None, *,
                    payload: wire.Payload | None = None, timeout: float = 30.0,
-                   into: memoryview | None = None) -> Reply:
+                   into: memoryview | None = None, scratch: memoryview | None = None) -> Reply:
         """One call to ``addr``; connecting counts against ``timeout`` too
-        (``into``: see :meth:`ClientConnection.call`)."""
+        (``into`` and ``scratch``: see :meth:`ClientConnection.call`)."""
         deadline = trio.current_time() + timeout
         conn = await self.connection(addr)
         remaining = deadline - trio.current_time()
         if remaining <= 0:
             raise TimedOut(f"{method} to {addr} passed its deadline of {timeout}s while connecting")
-        return await conn.call(method, args, payload=payload, timeout=remaining, into=into)
+        return await conn.call(method, args, payload=payload, timeout=remaining, into=into, scratch=scratch)
 
     def forget(self, addr: str) -> None:
         """Drop the connection to ``addr`` (e.g. after the peer restarted)."""

@@ -96,7 +96,7 @@ from cachefs.errors import (
     TimedOut,
 )
 from cachefs.ids import BlockKey
-from cachefs.messages import MANY_MISS, MANY_NOT_SERVED, BlockBatch
+from cachefs.messages import GET_MANY_BYTES, MANY_MISS, MANY_NOT_SERVED, BlockBatch
 from cachefs.pagecache import WouldBlock
 from cachefs.rpc import CallContext, Reply, rpc_method
 from cachefs.singleflight import Flight, SingleFlight
@@ -110,9 +110,6 @@ POLICIES = ("wait", "fast-fail", "peek")
 MAX_HOLDS = 10_000  # keys per holds or evict call
 MAX_ADDR = 300  # bytes of a prefetch source address
 MAX_GET_MANY = 64  # keys per get_many call
-# Bytes of blocks per get_many reply: far under the wire's frame (64 MiB) and
-# outbox (32 MiB) limits; 64 blocks of 128 KiB fit, two of 4 MiB.
-GET_MANY_BYTES = 8 << 20
 HEADER_ROOM = 64 * 1024  # a block file's header and more: the store's per-segment sums
 
 HITS = Counter("cachefs_cache_hits_total", "Cache gets served from the cache", ["node"])
@@ -703,7 +700,7 @@ class CacheService:
         batch costs no backing fetch and holds no request slot; the client
         reads the misses through the single-block ``get`` (single flight and
         read-through stay there). Blocks are added in order while they fit
-        in :data:`GET_MANY_BYTES` (well under the wire's frame and outbox
+        in :data:`~cachefs.messages.GET_MANY_BYTES` (well under the wire's frame and outbox
         limits); the rest are answered :data:`~cachefs.messages.MANY_NOT_SERVED`
         for the client to ask again. A memory-tier or page-cache hit is read
         inline, a block on the disk in a worker thread (as ``get`` does);

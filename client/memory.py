@@ -29,6 +29,9 @@ The parts:
   keeps each buffer while the worker lives, so ``--fuse-workers`` caps them
   (pyfuse3's own cap is 99);
 - ``reuse_pool``: the block buffers kept for reuse (``buffers.KEEP``);
+- ``scratch``: the receive scratches of batched fetches
+  (``session.SCRATCH_KEEP`` of ``messages.GET_MANY_BYTES``; resident only
+  as far as replies have filled them);
 - ``heap_slack``: what the heap trimmer lets grow before it gives freed
   pages back (``heap.TRIM_SLACK``);
 - ``l2``: the L2 fill queue (``l2.FILL_QUEUE`` blocks) and its index, per block cached;
@@ -44,9 +47,11 @@ from cachefs.backing.policy import VolumePolicy
 from cachefs.buffers import KEEP
 from cachefs.heap import TRIM_SLACK
 from cachefs.ids import CHUNK_SIZE
+from cachefs.messages import GET_MANY_BYTES
 
 from .l2 import FILL_QUEUE
 from .reader import PREFETCH_PARALLEL
+from .session import SCRATCH_KEEP
 
 FIXED_MAX = 64 << 20  # the most a mount holds when it begins serving (documented)
 FUSE_BUFFER = (1 << 20) + 4096  # libfuse's receive buffer: max_write (1 MiB) and a header
@@ -92,6 +97,7 @@ class MemoryBudget:
             "fetches": (PREFETCH_PARALLEL + 2 * self.fuse_workers) * block,
             "fuse_buffers": self.fuse_workers * FUSE_BUFFER,
             "reuse_pool": KEEP * block,
+            "scratch": SCRATCH_KEEP * GET_MANY_BYTES,
             "heap_slack": TRIM_SLACK,
             "l2": (FILL_QUEUE * block + l2_blocks * L2_ENTRY) if self.l2 else 0,
             "metadata": (inodes + ghosts) * INODE + leases * LEASE,

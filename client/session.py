@@ -43,6 +43,7 @@ from cachefs import commands as C
 from cachefs import queries as Q
 from cachefs.backing.client import BackingClient
 from cachefs.backing.cluster import MetaClusterView
+from cachefs.buffers import ScratchPool
 from cachefs.errors import (
     Busy,
     CacheFSError,
@@ -57,7 +58,7 @@ from cachefs.errors import (
 )
 from cachefs.ids import CHUNK_SIZE, DEFAULT_BLOCK_SIZE, BlockKey
 from cachefs.layout import Slice
-from cachefs.messages import MANY_NOT_SERVED, Attr, LeasedAttr, Renamed
+from cachefs.messages import GET_MANY_BYTES, MANY_NOT_SERVED, Attr, LeasedAttr, Renamed
 from cachefs.metanode.client import MetaClient
 from cachefs.repo.source import RepoBlocks
 from cachefs.ring import CacheRouter
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 CACHE_TIMEOUT = 5.0
 MAP_REFRESH = 5.0
 GET_MANY_KEYS = 64  # keys per get_many call (the cache node's limit)
+SCRATCH_KEEP = 2  # get_many receive scratches (GET_MANY_BYTES each) a mount keeps
 # Slice ids taken from the metanodes at once: each ``alloc_slices`` is a
 # replicated log entry, and a random writer seals a run every few MiB. Ids
 # left unused when the mount ends are only gaps (no block has them).
@@ -125,6 +127,7 @@ class Session:
         # The front end drops the kernel's caches of lost leases: [(ino, names)].
         self._on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]] | None = None
         self._no_get_many: set[str] = set()  # cache nodes that answered get_many with ENOSYS
+        self._scratch = ScratchPool(GET_MANY_BYTES, SCRATCH_KEEP)  # get_many replies land here
         self.stats = {"cache_reads": 0, "backing_reads": 0, "cache_errors": 0, "write_through": 0,
                       "cache_batches": 0, "cache_batch_blocks": 0}
 
@@ -547,14 +550,15 @@ class Session:
 
         Each block is copied out of the reply into its own ``bytes``: a view
         would keep the whole batch's buffer alive for as long as any one of
-        its blocks stayed in L1.
+        its blocks stayed in L1. The reply itself lands in a scratch lent for
+        the call (:class:`~cachefs.buffers.ScratchPool`).
         """
         got: dict[BlockKey, bytes] = {}
         todo = list(keys)
         while todo:
             ask, todo = todo[:GET_MANY_KEYS], todo[GET_MANY_KEYS:]
             try:
-                answer = await self.transport.get_many(addr, self.volume, ask, timeout=CACHE_TIMEOUT)
+                answer = await self._get_many(addr, ask)
             except _DOWN as exc:
                 log.info("cache node %s is not answering (%s); reading around it", addr, exc)
                 self.router.mark_down(addr)
@@ -572,8 +576,8 @@ class Session:
             self.stats["cache_batches"] += 1
             unserved = []
             for key, item in zip(ask, answer, strict=True):
-                if isinstance(item, memoryview):
-                    got[key] = bytes(item)
+                if isinstance(item, bytes):
+                    got[key] = item
                 elif item == MANY_NOT_SERVED:
                     unserved.append(key)
             if unserved and len(unserved) == len(ask):
@@ -581,6 +585,25 @@ class Session:
             todo = unserved + todo
         self.stats["cache_batch_blocks"] += len(got)
         return got
+
+    async def _get_many(self, addr: str, keys: list[BlockKey]) -> list[bytes | int]:
+        """One ``get_many``: per key, its block copied out of the reply, or
+        its marker. The scratch goes back to the pool only once the reply
+        is complete and every view of it is gone (raises as the transport does)."""
+        scratch = self._scratch.take()
+        try:
+            answer = await self.transport.get_many(addr, self.volume, keys, timeout=CACHE_TIMEOUT,
+                                                   scratch=scratch)
+        except BaseException:
+            self._scratch.lose(scratch)  # a reply may still be landing in it
+            raise
+        blocks = [bytes(item) if isinstance(item, memoryview) else item for item in answer]
+        for item in answer:
+            if isinstance(item, memoryview):
+                item.release()
+        del answer
+        self._scratch.give(scratch)
+        return blocks
 
     async def fetch(self, key: BlockKey, offset: int = 0, length: int = -1) -> bytes | bytearray:
         """A block (range) from the cache tier, else from backing storage."""

@@ -9,6 +9,7 @@ for, so the client runs where it is not installed.
 from __future__ import annotations
 
 import logging
+import mmap
 from typing import Protocol
 
 from cachefs.errors import InvalidArgument, Unavailable
@@ -38,7 +39,8 @@ class BlockTransport(Protocol):
     ) -> bytes | bytearray: ...
 
     async def get_many(
-        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0,
+        scratch: mmap.mmap | None = None,
     ) -> list[memoryview | int]: ...
 
     async def put(

@@ -27,6 +27,7 @@ raises :class:`RdmaUnavailable` and ``--transport auto`` uses TCP.
 from __future__ import annotations
 
 import logging
+import mmap
 import random
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -344,10 +345,11 @@ class RdmaTransport:
             return ep.mr.read(size, slot_off)
 
     async def get_many(
-        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0,
+        scratch: mmap.mmap | None = None,
     ) -> list[memoryview | int]:
         """Over TCP: a batch of small blocks is one reply, not one slot each."""
-        return await self.fallback.get_many(addr, volume, keys, timeout=timeout)
+        return await self.fallback.get_many(addr, volume, keys, timeout=timeout, scratch=scratch)
 
     async def put(
         self, addr: str, volume: str, key: BlockKey, data: bytes, *, timeout: float = 10.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 from cachefs.ids import BlockKey
 from cachefs.messages import BlockBatch
 from cachefs.rpc import RpcPool
@@ -37,16 +39,19 @@ class TcpTransport:
         return reply.payload if reply.payload is not None else b""
 
     async def get_many(
-        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0
+        self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float = 10.0,
+        scratch: mmap.mmap | None = None,
     ) -> list[memoryview | int]:
         """Whole blocks of ``keys`` from one cache node in one call: per key, a
         view of its block in the reply's payload, or a ``BlockBatch`` marker.
+        ``scratch``: where the reply may land (see ``RpcPool.call``).
 
         Raises:
             IOFailure: a malformed reply.
         """
         args = {"volume": volume, "keys": [k.to_bytes() for k in keys]}
-        reply = await self.pool.call(addr, "get_many", args, timeout=timeout)
+        reply = await self.pool.call(addr, "get_many", args, timeout=timeout,
+                                     scratch=None if scratch is None else memoryview(scratch))
         payload = reply.payload if reply.payload is not None else b""
         return BlockBatch.from_wire(reply.result, len(keys), len(payload)).split(payload)
 

@@ -8,6 +8,7 @@ that blocks evicted unread give their room back.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import trio
@@ -263,7 +264,8 @@ async def test_session_fetch_many_asks_again_for_what_a_reply_left_out_and_remem
         def __init__(self) -> None:
             self.calls: list[tuple[str, list[BlockKey]]] = []
 
-        async def get_many(self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float) -> list[Any]:
+        async def get_many(self, addr: str, volume: str, keys: list[BlockKey], *, timeout: float,
+                           scratch: mmap.mmap | None = None) -> list[Any]:
             self.calls.append((addr, list(keys)))
             if addr == "old":
                 raise NoSuchMethod("no method get_many")

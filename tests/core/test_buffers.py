@@ -1,8 +1,8 @@
-"""The receive-buffer pool's retire path: a buffer is handed out again only once nothing refers to it."""
+"""The receive-buffer pools: a buffer is handed out again only once nothing refers to it or writes to it."""
 
 from __future__ import annotations
 
-from cachefs.buffers import BufferPool
+from cachefs.buffers import BufferPool, ScratchPool
 
 MiB = 1 << 20
 
@@ -32,3 +32,20 @@ def test_retire_keeps_block_sized_bytearrays_only_and_at_most_keep() -> None:
     taken = [pool.take(MiB) for _ in range(3)]
     assert sorted(t[0] for t in taken) == [0, 2, 3]  # the oldest was forgotten; a fresh one instead
     assert len(pool.take(2 * MiB)) == 2 * MiB  # no retired buffer of that size
+
+
+def test_a_scratch_comes_back_only_from_a_call_that_succeeded() -> None:
+    pool = ScratchPool(MiB, keep=2)
+    first, second = pool.take(), pool.take()
+    assert first is not None and second is not None and first is not second
+    assert len(first) == MiB
+    assert pool.take() is None  # both lent: the caller receives into a buffer of its own
+    pool.give(first)
+    assert pool.take() is first  # the same buffer again, no new allocation
+    pool.lose(second)  # its call failed: a late reply may still land in it
+    third = pool.take()
+    assert third is not None and third is not second and third is not first
+    assert pool.take() is None  # first and third lent
+    pool.give(None)  # a call that got no scratch gives nothing back
+    pool.lose(None)
+    assert pool.take() is None

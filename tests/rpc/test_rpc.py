@@ -57,6 +57,21 @@ async def test_a_reply_payload_lands_in_the_buffer_the_caller_gave(nursery):
         assert bytes(reply.payload) == data[:1000] and other == bytes(5)  # not that size: not used
 
 
+async def test_a_reply_lands_in_the_first_bytes_of_a_larger_scratch(nursery):
+    _, addr = await start_server(nursery)
+    data = os.urandom(3 << 20)
+    scratch = bytearray(b"s" * (4 << 20))
+    async with RpcPool(secret=SECRET) as pool:
+        reply = await pool.call(addr, "echo", {"value": "x"}, payload=data, scratch=memoryview(scratch))
+        assert isinstance(reply.payload, memoryview) and reply.payload.obj is scratch
+        assert bytes(reply.payload) == data and scratch[len(data):] == b"s" * (1 << 20)
+        big = os.urandom(5 << 20)  # larger than the scratch: a buffer of its own
+        reply = await pool.call(addr, "echo", {"value": "y"}, payload=big, scratch=memoryview(scratch))
+        assert bytes(reply.payload) == big and scratch[:len(data)] == data
+        with pytest.raises(ValueError, match="into or scratch"):
+            await pool.call(addr, "echo", {}, into=memoryview(bytearray(1)), scratch=memoryview(scratch))
+
+
 async def test_thousand_calls_in_flight_on_one_connection(nursery):
     service = EchoService()
     _, addr = await start_server(nursery, service=service)
