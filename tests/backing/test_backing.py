@@ -110,6 +110,28 @@ async def test_whole_blocks_are_read_in_place_and_checked_against_the_block_chec
         assert client.stats["whole_reads"] == 2
 
 
+@pytest.mark.parametrize("size", [1, 110 * 1024 + 5, 3 * MiB + 7])
+async def test_a_short_block_read_first_takes_one_round_of_shard_reads(
+        cluster: Datanodes, volume: str, size: int) -> None:
+    """The first read of a whole block shorter than the volume's block size
+    plans with a full block's layout; the replies (clipped at each shard's
+    end) hold the real ranges, so no second round is sent: K shard reads."""
+    pol = VolumePolicy.parse("ec:4+2", block_size=4 * MiB)
+    view = cluster.view({volume: pol})
+    rng = random.Random(size)
+    async with RpcPool(secret=SECRET) as pool:
+        client = BackingClient(pool, view)
+        key = new_key()
+        data = rng.randbytes(size)
+        await client.put_block(volume, key, data)
+        calls = pool.time_calls()
+        assert await client.get_block(volume, key) == data
+        assert sum(calls.counts["get"]) == 4
+        assert client.stats["whole_reads"] == 1 and client.stats["whole_fallbacks"] == 0
+        assert await client.get_block(volume, key) == data  # its header known: the shards with its bytes
+        assert 4 < sum(calls.counts["get"]) <= 8
+
+
 async def test_range_read_touches_only_covering_data_shards(cluster: Datanodes, volume: str) -> None:
     """With every shard but data shard 1 gone, a range inside shard 1 still reads."""
     view = cluster.view({volume: VolumePolicy.parse("ec:4+2")})
