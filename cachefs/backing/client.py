@@ -47,7 +47,10 @@ Which shards and offsets cover a range depends on the block's header (its
 length, compression); a range read plans with the header of a full-size
 uncompressed block until it has seen the real one, which it then keeps
 (blocks are immutable, so a header never changes): later ranges of a short or
-compressed block take one round trip, not a wrong guess and a second.
+compressed block take one round trip, not a wrong guess and a second. The
+first whole read of a short block needs no second round either: a datanode
+clips a range at its shard's end, so the replies to the guess hold the real
+ranges, and they are cut out of them.
 When the PG itself comes up short, the missing shards are looked for on
 their first few handoff substitutes, then on the datanodes outside the PG:
 after a join or leave the map moves slots at once but the shards only move
