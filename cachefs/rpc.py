@@ -1052,6 +1052,10 @@ class ClientConnection:
                     await slot.event.wait()
             finally:
                 self._slots.pop(call_id, None)  # a late reply is dropped
+                # Nor does the slot keep the caller's buffer: a slot can outlive
+                # the call (in a finished task's frame, until the cycle collector
+                # runs), and its view would keep a pool from reusing the buffer.
+                slot.into = None
                 if self.calls is not None:
                     self.calls.observe(method, time.monotonic() - sent_at)
             if scope.cancelled_caught:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cachefs.backing.client import BackingClient
 from cachefs.backing.policy import VolumePolicy
 from cachefs.backing.repair import Repairer
+from cachefs.buffers import BufferPool
 from cachefs.errors import Corrupt, NotFound, Unavailable
 from cachefs.ids import BlockKey
 from cachefs.rpc import RpcPool
@@ -120,16 +121,22 @@ async def test_a_short_block_read_first_takes_one_round_of_shard_reads(
     view = cluster.view({volume: pol})
     rng = random.Random(size)
     async with RpcPool(secret=SECRET) as pool:
-        client = BackingClient(pool, view)
-        key = new_key()
+        buffers = BufferPool()
+        client = BackingClient(pool, view, buffers=buffers)
+        key, other = new_key(), new_key()
         data = rng.randbytes(size)
         await client.put_block(volume, key, data)
+        await client.put_block(volume, other, data[::-1])
         calls = pool.time_calls()
         assert await client.get_block(volume, key) == data
         assert sum(calls.counts["get"]) == 4
         assert client.stats["whole_reads"] == 1 and client.stats["whole_fallbacks"] == 0
         assert await client.get_block(volume, key) == data  # its header known: the shards with its bytes
         assert 4 < sum(calls.counts["get"]) <= 8
+        # The guessed full block's buffer went back to the pool, and the next guess reuses it.
+        assert buffers.stats["buffers_kept"] == 1
+        assert await client.get_block(volume, other) == data[::-1]
+        assert buffers.stats["buffers_reused"] == 1
 
 
 async def test_range_read_touches_only_covering_data_shards(cluster: Datanodes, volume: str) -> None:
