@@ -699,7 +699,8 @@ class BackingClient:
             # small file took two rounds of shard reads, and a guessed block's
             # buffer, for every file).
             del view, places
-            cut = _cut(real, plan, pieces, header) if real else None
+            allocate = self.buffers.take if self.buffers is not None else bytearray
+            cut = _cut(real, plan, pieces, header, allocate) if real else None
             del pieces
             if self.buffers is not None:
                 self.buffers.give(buf)  # every read has ended; kept only if no reply landed in it
@@ -741,11 +742,12 @@ def _job(fn: Callable[..., Awaitable[_Shard]], *args: Any) -> Callable[[], Await
     return lambda: fn(*args)
 
 
-def _cut(real: list[ShardRange], plan: list[ShardRange], pieces: _Outcome,
-         header: BlockHeader) -> bytearray | None:
+def _cut(real: list[ShardRange], plan: list[ShardRange], pieces: _Outcome, header: BlockHeader,
+         allocate: Callable[[int], bytearray]) -> bytearray | None:
     """The bytes of the shard ranges ``real``, cut from the replies to the
     reads of ``plan`` (each range inside one reply from the same shard, with
-    the agreed ``header``), or None if one of them is not all there."""
+    the agreed ``header``) into ``allocate(size)``, or None if one of them
+    is not all there."""
     parts = []
     for r in real:
         for n, p in enumerate(plan):
@@ -757,7 +759,11 @@ def _cut(real: list[ShardRange], plan: list[ShardRange], pieces: _Outcome,
                 break
         else:
             return None
-    return bytearray().join(parts)
+    out, at = allocate(sum(len(part) for part in parts)), 0
+    for part in parts:
+        out[at:at + len(part)] = part
+        at += len(part)
+    return out
 
 
 def _consensus(outcome: _Outcome) -> BlockHeader:

@@ -116,10 +116,14 @@ async def test_a_fill_buffer_is_used_again_only_once_nobody_holds_it(tmp_path: P
 
         (k1, b1), (k2, b2), (k3, b3) = blocks.items()
         v1 = await read_settled(k1)
+        first = id(v1.obj)  # not the buffer itself: a reference would keep it from reuse
         v2 = await read_settled(k2)  # k1's buffer is retired, but v1 still sees it
-        assert buffers.stats["buffers_reused"] == 0 and bytes(v1) == b1 and bytes(v2) == b2
+        second = id(v2.obj)
+        assert second != first and bytes(v1) == b1 and bytes(v2) == b2
         del v1, v2
+        reused = buffers.stats["buffers_reused"]
         v3 = await read_settled(k3)
-        assert buffers.stats["buffers_reused"] == 1 and bytes(v3) == b3
+        assert id(v3.obj) in (first, second) and bytes(v3) == b3
+        assert buffers.stats["buffers_reused"] > reused
         assert len(store) == 3 and bytes(store.read(k1) or b"") == b1  # what went to flash is intact
         nursery.cancel_scope.cancel()
