@@ -128,7 +128,7 @@ class Readahead:
         bs = self.block_size
         target = min(-(-(end + self.window) // bs), -(-file_size // bs)) * bs
         start = max(self.ahead, end)
-        if target <= start:
+        if target <= start or start >= file_size:  # a read to the end of a file: nothing past it
             return None
         self.ahead = target
         return start, target

@@ -201,6 +201,8 @@ def test_readahead_is_started_once_per_block_the_window_reaches() -> None:
     assert ra.on_read(0, BLOCK) and ra.due(BLOCK, 2 * BLOCK) == (BLOCK, 2 * BLOCK)  # stops at the end
     assert ra.on_read(BLOCK, 100) and ra.due(BLOCK + 100, 2 * BLOCK) is None
     assert ra.due(BLOCK + 100, 3 * BLOCK) == (2 * BLOCK, 3 * BLOCK)  # the file grew: its new block
+    small = Readahead(BLOCK, 8 * BLOCK)  # a file smaller than a block, read whole: nothing to read ahead
+    assert small.on_read(0, 128 * 1024) and small.due(110 * 1024, 110 * 1024) is None
 
 
 async def test_random_reader_fetches_only_its_ranges(nursery) -> None:
