@@ -688,8 +688,7 @@ class BackingClient:
                     if data is not place:
                         place[:] = data  # the reply did not land in place (it should have)
                 del view, places
-                if whole and (header.compressed or len(buf) != header.stored_len
-                              or checksum(buf) != header.checksum):
+                if whole and not _is_block(buf, header):
                     raise _Fallback  # bytes that are not the block: rebuild (which reports Corrupt)
                 return buf
             # The guess was wrong: a short block (a small file, a file's last
@@ -703,10 +702,9 @@ class BackingClient:
             cut = _cut(real, plan, pieces, header, allocate) if real else None
             del pieces
             if self.buffers is not None:
-                self.buffers.give(buf)  # every read has ended; kept only if no reply landed in it
+                self.buffers.give(buf)  # kept only if nothing, not even a late reply's view, refers to it
             if cut is not None:
-                if whole and (header.compressed or len(cut) != header.stored_len
-                              or checksum(cut) != header.checksum):
+                if whole and not _is_block(cut, header):
                     raise _Fallback
                 return cut
             plan = real
@@ -740,6 +738,12 @@ def _check_size(data: bytes | bytearray | memoryview, block_size: int) -> None:
 
 def _job(fn: Callable[..., Awaitable[_Shard]], *args: Any) -> Callable[[], Awaitable[_Shard]]:
     return lambda: fn(*args)
+
+
+def _is_block(buf: bytearray, header: BlockHeader) -> bool:
+    """Whether ``buf``, read whole from the data shards, is the stored block
+    ``header`` describes (a compressed one is decoded by the fallback instead)."""
+    return not header.compressed and len(buf) == header.stored_len and checksum(buf) == header.checksum
 
 
 def _cut(real: list[ShardRange], plan: list[ShardRange], pieces: _Outcome, header: BlockHeader,
