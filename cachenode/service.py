@@ -178,6 +178,7 @@ REGISTRY.register(_COUNTERS)
 
 
 Buffer = bytes | bytearray | memoryview
+_CORRUPT = object()  # a block a worker thread found corrupt (``_read_blocks``)
 
 
 class BlockSource(Protocol):
@@ -703,9 +704,10 @@ class CacheService:
         in :data:`~cachefs.messages.GET_MANY_BYTES` (well under the wire's frame and outbox
         limits); the rest are answered :data:`~cachefs.messages.MANY_NOT_SERVED`
         for the client to ask again. A memory-tier or page-cache hit is read
-        inline, a block on the disk in a worker thread (as ``get`` does);
-        checksums are verified by the store on every read, and a corrupt
-        block is a miss.
+        inline; the blocks on the disk are read together in at most
+        ``io_threads`` worker-thread jobs (``_read_from_disk``), not a thread
+        hop each; checksums are verified by the store on every read, and a
+        corrupt block is a miss.
 
         The reply: :class:`~cachefs.messages.BlockBatch` (a size or marker
         per key) and the served blocks joined, in key order, as the payload.
@@ -728,7 +730,7 @@ class CacheService:
 
     async def _get_many(self, keys: list[BlockKey]) -> Reply:
         sizes: list[int] = []
-        parts: list[Buffer] = []
+        found: list[tuple[int, BlockKey, Buffer | None]] = []  # (index in sizes, key, bytes or None: on the disk)
         total = 0
         for i, key in enumerate(keys):
             entry = self.store.lookup(key)
@@ -738,14 +740,29 @@ class CacheService:
             if total + entry.size > GET_MANY_BYTES:
                 sizes.extend([MANY_NOT_SERVED] * (len(keys) - i))
                 break
-            cached = await self._read_cached(key, 0, -1)
-            if cached is None or len(cached[0]) != cached[1]:
-                sizes.append(MANY_MISS)  # dropped meanwhile, or corrupt (counted and dropped by the store)
+            try:
+                data = (self.store.read(key, nowait=True)
+                        if entry.size <= self.limits.inline_read_max or self.store.in_memory(key) else None)
+            except WouldBlock:
+                data = None
+            except Corrupt:  # dropped by the store
+                self.counters.corrupt_refetched += 1
+                sizes.append(MANY_MISS)
                 continue
-            data = cached[0]
-            sizes.append(len(data))
-            parts.append(data)
-            total += len(data)
+            found.append((len(sizes), key, data))
+            sizes.append(entry.size)
+            total += entry.size
+        on_disk = [key for _, key, data in found if data is None]
+        read = iter(await self._read_from_disk(on_disk) if on_disk else ())
+        parts: list[Buffer] = []
+        for i, _, data in found:
+            if data is None:
+                data = next(read)
+            if data is None or len(data) != sizes[i]:
+                sizes[i] = MANY_MISS  # dropped meanwhile, or corrupt on the disk
+            else:
+                parts.append(data)
+        total = sum(len(data) for data in parts)
         served = len(parts)
         self.counters.hits += served
         self.counters.misses += sizes.count(MANY_MISS)
@@ -757,6 +774,39 @@ class CacheService:
         self._m_many_blocks.inc(served)
         payload = b"".join(parts) if parts else None
         return Reply(BlockBatch(tuple(sizes)), payload=payload)
+
+    async def _read_from_disk(self, keys: list[BlockKey]) -> list[Buffer | None]:
+        """Whole blocks that the page cache did not hold, read in worker
+        threads: the keys split over at most ``io_threads`` jobs, so a batch
+        costs that many thread hops instead of one per block, and its disk
+        reads still overlap. None for a block dropped meanwhile or found
+        corrupt (counted; the store dropped it)."""
+        jobs = min(self.limits.io_threads, len(keys))
+        shares = [keys[j::jobs] for j in range(jobs)]
+        results: list[list[Buffer | None]] = [[] for _ in shares]
+
+        async def job(j: int) -> None:
+            results[j] = await trio.to_thread.run_sync(self._read_blocks, shares[j], limiter=self._io_threads)
+
+        async with trio.open_nursery() as nursery:
+            for j in range(jobs):
+                nursery.start_soon(job, j)
+        self.counters.corrupt_refetched += sum(data is _CORRUPT for share in results for data in share)
+        out: list[Buffer | None] = [None] * len(keys)
+        for j, share in enumerate(results):
+            out[j::jobs] = [None if data is _CORRUPT else data for data in share]
+        return out
+
+    def _read_blocks(self, keys: list[BlockKey]) -> list[Any]:
+        """(In a worker thread) each block of ``keys`` from the store: its
+        bytes, None if it was dropped, or ``_CORRUPT``."""
+        out: list[Any] = []
+        for key in keys:
+            try:
+                out.append(self.store.read(key))
+            except Corrupt:
+                out.append(_CORRUPT)
+        return out
 
     @rpc_method(roles=CLIENTS)
     async def put(

@@ -3,6 +3,7 @@ marked (never read through), a byte budget per reply, and hostile input."""
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -83,6 +84,47 @@ async def test_a_corrupt_block_is_a_miss(tmp_path: Path) -> None:
         path.write_bytes(bytes(raw))
         got = await _get_many(c, list(blocks))
         assert got[0] == MANY_MISS and bytes(got[1]) == blocks[list(blocks)[1]]
+
+
+def _only_on_disk(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
+async def test_blocks_on_the_disk_are_read_in_one_thread_job_per_io_thread(tmp_path: Path) -> None:
+    """Blocks the page cache does not hold cost ``io_threads`` thread hops
+    per batch, not one each; every byte is still checked, and a block
+    found corrupt on the disk is a miss."""
+    blocks = _blocks(7)
+    keys = list(blocks)
+    async with cache_setup(tmp_path, blocks, memory=SIZE) as c:
+        await _cache(c, blocks)
+        bad = keys[3]
+        raw = bytearray(c.store.path(bad).read_bytes())
+        raw[-100] ^= 0xFF
+        c.store.path(bad).write_bytes(bytes(raw))
+        for key in keys:
+            _only_on_disk(c.store.path(key))
+        jobs: list[int] = []
+        read_blocks = c.service._read_blocks
+
+        def spy(keys: list[BlockKey]) -> list[Any]:
+            jobs.append(len(keys))
+            return read_blocks(keys)
+
+        c.service._read_blocks = spy  # type: ignore[method-assign]
+        got = await _get_many(c, keys + [BlockKey(999, 0)])
+        for key, item in zip(keys, got, strict=False):
+            assert item == MANY_MISS if key == bad else bytes(item) == blocks[key]
+        assert got[-1] == MANY_MISS
+        assert 1 <= len(jobs) <= c.service.limits.io_threads and sum(jobs) <= len(keys)
+        stats = (await c.pool.call(c.addr, "stats")).result
+        assert stats["corrupt_refetched"] == 1 and stats["get_many_blocks"] == len(keys) - 1
 
 
 async def test_too_many_keys_is_refused_naming_the_limit(tmp_path: Path) -> None:
