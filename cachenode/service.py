@@ -780,17 +780,28 @@ class CacheService:
         threads: the keys split over at most ``io_threads`` jobs, so a batch
         costs that many thread hops instead of one per block, and its disk
         reads still overlap. None for a block dropped meanwhile or found
-        corrupt (counted; the store dropped it)."""
+        corrupt (counted; the store dropped it).
+
+        Raises:
+            IOFailure: a read failed (as a block read inline would, so the
+                whole batch fails the same way and not as a nursery's group).
+        """
         jobs = min(self.limits.io_threads, len(keys))
         shares = [keys[j::jobs] for j in range(jobs)]
         results: list[list[Buffer | None]] = [[] for _ in shares]
+        failures: list[CacheFSError] = []
 
         async def job(j: int) -> None:
-            results[j] = await trio.to_thread.run_sync(self._read_blocks, shares[j], limiter=self._io_threads)
+            try:
+                results[j] = await trio.to_thread.run_sync(self._read_blocks, shares[j], limiter=self._io_threads)
+            except CacheFSError as exc:
+                failures.append(exc)
 
         async with trio.open_nursery() as nursery:
             for j in range(jobs):
                 nursery.start_soon(job, j)
+        if failures:
+            raise failures[0]
         self.counters.corrupt_refetched += sum(data is _CORRUPT for share in results for data in share)
         out: list[Buffer | None] = [None] * len(keys)
         for j, share in enumerate(results):

@@ -127,6 +127,25 @@ async def test_blocks_on_the_disk_are_read_in_one_thread_job_per_io_thread(tmp_p
         assert stats["corrupt_refetched"] == 1 and stats["get_many_blocks"] == len(keys) - 1
 
 
+async def test_a_failed_disk_read_fails_the_batch_with_its_typed_error(tmp_path: Path) -> None:
+    """A read error in a worker thread (here: the block's file replaced by
+    a directory, so pread fails with EISDIR) answers the batch with
+    IOFailure, as an inline read error does, not as an internal error; the
+    node goes on serving."""
+    blocks = _blocks(3, size=300 * 1024)  # above inline_read_max: straight to the worker threads
+    keys = list(blocks)
+    async with cache_setup(tmp_path, blocks) as c:
+        await _cache(c, blocks)
+        path = c.store.path(keys[1])
+        path.unlink()
+        path.mkdir()
+        with pytest.raises(CacheFSError) as failed:
+            await _get_many(c, keys)
+        assert type(failed.value).__name__ == "IOFailure" and keys[1].hex() in str(failed.value)
+        got = await _get_many(c, [keys[0], keys[2]])
+        assert [bytes(g) for g in got] == [blocks[keys[0]], blocks[keys[2]]]
+
+
 async def test_too_many_keys_is_refused_naming_the_limit(tmp_path: Path) -> None:
     async with cache_setup(tmp_path, {}) as c:
         keys = [BlockKey(1, i).to_bytes() for i in range(MAX_GET_MANY + 1)]
