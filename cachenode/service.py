@@ -348,6 +348,12 @@ class CacheService:
 
     # -- reads ------------------------------------------------------------------
 
+    def _may_read_inline(self, key: BlockKey, span: int) -> bool:
+        """Whether a read of ``span`` bytes of ``key`` may try the event loop
+        first (a memory-tier block, or a range small enough to copy from
+        the page cache inline; see the module docstring)."""
+        return span <= self.limits.inline_read_max or self.store.in_memory(key)
+
     async def _read_cached(
         self, key: BlockKey, offset: int, length: int, *, inline: bool = True
     ) -> tuple[memoryview, int] | None:
@@ -361,7 +367,7 @@ class CacheService:
             trio.to_thread.run_sync, self.store.read, key, offset, length, limiter=self._io_threads
         )
         try:
-            if inline and (span <= self.limits.inline_read_max or self.store.in_memory(key)):
+            if inline and self._may_read_inline(key, span):
                 try:
                     data = self.store.read(key, offset, length, nowait=True)
                 except WouldBlock:  # on the disk: not on the event loop
@@ -661,7 +667,7 @@ class CacheService:
         if entry is None:
             return None
         span = entry.size - offset if length == -1 else min(length, max(entry.size - offset, 0))
-        if span > self.limits.inline_read_max and not self.store.in_memory(key):
+        if not self._may_read_inline(key, span):
             return None
         try:
             data = self.store.read(key, offset, length, nowait=True)
@@ -741,8 +747,7 @@ class CacheService:
                 sizes.extend([MANY_NOT_SERVED] * (len(keys) - i))
                 break
             try:
-                data = (self.store.read(key, nowait=True)
-                        if entry.size <= self.limits.inline_read_max or self.store.in_memory(key) else None)
+                data = self.store.read(key, nowait=True) if self._may_read_inline(key, entry.size) else None
             except WouldBlock:
                 data = None
             except Corrupt:  # dropped by the store
