@@ -84,6 +84,15 @@ def remove_sockets(ports: Iterable[int]) -> None:
             sock.unlink(missing_ok=True)
 
 
+PORT_ATTEMPTS = 3  # starts of weed on new ports after one of its ports was taken
+
+
+class _WeedExited(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 class SeaweedS3:
     """``with SeaweedS3(root) as s3: s3.endpoint``; ``env()`` has the credentials.
 
@@ -104,6 +113,11 @@ class SeaweedS3:
         return credentials_env(identity)
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start weed on free ports and wait for its S3 gateway. The ports are
+        free when chosen, not when weed binds them: a process started between
+        the two (another test worker's server) can take one, and weed exits
+        with "address already in use". That start is tried again on new
+        ports, a few times; any other exit is an error at once."""
         self.root.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
         config.write_text(json.dumps({"identities": [
@@ -111,6 +125,23 @@ class SeaweedS3:
              "actions": actions}
             for name, actions in self.identities.items()
         ]}))  # fmt: skip
+        (self.root / "data").mkdir(exist_ok=True)
+        # weed writes its glog files to TMPDIR and leaves them there: keep them with its data.
+        scratch = self.root / "tmp"
+        scratch.mkdir(exist_ok=True)
+        log_path = self.root / "weed.log"
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            seen = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                self._launch(config, scratch, log_path, timeout)
+                return
+            except _WeedExited as exited:
+                with open(log_path, "rb") as log:
+                    log.seek(seen)
+                    if b"address already in use" not in log.read() or attempt == PORT_ATTEMPTS:
+                        raise RuntimeError(f"weed exited ({exited.code}); see {log_path}") from None
+
+    def _launch(self, config: Path, scratch: Path, log_path: Path, timeout: float) -> None:
         names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                  "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
                  "metricsPort"]  # fmt: skip
@@ -118,11 +149,7 @@ class SeaweedS3:
         argv = [weed_binary(), "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-filer", "-s3", f"-s3.config={config}", "-volume.max=0",
                 "-master.volumeSizeLimitMB=64", *(f"-{k}={v}" for k, v in ports.items())]  # fmt: skip
-        (self.root / "data").mkdir(exist_ok=True)
-        # weed writes its glog files to TMPDIR and leaves them there: keep them with its data.
-        scratch = self.root / "tmp"
-        scratch.mkdir(exist_ok=True)
-        with open(self.root / "weed.log", "ab") as log:
+        with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, "TMPDIR": str(scratch)})  # fmt: skip
         self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
@@ -131,7 +158,7 @@ class SeaweedS3:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise RuntimeError(f"weed exited ({code}); see {self.root / 'weed.log'}")
+                raise _WeedExited(code)  # start() reads the log: a port taken, or a real failure
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
                 return
