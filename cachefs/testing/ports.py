@@ -1,8 +1,9 @@
 """Free TCP ports on 127.0.0.1, for the servers tests and benchmarks start.
 
 Other engineers run tests and labs on the same machine at the same time, so
-nothing may assume a fixed port is free: single servers take a port the
-kernel hands out, a lab takes a base port all of whose node ports are free.
+nothing may assume a fixed port is free: single servers take ports that are
+free now from just below the kernel's ephemeral range (``free_ports``), a
+lab takes a base port, lower still, all of whose node ports are free.
 Under pytest-xdist each worker draws lab bases from its own slice of the
 range, so two workers never probe the same ports while one of them is still
 starting the daemons that will bind them.
@@ -21,7 +22,38 @@ if TYPE_CHECKING:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now (all held open together, so no two are the same)."""
+    """``n`` distinct ports free now (all held open together, so no two are the same).
+
+    Drawn from below the kernel's ephemeral range (``SINGLE_LOW`` up to its
+    start; under xdist, this worker's slice of that), not handed out by the
+    kernel: an ephemeral port is free only until some process's outgoing
+    connection takes it, and a server that connects to itself before it
+    listens (SeaweedFS's filer dialled its master first) then lost its own
+    port ("bind: address already in use", six tests of a CI run). Where
+    that range is too small, the kernel picks.
+    """
+    low, high = _single_range()
+    if high - low < 4 * n:
+        return _kernel_ports(n)
+    held: list[socket.socket] = []
+    try:
+        for port in random.sample(range(low, high), high - low):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [s.getsockname()[1] for s in held]
+        raise RuntimeError(f"fewer than {n} ports free in {low}-{high}")
+    finally:
+        for s in held:
+            s.close()
+
+
+def _kernel_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -30,6 +62,25 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+SINGLE_LOW = 31000  # single servers' ports: from here to the ephemeral range (labs' bases lie below)
+
+
+def _single_range() -> tuple[int, int]:
+    """The ports ``free_ports`` may hand out here: below the ephemeral range, this xdist worker's slice."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    low = SINGLE_LOW
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and count > 1 and high > low:
+        width = (high - low) // count
+        low += int(worker[2:]) % count * width
+        high = low + width
+    return low, high
 
 
 def free_port() -> int:

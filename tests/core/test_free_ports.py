@@ -1,0 +1,25 @@
+"""free_ports hands out ports below the kernel's ephemeral range, so no
+outgoing connection (a server dialling itself before it listens) can take
+one between the check and the bind."""
+
+from __future__ import annotations
+
+import socket
+
+from cachefs.testing.ports import _single_range, free_ports
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    low, high = _single_range()
+    ports = free_ports(11)
+    assert len(set(ports)) == 11
+    assert all(low <= p < high <= ephemeral for p in ports)
+    socks = [socket.socket() for _ in ports]
+    try:
+        for s, port in zip(socks, ports, strict=True):
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in socks:
+            s.close()
