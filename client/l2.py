@@ -14,11 +14,13 @@ Theory of operation
   segments covering the range, verified, and handed on without another
   copy. Blocks are kept in ``SEGMENT_SIZE`` (16 KiB) checksum segments, not
   the cache node's 64 KiB: a random 4 KiB read reads and verifies 16 KiB.
-  Ranges up to ``INLINE_MAX`` are read inline on the trio thread while the
-  disk answers them fast (:mod:`.inline_reads`: a small pread from an SSD
+  Ranges up to ``INLINE_MAX``, and whole blocks that small (a small
+  file's: in a thread, a 110 KiB one cost twice the mount's CPU, mostly in
+  handing the GIL back and forth), are read inline on the trio thread while
+  the disk answers them fast (:mod:`.inline_reads`: a small pread from an SSD
   costs less than a hop to a worker thread); on a slow disk, only what the
   page cache holds (``RWF_NOWAIT``). Ranges left on the disk and larger
-  reads (whole blocks) run in up to ``READ_THREADS`` worker threads, so
+  reads (big blocks) run in up to ``READ_THREADS`` worker threads, so
   that several are in flight at once (measured: inline, a cold 256 MiB
   file read at 278 MiB/s from a disk that reads 750 MiB/s). The threads are
   L2's own (:class:`ReadThreads`), not ``trio.to_thread``'s: a hop costs
@@ -224,7 +226,13 @@ class L2Cache:
 
     async def read(self, key: BlockKey, offset: int = 0, length: int = -1) -> memoryview | None:
         """Bytes of a cached block (range), or None: not here, or not intact."""
-        small = 0 <= length <= INLINE_MAX
+        span = length
+        if length == -1:  # a whole block: a small file's is as small as a range
+            entry = self.store.lookup(key)
+            if entry is None:
+                return self._hit(None)
+            span = entry.size - offset
+        small = 0 <= span <= INLINE_MAX
         try:
             data = None
             if small:
