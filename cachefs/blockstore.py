@@ -40,8 +40,12 @@ into a reused page-aligned buffer (0.03-0.1 s/GiB). Such a file's header
 sets ``FLAG_ALIGNED`` and is padded to :data:`ALIGN` bytes, so the data
 starts (and is mapped and read) at a page boundary; the file is written
 rounded up to ``ALIGN`` and cut to its exact size. A filesystem that refuses
-O_DIRECT (tmpfs) gets buffered writes from then on. Reads are unchanged: a
-hit of a block written so comes from the disk once, then the page cache.
+O_DIRECT (tmpfs) gets buffered writes from then on. Reads of such a block
+go through the page cache (a hit comes from the disk once, then from
+memory), unless the store has a ``direct_read_min``: the client's L2 reads
+whole blocks with ``O_DIRECT`` into private anonymous memory that its L1
+then keeps (see ``_read_direct``), since a copy in the page cache would be
+the third of the same bytes (the FUSE file's pages, L1, and this one).
 
 Crash safety. A block is written to ``<root>/tmp/`` in one write and
 renamed into place, so a file under ``blocks/`` is complete unless the machine
@@ -323,6 +327,7 @@ class BlockStore:
         promote_after: int = 2,
         mmap_min: int = MMAP_MIN,
         direct_min: int = DIRECT_MIN,
+        direct_read_min: int = 0,
         free_space_ratio: float = 0.0,
         open_files: int = 0,
         clock: Callable[[], float] = time.time,
@@ -344,6 +349,7 @@ class BlockStore:
         self.promote_after = promote_after
         self.mmap_min = mmap_min
         self.direct_min = direct_min if _O_DIRECT else 0  # 0: never O_DIRECT
+        self.direct_read_min = direct_read_min if _O_DIRECT else 0  # 0: reads through the page cache
         self._scratch: list[mmap.mmap] = []  # page-aligned buffers for O_DIRECT writes
         self.free_space_ratio = free_space_ratio
         self._clock = clock
@@ -771,6 +777,17 @@ class BlockStore:
             first, last = offset // seg, -(-end // seg)
         lo, hi = first * seg, min(last * seg, entry.size)
         mapped = not nowait and not promote and hi - lo >= self.mmap_min
+        if (
+            not nowait
+            and not promote
+            and not mapped
+            and 0 < self.direct_read_min <= hi - lo
+            and entry.data_offset % ALIGN == 0
+            and lo % ALIGN == 0
+        ):
+            view = self._read_direct(entry, first, last, lo, hi)
+            if view is not None:
+                return view[offset - lo : end - lo]
         kept = None
         if not mapped:  # a lease taken on a kept file would outlive the mapping
             with self._lock:
@@ -798,23 +815,7 @@ class BlockStore:
                     buf = os.pread(fd, hi - lo, entry.data_offset + lo)
             except OSError as exc:
                 raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
-            with self._lock:
-                self._touch(entry)
-                self.counters.flash_hits += 1
-            view = memoryview(buf)
-            ok = len(view) == hi - lo and all(
-                checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
-                for i in range(first, last)
-            )
-            if not ok:
-                with self._lock:
-                    self._remove_locked(entry)
-                    self.counters.corrupt += 1
-                # Unlinked while ``fd`` is still open: its inode number cannot
-                # have been given to another file meanwhile (see ``_unlink``).
-                self._unlink([entry])
-                log.warning("cache store: block %s failed its checksum, dropped", key.hex())
-                raise Corrupt(f"cached block {key.hex()} failed its checksum")
+            view = self._verified(entry, memoryview(buf), first, last, hi - lo)
         finally:
             if kept is not None:
                 self._release(kept)
@@ -825,6 +826,69 @@ class BlockStore:
                 if self._index.get(key) is entry:
                     self._memory.add(key, buf)
         return view[offset - lo : end - lo]
+
+    def _verified(self, entry: Entry, view: memoryview, first: int, last: int, length: int) -> memoryview:
+        """``view``, the bytes of segments ``[first, last)`` read from the
+        entry's file, counted as a hit if ``length`` long and matching their
+        checksums; else the block is dropped and ``Corrupt`` raised. Called
+        with the file still open when read through a kept descriptor: its
+        inode number cannot have been given to another file meanwhile (see
+        ``_unlink``)."""
+        with self._lock:
+            self._touch(entry)
+            self.counters.flash_hits += 1
+        seg = entry.segment_size
+        ok = len(view) == length and all(
+            checksum(view[(i - first) * seg : (i - first + 1) * seg]) == entry.sums[i]
+            for i in range(first, last)
+        )
+        if not ok:
+            with self._lock:
+                self._remove_locked(entry)
+                self.counters.corrupt += 1
+            self._unlink([entry])
+            log.warning("cache store: block %s failed its checksum, dropped", entry.key.hex())
+            raise Corrupt(f"cached block {entry.key.hex()} failed its checksum")
+        return view
+
+    def _read_direct(self, entry: Entry, first: int, last: int, lo: int, hi: int) -> memoryview | None:
+        """Bytes ``[lo, hi)`` (``lo`` page-aligned) of the entry's block,
+        segments ``[first, last)``, verified: read with ``O_DIRECT`` into
+        fresh page-aligned memory, so that the disk writes the caller's buffer
+        itself, with no copy out of the page cache and no second copy of the
+        block kept there (a client's L2 block is then in L1 already). None
+        where it cannot be done: the file is gone (the caller's own open then
+        finds that out), or the filesystem refuses O_DIRECT (tmpfs), which
+        turns direct reads off for this store. Raises as :meth:`_verified`."""
+        key = entry.key
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY | _O_DIRECT)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
+            log.info("cache store %s: the filesystem refuses O_DIRECT; reading through the page cache", self.root)
+            self.direct_read_min = 0
+            return None
+        try:
+            # Private anonymous memory: page-aligned, as O_DIRECT wants (a shared
+            # mapping, mmap's default, is shmem: its pages cost as much as the
+            # page cache's).
+            buf = mmap.mmap(-1, _align(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                got = os.preadv(fd, [buf], entry.data_offset + lo)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc
+                log.info("cache store %s: an O_DIRECT read was refused (%s); reading through the page cache",
+                         self.root, exc)  # fmt: skip
+                self.direct_read_min = 0
+                return None
+            # Verified with the file still open: see _verified.
+            return self._verified(entry, memoryview(buf)[: min(got, hi - lo)], first, last, hi - lo)
+        finally:
+            os.close(fd)
 
     def _touch(self, entry: Entry) -> None:
         """A hit on ``entry``: most recently used, one more hit (under the lock)."""

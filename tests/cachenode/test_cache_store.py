@@ -16,7 +16,7 @@ from cachefs.cachenode.admission import SecondMissAdmission
 from cachefs.errors import Corrupt, InvalidArgument, NoSpace
 from cachefs.ids import BlockKey
 from cachefs.pagecache import WouldBlock
-from cachefs.testing.pagecache import evict_from_page_cache
+from cachefs.testing.pagecache import cached_pages, evict_from_page_cache
 
 SEG = 4096
 NOWAIT_TRIES = 20  # evictions tried until a RWF_NOWAIT read misses
@@ -121,6 +121,39 @@ def test_large_blocks_are_written_page_aligned_and_read_back_after_a_restart(
     with pytest.raises(Corrupt):
         reopened.read(big, 2 * SEG, 10)
     assert reopened.lookup(big) is None
+
+
+@pytest.mark.allow_log("cachefs.blockstore", match=r"failed its checksum, dropped")
+def test_large_reads_of_aligned_blocks_bypass_the_page_cache(tmp_path: Path) -> None:
+    """With ``direct_read_min``, a read that large of a block written
+    page-aligned is read with O_DIRECT: the right bytes, verified (a flipped
+    byte is Corrupt), and none of the file's pages left in the page cache.
+    Smaller reads and blocks written unaligned go through the page cache."""
+    store = BlockStore.open(tmp_path, 64 << 20, segment_size=SEG, mmap_min=1 << 62,
+                            direct_min=64 << 10, direct_read_min=64 << 10)  # fmt: skip
+    big, small = BlockKey(3, 0), BlockKey(4, 0)
+    data = _data(big, (1 << 20) + 123)
+    assert store.put("v", big, data) and store.put("v", small, _data(small, 1000))
+    assert evict_from_page_cache(store.path(big))
+    fd = os.open(store.path(big), os.O_RDONLY)
+    try:
+        if cached_pages(fd) is None:
+            pytest.skip("this kernel has no cachestat(2)")
+        assert bytes(store.read(big)) == data
+        assert bytes(store.read(big, SEG + 5, 100 << 10)) == data[SEG + 5 : SEG + 5 + (100 << 10)]
+        assert cached_pages(fd) == 0  # never through the page cache
+        assert bytes(store.read(big, 7, 100)) == data[7:107]  # small: buffered
+        assert cached_pages(fd) > 0
+    finally:
+        os.close(fd)
+    assert bytes(store.read(small)) == _data(small, 1000)
+    assert store.stats()["flash_hits"] == 4
+    with open(store.path(big), "r+b") as f:
+        f.seek(store.lookup(big).data_offset + 5 * SEG)
+        f.write(bytes([data[5 * SEG] ^ 1]))
+    with pytest.raises(Corrupt):
+        store.read(big)
+    assert store.lookup(big) is None and not store.path(big).exists()
 
 
 def test_lru_evicts_least_recently_used(tmp_path: Path) -> None:
