@@ -150,6 +150,7 @@ from pathlib import Path
 
 import msgpack
 
+from cachefs.buffers import aligned_buffer
 from cachefs.checksum import checksum
 from cachefs.errors import Corrupt, InvalidArgument, IOFailure, NoSpace
 from cachefs.ids import BlockKey
@@ -733,7 +734,13 @@ class BlockStore:
         return None
 
     def read(
-        self, key: BlockKey, offset: int = 0, length: int = -1, *, nowait: bool = False
+        self,
+        key: BlockKey,
+        offset: int = 0,
+        length: int = -1,
+        *,
+        nowait: bool = False,
+        into: mmap.mmap | None = None,
     ) -> memoryview | None:
         """Bytes ``[offset, offset+length)`` of a cached block, or None on a miss.
 
@@ -748,6 +755,10 @@ class BlockStore:
             Corrupt: the cached bytes failed their checksum; the block has
                 been dropped, so the next read is a miss.
             WouldBlock: with ``nowait``, the bytes are not all in the page cache.
+
+        ``into``: page-aligned memory nobody else refers to, for a read made
+        with ``O_DIRECT`` (``direct_read_min``) if it is large enough; the
+        view returned is then of it.
         """
         if offset < 0 or length < -1:
             raise InvalidArgument(f"bad range: offset={offset} length={length}")
@@ -785,7 +796,7 @@ class BlockStore:
             and entry.data_offset % ALIGN == 0
             and lo % ALIGN == 0
         ):
-            view = self._read_direct(entry, first, last, lo, hi)
+            view = self._read_direct(entry, first, last, lo, hi, into)
             if view is not None:
                 return view[offset - lo : end - lo]
         kept = None
@@ -851,10 +862,12 @@ class BlockStore:
             raise Corrupt(f"cached block {entry.key.hex()} failed its checksum")
         return view
 
-    def _read_direct(self, entry: Entry, first: int, last: int, lo: int, hi: int) -> memoryview | None:
+    def _read_direct(
+        self, entry: Entry, first: int, last: int, lo: int, hi: int, into: mmap.mmap | None
+    ) -> memoryview | None:
         """Bytes ``[lo, hi)`` (``lo`` page-aligned) of the entry's block,
         segments ``[first, last)``, verified: read with ``O_DIRECT`` into
-        fresh page-aligned memory, so that the disk writes the caller's buffer
+        ``into`` or fresh page-aligned memory, so that the disk writes the caller's buffer
         itself, with no copy out of the page cache and no second copy of the
         block kept there (a client's L2 block is then in L1 already). None
         where it cannot be done: the file is gone (the caller's own open then
@@ -872,12 +885,10 @@ class BlockStore:
             self.direct_read_min = 0
             return None
         try:
-            # Private anonymous memory: page-aligned, as O_DIRECT wants (a shared
-            # mapping, mmap's default, is shmem: its pages cost as much as the
-            # page cache's).
-            buf = mmap.mmap(-1, _align(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            size = _align(hi - lo)
+            buf = into if into is not None and len(into) >= size else aligned_buffer(size)
             try:
-                got = os.preadv(fd, [buf], entry.data_offset + lo)
+                got = os.preadv(fd, [memoryview(buf)[:size]], entry.data_offset + lo)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise IOFailure(f"reading cached block {key.hex()}: {exc}") from exc

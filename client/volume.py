@@ -133,6 +133,7 @@ class Volume:
                 session.volume,
                 free_space_ratio=options.free_space_ratio,
                 nursery=self.nursery,
+                take_buffer=self.buffers.take_aligned,
             )
             source = CachedBlocks(session, self.l2)
         self.reader = Reader(
