@@ -64,7 +64,20 @@ def _kernel_ports(n: int) -> list[int]:
             s.close()
 
 
-SINGLE_LOW = 31000  # single servers' ports: from here to the ephemeral range (labs' bases lie below)
+LAB_LOW = 20000  # labs' bases: from here to SINGLE_LOW, less a lab's span
+SINGLE_LOW = 31000  # single servers' ports: from here to the ephemeral range
+
+
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """``[low, high)``, or under pytest-xdist this worker's slice of it: two
+    workers never probe the same ports while one is still starting the
+    servers that will bind them."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1 or high <= low:
+        return low, high
+    width = (high - low) // count
+    start = low + int(worker[2:]) % count * width
+    return start, start + width
 
 
 def _single_range() -> tuple[int, int]:
@@ -74,13 +87,7 @@ def _single_range() -> tuple[int, int]:
             high = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         high = 32768
-    low = SINGLE_LOW
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if worker.startswith("gw") and count > 1 and high > low:
-        width = (high - low) // count
-        low += int(worker[2:]) % count * width
-        high = low + width
-    return low, high
+    return _worker_slice(SINGLE_LOW, high)
 
 
 def free_port() -> int:
@@ -111,14 +118,11 @@ def free_lab_base(config: LabConfig, offsets: tuple[int, ...] = (0,)) -> int:
 LAB_SPAN = 1500  # a lab's ports lie within base .. base + LAB_SPAN (metrics +1000, mount +1300, prometheus +1400)
 
 
-def _base_range(low: int = 20000, high: int = 31000) -> tuple[int, int]:
-    """The bases this process may use: all of them, or this xdist worker's slice."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker.startswith("gw") or count <= 1:
-        return low, high
-    width = (high - low) // count
-    start = low + int(worker[2:]) % count * width
-    return start, start + width - LAB_SPAN
+def _base_range() -> tuple[int, int]:
+    """The bases this process may use (this xdist worker's slice), so that
+    every port of a lab stays below ``SINGLE_LOW``."""
+    start, end = _worker_slice(LAB_LOW, SINGLE_LOW)
+    return start, end - LAB_SPAN
 
 
 def _all_free(ports: list[int]) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from cachefs.testing.ports import _single_range, free_ports
+from cachefs.testing.ports import LAB_SPAN, SINGLE_LOW, _base_range, _single_range, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
@@ -23,3 +23,10 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     finally:
         for s in socks:
             s.close()
+
+
+def test_every_port_of_a_lab_lies_below_the_single_servers_ports() -> None:
+    """With or without xdist: a lab at the highest base still ends below
+    where ``free_ports`` starts (it ran past it without xdist before)."""
+    low, high = _base_range()
+    assert low < high and high + LAB_SPAN <= SINGLE_LOW
