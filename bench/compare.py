@@ -42,7 +42,15 @@ from typing import Any
 
 from bench import cache_bench, dataloader_bench, ingest_bench, meta_fs_bench, tier_bench
 from bench.common import REPO, emit, median, print_table, ratio
-from bench.wan import JUICEFS_TUNED, PROFILES, RTT2, Testbed, drop_page_cache, juicefs_binary
+from bench.wan import (
+    JUICEFS_CACHE_MIB,
+    JUICEFS_TUNED,
+    PROFILES,
+    RTT2,
+    Testbed,
+    drop_page_cache,
+    juicefs_binary,
+)
 
 RESULTS = REPO / "bench" / "results"
 
@@ -84,8 +92,14 @@ def fio_part(bed: Testbed, args: argparse.Namespace, work: Path) -> dict[str, An
         if (tuned := bed.start_juicefs_tuned()) is not None:  # the better-configured peer
             _progress("fio: JuiceFS tuned (" + " ".join(JUICEFS_TUNED) + ") for the big cases")
             big_targets.append(fc.BigTarget("juicefs_tuned", tuned.mountpoint / "fio-big"))
+    lab = bed.lab.config
+    mib = 1 << 20
+    # the L2 and JuiceFS's disk caches keep what they see; the cache tier sees only the cold
+    # reads of one file
+    caches = [JUICEFS_CACHE_MIB * mib] * (1 + len(big_targets)) + [
+        min(lab.cachenodes * fc.parse_size(lab.cache_capacity), fc.parse_size(args.fio_big_size) * args.repeat)]
     ns = argparse.Namespace(size=args.fio_size, repeat=args.repeat, tutorial_size=args.fio_tutorial_size,
-                            l1_size=args.l1_size,
+                            l1_size=args.l1_size, big_caches=caches,
                             big_size=args.fio_big_size, runtime=args.fio_runtime, workdir=str(work),
                             mount=str(mnt), lab=False, remount=remount, only=args.fio_only,
                             big_targets=big_targets)

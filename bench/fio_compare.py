@@ -164,6 +164,40 @@ BIG_READS = (("seq_first", "read", "1M", "read"), ("seq_second", "read", "1M", "
              ("rand4k_iops", "randread", "4k", "read_iops"), ("rand128k", "randread", "128k", "read"))
 
 
+# JuiceFS keeps this share of its cache's disk free (``--free-space-ratio``) and
+# stops caching below it: its "disk cache" reads then come over the link.
+JUICEFS_FREE_RATIO = 0.1
+GiB = 1 << 30
+
+
+def room_needed(groups: list[str], size: int, repeat: int, caches: list[int], disk_size: int) -> int:
+    """Free bytes the big cases need on the work directory's disk for every
+    target to measure what it claims: the largest working set on local disk
+    and under the passthrough at once; cachefs's datanodes (ec 4+2: 1.5x)
+    holding two rounds' files (the metanodes' GC grace, 10 minutes, is about
+    a round); each of ``caches`` (capacities: the L2, the cache tier,
+    JuiceFS's disk caches) filled with what it sees, up to its capacity; all
+    above JuiceFS's free-space floor."""
+    if not groups:
+        return 0
+    sets = [(BIG_JOBS if g == "big4" else 1) * size for g in groups]
+    datanodes = int(1.5 * sum(sets)) * min(repeat, 2)
+    cached = sum(min(cap, sum(sets) * repeat) for cap in caches)
+    return 2 * max(sets) + datanodes + cached + int(JUICEFS_FREE_RATIO * disk_size) + GiB
+
+
+def check_room(directory: Path, need: int) -> None:
+    """Refuse to start when the disk under ``directory`` has less than
+    ``need`` bytes free: a JuiceFS cache at its free-space floor reads at the
+    link's rate, which would flatter cachefs."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise SystemExit(f"bench: {directory} has {free / GiB:.1f} GiB free; the big cases need "
+                         f"{need / GiB:.1f} GiB (working sets, caches and JuiceFS's "
+                         f"{JUICEFS_FREE_RATIO:.0%} free-space floor): free space or use smaller --big-size")
+
+
 def big_rounds(targets: list[BigTarget], groups: list[str], size: int, runtime: int, repeat: int,
                record: Callable[[str, float], None]) -> None:  # fmt: skip
     """The working sets larger than L1: one file of ``size`` (big) or
@@ -305,6 +339,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="fio-compare-", dir=args.workdir))
     groups = [g for g in ("big", "big4") if g in only]
+    disk = os.statvfs(work)
+    # the capacities of the caches that keep what they saw: bench.compare names
+    # its L2, cache tier and JuiceFS's; a mount made here has its L2
+    caches = getattr(args, "big_caches", None)
+    if caches is None:
+        caches = [parse_size(args.l2_size)] if getattr(args, "l2_size", None) else []
+    try:
+        check_room(work, room_needed(groups, big, repeat, caches, disk.f_blocks * disk.f_frsize))
+    except SystemExit:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     try:
         local = work / "local"
         local.mkdir()
