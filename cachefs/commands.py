@@ -484,7 +484,10 @@ class SetVolumeAccess(Command[dict[str, Any]]):
 @dataclasses.dataclass(frozen=True, slots=True)
 class MountVolume(Command[M.MountInfo]):
     """Open a client session on a volume (its open files live in the session);
-    the leader first checks the request's token against the volume's."""
+    the leader first checks the request's token against the volume's.
+    ``leases``: whether the session may hold metadata leases (a FUSE mount).
+    One that may not (the native API, the CLI's jobs) is never granted any,
+    so a new leader need not wait for it to say it holds none."""
 
     TAG: ClassVar[int] = 2
     NAME: ClassVar[str] = "mount_volume"
@@ -492,6 +495,7 @@ class MountVolume(Command[M.MountInfo]):
     REPLY: ClassVar[Callable[[Any], Any]] = M.MountInfo.from_wire
     MUTATES_VOLUME: ClassVar[bool] = False
     volume: str
+    leases: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

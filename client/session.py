@@ -101,10 +101,13 @@ class Session:
         backing: BackingClient | RepoBlocks,
         view: MetaClusterView | None = None,
         pool: RpcPool | None = None,
+        takes_leases: bool = True,
     ) -> None:
         """Parts are injected so tests can run the same session over other parts;
-        :meth:`connect` builds the real ones (``pool``: the connections under them)."""
+        :meth:`connect` builds the real ones (``pool``: the connections under them;
+        ``takes_leases``: the session was opened as one that may take leases)."""
         self.meta = meta
+        self.takes_leases = takes_leases
         self.pool = pool
         self.volume = volume
         self.session_id = session_id
@@ -142,9 +145,12 @@ class Session:
         transport: str = "tcp",
         client_id: str | None = None,
         token: str | None = None,
+        leases: bool = True,
     ) -> Session:
         """Mount ``volume``: check it exists, open a session, read the cluster map.
-        ``token``: the volume's mount token, if it is not open.
+        ``token``: the volume's mount token, if it is not open. ``leases``:
+        whether the session may take metadata leases (:meth:`enable_leases`);
+        one that may not is not waited for by a new leader.
 
         Raises:
             NotFound: the volume does not exist.
@@ -155,7 +161,7 @@ class Session:
         """
         client_id = client_id or f"fuse-{uuid.uuid4().hex[:12]}"
         meta = MetaClient(pool, meta_addrs, client_id=client_id)
-        info = await meta.mount_volume(volume, token)
+        info = await meta.mount_volume(volume, token, leases)
         cmap = await meta.query(Q.ClusterMap())
         if volume not in cmap.get("volumes", {}):
             raise NotFound(f"volume {volume!r} is not in the cluster map")
@@ -171,6 +177,7 @@ class Session:
             backing=RepoBlocks(BackingClient(pool, view, zone=zone), meta.query),
             view=view,
             pool=pool,
+            takes_leases=leases,
         )
 
     def _set_map(self, cmap: dict[str, Any]) -> None:
@@ -199,7 +206,7 @@ class Session:
             try:
                 if self.session_id and not await self.heartbeat():
                     log.warning("session %s expired; opening a new one", self.session_id)
-                    info = await self.meta.mount_volume(self.volume)
+                    info = await self.meta.mount_volume(self.volume, leases=self.takes_leases)
                     self.session_id = info.session
                     if self.leases is not None:
                         self.leases.drop_all()
@@ -336,7 +343,10 @@ class Session:
         on_lost: Callable[[tuple[tuple[int, tuple[bytes, ...]], ...]], Awaitable[None]],
     ) -> None:
         """Take metadata leases from now on; ``on_lost`` drops the kernel's
-        caches of ``(ino, names)`` whose lease went (before it is acknowledged)."""
+        caches of ``(ino, names)`` whose lease went (before it is acknowledged).
+        The session must have been opened as one that takes leases."""
+        if not self.takes_leases:
+            raise ValueError("this session was opened without leases (Session.connect(leases=False))")
         self.leases = LeaseCache()
         self._on_lost = on_lost
         nursery.start_soon(self._poll_leases)

@@ -261,13 +261,14 @@ class MetaClient:
 
     # -- sessions ---------------------------------------------------------------------
 
-    async def mount_volume(self, volume: str, token: str | None = None) -> MountInfo:
+    async def mount_volume(self, volume: str, token: str | None = None, leases: bool = True) -> MountInfo:
         """Open a session on ``volume`` and keep it alive with heartbeats until
         :meth:`close_session`. ``token``: the volume's mount token (kept for
-        later remounts)."""
+        later remounts). ``leases``: whether the session may take metadata
+        leases (``MountVolume``)."""
         if token is not None:
             self._tokens[volume] = token
-        info = await self.mutate(C.MountVolume(volume), token=self._tokens.get(volume))
+        info = await self.mutate(C.MountVolume(volume, leases), token=self._tokens.get(volume))
         if info.session not in self._heartbeats:
             scope = trio.CancelScope()
             self._heartbeats[info.session] = scope

@@ -405,13 +405,15 @@ class Session:
     ``owner``: the identity that mounted it, the tag the leader put before
     its ``client_id`` (``Identity.tag``; "" if none was, as on an insecure
     cluster). Only that identity (or a server or admin) may act on it.
+    ``leases``: whether it may hold metadata leases (``MountVolume``).
     """
 
-    __slots__ = ("client_id", "owner", "volume")
+    __slots__ = ("client_id", "leases", "owner", "volume")
 
-    def __init__(self, client_id: str, volume: str) -> None:
+    def __init__(self, client_id: str, volume: str, leases: bool = True) -> None:
         self.client_id = client_id
         self.volume = volume
+        self.leases = leases
         owner, stamped, _ = client_id.partition("/")
         self.owner = owner if stamped else ""
 
@@ -1121,7 +1123,7 @@ class MetaState:
         session = f"{cmd.client_id}/{self.applied_index}"
         if session in self.sessions:  # only without a log index (tests applying directly)
             session = f"{cmd.client_id}/{self.applied_index}.{len(self.sessions)}"
-        self.add_session(session, Session(cmd.client_id, cmd.volume))
+        self.add_session(session, Session(cmd.client_id, cmd.volume, cmd.leases))
         return MountInfo(ROOT, session, self.cluster.volumes[cmd.volume].to_dict())
 
     def _close_session(self, cmd: C.CloseSession) -> None:

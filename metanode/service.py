@@ -610,7 +610,8 @@ class MetaService:
 
     async def _wait_revoked(self, m: Mutation) -> None:
         while True:
-            sessions = [sid for sid, s in self.state.sessions.items() if s.volume == m.volume]
+            # the sessions that may hold leases of an older leader (see LeaseTable.reset)
+            sessions = [sid for sid, s in self.state.sessions.items() if s.volume == m.volume and s.leases]
             wait = self.leases.blocked(m, time.monotonic(), sessions)
             if m.possibly_open:  # lapsed unacknowledged: the holder may have it open
                 now_ns = time.time_ns()
@@ -636,10 +637,10 @@ class MetaService:
 
     def _grant(self, session: str, volume: str, inos: list[int]) -> M.Grant:
         """Leases on ``inos`` for ``session``, as the leader that just read
-        them (a session not on ``volume`` gets none)."""
+        them (a session not on ``volume``, or that said it takes none, gets none)."""
         self._check_leadership()
         s = self.state.sessions.get(session)
-        if not self._was_leader or s is None or s.volume != volume:
+        if not self._was_leader or s is None or s.volume != volume or not s.leases:
             return M.Grant(self.leases.leader_term, 0, ())
         granted = self.leases.grant(session, volume, inos, time.monotonic())
         return M.Grant(self.leases.leader_term, int(self.leases.term * 1000), granted)

@@ -13,7 +13,8 @@ bytes, which loading a 3 or 4 recounts; version 6 adds the data repository
 links and imported objects (none before). ``Inode.stored`` and ``Inode.blocks`` are not
 in the blob: loading counts them from the slice records.
 Fields added since (a volume's token hash, repair queue, shared
-slices and trees being deleted, the slice floor, the jobs table) are optional at the end of their list, so older
+slices and trees being deleted, the slice floor, the jobs table, whether a
+session takes leases) are optional at the end of their list, so older
 snapshots load.
 """
 
@@ -52,7 +53,7 @@ VERSION = 6
 def dump(state: MetaState) -> bytes:
     """The whole replicated state, msgpack then zstd; deterministic bytes."""
     volumes = [volume_row(vol) for vol in state.volumes.values()]
-    sessions = [[sid, s.client_id, s.volume, []] for sid, s in state.sessions.items()]
+    sessions = [[sid, s.client_id, s.volume, [], s.leases] for sid, s in state.sessions.items()]
     dedup = []
     for client, seen in state.dedup.items():
         answers = []
@@ -107,8 +108,8 @@ def load(state: MetaState, data: bytes) -> None:
         state.volumes[vol.name] = vol
     state.sessions = {}
     state.session_counts = {}
-    for sid, client_id, volume, _files in sessions:
-        state.add_session(sid, Session(client_id, volume))
+    for sid, client_id, volume, _files, *leases in sessions:  # older snapshots: no lease flag
+        state.add_session(sid, Session(client_id, volume, bool(leases[0]) if leases else True))
     state.dedup = {}
     state.dedup_floor = {}
     state.dedup_last = {}

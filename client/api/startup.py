@@ -96,6 +96,7 @@ async def open_volume(
                 session = await Session.connect(
                     pool, addrs, volume, zone=zone, transport=options.transport,
                     client_id=f"api-{uuid.uuid4().hex[:12]}", token=token,
+                    leases=False,  # answers come from the leader: nothing for a new one to wait for
                 )  # fmt: skip
         except trio.TooSlowError:
             failure = await _why_no_answer(addrs, _secret(secret), tls, connect_timeout)

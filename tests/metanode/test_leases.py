@@ -12,6 +12,7 @@ goes ahead within the lease bound.
 from __future__ import annotations
 
 import errno
+import time
 
 import pytest
 import trio
@@ -608,3 +609,44 @@ TestNameResolution.settings = settings(
     max_examples=200, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+async def test_a_session_without_leases_gets_none_and_a_new_leader_does_not_wait_for_it(meta: Single) -> None:  # noqa: F811
+    """The native API's sessions take no leases (``MountVolume(leases=False)``):
+    they are granted none, so the grace of a new leader, which waits until every
+    session that may hold an old leader's leases says it holds none, goes on
+    without them; the flag survives a snapshot, and an older snapshot's
+    sessions may hold leases."""
+    from cachefs.metanode import snapshot
+    from cachefs.metanode.namespace import MetaState
+
+    api_client, fuse_client = meta.client(heartbeat_interval=0.1), meta.client(heartbeat_interval=0.1)
+    api = (await api_client.mount_volume(VOL, leases=False)).session
+    fuse = (await fuse_client.mount_volume(VOL)).session
+    await fuse_client.mutate(C.Mknod(VOL, 1, b"f", 0o100644))
+    assert (await api_client.query(Q.LeaseLookup(VOL, 1, b"f", api))).grant.inos == ()
+    assert (await fuse_client.query(Q.LeaseLookup(VOL, 1, b"f", fuse))).grant.inos != ()
+
+    table = meta.service.leases
+    table.reset(time.monotonic(), table.leader_term)  # as a new leader starts: nobody is known clean
+    assert table.term > 2.0
+    await fuse_client.query(Q.LeasePoll(fuse, held_term=table.leader_term, wait_ms=0))
+    with trio.fail_after(2.0):  # well inside the grace (the term)
+        await fuse_client.mutate(C.Mknod(VOL, 1, b"g", 0o100644))
+
+    copy = MetaState()
+    snapshot.load(copy, snapshot.dump(meta.state))
+    assert (copy.sessions[api].leases, copy.sessions[fuse].leases) == (False, True)
+    old = msgpack_rows_without_the_flag(snapshot.dump(meta.state))
+    snapshot.load(copy, old)
+    assert copy.sessions[api].leases is True
+
+
+def msgpack_rows_without_the_flag(blob: bytes) -> bytes:
+    """The snapshot as one written before sessions had a lease flag."""
+    import msgpack
+    import zstandard
+
+    parts = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob), raw=False, strict_map_key=False)
+    parts[5] = [row[:4] for row in parts[5]]
+    return zstandard.ZstdCompressor().compress(msgpack.packb(parts, use_bin_type=True))
