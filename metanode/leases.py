@@ -80,9 +80,13 @@ Failover: a new leader (any change of term) knows no lease. Leases the old
 leader granted lapse at most ``term`` after it stopped confirming its
 leadership, which is before this leader was elected, so a mutation waits
 until ``grace_until`` (``term`` after this table was reset) -- unless every
-session of the volume has polled this leader saying it holds no lease of an
-older term (it dropped them, invalidating its kernel caches first), which
-ends the wait for that volume early. A poll says so with ``held_term``: the
+session of the volume that may take leases (``MountVolume.leases``; the
+native API's take none) has polled this leader saying it holds no lease of
+an older term (it dropped them, invalidating its kernel caches first), which
+ends the wait for that volume early, waiting mutations included (``renew``
+says when a session turns clean). The service answers a poll of an older
+term at once, so that takes two round trips after a session finds the new
+leader, not a parked poll. A poll says so with ``held_term``: the
 newest leader term the session knew when it built the poll. That is a claim
 that stays true while the poll is in flight: the session never takes a
 lease of an older term than one it knows. "I hold no lease now" would not
@@ -329,14 +333,17 @@ class LeaseTable:
             self._step(session, holder, ino, Event.DROP)
         return done
 
-    def renew(self, session: str, volume: str, now: float, held_term: int) -> None:
+    def renew(self, session: str, volume: str, now: float, held_term: int) -> bool:
         """A poll the leader confirmed it may answer, received at ``now``:
         every HELD lease of the session lasts ``term`` from then. ``held_term``:
-        the poll's, see Failover."""
+        the poll's, see Failover. True if the session is clean only from
+        now on (a mutation waiting out the grace may go on sooner)."""
         holder = self._holder(session, volume, now)
         holder.renewed = max(holder.renewed, now)
-        if held_term == self.leader_term:
+        if held_term == self.leader_term and not holder.clean:
             holder.clean = True
+            return True
+        return False
 
     def revocations(self, session: str) -> list[tuple[int, int]]:
         """``(revocation id, ino)`` of every lease of the session being

@@ -864,10 +864,16 @@ class MetaService:
         return self._poll_news(q, s.volume, received)
 
     async def _poll_news(self, q: Q.LeasePoll, volume: str, received: float) -> M.LeaseNews:
+        """Renew, then hold the poll until there is news for the session.
+        A poll naming an older leader term than this one's is answered at
+        once: the term is the news, and the session's next poll, saying it
+        holds nothing older, ends the grace after a failover for it."""
         await self._leader_read()  # a renewal is a promise only the leader may make
         term = self.leases.leader_term
-        self.leases.renew(q.session, volume, received, q.held_term)
-        with trio.move_on_after(min(q.wait_ms / 1000, self.leases.term / 4)):
+        if self.leases.renew(q.session, volume, received, q.held_term):
+            self._leases_changed()  # mutations waiting out the grace look again
+        wait = min(q.wait_ms / 1000, self.leases.term / 4) if q.held_term == term else 0
+        with trio.move_on_after(wait):
             while not self.leases.revocations(q.session) and self.leases.leader_term == term:
                 event = self._polls.get(q.session)
                 if event is None:

@@ -33,6 +33,12 @@ VOL = "v"
 TERM = 1.0
 
 
+def _term(meta: Single) -> int:  # noqa: F811
+    """The leader's term, which a client that took its grants names in its polls
+    (a poll of an older term is answered at once)."""
+    return meta.service.leases.leader_term
+
+
 def table(now: float = 0.0) -> LeaseTable:
     t = LeaseTable(TERM)
     t.reset(now - 2 * TERM, 1)  # long past the grace
@@ -274,7 +280,7 @@ async def test_a_change_waits_for_the_holders_ack_which_its_poll_carries(meta: S
     async with trio.open_nursery() as nursery:
         nursery.start_soon(chmod)
         with trio.fail_after(5):
-            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # answered by the revocation
+            news = await a_client.query(Q.LeasePoll(a, held_term=_term(meta), wait_ms=5000))  # answered by the revocation
         [(rev, ino)] = news.revoke
         assert ino == f.ino
         await trio.sleep(0.3)
@@ -304,7 +310,7 @@ async def test_a_create_answers_with_a_lease_on_the_new_file_that_a_change_revok
     async with trio.open_nursery() as nursery:
         nursery.start_soon(b_client.mutate, C.SetXattr(VOL, f.ino, b"user.x", b"1"))
         with trio.fail_after(5):
-            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # answered by the revocation
+            news = await a_client.query(Q.LeasePoll(a, held_term=_term(meta), wait_ms=5000))  # answered by the revocation
         [(rev, ino)] = news.revoke
         assert ino == f.ino
         await a_client.query(Q.LeasePoll(a, acks=(rev,), wait_ms=0))  # and the change goes on
@@ -333,7 +339,7 @@ async def test_a_create_is_leased_while_a_change_elsewhere_waits_for_a_revocatio
     async with trio.open_nursery() as nursery:
         nursery.start_soon(b_client.mutate, C.SetAttr(VOL, f.ino, mode=0o100600))
         with trio.fail_after(5):
-            news = await a_client.query(Q.LeasePoll(a, wait_ms=5000))  # the chmod is in flight
+            news = await a_client.query(Q.LeasePoll(a, held_term=_term(meta), wait_ms=5000))  # the chmod is in flight
         [(rev, _)] = news.revoke
         # Predicted after the chmod, applied while it waits: another process's
         # create elsewhere, which no in-flight name can resolve to. Refused a
@@ -615,8 +621,9 @@ async def test_a_session_without_leases_gets_none_and_a_new_leader_does_not_wait
     """The native API's sessions take no leases (``MountVolume(leases=False)``):
     they are granted none, so the grace of a new leader, which waits until every
     session that may hold an old leader's leases says it holds none, goes on
-    without them; the flag survives a snapshot, and an older snapshot's
-    sessions may hold leases."""
+    without them. A change waiting out the grace goes on as soon as the last
+    such session says so, and a poll of an older term is answered at once.
+    The flag survives a snapshot; an older snapshot's sessions may hold leases."""
     from cachefs.metanode import snapshot
     from cachefs.metanode.namespace import MetaState
 
@@ -629,10 +636,23 @@ async def test_a_session_without_leases_gets_none_and_a_new_leader_does_not_wait
 
     table = meta.service.leases
     table.reset(time.monotonic(), table.leader_term)  # as a new leader starts: nobody is known clean
-    assert table.term > 2.0
-    await fuse_client.query(Q.LeasePoll(fuse, held_term=table.leader_term, wait_ms=0))
-    with trio.fail_after(2.0):  # well inside the grace (the term)
+    assert table.term > 4.0
+    made = trio.Event()
+
+    async def mknod() -> None:
         await fuse_client.mutate(C.Mknod(VOL, 1, b"g", 0o100644))
+        made.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(mknod)
+        await trio.sleep(0.3)
+        assert not made.is_set()  # the FUSE session may still hold the old leader's leases
+        with trio.fail_after(1.0):  # answered at once, not held: the new term is the news
+            news = await fuse_client.query(Q.LeasePoll(fuse, held_term=0, wait_ms=5000))
+        assert news.term == table.leader_term
+        with trio.fail_after(1.0):  # the next poll says it holds nothing older: the change goes on
+            await fuse_client.query(Q.LeasePoll(fuse, held_term=news.term, wait_ms=0))
+            await made.wait()
 
     copy = MetaState()
     snapshot.load(copy, snapshot.dump(meta.state))
