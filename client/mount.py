@@ -21,7 +21,9 @@ raised through fusectl from the kernel's 12 (9): asynchronous and direct I/O
 (libaio, O_DIRECT, readahead) are background requests, and 12 in flight
 starve a client with deep queues whose every request waits on the network.
 
-Unmounting: the daemon writes its pid under ``/run/cachefs``; ``cachefs
+Unmounting: the daemon writes its pid under ``/run/cachefs``, and beside it
+a record of its session, with which a mount started there after this one
+crashed ends that session at once (:mod:`.predecessor`); ``cachefs
 umount`` sends it SIGTERM, on which it commits every dirty file, then ends the
 FUSE loop and unmounts. Without a live daemon it falls back to ``fusermount3 -u``.
 Committing has ``--unmount-timeout`` seconds (60); whatever is not committed
@@ -92,6 +94,7 @@ from . import (
     libfuse_ops,
     lseek_hook,
     noflush_hook,
+    predecessor,
     symlink_cache_hook,
 )
 from .dirahead import PER_MISS
@@ -485,6 +488,24 @@ async def serve(
                             allow_other=allow_other, mount_flags=mount_flags)
 
 
+def _succeed(session: Session, record_at: Path, nursery: trio.Nursery) -> None:
+    """Take the mount point over from a mount that crashed there: end its
+    session in the background (:mod:`.predecessor`), and leave our record."""
+    old = predecessor.read(record_at)
+    if old is not None and old.session != session.session_id and predecessor.crashed(old):
+        nursery.start_soon(_end_session, session, old)
+    predecessor.write(record_at, predecessor.Record.of_this_process(session.session_id, session.volume))
+
+
+async def _end_session(session: Session, old: predecessor.Record) -> None:
+    try:
+        await session.meta.close_session(old.session)
+    except CacheFSError as exc:  # already expired, or another identity's
+        log.info("session %s of the mount that crashed here is not ended: %s", old.session, exc)
+    else:
+        log.info("ended session %s of the mount that crashed here (pid %d)", old.session, old.pid)
+
+
 async def run_fs(
     session: Session,
     mountpoint: str,
@@ -506,6 +527,7 @@ async def run_fs(
             return 1
         fuse_opts = fuse_options(session.volume, options.read_only, allow_other, mount_flags)
         front = CacheFS(engine)
+        record_at = predecessor.record_path(mountpoint, RUN_DIR)  # before the mount: realpath stats it
         try:
             pyfuse3.init(front, mountpoint, fuse_opts)
         except RuntimeError as exc:
@@ -516,6 +538,7 @@ async def run_fs(
         stopping = _Stopping(options.unmount_timeout)
         try:  # from here on, whatever fails unmounts (else a stat of the mount point waits forever)
             _hook_libfuse(front, engine)  # before any request
+            _succeed(session, record_at, nursery)
             collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
             collector.pushes = front.pages.stats if front.pages is not None else None
             front.control.render_stats = collector.text
@@ -541,6 +564,7 @@ async def run_fs(
             pyfuse3.close(unmount=True)
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await session.close()  # else the metanodes expire the session
+            predecessor.remove(record_at, session.session_id)
     log.info("unmounted %s", mountpoint)
     if engine.spilled:
         log.error("unmounted with %d file(s) not committed; their data is in spill files (see above)", engine.spilled)

@@ -140,9 +140,9 @@ def mnt_dir(module_mnt: Path, request: pytest.FixtureRequest) -> Path:
 class ClusterMount:
     """``cachefs mount -d`` of the cluster's volume; ``stop`` is ``cachefs umount``."""
 
-    def __init__(self, lab, root: Path, *extra: str) -> None:
+    def __init__(self, lab, root: Path, *extra: str, path: Path | None = None) -> None:
         self.lab = lab
-        self.path = Path(tempfile.mkdtemp(prefix="cachefs-mnt-"))
+        self.path = path or Path(tempfile.mkdtemp(prefix="cachefs-mnt-"))
         self.path.chmod(0o755)
         self.log_path = root / f"mount-{self.path.name}.log"
         argv = [sys.executable, "-m", "cachefs.cli", "mount", ",".join(lab.meta_addrs), "lab", str(self.path),

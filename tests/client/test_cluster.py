@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from cachefs import queries as Q
 from cachefs.testing.labs import lab_processes
@@ -203,6 +204,51 @@ def test_client_killed_with_dirty_data(cluster, tmp_path: Path) -> None:
     finally:
         m2.stop()
     m2.check_log()
+
+
+def test_a_mount_restarted_where_one_crashed_ends_the_crashed_ones_session(cluster, tmp_path: Path) -> None:
+    """A mount killed with -9 keeps its session, and the leases it holds,
+    until they lapse: another mount's change of a directory it leased waits
+    for that. Mounted again at the same mount point, the new mount ends the
+    crashed one's session at once (client/predecessor.py)."""
+    from cachefs.client.mount import RUN_DIR
+    from cachefs.client.predecessor import read, record_path
+    from cachefs.rpc import RpcPool
+
+    a, b = ClusterMount(cluster, tmp_path), ClusterMount(cluster, tmp_path)
+    try:
+        (b.path / "leased").mkdir()
+        (b.path / "leased" / "f").write_bytes(b"x")
+        assert os.listdir(a.path / "leased") == ["f"]  # A leases the directory and f
+        old = read(record_path(a.path, RUN_DIR))
+        assert old is not None and old.pid == a.pid and old.volume == "lab"
+        os.kill(a.pid, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(a.path)], check=False)
+        deadline = time.monotonic() + 10
+        while mounted(a.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        async def alive() -> bool:
+            async with RpcPool(secret=cluster.secret) as pool:
+                return await cluster.meta_client(pool, deadline=10.0).query(Q.SessionHeartbeat(old.session))
+
+        assert trio.run(alive)  # silent for a moment only: not expired yet
+        again = ClusterMount(cluster, tmp_path, path=a.path)
+        try:
+            deadline = time.monotonic() + 10
+            while f"ended session {old.session}" not in again.log():
+                assert time.monotonic() < deadline, again.log()
+                time.sleep(0.05)
+            assert not trio.run(alive)
+            (b.path / "leased" / "g").write_bytes(b"y")  # no lease of the crashed mount to wait for
+            assert sorted(os.listdir(again.path / "leased")) == ["f", "g"]
+        finally:
+            again.stop()
+        again.check_log()
+        assert read(record_path(a.path, RUN_DIR)) is None  # a clean unmount removes its record
+    finally:
+        shutil.rmtree(b.path / "leased", ignore_errors=True)
+        b.stop()
 
 
 def test_mount_errors_are_clear(cluster, tmp_path: Path) -> None:
