@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READDIR_BATCH = 256
+# seconds the lease poll waits for the kernel to drop what lost leases
+# covered, before it goes on and leaves the rest to the thread
+INVALIDATE_WAIT = 0.5
 XATTR_CACHE = 64  # names cached per inode
 
 
@@ -370,13 +373,24 @@ class CacheFS(pyfuse3.Operations):
         directory's lock and the pages that requests in flight hold. A
         directory with our own change in flight is invalidated
         asynchronously instead: its lock is held until that change returns,
-        which may wait for this very acknowledgement."""
+        which may wait for this very acknowledgement. So is one whose lock
+        the kernel holds for a request not handled yet (queued, or waiting
+        for a worker): the wait for the thread ends after
+        ``INVALIDATE_WAIT``, and the thread goes on alone. Without that, a
+        failover under load waited out the new leader's whole grace: a
+        create queued in a leased directory waited for the grace, which
+        waited for this mount to say it had dropped the old leases."""
         later = [(ino, names) for ino, names in lost if self.leases.busy(ino)]
         for ino, names in later:
             for name in names:
                 pyfuse3.invalidate_entry_async(ino, name, ignore_enoent=True)
         now = [(ino, () if self.leases.busy(ino) else names) for ino, names in lost]
-        await trio.to_thread.run_sync(_invalidate_all, now)
+        with trio.move_on_after(INVALIDATE_WAIT) as waited:
+            await trio.to_thread.run_sync(_invalidate_all, now, abandon_on_cancel=True)
+        if waited.cancelled_caught:
+            self.leases.stats["invalidations_left"] += 1
+            log.info("dropping the kernel's caches of %d lost leases waits for requests in flight; "
+                     "going on without waiting", len(now))
 
     async def _invalidate(self, ino: int) -> None:
         try:

@@ -165,7 +165,9 @@ class LeaseCache:
         self._drops: set[int] = set()
         self._report: set[int] = set()  # opens to report with the next message
         self._lost: dict[int, set[bytes]] = {}  # ino -> names, for the front end to invalidate
-        self.stats = {"hits": 0, "grants": 0, "revoked": 0, "lapsed": 0}
+        # invalidations_left: drops of kernel caches the poll went on without
+        # waiting for (the front end's INVALIDATE_WAIT)
+        self.stats = {"hits": 0, "grants": 0, "revoked": 0, "lapsed": 0, "invalidations_left": 0}
 
     def __len__(self) -> int:
         return len(self._held)
