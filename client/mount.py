@@ -488,7 +488,7 @@ async def serve(
                             allow_other=allow_other, mount_flags=mount_flags)
 
 
-def _succeed(session: Session, record_at: Path, nursery: trio.Nursery) -> None:
+def _take_over(session: Session, record_at: Path, nursery: trio.Nursery) -> None:
     """Take the mount point over from a mount that crashed there: end its
     session in the background (:mod:`.predecessor`), and leave our record."""
     old = predecessor.read(record_at)
@@ -538,7 +538,7 @@ async def run_fs(
         stopping = _Stopping(options.unmount_timeout)
         try:  # from here on, whatever fails unmounts (else a stat of the mount point waits forever)
             _hook_libfuse(front, engine)  # before any request
-            _succeed(session, record_at, nursery)
+            _take_over(session, record_at, nursery)
             collector = MountCollector(engine, front.op_stats, session.meta.pool.time_calls())
             collector.pushes = front.pages.stats if front.pages is not None else None
             front.control.render_stats = collector.text

@@ -7,11 +7,13 @@ lease term): a change by anyone to what it held waits that long, and the
 files it held open are kept until then. When the mount is restarted at the
 same mount point (systemd, an operator, a training job's launcher), the new
 mount knows better. It finds the record the old one left beside its pid
-file (``cachefs mount``'s run directory), checks that the process that wrote it is gone (by pid and
-start time, so a reused pid is not taken for it), and ends that session with
-``CloseSession``, which the leader allows only to the identity that opened
-it. A clean unmount removes its record; a record that cannot be read is
-ignored (it only ever saves time).
+file (``cachefs mount``'s run directory), checks that the process that
+wrote it is gone (by pid and start time, so a reused pid is not taken for
+it), and ends that session with ``CloseSession``, which the leader allows
+only to the identity that opened it. A clean unmount removes its record; a
+record that cannot be read is ignored (it only ever saves time). A session
+the mount opens later (after a long partition expired the first) is not
+recorded: a crash then leaves the metanodes to expire it, as before.
 """
 
 from __future__ import annotations
