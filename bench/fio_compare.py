@@ -337,19 +337,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def record(name: str, value: float) -> None:
         runs.setdefault(name, []).append(value)
 
-    work = Path(tempfile.mkdtemp(prefix="fio-compare-", dir=args.workdir))
     groups = [g for g in ("big", "big4") if g in only]
-    disk = os.statvfs(work)
     # the capacities of the caches that keep what they saw: bench.compare names
     # its L2, cache tier and JuiceFS's; a mount made here has its L2
     caches = getattr(args, "big_caches", None)
     if caches is None:
         caches = [parse_size(args.l2_size)] if getattr(args, "l2_size", None) else []
-    try:
-        check_room(work, room_needed(groups, big, repeat, caches, disk.f_blocks * disk.f_frsize))
-    except SystemExit:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    parent = Path(args.workdir or tempfile.gettempdir())
+    disk = os.statvfs(parent)
+    check_room(parent, room_needed(groups, big, repeat, caches, disk.f_blocks * disk.f_frsize))
+    work = Path(tempfile.mkdtemp(prefix="fio-compare-", dir=args.workdir))
     try:
         local = work / "local"
         local.mkdir()

@@ -82,7 +82,6 @@ SLICE_BATCH = 64
 # slice ids a grace (10 min by default) after their allocation, and a slice
 # must be stored and committed before that (cachefs/backing/gc.py).
 SLICE_ID_TTL = 60.0
-SLOW_INVALIDATION = 0.25  # seconds: a drop of kernel caches that long is logged
 POLL_WAIT = 2.0  # seconds the leader may hold a lease poll (it caps this at a quarter term)
 _DOWN = (Unreachable, ConnectionLost, TimedOut)
 
@@ -376,11 +375,7 @@ class Session:
         while True:
             out = leases.outgoing()
             if out.lost:
-                started = time.monotonic()
                 await self._on_lost(out.lost)
-                took = time.monotonic() - started
-                if took > SLOW_INVALIDATION:
-                    log.info("dropping the kernel's caches of %d lost leases took %.2fs", len(out.lost), took)
             poll = Q.LeasePoll(
                 self.session_id, out.acks, out.drops, out.opens, out.held_term,
                 int(POLL_WAIT * 1000),

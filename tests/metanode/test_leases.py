@@ -14,8 +14,10 @@ from __future__ import annotations
 import errno
 import time
 
+import msgpack
 import pytest
 import trio
+import zstandard
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -25,7 +27,9 @@ from cachefs import queries as Q
 from cachefs.client.leases import LeaseCache
 from cachefs.errors import CacheFSError
 from cachefs.messages import Attr, Grant, LeaseNews
+from cachefs.metanode import snapshot
 from cachefs.metanode.leases import TRANSITIONS, Event, LeaseTable, State
+from cachefs.metanode.namespace import MetaState
 
 from .test_service import Single, meta  # noqa: F401 - the service fixture
 
@@ -624,9 +628,6 @@ async def test_a_session_without_leases_gets_none_and_a_new_leader_does_not_wait
     without them. A change waiting out the grace goes on as soon as the last
     such session says so, and a poll of an older term is answered at once.
     The flag survives a snapshot; an older snapshot's sessions may hold leases."""
-    from cachefs.metanode import snapshot
-    from cachefs.metanode.namespace import MetaState
-
     api_client, fuse_client = meta.client(heartbeat_interval=0.1), meta.client(heartbeat_interval=0.1)
     api = (await api_client.mount_volume(VOL, leases=False)).session
     fuse = (await fuse_client.mount_volume(VOL)).session
@@ -664,9 +665,6 @@ async def test_a_session_without_leases_gets_none_and_a_new_leader_does_not_wait
 
 def msgpack_rows_without_the_flag(blob: bytes) -> bytes:
     """The snapshot as one written before sessions had a lease flag."""
-    import msgpack
-    import zstandard
-
     parts = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob), raw=False, strict_map_key=False)
     parts[5] = [row[:4] for row in parts[5]]
     return zstandard.ZstdCompressor().compress(msgpack.packb(parts, use_bin_type=True))
