@@ -48,7 +48,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -686,6 +686,9 @@ class Chaos:
                            capture_output=True, timeout=120, check=False)
             if other.is_mount():
                 subprocess.run(["fusermount3", "-u", "-z", str(other)], capture_output=True, check=False)
+            if not other.is_mount():  # the lab made the mount point: leave no empty one behind
+                with suppress(OSError):
+                    other.rmdir()
         self.work.files[rel] = hashlib.sha256(b"".join(parts) + tail).hexdigest()
         self.work.acked += 2
         gc = self.admin_cli("gc", "--volume", VOLUME, "--grace", "0", "--delete")

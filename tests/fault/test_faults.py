@@ -83,6 +83,7 @@ def test_kill_fuse_client_during_writes(chaos: Chaos) -> None:
 
 def test_two_mounts_compaction_keeps_the_other_writers_bytes(chaos: Chaos) -> None:
     _ok(chaos.two_writer_compaction())
+    assert not (chaos.mnt.parent / f"{chaos.mnt.name}-second").exists()  # its mount point went with it
 
 
 def test_full_cache_flash(chaos: Chaos) -> None:
