@@ -117,9 +117,14 @@ class MountError(click.ClickException):
     """A mount that cannot happen, with the reason in words."""
 
 
-def pid_file(mountpoint: str) -> Path:
+def pid_file(mountpoint: str | os.PathLike[str]) -> Path:
     real = os.path.realpath(mountpoint)
     return RUN_DIR / f"{hashlib.sha1(real.encode()).hexdigest()[:16]}.pid"
+
+
+def session_record(mountpoint: str | os.PathLike[str]) -> Path:
+    """Beside the pid file: the mount's session record (:mod:`.predecessor`)."""
+    return pid_file(mountpoint).with_suffix(".session.json")
 
 
 def mount_entry(mountpoint: str) -> tuple[str, str] | None:
@@ -527,7 +532,7 @@ async def run_fs(
             return 1
         fuse_opts = fuse_options(session.volume, options.read_only, allow_other, mount_flags)
         front = CacheFS(engine)
-        record_at = predecessor.record_path(mountpoint, RUN_DIR)  # before the mount: realpath stats it
+        record_at = session_record(mountpoint)  # before the mount: realpath stats it
         try:
             pyfuse3.init(front, mountpoint, fuse_opts)
         except RuntimeError as exc:
@@ -1047,13 +1052,5 @@ def mount_meta_addrs(mountpoint: str) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM
-    # A zombie child of ours is not alive.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    """``pid`` runs (a zombie child of ours does not)."""
+    return predecessor.process_started(pid) is not None

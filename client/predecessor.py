@@ -19,7 +19,6 @@ recorded: a crash then leaves the metanodes to expire it, as before.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -42,12 +41,6 @@ class Record:
     def of_this_process(cls, session: str, volume: str) -> Record:
         pid = os.getpid()
         return cls(session, volume, pid, process_started(pid) or 0)
-
-
-def record_path(mountpoint: str | os.PathLike[str], run_dir: Path) -> Path:
-    """Where the mount at ``mountpoint`` keeps its record."""
-    digest = hashlib.sha256(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:32]
-    return run_dir / f"{digest}.session.json"
 
 
 def process_started(pid: int) -> int | None:

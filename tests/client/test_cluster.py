@@ -211,8 +211,8 @@ def test_a_mount_restarted_where_one_crashed_ends_the_crashed_ones_session(clust
     until they lapse: another mount's change of a directory it leased waits
     for that. Mounted again at the same mount point, the new mount ends the
     crashed one's session at once (client/predecessor.py)."""
-    from cachefs.client.mount import RUN_DIR
-    from cachefs.client.predecessor import read, record_path
+    from cachefs.client.mount import session_record
+    from cachefs.client.predecessor import read
     from cachefs.rpc import RpcPool
 
     a, b = ClusterMount(cluster, tmp_path), ClusterMount(cluster, tmp_path)
@@ -220,7 +220,7 @@ def test_a_mount_restarted_where_one_crashed_ends_the_crashed_ones_session(clust
         (b.path / "leased").mkdir()
         (b.path / "leased" / "f").write_bytes(b"x")
         assert os.listdir(a.path / "leased") == ["f"]  # A leases the directory and f
-        old = read(record_path(a.path, RUN_DIR))
+        old = read(session_record(a.path))
         assert old is not None and old.pid == a.pid and old.volume == "lab"
         os.kill(a.pid, signal.SIGKILL)
         subprocess.run(["fusermount3", "-u", "-z", str(a.path)], check=False)
@@ -245,7 +245,7 @@ def test_a_mount_restarted_where_one_crashed_ends_the_crashed_ones_session(clust
         finally:
             again.stop()
         again.check_log()
-        assert read(record_path(a.path, RUN_DIR)) is None  # a clean unmount removes its record
+        assert read(session_record(a.path)) is None  # a clean unmount removes its record
     finally:
         shutil.rmtree(b.path / "leased", ignore_errors=True)
         b.stop()

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from cachefs.client import predecessor as P
+from cachefs.client.mount import session_record
 
 
 def test_a_record_round_trips_and_names_a_live_or_a_gone_process(tmp_path: Path) -> None:
-    path = P.record_path(tmp_path / "mnt", tmp_path / "run")
-    assert path == P.record_path(str(tmp_path / "mnt"), tmp_path / "run")
+    assert session_record(tmp_path / "mnt") == session_record(str(tmp_path / "mnt"))
+    path = tmp_path / "run" / "mnt.session.json"
     mine = P.Record.of_this_process("client/7", "vol")
     assert P.write(path, mine) and P.read(path) == mine
     assert not P.crashed(mine)
